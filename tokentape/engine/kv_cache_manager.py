@@ -1,0 +1,141 @@
+"""Paged KV blocks with a prefix cache, as in vLLM V1's block pool.
+
+Blocks are reference counted. A block whose count drops to zero goes to the back of the free
+queue but keeps its hash, so a later request with the same prefix can take it back (a cache
+hit); allocation evicts from the front, least recently freed first. Only full blocks of
+*confirmed* tokens (prompt and delivered output, never placeholders) are hashed, as a chain:
+each block's hash covers its parent's hash and its own tokens.
+
+This is resource bookkeeping on the decide side. Which blocks a request holds is request
+state and lives in the reducer (`RequestState.block_ids`); the scheduler records every
+allocation on the tape.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tokentape.events.state import RequestState
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._req_hashes: dict[str, list[int]] = {}  # hash chain over each request's full blocks
+        self._num_cached: dict[str, int] = {}  # how many of a request's held blocks are hashed
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def _block_hashes(self, req: RequestState, num_full_blocks: int) -> list[int]:
+        hashes = self._req_hashes.setdefault(req.req_id, [])
+        if len(hashes) < num_full_blocks:
+            tokens = req.all_token_ids
+            bs = self.block_size
+            parent = hashes[-1] if hashes else 0  # ints hash the same in every process
+            for i in range(len(hashes), num_full_blocks):
+                parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+                hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, req: RequestState) -> list[int]:
+        """Cached blocks holding a prefix of the request's confirmed tokens.
+
+        At least one token is always left to compute, so the step still samples.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._block_hashes(req, max_blocks):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, req: RequestState, block_ids: list[int], num_computed: int) -> None:
+        """Hash the full blocks among `block_ids` whose tokens are computed and confirmed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed, req.num_tokens) // self.block_size
+        done = self._num_cached.get(req.req_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(req, num_full)
+        for i in range(done, num_full):
+            block, h = block_ids[i], hashes[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+        self._num_cached[req.req_id] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash. Refused (False) while any block is in use, as in vLLM."""
+        if self.num_used_blocks:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self._req_hashes.clear()
+        self._num_cached.clear()
+        return True
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def allocate(self, held: int, num_tokens: int, hits: list[int] = ()) -> list[int] | None:  # type: ignore[assignment]
+        """Take cache hits and new blocks so that `num_tokens` fit; None if there are too few.
+
+        `held` is how many blocks the request already holds; `hits` come from
+        get_computed_blocks and are returned first, followed by the newly allocated blocks.
+        """
+        num_new = self.blocks_needed(num_tokens) - held - len(hits)
+        free_hits = sum(1 for b in hits if self.ref_cnt[b] == 0)
+        if num_new > len(self.free_queue) - free_hits:
+            return None
+        for b in hits:
+            if self.ref_cnt[b] == 0:
+                del self.free_queue[b]
+            self.ref_cnt[b] += 1
+        new_blocks = []
+        for _ in range(max(num_new, 0)):
+            b, _ = self.free_queue.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:  # evict the cached content this block held
+                self.block_hash[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+            self.ref_cnt[b] = 1
+            new_blocks.append(b)
+        return list(hits) + new_blocks
+
+    def free(self, req_id: str, block_ids: list[int]) -> None:
+        """Release a request's blocks (on preemption, finish or abort)."""
+        self._num_cached.pop(req_id, None)
+        # In reverse, so that a request's tail blocks are evicted before its prefix.
+        for b in reversed(block_ids):
+            cnt = self.ref_cnt[b] - 1
+            if cnt < 0:
+                raise RuntimeError(f"KV block {b} freed twice")
+            self.ref_cnt[b] = cnt
+            if cnt == 0:
+                self.free_queue[b] = None
+
+    def forget_request(self, req_id: str) -> None:
+        """Drop a finished request's hash chain."""
+        self._req_hashes.pop(req_id, None)

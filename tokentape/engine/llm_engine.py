@@ -1,0 +1,250 @@
+"""LLMEngine: the loop that ties decide, evolve, tape and runner together.
+
+Every state change goes the same way: the engine (or its scheduler) builds an event, appends
+it to the tape, and applies it through the reducer. The tape is committed at every step
+boundary and after every command, so a killed process leaves a tape that verifies up to its
+last completed step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections import deque
+from collections.abc import Iterator
+
+from tokentape import __version__
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.kv_cache_manager import KVCacheManager
+from tokentape.engine.outputs import CompletionOutput, RequestOutput
+from tokentape.engine.runners.base import ModelRunner
+from tokentape.engine.scheduler import Scheduler
+from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.events import schema as ev
+from tokentape.events.reducer import evolve, initial_state
+from tokentape.events.schema import SamplingParams
+from tokentape.events.store import TapeWriter
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed earlier (the failure is on the tape) and cannot serve any more."""
+
+
+def make_header(config: EngineConfig, runner: ModelRunner) -> ev.TapeHeader:
+    import msgspec
+
+    return ev.TapeHeader(
+        format_version=ev.FORMAT_VERSION,
+        config=msgspec.to_builtins(config),
+        discard_policy=config.discard_policy,
+        model_id=runner.model_id,
+        seed=config.seed,
+        package_version=__version__,
+        eos_token_id=runner.eos_token_id,
+        vocab_size=runner.vocab_size,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tape: TapeWriter,
+        tokenizer: ByteTokenizer | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tape = tape
+        self.tokenizer = tokenizer
+        self.depth = config.effective_pipeline_depth
+        self.state = initial_state(
+            config.discard_policy, runner.eos_token_id, config.effective_max_model_len
+        )
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
+        self._in_flight: deque[int] = deque()  # steps submitted to the runner, oldest first
+        self._finished_since_last_batch: list[str] = []
+        self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
+        self._dead: str | None = None
+
+    # -- the one way state changes ---------------------------------------------------------------
+
+    def _emit(self, event: ev.Event) -> None:
+        self.tape.append(event)
+        evolve(self.state, event)
+        if isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
+            self._finished_since_last_batch.append(event.req_id)
+
+    @contextlib.contextmanager
+    def _recorded(self) -> Iterator[None]:
+        """Run an engine operation; record any internal failure on the tape, then re-raise."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
+        try:
+            yield
+        except BaseException as exc:
+            self._dead = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                self.tape.append(ev.EngineError(self.state.step, type(exc).__name__, str(exc)))
+                self.tape.commit()
+            raise
+        self.tape.commit()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        self._check_new_request(request_id, prompt_token_ids, params)
+        with self._recorded():
+            self._emit(ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params))
+
+    def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.state.requests:
+            raise ValueError(f"request id {request_id!r} is already in use on this engine")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        max_len = self.config.effective_max_model_len
+        if len(prompt) >= max_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt)} tokens, but the engine holds "
+                f"at most {max_len} per sequence (KV capacity {self.config.kv_capacity} tokens); "
+                "raise num_kv_blocks or shorten the prompt"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.state.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"abort_request: unknown request id {request_id!r}")
+        if req.is_finished:
+            return  # finishing and aborting raced; nothing left to abort
+        with self._recorded():
+            self.scheduler.finish(req, "abort")
+            self._flush_outputs()
+
+    def has_unfinished_requests(self) -> bool:
+        s = self.state
+        return bool(s.waiting or s.running or self._in_flight or self._ready)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.state.waiting) + len(self.state.running)
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one step and, once the pipeline is full (or idle), apply the oldest frame."""
+        with self._recorded():
+            self._step_once()
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _step_once(self) -> None:
+        scheduled = False
+        if len(self._in_flight) < self.depth:
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                batch.finished_req_ids, self._finished_since_last_batch = self._finished_since_last_batch, []
+                self.runner.submit(batch)
+                self._in_flight.append(batch.step)
+                scheduled = True
+        if self._in_flight and (len(self._in_flight) >= self.depth or not scheduled):
+            self._apply_oldest_frame()
+
+    def _apply_oldest_frame(self) -> None:
+        step = self._in_flight.popleft()
+        frame = self.runner.collect(step)
+        self._emit(ev.FrameProduced(step, frame))
+        requests = self.state.requests
+        for entry in frame:
+            req = requests[entry.req_id]
+            if req.stop_reason is not None and not req.is_finished:
+                self.scheduler.finish(req, req.stop_reason)
+        self._flush_outputs()
+
+    def _flush_outputs(self) -> None:
+        state = self.state
+        if not state.pending_output:
+            return
+        entries = []
+        outputs = []
+        decode = self.tokenizer.decode if self.tokenizer else None
+        for req_id in state.pending_output:
+            req = state.requests[req_id]
+            new_tokens = req.output_token_ids[req.num_emitted:]
+            finished = req.is_finished
+            entries.append(ev.EmittedOutput(req_id, new_tokens, finished, req.finish_reason))
+            text = decode(new_tokens) if decode else ""
+            completion = CompletionOutput(0, text, new_tokens, req.finish_reason)
+            outputs.append(RequestOutput(req_id, req.prompt_token_ids, [completion], finished))
+        self._emit(ev.OutputsEmitted(state.step, entries))
+        self._ready.extend(outputs)
+
+    # -- pause / resume / reset ------------------------------------------------------------------
+
+    def is_paused(self) -> bool:
+        return self.state.paused is not None
+
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Pause as vLLM does and return once the engine has drained.
+
+        abort: abort every request; wait: admit nothing new and let the running requests
+        finish; keep: schedule nothing and keep every request for later. In-flight steps are
+        applied (their tokens are delivered by the next `step()`), then, with `clear_cache`,
+        running requests are preempted and the prefix cache is reset.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self._recorded():
+            self._emit(ev.GenerationPaused(self.state.step, mode, bool(clear_cache)))  # type: ignore[arg-type]
+            if mode == "abort":
+                for req in self.state.unfinished:
+                    self.scheduler.finish(req, "abort")
+                self._flush_outputs()
+            elif mode == "wait":
+                while self.state.running:
+                    self._step_once()
+            while self._in_flight:
+                self._apply_oldest_frame()
+            if clear_cache:
+                self._reset_prefix_cache(reset_running_requests=True)
+
+    def resume_generation(self) -> None:
+        if self.state.paused is None:
+            return
+        with self._recorded():
+            self._emit(ev.GenerationResumed(self.state.step))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache. Fails (False) while blocks are in use, unless running
+        requests are reset, in which case every running request is preempted first."""
+        with self._recorded():
+            return self._reset_prefix_cache(reset_running_requests)
+
+    def _reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        # Waiting requests hold no blocks, so preempting every running one frees them all.
+        ok = reset_running_requests or self.kv.num_used_blocks == 0
+        self._emit(ev.PrefixCacheReset(self.state.step, reset_running_requests, ok))
+        if reset_running_requests:
+            requests = self.state.requests
+            while self.state.running:
+                self.scheduler.preempt(requests[self.state.running[-1]], "reset_prefix_cache")
+        if ok and not self.kv.reset_prefix_cache():
+            raise RuntimeError("KV blocks still in use after every running request was preempted")
+        return ok
+
+    def close(self) -> None:
+        self.runner.close()
+        self.tape.close()

@@ -1,0 +1,129 @@
+"""The oracle runner: a fake model whose next token is a pure function of
+(prompt tokens, position, request seed).
+
+Any correct schedule, whatever its batching, pipelining, preemptions or resets, must deliver
+exactly `OracleRunner.expected_stream(...)` for every request; the tests compare against it.
+
+`model="oracle"` makes each request's stream mostly repeat a short cycle with seeded
+deviations, so n-gram drafts are sometimes accepted and sometimes rejected.
+`model="oracle-random"` draws every token independently (drafts almost never match).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from tokentape.engine.ngram import propose_ngram_drafts
+from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.events.schema import FrameEntry, SamplingParams
+
+_MASK = (1 << 64) - 1
+_FIRST_TOKEN = 3  # never emit the special tokens (bos, eos, pad)
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a cheap, well-spread 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+@dataclass(slots=True)
+class _DeviceSeq:
+    """The runner's own copy of a sequence, ahead of the scheduler by the steps in flight."""
+
+    key: int
+    tokens: list[int] = field(default_factory=list)
+
+
+class OracleRunner:
+    eos_token_id: int | None = None
+
+    def __init__(
+        self,
+        cyclic: bool = True,
+        seed: int = 0,
+        vocab_size: int = ByteTokenizer.vocab_size,
+        prompt_lookup_max: int = 3,
+        prompt_lookup_min: int = 1,
+    ) -> None:
+        self.cyclic = cyclic
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.model_id = "oracle" if cyclic else "oracle-random"
+        self.lookup = (prompt_lookup_max, prompt_lookup_min)
+        self._seqs: dict[str, _DeviceSeq] = {}
+        self._results: dict[int, list[FrameEntry]] = {}
+
+    # -- the pure function ---------------------------------------------------------------------
+
+    def request_key(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        seed = self.seed if params.seed is None else params.seed
+        digest = hashlib.blake2b(
+            seed.to_bytes(8, "little", signed=True) + b"".join(t.to_bytes(4, "little") for t in prompt_token_ids),
+            digest_size=8,
+        ).digest()
+        return int.from_bytes(digest, "little")
+
+    def token_at(self, key: int, position: int) -> int:
+        span = self.vocab_size - _FIRST_TOKEN
+        h = _mix(key ^ (position * 0xD6E8FEB86659FD93 & _MASK))
+        if self.cyclic and h & 3:  # three times in four, follow the request's cycle
+            period = 2 + key % 4
+            return _FIRST_TOKEN + ((key >> 8) + (position % period) * 7919) % span
+        return _FIRST_TOKEN + (h >> 8) % span
+
+    def expected_stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int = 1 << 62
+    ) -> list[int]:
+        """The output a correct engine must deliver for this request."""
+        key = self.request_key(prompt_token_ids, params)
+        out: list[int] = []
+        pos = len(prompt_token_ids)
+        while True:
+            tok = self.token_at(key, pos)
+            out.append(tok)
+            pos += 1
+            if tok in params.stop_token_ids or (tok == self.eos_token_id and not params.ignore_eos):
+                return out
+            if len(out) >= params.max_tokens or pos >= max_model_len:
+                return out
+
+    # -- the runner protocol -------------------------------------------------------------------
+
+    def submit(self, batch: ScheduledBatch) -> None:
+        for req_id in batch.finished_req_ids:
+            self._seqs.pop(req_id, None)
+        frame = []
+        for e in batch.entries:
+            if e.is_new:
+                seq = self._seqs[e.req_id] = _DeviceSeq(self.request_key(e.prompt_token_ids, e.params))
+                seq.tokens = list(e.token_ids)
+            else:
+                seq = self._seqs[e.req_id]
+                seq.tokens.extend(e.token_ids)
+            if not e.samples:
+                continue
+            tokens = seq.tokens
+            pos = len(tokens)
+            drafts = propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
+            out = []
+            for d in drafts:  # verify the drafts against what the "model" would sample
+                if d != self.token_at(seq.key, pos):
+                    break
+                out.append(d)
+                pos += 1
+            out.append(self.token_at(seq.key, pos))
+            tokens.extend(out)
+            frame.append(FrameEntry(e.req_id, out, drafts))
+        self._results[batch.step] = frame
+
+    def collect(self, step: int) -> list[FrameEntry]:
+        return self._results.pop(step)
+
+    def close(self) -> None:
+        self._seqs.clear()
+        self._results.clear()

@@ -1,0 +1,80 @@
+"""Discard policies: which returning frames the reducer throws away after a preemption.
+
+A preempted request may still have steps in flight; their frames are stale and must not be
+applied, or the recomputed stream would repeat a token. The three policies differ only in
+how they recognise a stale frame. They are part of the reducer: they change request state
+only when the reducer calls them.
+
+- `epoch` (default, exact): every preemption bumps the request's epoch, every scheduled
+  entry carries the epoch it was scheduled in, and a frame from an older epoch is stale.
+- `counter`: vLLM after PR #42117. At preemption `async_tokens_to_discard` is *set* to the
+  output placeholders (so a second preemption overwrites what is left), and each frame
+  that comes back removes one, whatever its size (so with k speculative tokens one stale
+  frame adds 1 + k but removes 1, and fresh frames are dropped after it).
+- `flag`: vLLM before PR #42117. Preemption sets `discard_latest_async_tokens`, and the
+  next frame is dropped even when nothing stale was in flight (issue #42043).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tokentape.events.state import InFlight, RequestState
+
+
+class DiscardPolicy(Protocol):
+    name: str
+
+    def on_preempt(self, req: RequestState) -> None: ...
+
+    def should_drop(self, req: RequestState, entry: InFlight) -> bool: ...
+
+
+class EpochPolicy:
+    name = "epoch"
+
+    def on_preempt(self, req: RequestState) -> None:
+        pass  # the reducer bumps the epoch for every policy
+
+    def should_drop(self, req: RequestState, entry: InFlight) -> bool:
+        return entry.epoch != req.epoch
+
+
+class CounterPolicy:
+    name = "counter"
+
+    def on_preempt(self, req: RequestState) -> None:
+        req.async_tokens_to_discard = req.num_output_placeholders  # overwrites, as vLLM did
+
+    def should_drop(self, req: RequestState, entry: InFlight) -> bool:
+        if req.async_tokens_to_discard > 0:
+            req.async_tokens_to_discard -= 1  # one per frame, although it was set in tokens
+            return True
+        return False
+
+
+class FlagPolicy:
+    name = "flag"
+
+    def on_preempt(self, req: RequestState) -> None:
+        req.discard_latest_async_tokens = True  # even when nothing is in flight
+
+    def should_drop(self, req: RequestState, entry: InFlight) -> bool:
+        if req.discard_latest_async_tokens:
+            req.discard_latest_async_tokens = False
+            return True
+        return False
+
+
+DISCARD_POLICIES: dict[str, DiscardPolicy] = {
+    p.name: p for p in (EpochPolicy(), CounterPolicy(), FlagPolicy())
+}
+
+
+def get_policy(name: str) -> DiscardPolicy:
+    try:
+        return DISCARD_POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown discard_policy {name!r}; choose one of {sorted(DISCARD_POLICIES)}"
+        ) from None

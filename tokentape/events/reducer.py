@@ -1,0 +1,205 @@
+"""The reducer: `evolve(state, event)` is the only code that changes request state.
+
+The live engine applies every event it appends through `evolve`, and replay folds a tape
+through the same function, so `fold(tape)` gives exactly the state the engine had. For speed
+`evolve` updates the state in place and returns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from tokentape.events import schema as ev
+from tokentape.events.discard import get_policy
+from tokentape.events.state import (
+    FINISHED_STATUS,
+    EngineState,
+    InFlight,
+    RequestState,
+    RequestStatus,
+)
+
+
+class ReducerError(RuntimeError):
+    """An event that cannot follow the state it is applied to: the tape is inconsistent."""
+
+
+def initial_state(
+    discard_policy: str = "epoch",
+    eos_token_id: int | None = None,
+    max_model_len: int = 1 << 62,
+) -> EngineState:
+    get_policy(discard_policy)  # fail early on an unknown name
+    return EngineState(discard_policy, eos_token_id, max_model_len)
+
+
+def _request(state: EngineState, req_id: str) -> RequestState:
+    try:
+        return state.requests[req_id]
+    except KeyError:
+        raise ReducerError(f"event names request {req_id!r}, which was never added") from None
+
+
+def _leave_queues(state: EngineState, req: RequestState) -> None:
+    if req.status is RequestStatus.RUNNING:
+        state.running.remove(req.req_id)
+    elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        state.waiting.remove(req.req_id)
+
+
+def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> None:
+    _leave_queues(state, req)
+    req.status = FINISHED_STATUS[reason]
+    req.finish_reason = reason
+    req.block_ids = []
+    state.pending_output[req.req_id] = None
+
+
+def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
+    if e.req_id in state.requests:
+        raise ReducerError(f"request {e.req_id!r} added twice")
+    state.requests[e.req_id] = RequestState(e.req_id, list(e.prompt_token_ids), e.params, e.step)
+    state.waiting.append(e.req_id)
+
+
+def _on_aborted(state: EngineState, e: ev.RequestAborted) -> None:
+    req = _request(state, e.req_id)
+    if not req.is_finished:
+        _finish(state, req, "abort")
+
+
+def _on_finished(state: EngineState, e: ev.RequestFinished) -> None:
+    _finish(state, _request(state, e.req_id), e.reason)
+
+
+def _on_paused(state: EngineState, e: ev.GenerationPaused) -> None:
+    state.paused = e.mode
+
+
+def _on_resumed(state: EngineState, e: ev.GenerationResumed) -> None:
+    state.paused = None
+
+
+def _on_prefix_cache_reset(state: EngineState, e: ev.PrefixCacheReset) -> None:
+    state.num_prefix_cache_resets += e.ok
+
+
+def _on_weights_updated(state: EngineState, e: ev.WeightsUpdated) -> None:
+    state.weights_id = e.weights_id
+
+
+def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
+    if e.step != state.step:
+        raise ReducerError(f"step {e.step} scheduled when step {state.step} was expected")
+    req_ids = []
+    for entry in e.entries:
+        req = _request(state, entry.req_id)
+        if req.status is not RequestStatus.RUNNING:
+            if req.is_finished:
+                raise ReducerError(f"finished request {req.req_id!r} scheduled in step {e.step}")
+            state.waiting.remove(req.req_id)
+            state.running.append(req.req_id)
+            req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = entry.num_computed_before + entry.num_new_tokens
+        req.block_ids.extend(entry.new_block_ids)
+        # An entry samples a token unless it is a prefill chunk short of the sequence's end.
+        samples = req.num_computed_tokens >= req.num_tokens
+        if samples:
+            req.num_output_placeholders += 1 + entry.num_spec_tokens
+        req.in_flight.append(InFlight(e.step, entry.epoch, entry.num_spec_tokens, samples))
+        req_ids.append(entry.req_id)
+    state.in_flight_steps.append((e.step, req_ids))
+    state.step = e.step + 1
+
+
+def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
+    req = _request(state, e.req_id)
+    state.running.remove(req.req_id)
+    state.waiting.appendleft(req.req_id)
+    req.status = RequestStatus.PREEMPTED
+    req.num_computed_tokens = 0
+    req.block_ids = []
+    req.epoch += 1
+    req.num_preemptions += 1
+    get_policy(state.discard_policy).on_preempt(req)
+    req.num_output_placeholders = 0
+
+
+def _append_tokens(state: EngineState, req: RequestState, token_ids: list[int]) -> None:
+    """Append sampled tokens one at a time, stopping at the first stop condition."""
+    params = req.params
+    for tok in token_ids:
+        req.output_token_ids.append(tok)
+        if (tok == state.eos_token_id and not params.ignore_eos) or tok in params.stop_token_ids:
+            req.stop_reason = "stop"
+        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= state.max_model_len:
+            req.stop_reason = "length"
+        if req.stop_reason is not None:
+            break
+    state.pending_output[req.req_id] = None
+
+
+def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
+    if not state.in_flight_steps or state.in_flight_steps[0][0] != e.step:
+        expected = state.in_flight_steps[0][0] if state.in_flight_steps else None
+        raise ReducerError(f"frame for step {e.step} arrived when step {expected} was next")
+    _, req_ids = state.in_flight_steps.popleft()
+    frames = {f.req_id: f for f in e.entries}
+    policy = get_policy(state.discard_policy)
+    for req_id in req_ids:
+        req = state.requests[req_id]
+        record = req.in_flight.popleft()
+        if not record.samples or req.is_finished or req.stop_reason is not None:
+            continue
+        frame = frames.get(req_id)
+        if frame is None:
+            raise ReducerError(f"frame of step {e.step} has no tokens for request {req_id!r}")
+        if record.epoch == req.epoch and record.num_spec_tokens:
+            # Rejected draft positions were counted as computed when scheduled; take them back.
+            req.num_computed_tokens -= record.num_spec_tokens - frame.num_accepted
+        if policy.should_drop(req, record):
+            req.num_frames_dropped += 1
+            continue
+        req.num_output_placeholders -= record.num_placeholders
+        _append_tokens(state, req, frame.token_ids)
+
+
+def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:
+    for out in e.entries:
+        req = _request(state, out.req_id)
+        req.num_emitted += len(out.token_ids)
+        req.finish_emitted = out.finished
+        state.pending_output.pop(out.req_id, None)
+
+
+def _on_error(state: EngineState, e: ev.EngineError) -> None:
+    state.error = f"{e.error_type}: {e.message}"
+
+
+_HANDLERS: dict[type, Callable[[EngineState, ev.Event], None]] = {
+    ev.RequestAdded: _on_added,
+    ev.RequestAborted: _on_aborted,
+    ev.RequestFinished: _on_finished,
+    ev.GenerationPaused: _on_paused,
+    ev.GenerationResumed: _on_resumed,
+    ev.PrefixCacheReset: _on_prefix_cache_reset,
+    ev.WeightsUpdated: _on_weights_updated,
+    ev.StepScheduled: _on_scheduled,
+    ev.RequestPreempted: _on_preempted,
+    ev.FrameProduced: _on_frame,
+    ev.OutputsEmitted: _on_outputs,
+    ev.EngineError: _on_error,
+}
+
+
+def evolve(state: EngineState, event: ev.Event) -> EngineState:
+    """Apply one event to the state (in place) and return it."""
+    _HANDLERS[type(event)](state, event)
+    state.num_events += 1
+    return state
+
+
+def fold_events(events: Iterable[ev.Event], state: EngineState) -> EngineState:
+    for event in events:
+        evolve(state, event)
+    return state

@@ -1,0 +1,214 @@
+"""The tape's event schema: msgspec tagged structs, encoded as msgpack.
+
+Every event that changes engine or request state is one of the structs below. They are
+frozen and array-encoded (positional), so the tape stays small and decoding stays fast.
+`docs/tape-format.md` documents every field; bump FORMAT_VERSION on any incompatible change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+import msgspec.structs
+
+FORMAT_VERSION = 1
+
+PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
+PauseMode = Literal["abort", "wait", "keep"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """vLLM's SamplingParams, reduced to what this engine honours. Validated on creation."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise so that a params object equals its decoded copy from the tape.
+        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs!r}")
+
+
+class TapeHeader(msgspec.Struct, frozen=True):
+    """Written once when a tape is created; readers check format_version before anything else."""
+
+    format_version: int
+    config: dict[str, Any]
+    discard_policy: str
+    model_id: str
+    seed: int
+    package_version: str
+    eos_token_id: int | None = None
+    vocab_size: int = 0
+    created_at: str = ""
+
+
+class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """Base of every tape event. `step` is the engine step the event belongs to."""
+
+    step: int
+
+
+# -- commands from the client -------------------------------------------------------------
+
+
+class RequestAdded(Event, tag="RequestAdded"):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RequestAborted(Event, tag="RequestAborted"):
+    req_id: str
+
+
+class GenerationPaused(Event, tag="GenerationPaused"):
+    mode: PauseMode
+    clear_cache: bool
+
+
+class GenerationResumed(Event, tag="GenerationResumed"):
+    pass
+
+
+class PrefixCacheReset(Event, tag="PrefixCacheReset"):
+    """Recorded before the preemptions it causes; `ok` is the call's return value."""
+
+    reset_running_requests: bool
+    ok: bool
+
+
+class WeightsUpdated(Event, tag="WeightsUpdated"):
+    weights_id: str
+
+
+# -- decisions of the scheduler -----------------------------------------------------------
+
+
+class ScheduledEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    req_id: str
+    epoch: int
+    num_computed_before: int
+    num_new_tokens: int
+    num_spec_tokens: int
+    new_block_ids: list[int]
+
+
+class StepScheduled(Event, tag="StepScheduled"):
+    entries: list[ScheduledEntry]
+
+
+class RequestPreempted(Event, tag="RequestPreempted"):
+    req_id: str
+    reason: PreemptReason
+    in_flight: int  # steps of this request still in flight when it was preempted
+
+
+class RequestFinished(Event, tag="RequestFinished"):
+    req_id: str
+    reason: FinishReason
+
+
+# -- facts from the runner and what the client saw ----------------------------------------
+
+
+class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    req_id: str
+    token_ids: list[int]  # accepted draft tokens followed by one sampled token
+    draft_token_ids: list[int] = []  # what the drafter proposed (empty without spec decoding)
+    logprobs: list[float] | None = None
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
+
+
+class FrameProduced(Event, tag="FrameProduced"):
+    entries: list[FrameEntry]
+
+
+class EmittedOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    req_id: str
+    token_ids: list[int]  # tokens newly delivered to the client
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+class OutputsEmitted(Event, tag="OutputsEmitted"):
+    entries: list[EmittedOutput]
+
+
+class EngineError(Event, tag="EngineError"):
+    error_type: str
+    message: str
+
+
+AnyEvent = (
+    RequestAdded
+    | RequestAborted
+    | GenerationPaused
+    | GenerationResumed
+    | PrefixCacheReset
+    | WeightsUpdated
+    | StepScheduled
+    | RequestPreempted
+    | RequestFinished
+    | FrameProduced
+    | OutputsEmitted
+    | EngineError
+)
+
+EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
+EVENT_KINDS: dict[str, type[Event]] = {t.__struct_config__.tag: t for t in EVENT_TYPES}
+
+# Events that a client command starts. Replay re-issues these as commands; everything else
+# must be re-derived by the engine itself.
+COMMAND_KINDS = frozenset(
+    {"RequestAdded", "RequestAborted", "GenerationPaused", "GenerationResumed",
+     "PrefixCacheReset", "WeightsUpdated"}
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyEvent)
+_header_decoder = msgspec.msgpack.Decoder(TapeHeader)
+
+
+def kind_of(event: Event) -> str:
+    return event.__struct_config__.tag  # type: ignore[return-value]
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> AnyEvent:
+    return _decoder.decode(data)
+
+
+def encode_header(header: TapeHeader) -> bytes:
+    return _encoder.encode(header)
+
+
+def decode_header(data: bytes) -> TapeHeader:
+    return _header_decoder.decode(data)

@@ -1,0 +1,134 @@
+"""The SQLite tape: an append-only event table in WAL mode, created through sqlite-utils.
+
+Layout (see docs/tape-format.md):
+- `meta(key, value)`: `format_version` (integer) and `header` (msgpack TapeHeader);
+- `events(seq, step, kind, data)`: one row per event, `data` is the msgpack event.
+Triggers refuse UPDATE and DELETE on both tables. Rows are buffered and written with one
+`executemany` per commit; the engine commits at every step boundary, so a killed process
+leaves a tape that reads back up to its last completed step. WAL lets another process read
+while the engine writes.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator
+
+import sqlite_utils
+
+from tokentape.events import schema as ev
+from tokentape.events.store import TapeError, check_format_version, decode_at
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_READ_BATCH = 4096
+
+_APPEND_ONLY_TRIGGERS = """
+CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}
+BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS {table}_no_delete BEFORE DELETE ON {table}
+BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
+"""
+
+
+class SQLiteTape:
+    """Writes a new tape file. Refuses to overwrite an existing one."""
+
+    def __init__(self, path: str | os.PathLike[str], header: ev.TapeHeader) -> None:
+        self.path = os.fspath(path)
+        self.header = header
+        if os.path.exists(self.path):
+            raise FileExistsError(f"{self.path}: a tape already exists here; choose a new path")
+        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db = sqlite_utils.Database(self._conn)
+        db.enable_wal()
+        self._conn.execute("PRAGMA synchronous=NORMAL")  # durable across a process crash
+        db["meta"].create({"key": str, "value": bytes}, pk="key")
+        db["events"].create({"seq": int, "step": int, "kind": str, "data": bytes}, pk="seq")
+        for table in ("meta", "events"):
+            self._conn.executescript(_APPEND_ONLY_TRIGGERS.format(table=table))
+        self._conn.execute("BEGIN")
+        self._conn.executemany(
+            "INSERT INTO meta(key, value) VALUES (?, ?)",
+            [("format_version", ev.FORMAT_VERSION), ("header", ev.encode_header(header))],
+        )
+        self._conn.execute("COMMIT")
+        self._buffer: list[tuple[int, int, str, bytes]] = []
+        self._next_seq = 0
+
+    def append(self, event: ev.Event) -> None:
+        self._buffer.append((self._next_seq, event.step, ev.kind_of(event), ev.encode(event)))
+        self._next_seq += 1
+
+    def commit(self) -> None:
+        if not self._buffer:
+            return
+        conn = self._conn
+        conn.execute("BEGIN")
+        conn.executemany("INSERT INTO events(seq, step, kind, data) VALUES (?, ?, ?, ?)", self._buffer)
+        conn.execute("COMMIT")
+        self._buffer.clear()
+
+    def __len__(self) -> int:
+        return self._next_seq
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self.commit()
+            self._conn.close()
+            self._conn = None  # type: ignore[assignment]
+
+
+class SQLiteTapeReader:
+    """Reads a tape file, streaming events in batches. Safe while another process writes."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise TapeError(self.path, "no such tape file")
+        with open(self.path, "rb") as f:
+            if f.read(16) != _SQLITE_MAGIC:
+                raise TapeError(self.path, "not a tokentape tape (not an SQLite file)")
+        self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+        try:
+            rows = dict(self._conn.execute("SELECT key, value FROM meta").fetchall())
+        except sqlite3.DatabaseError as exc:
+            self._conn.close()
+            raise TapeError(self.path, f"not a tokentape tape or damaged header ({exc})") from None
+        if "format_version" not in rows or "header" not in rows:
+            self._conn.close()
+            raise TapeError(self.path, "not a tokentape tape (no format version in its header)")
+        check_format_version(int(rows["format_version"]), self.path)
+        try:
+            self.header = ev.decode_header(rows["header"])
+        except Exception as exc:  # msgspec.DecodeError or a type mismatch
+            self._conn.close()
+            raise TapeError(self.path, f"the tape header cannot be decoded ({exc})") from None
+
+    def __len__(self) -> int:
+        try:
+            (n,) = self._conn.execute("SELECT COUNT(*) FROM events").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise TapeError(self.path, f"the tape is damaged ({exc})") from None
+        return n
+
+    def iter_events(self, start: int = 0) -> Iterator[tuple[int, ev.Event]]:
+        next_seq = start
+        while True:
+            try:
+                rows = self._conn.execute(
+                    "SELECT seq, data FROM events WHERE seq >= ? ORDER BY seq LIMIT ?",
+                    (next_seq, _READ_BATCH),
+                ).fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise TapeError(self.path, f"the tape is truncated or damaged ({exc})", next_seq) from None
+            if not rows:
+                return
+            for seq, data in rows:
+                if seq != next_seq:
+                    raise TapeError(self.path, f"events are missing (next is {seq})", next_seq)
+                yield seq, decode_at(data, seq, self.path)
+                next_seq += 1
+
+    def close(self) -> None:
+        self._conn.close()

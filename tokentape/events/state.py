@@ -1,0 +1,130 @@
+"""The state the reducer derives from a tape: one RequestState per request, one EngineState.
+
+Nothing outside `tokentape.events.reducer` writes these fields. The scheduler and the
+engine read them to decide; replay folds a tape into the same structures.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tokentape.events.schema import FinishReason, PauseMode, SamplingParams
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FINISHED_STATUS: dict[str, RequestStatus] = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One scheduled entry of a request whose frame has not come back yet."""
+
+    step: int
+    epoch: int
+    num_spec_tokens: int
+    samples: bool  # False for a prefill chunk that does not reach the end of the sequence
+
+    @property
+    def num_placeholders(self) -> int:
+        return 1 + self.num_spec_tokens if self.samples else 0
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_step: int
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # vLLM's counter of output positions scheduled but not yet returned. Under the
+    # historical policies it can drift from the truth; `in_flight` is the truth.
+    num_output_placeholders: int = 0
+    epoch: int = 0
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    in_flight: deque[InFlight] = field(default_factory=deque)
+    # Historical discard policies: vLLM's counter (#42117) and flag (before #42117).
+    async_tokens_to_discard: int = 0
+    discard_latest_async_tokens: bool = False
+    num_frames_dropped: int = 0  # frames thrown away by the discard policy, stale or not
+    num_emitted: int = 0  # output tokens already delivered to the client
+    stop_reason: FinishReason | None = None  # set when a stop condition is met
+    finish_reason: FinishReason | None = None  # set when the request finished
+    finish_emitted: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Confirmed tokens: prompt plus delivered output, never placeholders."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def num_stale_in_flight(self) -> int:
+        """In-flight entries scheduled before the latest preemption: their frames are stale."""
+        return sum(1 for f in self.in_flight if f.epoch != self.epoch)
+
+    @property
+    def num_fresh_in_flight(self) -> int:
+        return sum(1 for f in self.in_flight if f.epoch == self.epoch and f.samples)
+
+
+@dataclass(slots=True)
+class EngineState:
+    discard_policy: str
+    eos_token_id: int | None = None
+    max_model_len: int = 1 << 62
+    step: int = 0  # the number of steps scheduled so far; the next step's number
+    paused: PauseMode | None = None
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    waiting: deque[str] = field(default_factory=deque)
+    running: list[str] = field(default_factory=list)
+    in_flight_steps: deque[tuple[int, list[str]]] = field(default_factory=deque)
+    # Requests with tokens or a finish the client has not been given yet, in order.
+    pending_output: dict[str, None] = field(default_factory=dict)
+    num_prefix_cache_resets: int = 0
+    weights_id: str | None = None
+    num_events: int = 0
+    error: str | None = None
+
+    def discard_count(self, req: RequestState) -> int:
+        """The derived discard count of a request under this tape's policy."""
+        if self.discard_policy == "epoch":
+            return req.num_stale_in_flight
+        if self.discard_policy == "counter":
+            return req.async_tokens_to_discard
+        return int(req.discard_latest_async_tokens)
+
+    @property
+    def unfinished(self) -> list[RequestState]:
+        return [r for r in self.requests.values() if not r.is_finished]

@@ -1,0 +1,112 @@
+"""Tape stores: where events go. One interface, three stores.
+
+- `SQLiteTape` (tokentape.events.sqlite_store): the default, a file that survives the process.
+- `MemoryTape`: the same bytes kept in a list, for tests and `tape=None`.
+- `NullTape`: records nothing; only for measuring what the tape itself costs.
+
+Writers `append` events and `commit` at every step boundary. Readers stream `(seq, event)`
+pairs in order without loading the whole tape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import msgspec
+
+from tokentape.events import schema as ev
+
+
+class TapeError(Exception):
+    """A tape that cannot be read: names the file and the position where reading failed."""
+
+    def __init__(self, path: str | None, message: str, position: int | None = None) -> None:
+        self.path = path
+        self.position = position
+        where = f" at event {position}" if position is not None else ""
+        super().__init__(f"{path or '<memory tape>'}: {message}{where}")
+
+
+class TapeFormatError(TapeError):
+    """The tape was written by a newer format version than this package reads."""
+
+
+class TapeWriter(Protocol):
+    path: str | None
+    header: ev.TapeHeader
+
+    def append(self, event: ev.Event) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TapeReader(Protocol):
+    path: str | None
+    header: ev.TapeHeader
+
+    def iter_events(self, start: int = 0) -> Iterator[tuple[int, ev.Event]]: ...
+
+    def __len__(self) -> int: ...
+
+
+def check_format_version(version: int, path: str | None) -> None:
+    if version > ev.FORMAT_VERSION:
+        raise TapeFormatError(
+            path,
+            f"tape format version {version} is newer than this tokentape reads "
+            f"(up to {ev.FORMAT_VERSION}); upgrade tokentape to read it",
+        )
+
+
+def decode_at(data: bytes, seq: int, path: str | None) -> ev.Event:
+    try:
+        return ev.decode(data)
+    except msgspec.DecodeError as exc:
+        raise TapeError(path, f"event cannot be decoded ({exc})", seq) from None
+
+
+class MemoryTape:
+    """A tape held in memory as encoded events, so it reads back exactly like a file."""
+
+    path: str | None = None
+
+    def __init__(self, header: ev.TapeHeader) -> None:
+        self.header = header
+        self._rows: list[bytes] = []
+
+    def append(self, event: ev.Event) -> None:
+        self._rows.append(ev.encode(event))
+
+    def commit(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def iter_events(self, start: int = 0) -> Iterator[tuple[int, ev.Event]]:
+        for seq in range(start, len(self._rows)):
+            yield seq, decode_at(self._rows[seq], seq, None)
+
+
+class NullTape:
+    """Keeps nothing. Benchmarks use it to measure the engine with the tape off."""
+
+    path: str | None = None
+
+    def __init__(self, header: ev.TapeHeader) -> None:
+        self.header = header
+
+    def append(self, event: ev.Event) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,69 @@
+"""Open a recorded tape and fold it into state: `load_tape(path).fold()` or `.at(step)`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from tokentape.engine.config import EngineConfig
+from tokentape.events import schema as ev
+from tokentape.events.reducer import evolve, initial_state
+from tokentape.events.sqlite_store import SQLiteTapeReader
+from tokentape.events.state import EngineState
+from tokentape.events.store import MemoryTape, TapeError, TapeReader
+
+
+class Tape:
+    """A read-only view of a tape: its header, its events in order, and folds over them."""
+
+    def __init__(self, reader: TapeReader) -> None:
+        self.reader = reader
+        self.path = reader.path
+        self.header = reader.header
+        try:
+            self.config = EngineConfig(**self.header.config)
+        except (TypeError, ValueError) as exc:
+            raise TapeError(self.path, f"the engine config in the header is invalid ({exc})") from None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def events(self, start: int = 0) -> Iterator[tuple[int, ev.Event]]:
+        """(seq, event) pairs in tape order, streamed."""
+        return self.reader.iter_events(start)
+
+    def initial_state(self) -> EngineState:
+        return initial_state(
+            self.header.discard_policy, self.header.eos_token_id, self.config.effective_max_model_len
+        )
+
+    def fold(self, until_seq: int | None = None) -> EngineState:
+        """The state after every event (or after the events before `until_seq`)."""
+        state = self.initial_state()
+        for seq, event in self.events():
+            if until_seq is not None and seq >= until_seq:
+                break
+            evolve(state, event)
+        return state
+
+    def at(self, step: int) -> EngineState:
+        """The state at step `step`: after it was scheduled, before step `step + 1` was."""
+        state = self.initial_state()
+        for _, event in self.events():
+            if isinstance(event, ev.StepScheduled) and event.step > step:
+                break
+            evolve(state, event)
+        return state
+
+
+def load_tape(source: str | os.PathLike[str] | MemoryTape | Tape) -> Tape:
+    if isinstance(source, Tape):
+        return source
+    if isinstance(source, MemoryTape):
+        return Tape(source)
+    return Tape(SQLiteTapeReader(source))
+
+
+def fold(source: str | os.PathLike[str] | MemoryTape | Tape) -> EngineState:
+    """The engine state derived from a whole tape: what the live engine had at its end."""
+    return load_tape(source).fold()
