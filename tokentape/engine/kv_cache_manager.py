@@ -70,8 +70,10 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def cache_full_blocks(self, req: RequestState, block_ids: list[int], num_computed: int) -> None:
-        """Hash the full blocks among `block_ids` whose tokens are computed and confirmed."""
+    def cache_full_blocks(
+        self, req: RequestState, held: list[int], new_blocks: list[int], num_computed: int
+    ) -> None:
+        """Hash the full blocks of `held + new_blocks` whose tokens are computed and confirmed."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed, req.num_tokens) // self.block_size
@@ -79,6 +81,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._block_hashes(req, num_full)
+        block_ids = held + new_blocks
         for i in range(done, num_full):
             block, h = block_ids[i], hashes[i]
             if self.block_hash[block] is None and h not in self.cached:

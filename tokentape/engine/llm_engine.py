@@ -62,7 +62,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.depth = config.effective_pipeline_depth
         self.state = initial_state(
-            config.discard_policy, runner.eos_token_id, config.effective_max_model_len
+            config.discard_policy, self.depth > 1, runner.eos_token_id, config.effective_max_model_len
         )
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.state, self._emit)

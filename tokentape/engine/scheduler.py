@@ -51,15 +51,15 @@ class Scheduler:
         else:
             self.emit(ev.RequestFinished(self.state.step, req.req_id, reason))
 
-    def _decode_size(self, req: RequestState) -> int:
-        """Tokens a decode of this request may take now: 1 + draft slots, or 0 to skip it."""
+    def _num_draft_slots(self, req: RequestState, num_new: int, budget: int) -> int | None:
+        """Draft slots for a decode of this request, or None to skip it this step."""
         remaining = min(
             req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens
         )
         if req.num_fresh_in_flight >= remaining:
-            return 0  # the steps in flight already produce every token it may still have
-        room = self.max_model_len - req.num_computed_tokens
-        return min(1 + self.config.num_speculative_tokens, room)
+            return None  # the steps in flight already produce every token it may still have
+        room = self.max_model_len - req.num_computed_tokens - num_new
+        return max(0, min(self.config.num_speculative_tokens, budget - num_new, room))
 
     def schedule(self) -> ScheduledBatch | None:
         state = self.state
@@ -79,20 +79,22 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             computed = req.num_computed_tokens
-            if computed < req.num_tokens:  # prefill, possibly chunked
-                num_new = min(req.num_tokens - computed, budget)
-                num_spec = 0
-                token_ids = req.all_token_ids[computed:computed + num_new]
-            else:
-                num_new = min(self._decode_size(req), budget)
-                if num_new == 0:
-                    if computed >= self.max_model_len:
-                        # Only a historical discard policy can push a request here (its
-                        # dropped frames left positions computed); cap it like vLLM does.
-                        self.finish(req, "length")
+            known = req.num_tokens - computed  # confirmed tokens not computed yet
+            # Without a known token the input is the placeholder the runner fills in (async).
+            num_new = min(known, budget) if known > 0 else 1
+            token_ids = req.all_token_ids[computed:computed + num_new] if known > 0 else []
+            num_spec = 0
+            if known <= 0 or (known == 1 and req.output_token_ids):  # a decode, not a prefill chunk
+                slots = self._num_draft_slots(req, num_new, budget)
+                if slots is None:
                     continue
-                num_spec = num_new - 1
-                token_ids = []
+                if computed + num_new > self.max_model_len:
+                    # Only a historical discard policy can push a request here (its dropped
+                    # frames left positions computed); cap it as vLLM caps at max_model_len.
+                    self.finish(req, "length")
+                    continue
+                num_spec = slots
+                num_new += slots
             while (new_blocks := kv.allocate(len(req.block_ids), computed + num_new)) is None:
                 victim = requests[state.running[-1]]
                 pending = entries.pop(victim.req_id, None)
@@ -105,7 +107,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 continue
-            kv.cache_full_blocks(req, req.block_ids + new_blocks, computed + num_new)
+            kv.cache_full_blocks(req, req.block_ids, new_blocks, computed + num_new)
             entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, computed, num_new, num_spec, new_blocks)
             runner_entries[req_id] = RunnerEntry(
                 req_id, req.prompt_token_ids, req.params, req.epoch, computed, num_new, num_spec,
@@ -125,7 +127,7 @@ class Scheduler:
                 new_blocks = kv.allocate(0, num_cached + num_new, hits)
                 if new_blocks is None:
                     break
-                kv.cache_full_blocks(req, new_blocks, num_cached + num_new)
+                kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
                 entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
                 runner_entries[req_id] = RunnerEntry(
                     req_id, req.prompt_token_ids, req.params, req.epoch, num_cached, num_new, 0,

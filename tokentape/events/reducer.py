@@ -26,11 +26,12 @@ class ReducerError(RuntimeError):
 
 def initial_state(
     discard_policy: str = "epoch",
+    async_scheduling: bool = True,
     eos_token_id: int | None = None,
     max_model_len: int = 1 << 62,
 ) -> EngineState:
     get_policy(discard_policy)  # fail early on an unknown name
-    return EngineState(discard_policy, eos_token_id, max_model_len)
+    return EngineState(discard_policy, async_scheduling, eos_token_id, max_model_len)
 
 
 def _request(state: EngineState, req_id: str) -> RequestState:
@@ -121,7 +122,8 @@ def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     req.block_ids = []
     req.epoch += 1
     req.num_preemptions += 1
-    get_policy(state.discard_policy).on_preempt(req)
+    if state.async_scheduling:  # vLLM's synchronous Scheduler has no discard logic at all
+        get_policy(state.discard_policy).on_preempt(req)
     req.num_output_placeholders = 0
 
 

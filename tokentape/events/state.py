@@ -102,6 +102,7 @@ class RequestState:
 @dataclass(slots=True)
 class EngineState:
     discard_policy: str
+    async_scheduling: bool = True  # the discard policies act only when steps can be in flight
     eos_token_id: int | None = None
     max_model_len: int = 1 << 62
     step: int = 0  # the number of steps scheduled so far; the next step's number

@@ -34,7 +34,10 @@ class Tape:
 
     def initial_state(self) -> EngineState:
         return initial_state(
-            self.header.discard_policy, self.header.eos_token_id, self.config.effective_max_model_len
+            self.header.discard_policy,
+            self.config.effective_pipeline_depth > 1,
+            self.header.eos_token_id,
+            self.config.effective_max_model_len,
         )
 
     def fold(self, until_seq: int | None = None) -> EngineState:

@@ -102,9 +102,11 @@ class OracleRunner:
             if e.is_new:
                 seq = self._seqs[e.req_id] = _DeviceSeq(self.request_key(e.prompt_token_ids, e.params))
                 seq.tokens = list(e.token_ids)
+            elif e.token_ids:  # known tokens from position num_computed_before on
+                seq = self._seqs[e.req_id]
+                seq.tokens[e.num_computed_before:] = e.token_ids
             else:
                 seq = self._seqs[e.req_id]
-                seq.tokens.extend(e.token_ids)
             if not e.samples:
                 continue
             tokens = seq.tokens
