@@ -1,0 +1,248 @@
+"""The public API: LLM.generate, the engine's commands, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokentape import LLM, RequestOutput, SamplingParams
+from tokentape.replay import fold, verify
+
+
+def small_llm(**kw: object) -> LLM:
+    args: dict[str, object] = dict(model="oracle", tape=None, block_size=4, num_kv_blocks=64)
+    args.update(kw)
+    return LLM(**args)  # type: ignore[arg-type]
+
+
+def expected(llm: LLM, out: RequestOutput, params: SamplingParams) -> list[int]:
+    return llm.engine.runner.expected_stream(out.prompt_token_ids, params)
+
+
+def test_generate_accepts_strings_and_token_lists_and_keeps_order() -> None:
+    llm = small_llm()
+    params = SamplingParams(max_tokens=5)
+    outs = llm.generate(["Hello", [5, 6, 7], "world"], params)
+    assert [o.request_id for o in outs] == ["0", "1", "2"]
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("Hello")
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    for o in outs:
+        assert o.finished and o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].token_ids == expected(llm, o, params)
+        assert o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids)
+    assert outs[0].prompt == "Hello" and outs[1].prompt is None
+
+
+def test_generate_takes_one_params_per_prompt() -> None:
+    llm = small_llm()
+    outs = llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=7)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 7]
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[5, 6]], [SamplingParams(), SamplingParams()])
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [0, 2])
+def test_every_schedule_gives_the_oracle_stream(depth: int, k: int) -> None:
+    llm = small_llm(pipeline_depth=depth, num_speculative_tokens=k, num_kv_blocks=24,
+                    max_num_batched_tokens=24, max_num_seqs=3)
+    params = SamplingParams(max_tokens=30)
+    outs = llm.generate([list(range(3, 3 + n)) for n in (3, 11, 20, 33, 7)], params)
+    for o in outs:
+        assert o.outputs[0].token_ids == expected(llm, o, params)
+    assert verify(llm.engine.tape).ok
+    assert fold(llm.engine.tape) == llm.engine.state
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_async_false_means_one_step_in_flight() -> None:
+    llm = small_llm(async_scheduling=False, pipeline_depth=3)
+    llm.engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3))
+    outs = llm.engine.step()
+    assert [o.outputs[0].token_ids for o in outs] == [[expected(llm, outs[0], SamplingParams())[0]]]
+
+
+def test_async_step_returns_tokens_one_step_late() -> None:
+    llm = small_llm(pipeline_depth=2)
+    llm.engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3))
+    assert llm.engine.step() == []  # step 0 in flight
+    assert len(llm.engine.step()[0].outputs[0].token_ids) == 1  # step 1 scheduled, step 0 applied
+
+
+def test_stop_token_ids_finish_with_stop() -> None:
+    llm = small_llm()
+    full = llm.engine.runner.expected_stream([9, 9, 9], SamplingParams(max_tokens=40))
+    stop = full[6]
+    params = SamplingParams(max_tokens=40, stop_token_ids=[stop])
+    out = llm.generate([[9, 9, 9]], params)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == full[: full.index(stop) + 1]
+
+
+def test_abort_request_finishes_with_abort_and_frees_blocks() -> None:
+    llm = small_llm(pipeline_depth=2)
+    e = llm.engine
+    e.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50))
+    e.add_request("b", [8, 9], SamplingParams(max_tokens=5))
+    for _ in range(3):
+        e.step()
+    e.abort_request("a")
+    outs = e.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.state.requests["b"].finish_reason == "length"
+    assert e.kv.num_free_blocks == e.kv.num_blocks
+    assert verify(e.tape).ok
+
+
+def test_pause_abort_aborts_everything() -> None:
+    llm = small_llm(pipeline_depth=2)
+    e = llm.engine
+    for i in range(3):
+        e.add_request(str(i), [5, 6, 7 + i], SamplingParams(max_tokens=50))
+    e.step(), e.step()
+    e.pause_generation(mode="abort")
+    assert e.is_paused()
+    outs = e.step()
+    assert {o.request_id for o in outs if o.finished} == {"0", "1", "2"}
+    assert not e.has_unfinished_requests()
+    e.resume_generation()
+    assert not e.is_paused()
+    assert verify(e.tape).ok
+
+
+def test_pause_wait_finishes_running_and_admits_nothing_new() -> None:
+    llm = small_llm(pipeline_depth=2, max_num_seqs=1)
+    e = llm.engine
+    e.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6))
+    e.add_request("b", [5, 6, 8], SamplingParams(max_tokens=6))
+    e.step()
+    e.pause_generation(mode="wait", clear_cache=False)
+    assert e.state.requests["a"].finish_reason == "length"
+    assert e.state.requests["b"].status.value == "waiting"
+    assert e.step() and e.step() == []  # the drained outputs, then nothing while paused
+    e.resume_generation()
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.state.requests["b"].finish_reason == "length"
+    assert verify(e.tape).ok
+
+
+def test_pause_keep_holds_requests_and_resume_continues_them() -> None:
+    llm = small_llm(pipeline_depth=3)
+    e = llm.engine
+    params = SamplingParams(max_tokens=20)
+    e.add_request("a", [5, 6, 7], params)
+    got: list[int] = []
+    for _ in range(6):
+        got += [t for o in e.step() for t in o.outputs[0].token_ids]
+    e.pause_generation(mode="keep", clear_cache=True)
+    req = e.state.requests["a"]
+    assert not req.in_flight and req.num_computed_tokens == 0 and req.status.value == "preempted"
+    assert e.kv.num_free_blocks == e.kv.num_blocks
+    for _ in range(3):
+        got += [t for o in e.step() for t in o.outputs[0].token_ids]
+    assert req.num_computed_tokens == 0  # nothing runs while paused
+    e.resume_generation()
+    while e.has_unfinished_requests():
+        got += [t for o in e.step() for t in o.outputs[0].token_ids]
+    assert got == e.runner.expected_stream([5, 6, 7], params)
+
+
+def test_reset_prefix_cache_fails_while_running_unless_reset() -> None:
+    llm = small_llm(pipeline_depth=1)
+    e = llm.engine
+    e.add_request("a", list(range(3, 20)), SamplingParams(max_tokens=5))
+    e.step()
+    assert e.reset_prefix_cache() is False
+    assert e.state.requests["a"].status.value == "running"
+    assert e.reset_prefix_cache(reset_running_requests=True) is True
+    assert e.state.requests["a"].status.value == "preempted"
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.reset_prefix_cache() is True
+
+
+def test_prefix_cache_hits_skip_computed_tokens() -> None:
+    llm = small_llm(pipeline_depth=1)
+    prompt = list(range(3, 23))  # 20 tokens: four full blocks of 4 can be shared
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    llm.engine.add_request("again", prompt + [99], SamplingParams(max_tokens=2))
+    llm.engine.step()
+    scheduled = [e for _, e in llm.engine.tape.iter_events() if type(e).__name__ == "StepScheduled"]
+    entry = scheduled[-1].entries[0]
+    assert entry.req_id == "again" and entry.num_computed_before == 20
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    llm = small_llm(pipeline_depth=1, max_num_batched_tokens=8)
+    llm.engine.add_request("a", list(range(3, 23)), SamplingParams(max_tokens=2))
+    llm.engine.step()
+    state = llm.engine.state.requests["a"]
+    assert state.num_computed_tokens == 8 and state.output_token_ids == []
+
+
+def test_kv_pressure_preempts_the_latest_running_request() -> None:
+    llm = small_llm(pipeline_depth=1, num_kv_blocks=6)
+    e = llm.engine
+    e.add_request("a", list(range(3, 10)), SamplingParams(max_tokens=12, ignore_eos=True))
+    e.add_request("b", list(range(3, 10)) + [40], SamplingParams(max_tokens=12, ignore_eos=True))
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.state.requests["b"].num_preemptions >= 1
+    assert e.state.requests["a"].num_preemptions == 0
+    preempts = [ev for _, ev in e.tape.iter_events() if type(ev).__name__ == "RequestPreempted"]
+    assert preempts and all(p.reason == "kv_pressure" for p in preempts)
+
+
+# -- bad input: a clear error, and the engine keeps serving -------------------------------------
+
+
+def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> None:
+    llm = small_llm(num_kv_blocks=8)
+    e = llm.engine
+    e.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=4))
+    with pytest.raises(KeyError, match="unknown request id 'nope'"):
+        e.abort_request("nope")
+    with pytest.raises(ValueError, match="already in use"):
+        e.add_request("ok", [5], SamplingParams())
+    with pytest.raises(ValueError, match="32 per sequence"):
+        e.add_request("long", list(range(3, 40)), SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.add_request("oov", [5, 100000], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        e.add_request("empty", [], SamplingParams())
+    with pytest.raises(TypeError, match="SamplingParams"):
+        e.add_request("dict", [5], {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mode"):
+        e.pause_generation(mode="sleep")
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.state.requests["ok"].finish_reason == "length"
+    assert set(e.state.requests) == {"ok"}  # nothing of the refused requests reached the tape
+    assert verify(e.tape).ok
+
+
+def test_bad_engine_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        LLM(model="oracle", tape=None, pipeline_depth=5)
+    with pytest.raises(ValueError, match="discard_policy"):
+        LLM(model="oracle", tape=None, discard_policy="never")
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM(model="gpt-9", tape=None)
+    with pytest.raises(TypeError):
+        LLM(model="oracle", tape=None, no_such_option=1)
+
+
+def test_generate_refuses_while_paused() -> None:
+    llm = small_llm()
+    llm.engine.pause_generation(mode="keep")
+    with pytest.raises(RuntimeError, match="paused"):
+        llm.generate(["hi"])
