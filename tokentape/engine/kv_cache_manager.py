@@ -76,8 +76,10 @@ class KVCacheManager:
         """Hash the full blocks of `held + new_blocks` whose tokens are computed and confirmed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed, req.num_tokens) // self.block_size
         done = self._num_cached.get(req.req_id, 0)
+        if num_computed // self.block_size <= done:
+            return  # no block filled up since the last call: the common decode step
+        num_full = min(num_computed, req.num_tokens) // self.block_size
         if num_full <= done:
             return
         hashes = self._block_hashes(req, num_full)
@@ -107,7 +109,9 @@ class KVCacheManager:
         `held` is how many blocks the request already holds; `hits` come from
         get_computed_blocks and are returned first, followed by the newly allocated blocks.
         """
-        num_new = self.blocks_needed(num_tokens) - held - len(hits)
+        num_new = -(-num_tokens // self.block_size) - held - len(hits)
+        if num_new <= 0 and not hits:
+            return []  # the blocks it holds have room: the common decode step
         free_hits = sum(1 for b in hits if self.ref_cnt[b] == 0)
         if num_new > len(self.free_queue) - free_hits:
             return None

@@ -181,14 +181,14 @@ class LLMEngine:
         entries = []
         outputs = []
         decode = self.tokenizer.decode if self.tokenizer else None
+        requests = state.requests
         for req_id in state.pending_output:
-            req = state.requests[req_id]
+            req = requests[req_id]
             new_tokens = req.output_token_ids[req.num_emitted:]
-            finished = req.is_finished
-            entries.append(ev.EmittedOutput(req_id, new_tokens, finished, req.finish_reason))
-            text = decode(new_tokens) if decode else ""
-            completion = CompletionOutput(0, text, new_tokens, req.finish_reason)
-            outputs.append(RequestOutput(req_id, req.prompt_token_ids, [completion], finished))
+            reason = req.finish_reason
+            entries.append(ev.EmittedOutput(req_id, new_tokens, reason is not None, reason))
+            completion = CompletionOutput(0, None, new_tokens, reason, decode=decode)
+            outputs.append(RequestOutput(req_id, req.prompt_token_ids, [completion], reason is not None))
         self._emit(ev.OutputsEmitted(state.step, entries))
         self._ready.extend(outputs)
 

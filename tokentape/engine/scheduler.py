@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
-from tokentape.engine.runners.base import RunnerEntry, ScheduledBatch
+from tokentape.engine.runners.base import NewRequest, ScheduledBatch
 from tokentape.events import schema as ev
 from tokentape.events.state import EngineState, RequestState, RequestStatus
 
@@ -51,16 +51,6 @@ class Scheduler:
         else:
             self.emit(ev.RequestFinished(self.state.step, req.req_id, reason))
 
-    def _num_draft_slots(self, req: RequestState, num_new: int, budget: int) -> int | None:
-        """Draft slots for a decode of this request, or None to skip it this step."""
-        remaining = min(
-            req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens
-        )
-        if req.num_fresh_in_flight >= remaining:
-            return None  # the steps in flight already produce every token it may still have
-        room = self.max_model_len - req.num_computed_tokens - num_new
-        return max(0, min(self.config.num_speculative_tokens, budget - num_new, room))
-
     def schedule(self) -> ScheduledBatch | None:
         state = self.state
         if state.paused in ("keep", "abort"):
@@ -69,8 +59,9 @@ class Scheduler:
         step = state.step
         budget = config.max_num_batched_tokens
         entries: dict[str, ev.ScheduledEntry] = {}
-        runner_entries: dict[str, RunnerEntry] = {}
+        batch = ScheduledBatch(step, [])
         preempted = False
+        max_model_len, max_spec = self.max_model_len, config.num_speculative_tokens
 
         for req_id in list(state.running):
             if budget <= 0:
@@ -79,27 +70,30 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             computed = req.num_computed_tokens
-            known = req.num_tokens - computed  # confirmed tokens not computed yet
+            num_output = len(req.output_token_ids)
+            num_tokens = len(req.prompt_token_ids) + num_output
+            known = num_tokens - computed  # confirmed tokens not computed yet
             # Without a known token the input is the placeholder the runner fills in (async).
             num_new = min(known, budget) if known > 0 else 1
-            token_ids = req.all_token_ids[computed:computed + num_new] if known > 0 else []
             num_spec = 0
-            if known <= 0 or (known == 1 and req.output_token_ids):  # a decode, not a prefill chunk
-                slots = self._num_draft_slots(req, num_new, budget)
-                if slots is None:
-                    continue
-                if computed + num_new > self.max_model_len:
+            if known <= 0 or (known == 1 and num_output):  # a decode, not a prefill chunk
+                remaining = min(req.params.max_tokens - num_output, max_model_len - num_tokens)
+                if req.num_fresh_in_flight >= remaining:
+                    continue  # the steps in flight already produce every token it may have
+                if computed + num_new > max_model_len:
                     # Only a historical discard policy can push a request here (its dropped
                     # frames left positions computed); cap it as vLLM caps at max_model_len.
                     self.finish(req, "length")
                     continue
-                num_spec = slots
-                num_new += slots
+                if max_spec:
+                    num_spec = max(0, min(max_spec, budget - num_new, max_model_len - computed - num_new))
+                    num_new += num_spec
             while (new_blocks := kv.allocate(len(req.block_ids), computed + num_new)) is None:
                 victim = requests[state.running[-1]]
                 pending = entries.pop(victim.req_id, None)
                 if pending is not None:
-                    runner_entries.pop(victim.req_id)
+                    batch.token_ids.pop(victim.req_id, None)
+                    batch.partial_prefills.discard(victim.req_id)
                     budget += pending.num_new_tokens
                 self.preempt(victim, "kv_pressure", pending.new_block_ids if pending else ())
                 preempted = True
@@ -109,10 +103,10 @@ class Scheduler:
                 continue
             kv.cache_full_blocks(req, req.block_ids, new_blocks, computed + num_new)
             entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, computed, num_new, num_spec, new_blocks)
-            runner_entries[req_id] = RunnerEntry(
-                req_id, req.prompt_token_ids, req.params, req.epoch, computed, num_new, num_spec,
-                token_ids, False, computed + num_new >= req.num_tokens,
-            )
+            if known > 0:
+                batch.token_ids[req_id] = req.all_token_ids[computed:computed + min(known, num_new)]
+                if computed + num_new < num_tokens:
+                    batch.partial_prefills.add(req_id)
             budget -= num_new
 
         if not preempted and state.paused is None:
@@ -129,15 +123,15 @@ class Scheduler:
                     break
                 kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
                 entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
-                runner_entries[req_id] = RunnerEntry(
-                    req_id, req.prompt_token_ids, req.params, req.epoch, num_cached, num_new, 0,
-                    req.all_token_ids[:num_cached + num_new], True,
-                    num_cached + num_new >= req.num_tokens,
-                )
+                batch.new_requests[req_id] = NewRequest(req.prompt_token_ids, req.params)
+                batch.token_ids[req_id] = req.all_token_ids[:num_cached + num_new]
+                if num_cached + num_new < req.num_tokens:
+                    batch.partial_prefills.add(req_id)
                 budget -= num_new
                 num_running += 1
 
         if not entries:
             return None
-        self.emit(ev.StepScheduled(step, list(entries.values())))
-        return ScheduledBatch(step, list(runner_entries.values()))
+        batch.entries = list(entries.values())
+        self.emit(ev.StepScheduled(step, batch.entries))
+        return batch

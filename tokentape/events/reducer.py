@@ -104,9 +104,10 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
         req.num_computed_tokens = entry.num_computed_before + entry.num_new_tokens
         req.block_ids.extend(entry.new_block_ids)
         # An entry samples a token unless it is a prefill chunk short of the sequence's end.
-        samples = req.num_computed_tokens >= req.num_tokens
+        samples = req.num_computed_tokens >= len(req.prompt_token_ids) + len(req.output_token_ids)
         if samples:
             req.num_output_placeholders += 1 + entry.num_spec_tokens
+            req.num_fresh_in_flight += 1
         req.in_flight.append(InFlight(e.step, entry.epoch, entry.num_spec_tokens, samples))
         req_ids.append(entry.req_id)
     state.in_flight_steps.append((e.step, req_ids))
@@ -125,18 +126,22 @@ def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     if state.async_scheduling:  # vLLM's synchronous Scheduler has no discard logic at all
         get_policy(state.discard_policy).on_preempt(req)
     req.num_output_placeholders = 0
+    req.num_fresh_in_flight = 0
 
 
 def _append_tokens(state: EngineState, req: RequestState, token_ids: list[int]) -> None:
     """Append sampled tokens one at a time, stopping at the first stop condition."""
     params = req.params
+    output = req.output_token_ids
+    max_output = min(params.max_tokens, state.max_model_len - len(req.prompt_token_ids))
+    eos = None if params.ignore_eos else state.eos_token_id
     for tok in token_ids:
-        req.output_token_ids.append(tok)
-        if (tok == state.eos_token_id and not params.ignore_eos) or tok in params.stop_token_ids:
+        output.append(tok)
+        if tok == eos or tok in params.stop_token_ids:
             req.stop_reason = "stop"
-        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= state.max_model_len:
+            break
+        if len(output) >= max_output:
             req.stop_reason = "length"
-        if req.stop_reason is not None:
             break
     state.pending_output[req.req_id] = None
 
@@ -151,12 +156,17 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     for req_id in req_ids:
         req = state.requests[req_id]
         record = req.in_flight.popleft()
-        if not record.samples or req.is_finished or req.stop_reason is not None:
+        if not record.samples:
+            continue
+        fresh = record.epoch == req.epoch
+        if fresh:
+            req.num_fresh_in_flight -= 1
+        if req.finish_reason is not None or req.stop_reason is not None:
             continue
         frame = frames.get(req_id)
         if frame is None:
             raise ReducerError(f"frame of step {e.step} has no tokens for request {req_id!r}")
-        if record.epoch == req.epoch and record.num_spec_tokens:
+        if fresh and record.num_spec_tokens:
             # Rejected draft positions were counted as computed when scheduled; take them back.
             req.num_computed_tokens -= record.num_spec_tokens - frame.num_accepted
         if policy.should_drop(req, record):

@@ -23,8 +23,12 @@ class RequestStatus(str, Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self in _FINISHED
 
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED}
+)
 
 FINISHED_STATUS: dict[str, RequestStatus] = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -63,6 +67,8 @@ class RequestState:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     in_flight: deque[InFlight] = field(default_factory=deque)
+    # In-flight entries of the current epoch that sample a token: each yields at least one.
+    num_fresh_in_flight: int = 0
     # Historical discard policies: vLLM's counter (#42117) and flag (before #42117).
     async_tokens_to_discard: int = 0
     discard_latest_async_tokens: bool = False
@@ -87,16 +93,12 @@ class RequestState:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.finish_reason is not None  # set exactly when the request finishes
 
     @property
     def num_stale_in_flight(self) -> int:
         """In-flight entries scheduled before the latest preemption: their frames are stale."""
         return sum(1 for f in self.in_flight if f.epoch != self.epoch)
-
-    @property
-    def num_fresh_in_flight(self) -> int:
-        return sum(1 for f in self.in_flight if f.epoch == self.epoch and f.samples)
 
 
 @dataclass(slots=True)

@@ -5,32 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokentape.events.schema import FrameEntry, SamplingParams
+from tokentape.events.schema import FrameEntry, SamplingParams, ScheduledEntry
 
 
 @dataclass(slots=True)
-class RunnerEntry:
-    """One request's share of a step, with the token ids the runner cannot know by itself."""
-
-    req_id: str
+class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
-    epoch: int
-    num_computed_before: int
-    num_new_tokens: int
-    num_spec_tokens: int
-    # Confirmed tokens the step computes. For a request (re)entering the batch they start at
-    # position 0, so the runner can rebuild its own copy; decodes carry none, their input is
-    # the token the runner sampled in the previous step (vLLM fills it on the GPU).
-    token_ids: list[int]
-    is_new: bool
-    samples: bool
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
+    """A step as the runner sees it: the recorded entries plus what it cannot know itself."""
+
     step: int
-    entries: list[RunnerEntry]
+    entries: list[ScheduledEntry]  # the StepScheduled event's entries
+    # Confirmed tokens computed in this step, by request: from position 0 for a request
+    # (re)entering the batch, so the runner rebuilds its copy; from num_computed_before for
+    # a prefill chunk or a synchronous decode. An async decode has none: its input is the
+    # token the runner sampled in the previous step (vLLM fills that placeholder on the GPU).
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_requests: dict[str, NewRequest] = field(default_factory=dict)
+    partial_prefills: set[str] = field(default_factory=set)  # entries that sample nothing
     finished_req_ids: list[str] = field(default_factory=list)
 
 

@@ -99,19 +99,21 @@ class OracleRunner:
             self._seqs.pop(req_id, None)
         frame = []
         for e in batch.entries:
-            if e.is_new:
-                seq = self._seqs[e.req_id] = _DeviceSeq(self.request_key(e.prompt_token_ids, e.params))
-                seq.tokens = list(e.token_ids)
-            elif e.token_ids:  # known tokens from position num_computed_before on
-                seq = self._seqs[e.req_id]
-                seq.tokens[e.num_computed_before:] = e.token_ids
+            req_id = e.req_id
+            known = batch.token_ids.get(req_id)
+            new = batch.new_requests.get(req_id)
+            if new is not None:
+                seq = self._seqs[req_id] = _DeviceSeq(self.request_key(new.prompt_token_ids, new.params))
+                seq.tokens = list(known or ())
             else:
-                seq = self._seqs[e.req_id]
-            if not e.samples:
+                seq = self._seqs[req_id]
+                if known:
+                    seq.tokens[e.num_computed_before:] = known
+            if req_id in batch.partial_prefills:
                 continue
             tokens = seq.tokens
             pos = len(tokens)
-            drafts = propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
+            drafts = propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup) if e.num_spec_tokens else []
             out = []
             for d in drafts:  # verify the drafts against what the "model" would sample
                 if d != self.token_at(seq.key, pos):
@@ -119,8 +121,8 @@ class OracleRunner:
                 out.append(d)
                 pos += 1
             out.append(self.token_at(seq.key, pos))
-            tokens.extend(out)
-            frame.append(FrameEntry(e.req_id, out, drafts))
+            tokens += out
+            frame.append(FrameEntry(req_id, out, drafts))
         self._results[batch.step] = frame
 
     def collect(self, step: int) -> list[FrameEntry]:
