@@ -19,7 +19,7 @@ import os
 import sqlite3
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1
@@ -72,10 +72,6 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tokentape import __version__
     from tokentape.events.discard import DISCARD_POLICIES
@@ -104,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate",
         help="generate completions and record a tape",
-        formatter_class=_Formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Run prompts through tokentape.LLM(...).generate() and print every output\n"
             "(request id, finish reason, token ids, text). The run is recorded on a new tape\n"
@@ -126,13 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         "may be repeated",
     )
     gen.add_argument("--model", default="oracle",
-                     help="model to serve ('oracle' or 'oracle-random' in this build)")
+                     help="model to serve: 'oracle' (default) or 'oracle-random' in this build")
     gen.add_argument("--max-tokens", type=_positive_int, default=16, metavar="N",
-                     help="maximum number of tokens generated per prompt")
+                     help="maximum number of tokens generated per prompt (default: 16)")
     gen.add_argument("--temperature", type=float, default=1.0,
-                     help="sampling temperature (recorded in each request's params)")
+                     help="sampling temperature, recorded in each request's params (default: 1.0)")
     gen.add_argument("--seed", type=int, default=0,
-                     help="engine seed: keys the model's sampling and goes into the tape header")
+                     help="engine seed: keys the model's sampling and goes into the tape header "
+                     "(default: 0)")
     tape = gen.add_mutually_exclusive_group()
     tape.add_argument("--tape", metavar="PATH", default=None,
                       help="tape file to create; never overwritten "
@@ -232,7 +229,9 @@ def _read_prompt_file(name: str) -> list[str]:
         except OSError as exc:
             raise CLIError(f"cannot read prompts from {name}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
-            raise CLIError(f"cannot read prompts from {name}: not UTF-8 text ({exc.reason})") from None
+            raise CLIError(
+                f"cannot read prompts from {name}: not UTF-8 text ({exc.reason})"
+            ) from None
     return [line for line in text.splitlines() if line.strip()]
 
 
@@ -252,7 +251,7 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _default_tape_path() -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = f"tokentape-{stamp}.tape"
     n = 1
     while os.path.exists(path):  # a second run within the same second
@@ -480,8 +479,9 @@ class _PlainView:
 
 class _RichView:
     # Short headers (explained in the caption) keep the request table inside 80 columns.
-    _HEADERS = {"computed": "comp", "placeholders": "ph", "discard": "disc",
-                "preemptions": "preempt"}
+    _HEADERS: ClassVar[dict[str, str]] = {
+        "computed": "comp", "placeholders": "ph", "discard": "disc", "preemptions": "preempt",
+    }
     _CAPTION = ("prompt/output: lengths, comp: num_computed_tokens, ph: num_output_placeholders, "
                 "disc: discard count, dropped: frames dropped")
 
@@ -521,12 +521,32 @@ class _RichView:
         self.console.print(table)
 
 
+def _locate_fold_failure(tape: Any, exc: BaseException) -> str:
+    """Fold again, event by event, to name the event the reducer refused."""
+    from tokentape.events import schema as ev
+    from tokentape.events.reducer import ReducerError, evolve
+
+    state = tape.initial_state()
+    for seq, event in tape.events():
+        try:
+            evolve(state, event)
+        except (ReducerError, ValueError, KeyError, IndexError) as inner:  # now with its position
+            return (f"{tape.path}: the tape is inconsistent at event {seq} "
+                    f"({ev.kind_of(event)} of step {event.step}): {_one_line(inner)}")
+    return f"{tape.path}: the tape is inconsistent: {_one_line(exc)}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from tokentape.events.reducer import ReducerError
     from tokentape.replay import load_tape
 
     tape = load_tape(args.tape)
     num_events = len(tape)
-    state = tape.fold() if args.step is None else tape.at(args.step)
+    try:
+        state = tape.fold() if args.step is None else tape.at(args.step)
+    except (ReducerError, ValueError, KeyError, IndexError) as exc:
+        # The events cannot follow each other (a damaged or hand-edited tape).
+        raise CLIError(_locate_fold_failure(tape, exc)) from None
     if args.step is not None and state.step <= args.step:
         print(f"note: {args.tape} ends before step {args.step} is scheduled "
               f"(it has {state.step} steps); showing its final state", file=sys.stderr)

@@ -116,6 +116,10 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
 
 def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     req = _request(state, e.req_id)
+    if req.status is not RequestStatus.RUNNING:
+        raise ReducerError(
+            f"request {e.req_id!r} preempted in step {e.step} while {req.status.value}, not running"
+        )
     state.running.remove(req.req_id)
     state.waiting.appendleft(req.req_id)
     req.status = RequestStatus.PREEMPTED

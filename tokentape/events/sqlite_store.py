@@ -29,6 +29,20 @@ BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS {table}_no_delete BEFORE DELETE ON {table}
 BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
 """
+# INSERT OR REPLACE deletes the old row without firing the DELETE trigger (SQLite fires it on
+# REPLACE only with recursive_triggers), so inserts must be checked too.
+_APPEND_ONLY_INSERT = {
+    "events": """
+CREATE TRIGGER IF NOT EXISTS events_append_only BEFORE INSERT ON events
+WHEN NEW.seq != (SELECT COALESCE(MAX(seq), -1) + 1 FROM events)
+BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
+""",
+    "meta": """
+CREATE TRIGGER IF NOT EXISTS meta_append_only BEFORE INSERT ON meta
+WHEN EXISTS (SELECT 1 FROM meta WHERE key = NEW.key)
+BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
+""",
+}
 
 
 class SQLiteTape:
@@ -47,6 +61,7 @@ class SQLiteTape:
         db["events"].create({"seq": int, "step": int, "kind": str, "data": bytes}, pk="seq")
         for table in ("meta", "events"):
             self._conn.executescript(_APPEND_ONLY_TRIGGERS.format(table=table))
+            self._conn.executescript(_APPEND_ONLY_INSERT[table])
         self._conn.execute("BEGIN")
         self._conn.executemany(
             "INSERT INTO meta(key, value) VALUES (?, ?)",
@@ -93,8 +108,15 @@ class SQLiteTapeReader:
         try:
             rows = dict(self._conn.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.DatabaseError as exc:
-            self._conn.close()
-            raise TapeError(self.path, f"not a tokentape tape or damaged header ({exc})") from None
+            # A truncated file (its header counts more pages than the file holds) is refused
+            # whole by SQLite; writable_schema skips that check (the connection stays
+            # read-only), so the intact prefix reads and iter_events names where it stops.
+            try:
+                self._conn.execute("PRAGMA writable_schema=ON")
+                rows = dict(self._conn.execute("SELECT key, value FROM meta").fetchall())
+            except sqlite3.DatabaseError:
+                self._conn.close()
+                raise TapeError(self.path, f"not a tokentape tape or damaged header ({exc})") from None
         if "format_version" not in rows or "header" not in rows:
             self._conn.close()
             raise TapeError(self.path, "not a tokentape tape (no format version in its header)")

@@ -186,5 +186,11 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape) -> VerifyResult:
             if stream.consumed == before:
                 raise stream.diverged("the replay emitted nothing where the tape has an event", None)
     except _Diverged as d:
+        nxt = stream.peek()
+        if nxt is not None and isinstance(nxt[1], ev.EngineError):
+            # The recorded run failed at this point (inside a step: a runner failure the
+            # replay runner cannot repeat); everything before it reproduced.
+            stream.take()
+            return VerifyResult(True, stream.consumed, None, f"{nxt[1].error_type}: {nxt[1].message}")
         return VerifyResult(False, stream.consumed, d.divergence)
     return VerifyResult(True, stream.consumed)
