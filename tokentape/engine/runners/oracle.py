@@ -20,7 +20,9 @@ from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 
 _MASK = (1 << 64) - 1
-_FIRST_TOKEN = 3  # never emit the special tokens (bos, eos, pad)
+# Emit only the byte tokens of printable ASCII (never bos, eos or pad), so decoded text reads.
+_FIRST_TOKEN = ByteTokenizer.encode(ByteTokenizer(), " ")[0]
+_NUM_TOKENS = 95  # " " through "~"
 
 
 def _mix(x: int) -> int:
@@ -69,7 +71,7 @@ class OracleRunner:
         return int.from_bytes(digest, "little")
 
     def token_at(self, key: int, position: int) -> int:
-        span = self.vocab_size - _FIRST_TOKEN
+        span = _NUM_TOKENS
         h = _mix(key ^ (position * 0xD6E8FEB86659FD93 & _MASK))
         if self.cyclic and h & 3:  # three times in four, follow the request's cycle
             period = 2 + key % 4
