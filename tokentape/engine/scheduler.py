@@ -81,6 +81,8 @@ class Scheduler:
                 if req.num_fresh_in_flight >= remaining:
                     continue  # the steps in flight already produce every token it may have
                 if computed + num_new > max_model_len:
+                    if req.num_fresh_in_flight:
+                        continue  # draft positions in flight count as computed until they return
                     # Only a historical discard policy can push a request here (its dropped
                     # frames left positions computed); cap it as vLLM caps at max_model_len.
                     self.finish(req, "length")

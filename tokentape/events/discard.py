@@ -44,7 +44,9 @@ class CounterPolicy:
     name = "counter"
 
     def on_preempt(self, req: RequestState) -> None:
-        req.async_tokens_to_discard = req.num_output_placeholders  # overwrites, as vLLM did
+        # Overwrites, as vLLM did. Placeholders can already be negative here (a stale frame
+        # got through: vLLM asserted, #47900); a negative count would discard nothing either.
+        req.async_tokens_to_discard = max(0, req.num_output_placeholders)
 
     def should_drop(self, req: RequestState, entry: InFlight) -> bool:
         if req.async_tokens_to_discard > 0:

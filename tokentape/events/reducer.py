@@ -166,6 +166,8 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         if fresh:
             req.num_fresh_in_flight -= 1
         if req.finish_reason is not None or req.stop_reason is not None:
+            if fresh:  # its tokens come too late to count, but its placeholders are returned
+                req.num_output_placeholders -= record.num_placeholders
             continue
         frame = frames.get(req_id)
         if frame is None:
