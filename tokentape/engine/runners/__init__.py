@@ -2,6 +2,5 @@
 
 from tokentape.engine.runners.base import ModelRunner, NewRequest, ScheduledBatch
 from tokentape.engine.runners.oracle import OracleRunner
-from tokentape.engine.runners.replay import ReplayRunner
 
-__all__ = ["ModelRunner", "OracleRunner", "ReplayRunner", "NewRequest", "ScheduledBatch"]
+__all__ = ["ModelRunner", "OracleRunner", "NewRequest", "ScheduledBatch"]
