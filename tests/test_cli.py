@@ -362,7 +362,7 @@ def test_inspect_json_and_step(busy_tape: Path, capsys: pytest.CaptureFixture[st
     at3 = json.loads(out)
     state = tape.at(3)
     assert at3["step"] == 3 and at3["engine"]["step"] == state.step == 4
-    assert at3["engine"]["in_flight_steps"] == [s for s, _ in state.in_flight_steps]
+    assert at3["engine"]["in_flight_steps"] == [s.step for s in state.in_flight_steps]
     assert {r["id"]: r["output"] for r in at3["requests"]} == {
         r.req_id: len(r.output_token_ids) for r in state.requests.values()}
     assert at3 != final
@@ -401,9 +401,10 @@ def test_inspect_request(busy_tape: Path, capsys: pytest.CaptureFixture[str]) ->
                      "--json")
     detail = json.loads(out)["request"]
     assert detail["output_token_ids"] == some.output_token_ids
-    assert detail["in_flight"] == [{"step": f.step, "epoch": f.epoch,
-                                    "num_spec_tokens": f.num_spec_tokens, "samples": f.samples}
-                                   for f in some.in_flight]
+    assert detail["in_flight"] == [{"step": step, "epoch": e.epoch,
+                                    "num_spec_tokens": e.num_spec_tokens,
+                                    "stale": e.epoch != some.epoch}
+                                   for step, e in at.in_flight_entries(some.req_id)]
 
 
 def test_inspect_generated_output_matches(

@@ -139,7 +139,7 @@ def test_pause_keep_holds_requests_and_resume_continues_them() -> None:
         got += [t for o in e.step() for t in o.outputs[0].token_ids]
     e.pause_generation(mode="keep", clear_cache=True)
     req = e.state.requests["a"]
-    assert not req.in_flight and req.num_computed_tokens == 0 and req.status.value == "preempted"
+    assert not req.num_in_flight and req.num_computed_tokens == 0 and req.status.value == "preempted"
     assert e.kv.num_free_blocks == e.kv.num_blocks
     for _ in range(3):
         got += [t for o in e.step() for t in o.outputs[0].token_ids]

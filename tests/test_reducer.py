@@ -36,7 +36,8 @@ def test_schedule_counts_placeholders_and_in_flight_entries() -> None:
     r = s.requests["r"]
     assert r.status is RequestStatus.RUNNING and s.running == ["r"] and not s.waiting
     assert r.num_computed_tokens == 5 and r.num_output_placeholders == 2
-    assert [f.step for f in r.in_flight] == [0, 1] and r.block_ids == [0]
+    assert [step for step, _ in s.in_flight_entries("r")] == [0, 1] and r.block_ids == [0]
+    assert r.num_in_flight == 2 and r.num_fresh_in_flight == 2
     apply(s, ev.FrameProduced(0, [ev.FrameEntry("r", [42])]))
     assert r.output_token_ids == [42] and r.num_output_placeholders == 1
     assert s.pending_output == {"r": None}

@@ -61,7 +61,7 @@ def seed_scenario(policy: str) -> tuple[list[int], list[int], int]:
     drive(llm, delivered)  # the drained tokens come back with the next step
     before = len(delivered["r"])
     req = llm.engine.state.requests["r"]
-    assert req.num_preemptions == 1 and req.num_output_placeholders == 0 and not req.in_flight
+    assert req.num_preemptions == 1 and req.num_output_placeholders == 0 and not req.num_in_flight
     llm.engine.resume_generation()
     run_until_idle(llm, delivered)
     check_tape(llm)
@@ -101,10 +101,10 @@ def double_reset(policy: str) -> tuple[list[int], list[int]]:
     while len(delivered.get("r", [])) < 6:
         drive(llm, delivered)
     req = llm.engine.state.requests["r"]
-    assert len(req.in_flight) == 2  # two decode steps in flight
+    assert req.num_in_flight == 2  # two decode steps in flight
     assert llm.engine.reset_prefix_cache(reset_running_requests=True)
     drive(llm, delivered)  # re-admits the request (prefill) and applies one stale frame
-    assert req.num_stale_in_flight == 1 and len(req.in_flight) == 2  # one stale, one fresh
+    assert req.num_stale_in_flight == 1 and req.num_in_flight == 2  # one stale, one fresh
     # The second reset, with stale and fresh output still in flight.
     assert llm.engine.reset_prefix_cache(reset_running_requests=True)
     run_until_idle(llm, delivered)
@@ -137,7 +137,7 @@ def spec_reset(policy: str) -> tuple[list[int], list[int], int, int]:
     while len(delivered.get("r", [])) < 5:
         drive(llm, delivered)
     req = llm.engine.state.requests["r"]
-    assert len(req.in_flight) == 1 and req.num_output_placeholders == 4  # 1 + k in flight
+    assert req.num_in_flight == 1 and req.num_output_placeholders == 4  # 1 + k in flight
     llm.engine.reset_prefix_cache(reset_running_requests=True)
     before = len(delivered["r"])
     run_until_idle(llm, delivered)

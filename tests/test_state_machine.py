@@ -294,11 +294,16 @@ class EngineMachine(RuleBasedStateMachine):
         state = self.engine.state
         for r in state.requests.values():
             assert state.discard_count(r) >= 0, (r.req_id, state.discard_count(r), r)
-            fresh_entries = sum(1 for f in r.in_flight if f.epoch == r.epoch and f.samples)
-            assert r.num_fresh_in_flight == fresh_entries, (r.req_id, r.num_fresh_in_flight, r)
+            in_flight = [(s, e) for s in state.in_flight_steps for e in s.entries
+                         if e.req_id == r.req_id]
+            assert r.num_in_flight == len(in_flight), (r.req_id, r.num_in_flight, r)
+            stale = sum(1 for _, e in in_flight if e.epoch != r.epoch)
+            assert r.num_stale_in_flight == stale, (r.req_id, r.num_stale_in_flight, r)
+            fresh_entries = [e for s, e in in_flight if e.epoch == r.epoch and s.samples(e)]
+            assert r.num_fresh_in_flight == len(fresh_entries), (r.req_id, r.num_fresh_in_flight, r)
             if self.epoch:
                 assert r.num_output_placeholders >= 0, (r.req_id, r.num_output_placeholders, r)
-                fresh = sum(f.num_placeholders for f in r.in_flight if f.epoch == r.epoch)
+                fresh = sum(1 + e.num_spec_tokens for e in fresh_entries)
                 if not r.is_finished:
                     assert r.num_output_placeholders == fresh, (
                         r.req_id, r.num_output_placeholders, fresh, r)
@@ -381,7 +386,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert c.finished, f"{req_id} finished in the engine but the client was never told"
         if self.epoch:
             for req_id, r in state.requests.items():
-                assert not r.in_flight, (req_id, r.in_flight)
+                assert not r.num_in_flight, (req_id, r.num_in_flight)
                 assert r.num_output_placeholders == 0, (req_id, r.num_output_placeholders, r)
         # (c) the tape replays
         result = verify(engine.tape)
@@ -462,7 +467,7 @@ def test_repro_finished_requests_keep_output_placeholders():
     for req_id, reason in (("stop", "stop"), ("abort", "abort")):
         req = engine.state.requests[req_id]
         assert req.finish_reason == reason
-        assert not req.in_flight
+        assert not req.num_in_flight
         assert req.num_output_placeholders == 0, (req_id, req.num_output_placeholders)
 
 

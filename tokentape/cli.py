@@ -381,7 +381,7 @@ def _header_summary(tape: Any, num_events: int) -> dict[str, Any]:
 
 
 def _engine_summary(state: Any) -> dict[str, Any]:
-    in_flight = [step for step, _ in state.in_flight_steps]
+    in_flight = [s.step for s in state.in_flight_steps]
     return {
         "steps scheduled": state.step,
         "paused": state.paused or "no",
@@ -435,9 +435,9 @@ def _request_detail(state: Any, req: Any) -> dict[str, Any]:
         "num_preemptions": req.num_preemptions,
         "block_ids": list(req.block_ids),
         "in_flight": [
-            {"step": f.step, "epoch": f.epoch, "num_spec_tokens": f.num_spec_tokens,
-             "samples": f.samples}
-            for f in req.in_flight
+            {"step": step, "epoch": e.epoch, "num_spec_tokens": e.num_spec_tokens,
+             "stale": e.epoch != req.epoch}
+            for step, e in state.in_flight_entries(req.req_id)
         ],
         "stop_reason": req.stop_reason,
         "finish_reason": req.finish_reason,
@@ -582,7 +582,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "paused": state.paused,
                 "waiting": list(state.waiting),
                 "running": list(state.running),
-                "in_flight_steps": [s for s, _ in state.in_flight_steps],
+                "in_flight_steps": [s.step for s in state.in_flight_steps],
                 "num_prefix_cache_resets": state.num_prefix_cache_resets,
                 "weights_id": state.weights_id,
                 "num_events": state.num_events,

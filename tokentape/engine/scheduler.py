@@ -41,7 +41,7 @@ class Scheduler:
     def preempt(self, req: RequestState, reason: ev.PreemptReason, extra_blocks: list[int] = ()) -> None:  # type: ignore[assignment]
         """Free the request's KV and record the preemption; the reducer requeues it."""
         self.kv.free(req.req_id, req.block_ids + list(extra_blocks))
-        self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, len(req.in_flight)))
+        self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, req.num_in_flight))
 
     def finish(self, req: RequestState, reason: ev.FinishReason) -> None:
         self.kv.free(req.req_id, req.block_ids)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tokentape.events.state import InFlight, RequestState
+from tokentape.events.state import RequestState
 
 
 class DiscardPolicy(Protocol):
@@ -27,7 +27,8 @@ class DiscardPolicy(Protocol):
 
     def on_preempt(self, req: RequestState) -> None: ...
 
-    def should_drop(self, req: RequestState, entry: InFlight) -> bool: ...
+    def should_drop(self, req: RequestState, stale: bool) -> bool:
+        """Called for each frame of an unfinished request; `stale` is the truth."""
 
 
 class EpochPolicy:
@@ -36,8 +37,8 @@ class EpochPolicy:
     def on_preempt(self, req: RequestState) -> None:
         pass  # the reducer bumps the epoch for every policy
 
-    def should_drop(self, req: RequestState, entry: InFlight) -> bool:
-        return entry.epoch != req.epoch
+    def should_drop(self, req: RequestState, stale: bool) -> bool:
+        return stale
 
 
 class CounterPolicy:
@@ -48,7 +49,7 @@ class CounterPolicy:
         # got through: vLLM asserted, #47900); a negative count would discard nothing either.
         req.async_tokens_to_discard = max(0, req.num_output_placeholders)
 
-    def should_drop(self, req: RequestState, entry: InFlight) -> bool:
+    def should_drop(self, req: RequestState, stale: bool) -> bool:
         if req.async_tokens_to_discard > 0:
             req.async_tokens_to_discard -= 1  # one per frame, although it was set in tokens
             return True
@@ -61,7 +62,7 @@ class FlagPolicy:
     def on_preempt(self, req: RequestState) -> None:
         req.discard_latest_async_tokens = True  # even when nothing is in flight
 
-    def should_drop(self, req: RequestState, entry: InFlight) -> bool:
+    def should_drop(self, req: RequestState, stale: bool) -> bool:
         if req.discard_latest_async_tokens:
             req.discard_latest_async_tokens = False
             return True

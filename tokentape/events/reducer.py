@@ -14,7 +14,7 @@ from tokentape.events.discard import get_policy
 from tokentape.events.state import (
     FINISHED_STATUS,
     EngineState,
-    InFlight,
+    InFlightStep,
     RequestState,
     RequestStatus,
 )
@@ -48,12 +48,19 @@ def _leave_queues(state: EngineState, req: RequestState) -> None:
         state.waiting.remove(req.req_id)
 
 
+def _mark_pending(state: EngineState, req: RequestState) -> None:
+    """The request has output the client has not seen; it has seen everything so far."""
+    if req.req_id not in state.pending_output:
+        req.num_emitted = len(req.output_token_ids)
+        state.pending_output[req.req_id] = None
+
+
 def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> None:
     _leave_queues(state, req)
     req.status = FINISHED_STATUS[reason]
     req.finish_reason = reason
     req.block_ids = []
-    state.pending_output[req.req_id] = None
+    _mark_pending(state, req)
 
 
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
@@ -92,25 +99,27 @@ def _on_weights_updated(state: EngineState, e: ev.WeightsUpdated) -> None:
 def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
     if e.step != state.step:
         raise ReducerError(f"step {e.step} scheduled when step {state.step} was expected")
-    req_ids = []
+    requests = state.requests
+    partial: set[str] = set()
     for entry in e.entries:
-        req = _request(state, entry.req_id)
+        req = requests.get(entry.req_id) or _request(state, entry.req_id)
         if req.status is not RequestStatus.RUNNING:
-            if req.is_finished:
+            if req.finish_reason is not None:
                 raise ReducerError(f"finished request {req.req_id!r} scheduled in step {e.step}")
             state.waiting.remove(req.req_id)
             state.running.append(req.req_id)
             req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = entry.num_computed_before + entry.num_new_tokens
-        req.block_ids.extend(entry.new_block_ids)
+        computed = req.num_computed_tokens = entry.num_computed_before + entry.num_new_tokens
+        if entry.new_block_ids:
+            req.block_ids += entry.new_block_ids
+        req.num_in_flight += 1
         # An entry samples a token unless it is a prefill chunk short of the sequence's end.
-        samples = req.num_computed_tokens >= len(req.prompt_token_ids) + len(req.output_token_ids)
-        if samples:
+        if computed >= len(req.prompt_token_ids) + len(req.output_token_ids):
             req.num_output_placeholders += 1 + entry.num_spec_tokens
             req.num_fresh_in_flight += 1
-        req.in_flight.append(InFlight(e.step, entry.epoch, entry.num_spec_tokens, samples))
-        req_ids.append(entry.req_id)
-    state.in_flight_steps.append((e.step, req_ids))
+        else:
+            partial.add(entry.req_id)
+    state.in_flight_steps.append(InFlightStep(e.step, e.entries, partial))
     state.step = e.step + 1
 
 
@@ -127,14 +136,16 @@ def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     req.block_ids = []
     req.epoch += 1
     req.num_preemptions += 1
+    req.num_stale_in_flight = req.num_in_flight  # whatever is in flight is now stale
+    req.num_fresh_in_flight = 0
     if state.async_scheduling:  # vLLM's synchronous Scheduler has no discard logic at all
         get_policy(state.discard_policy).on_preempt(req)
     req.num_output_placeholders = 0
-    req.num_fresh_in_flight = 0
 
 
 def _append_tokens(state: EngineState, req: RequestState, token_ids: list[int]) -> None:
     """Append sampled tokens one at a time, stopping at the first stop condition."""
+    _mark_pending(state, req)
     params = req.params
     output = req.output_token_ids
     max_output = min(params.max_tokens, state.max_model_len - len(req.prompt_token_ids))
@@ -147,47 +158,50 @@ def _append_tokens(state: EngineState, req: RequestState, token_ids: list[int]) 
         if len(output) >= max_output:
             req.stop_reason = "length"
             break
-    state.pending_output[req.req_id] = None
 
 
 def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
-    if not state.in_flight_steps or state.in_flight_steps[0][0] != e.step:
-        expected = state.in_flight_steps[0][0] if state.in_flight_steps else None
+    if not state.in_flight_steps or state.in_flight_steps[0].step != e.step:
+        expected = state.in_flight_steps[0].step if state.in_flight_steps else None
         raise ReducerError(f"frame for step {e.step} arrived when step {expected} was next")
-    _, req_ids = state.in_flight_steps.popleft()
-    frames = {f.req_id: f for f in e.entries}
+    scheduled = state.in_flight_steps.popleft()
+    requests = state.requests
     policy = get_policy(state.discard_policy)
-    for req_id in req_ids:
-        req = state.requests[req_id]
-        record = req.in_flight.popleft()
-        if not record.samples:
+    # The runner answers the sampling entries of the step, in order.
+    frames = iter(e.entries)
+    for entry in scheduled.entries:
+        req = requests[entry.req_id]
+        req.num_in_flight -= 1
+        stale = entry.epoch != req.epoch
+        if stale:
+            req.num_stale_in_flight -= 1
+        if entry.req_id in scheduled.partial:
             continue
-        fresh = record.epoch == req.epoch
-        if fresh:
+        frame = next(frames, None)
+        if frame is None or frame.req_id != entry.req_id:
+            raise ReducerError(f"frame of step {e.step} has no tokens for request {entry.req_id!r}")
+        if not stale:
             req.num_fresh_in_flight -= 1
         if req.finish_reason is not None or req.stop_reason is not None:
-            if fresh:  # its tokens come too late to count, but its placeholders are returned
-                req.num_output_placeholders -= record.num_placeholders
+            if not stale:  # its tokens come too late to count, but its placeholders are returned
+                req.num_output_placeholders -= 1 + entry.num_spec_tokens
             continue
-        frame = frames.get(req_id)
-        if frame is None:
-            raise ReducerError(f"frame of step {e.step} has no tokens for request {req_id!r}")
-        if fresh and record.num_spec_tokens:
+        if not stale and entry.num_spec_tokens:
             # Rejected draft positions were counted as computed when scheduled; take them back.
-            req.num_computed_tokens -= record.num_spec_tokens - frame.num_accepted
-        if policy.should_drop(req, record):
+            req.num_computed_tokens -= entry.num_spec_tokens - frame.num_accepted
+        if policy.should_drop(req, stale):
             req.num_frames_dropped += 1
             continue
-        req.num_output_placeholders -= record.num_placeholders
+        req.num_output_placeholders -= 1 + entry.num_spec_tokens
         _append_tokens(state, req, frame.token_ids)
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:
+    """Every pending output was delivered: the entries record what the client received."""
     for out in e.entries:
-        req = _request(state, out.req_id)
-        req.num_emitted += len(out.token_ids)
-        req.finish_emitted = out.finished
-        state.pending_output.pop(out.req_id, None)
+        if out.finished:
+            _request(state, out.req_id).finish_emitted = True
+    state.pending_output.clear()
 
 
 def _on_error(state: EngineState, e: ev.EngineError) -> None:

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tokentape.events.schema import FinishReason, PauseMode, SamplingParams
+from tokentape.events.schema import FinishReason, PauseMode, SamplingParams, ScheduledEntry
 
 
 class RequestStatus(str, Enum):
@@ -38,17 +38,15 @@ FINISHED_STATUS: dict[str, RequestStatus] = {
 
 
 @dataclass(slots=True)
-class InFlight:
-    """One scheduled entry of a request whose frame has not come back yet."""
+class InFlightStep:
+    """A scheduled step whose frame has not come back yet."""
 
     step: int
-    epoch: int
-    num_spec_tokens: int
-    samples: bool  # False for a prefill chunk that does not reach the end of the sequence
+    entries: list[ScheduledEntry]  # as recorded in StepScheduled
+    partial: set[str]  # requests whose entry is a prefill chunk short of the end: no token
 
-    @property
-    def num_placeholders(self) -> int:
-        return 1 + self.num_spec_tokens if self.samples else 0
+    def samples(self, entry: ScheduledEntry) -> bool:
+        return entry.req_id not in self.partial
 
 
 @dataclass(slots=True)
@@ -61,19 +59,21 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # vLLM's counter of output positions scheduled but not yet returned. Under the
-    # historical policies it can drift from the truth; `in_flight` is the truth.
+    # historical policies it can drift from the truth; the in-flight counts are the truth.
     num_output_placeholders: int = 0
     epoch: int = 0
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
-    in_flight: deque[InFlight] = field(default_factory=deque)
-    # In-flight entries of the current epoch that sample a token: each yields at least one.
+    num_in_flight: int = 0  # scheduled entries whose frame has not come back
+    # ... of which scheduled before the latest preemption: their frames are stale
+    num_stale_in_flight: int = 0
+    # ... of which of the current epoch and sampling a token: each yields at least one
     num_fresh_in_flight: int = 0
     # Historical discard policies: vLLM's counter (#42117) and flag (before #42117).
     async_tokens_to_discard: int = 0
     discard_latest_async_tokens: bool = False
     num_frames_dropped: int = 0  # frames thrown away by the discard policy, stale or not
-    num_emitted: int = 0  # output tokens already delivered to the client
+    num_emitted: int = 0  # output tokens delivered to the client before its pending ones
     stop_reason: FinishReason | None = None  # set when a stop condition is met
     finish_reason: FinishReason | None = None  # set when the request finished
     finish_emitted: bool = False
@@ -95,11 +95,6 @@ class RequestState:
     def is_finished(self) -> bool:
         return self.finish_reason is not None  # set exactly when the request finishes
 
-    @property
-    def num_stale_in_flight(self) -> int:
-        """In-flight entries scheduled before the latest preemption: their frames are stale."""
-        return sum(1 for f in self.in_flight if f.epoch != self.epoch)
-
 
 @dataclass(slots=True)
 class EngineState:
@@ -112,7 +107,7 @@ class EngineState:
     requests: dict[str, RequestState] = field(default_factory=dict)
     waiting: deque[str] = field(default_factory=deque)
     running: list[str] = field(default_factory=list)
-    in_flight_steps: deque[tuple[int, list[str]]] = field(default_factory=deque)
+    in_flight_steps: deque[InFlightStep] = field(default_factory=deque)
     # Requests with tokens or a finish the client has not been given yet, in order.
     pending_output: dict[str, None] = field(default_factory=dict)
     num_prefix_cache_resets: int = 0
@@ -127,6 +122,10 @@ class EngineState:
         if self.discard_policy == "counter":
             return req.async_tokens_to_discard
         return int(req.discard_latest_async_tokens)
+
+    def in_flight_entries(self, req_id: str) -> list[tuple[int, ScheduledEntry]]:
+        """(step, entry) for each of the request's entries still in flight, oldest first."""
+        return [(s.step, e) for s in self.in_flight_steps for e in s.entries if e.req_id == req_id]
 
     @property
     def unfinished(self) -> list[RequestState]:
