@@ -59,6 +59,7 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
     _leave_queues(state, req)
     req.status = FINISHED_STATUS[reason]
     req.finish_reason = reason
+    req.stop_reason = reason  # takes no more tokens
     req.block_ids = []
     _mark_pending(state, req)
 
@@ -66,7 +67,10 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
     if e.req_id in state.requests:
         raise ReducerError(f"request {e.req_id!r} added twice")
-    state.requests[e.req_id] = RequestState(e.req_id, list(e.prompt_token_ids), e.params, e.step)
+    req = state.requests[e.req_id] = RequestState(e.req_id, list(e.prompt_token_ids), e.params, e.step)
+    eos = () if e.params.ignore_eos or state.eos_token_id is None else (state.eos_token_id,)
+    req.stop_ids = frozenset((*e.params.stop_token_ids, *eos))
+    req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - len(e.prompt_token_ids))
     state.waiting.append(e.req_id)
 
 
@@ -143,57 +147,52 @@ def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     req.num_output_placeholders = 0
 
 
-def _append_tokens(state: EngineState, req: RequestState, token_ids: list[int]) -> None:
-    """Append sampled tokens one at a time, stopping at the first stop condition."""
-    _mark_pending(state, req)
-    params = req.params
-    output = req.output_token_ids
-    max_output = min(params.max_tokens, state.max_model_len - len(req.prompt_token_ids))
-    eos = None if params.ignore_eos else state.eos_token_id
-    for tok in token_ids:
-        output.append(tok)
-        if tok == eos or tok in params.stop_token_ids:
-            req.stop_reason = "stop"
-            break
-        if len(output) >= max_output:
-            req.stop_reason = "length"
-            break
-
-
 def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     if not state.in_flight_steps or state.in_flight_steps[0].step != e.step:
         expected = state.in_flight_steps[0].step if state.in_flight_steps else None
         raise ReducerError(f"frame for step {e.step} arrived when step {expected} was next")
     scheduled = state.in_flight_steps.popleft()
-    requests = state.requests
-    policy = get_policy(state.discard_policy)
-    # The runner answers the sampling entries of the step, in order.
-    frames = iter(e.entries)
+    requests, pending, partial = state.requests, state.pending_output, scheduled.partial
+    should_drop = get_policy(state.discard_policy).should_drop
+    frames = iter(e.entries)  # the runner answers the sampling entries of the step, in order
     for entry in scheduled.entries:
-        req = requests[entry.req_id]
+        req_id = entry.req_id
+        req = requests[req_id]
         req.num_in_flight -= 1
         stale = entry.epoch != req.epoch
         if stale:
             req.num_stale_in_flight -= 1
-        if entry.req_id in scheduled.partial:
+        if req_id in partial:
             continue
         frame = next(frames, None)
-        if frame is None or frame.req_id != entry.req_id:
-            raise ReducerError(f"frame of step {e.step} has no tokens for request {entry.req_id!r}")
+        if frame is None or frame.req_id != req_id:
+            raise ReducerError(f"frame of step {e.step} has no tokens for request {req_id!r}")
+        num_placeholders = 1 + entry.num_spec_tokens
         if not stale:
             req.num_fresh_in_flight -= 1
-        if req.finish_reason is not None or req.stop_reason is not None:
-            if not stale:  # its tokens come too late to count, but its placeholders are returned
-                req.num_output_placeholders -= 1 + entry.num_spec_tokens
+            if req.stop_reason is not None:  # too late to count, but the placeholders return
+                req.num_output_placeholders -= num_placeholders
+                continue
+            if num_placeholders > 1:  # rejected draft positions were counted as computed
+                req.num_computed_tokens -= entry.num_spec_tokens - frame.num_accepted
+        elif req.stop_reason is not None:
             continue
-        if not stale and entry.num_spec_tokens:
-            # Rejected draft positions were counted as computed when scheduled; take them back.
-            req.num_computed_tokens -= entry.num_spec_tokens - frame.num_accepted
-        if policy.should_drop(req, stale):
+        if should_drop(req, stale):
             req.num_frames_dropped += 1
             continue
-        req.num_output_placeholders -= 1 + entry.num_spec_tokens
-        _append_tokens(state, req, frame.token_ids)
+        req.num_output_placeholders -= num_placeholders
+        # Append the tokens one at a time, up to the first stop condition.
+        output = req.output_token_ids
+        if req_id not in pending:
+            _mark_pending(state, req)
+        for tok in frame.token_ids:
+            output.append(tok)
+            if tok in req.stop_ids:
+                req.stop_reason = "stop"
+                break
+            if len(output) >= req.max_output_tokens:
+                req.stop_reason = "length"
+                break
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:

@@ -74,9 +74,12 @@ class RequestState:
     discard_latest_async_tokens: bool = False
     num_frames_dropped: int = 0  # frames thrown away by the discard policy, stale or not
     num_emitted: int = 0  # output tokens delivered to the client before its pending ones
-    stop_reason: FinishReason | None = None  # set when a stop condition is met
+    stop_reason: FinishReason | None = None  # set when it takes no more tokens (stop condition or finish)
     finish_reason: FinishReason | None = None  # set when the request finished
     finish_emitted: bool = False
+    # Fixed when the request is added, so the stop check per token is two comparisons.
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
+    max_output_tokens: int = 0  # max_tokens, capped by max_model_len
 
     @property
     def num_prompt_tokens(self) -> int:
