@@ -441,7 +441,7 @@ def _request_detail(state: Any, req: Any) -> dict[str, Any]:
         ],
         "stop_reason": req.stop_reason,
         "finish_reason": req.finish_reason,
-        "finish_emitted": req.finish_emitted,
+        "output_pending": req.req_id in state.pending_output,
     }
 
 

@@ -103,27 +103,30 @@ def _on_weights_updated(state: EngineState, e: ev.WeightsUpdated) -> None:
 def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
     if e.step != state.step:
         raise ReducerError(f"step {e.step} scheduled when step {state.step} was expected")
-    requests = state.requests
+    get_request, running = state.requests.get, RequestStatus.RUNNING  # locals: a hot loop
+    scheduled: list[RequestState] = []
+    add_scheduled = scheduled.append
     partial: set[str] = set()
     for entry in e.entries:
-        req = requests.get(entry.req_id) or _request(state, entry.req_id)
-        if req.status is not RequestStatus.RUNNING:
+        req = get_request(entry.req_id) or _request(state, entry.req_id)
+        add_scheduled(req)
+        if req.status is not running:
             if req.finish_reason is not None:
                 raise ReducerError(f"finished request {req.req_id!r} scheduled in step {e.step}")
             state.waiting.remove(req.req_id)
             state.running.append(req.req_id)
-            req.status = RequestStatus.RUNNING
+            req.status = running
         computed = req.num_computed_tokens = entry.num_computed_before + entry.num_new_tokens
         if entry.new_block_ids:
             req.block_ids += entry.new_block_ids
-        req.num_in_flight += 1
         # An entry samples a token unless it is a prefill chunk short of the sequence's end.
         if computed >= len(req.prompt_token_ids) + len(req.output_token_ids):
             req.num_output_placeholders += 1 + entry.num_spec_tokens
             req.num_fresh_in_flight += 1
         else:
+            req.num_partial_in_flight += 1
             partial.add(entry.req_id)
-    state.in_flight_steps.append(InFlightStep(e.step, e.entries, partial))
+    state.in_flight_steps.append(InFlightStep(e.step, e.entries, scheduled, partial))
     state.step = e.step + 1
 
 
@@ -141,7 +144,7 @@ def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     req.epoch += 1
     req.num_preemptions += 1
     req.num_stale_in_flight = req.num_in_flight  # whatever is in flight is now stale
-    req.num_fresh_in_flight = 0
+    req.num_fresh_in_flight = req.num_partial_in_flight = 0
     if state.async_scheduling:  # vLLM's synchronous Scheduler has no discard logic at all
         get_policy(state.discard_policy).on_preempt(req)
     req.num_output_placeholders = 0
@@ -152,39 +155,49 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         expected = state.in_flight_steps[0].step if state.in_flight_steps else None
         raise ReducerError(f"frame for step {e.step} arrived when step {expected} was next")
     scheduled = state.in_flight_steps.popleft()
-    requests, pending, partial = state.requests, state.pending_output, scheduled.partial
+    pending, partial = state.pending_output, scheduled.partial
     should_drop = get_policy(state.discard_policy).should_drop
-    frames = iter(e.entries)  # the runner answers the sampling entries of the step, in order
-    for entry in scheduled.entries:
-        req_id = entry.req_id
-        req = requests[req_id]
-        req.num_in_flight -= 1
+    frames: list[ev.FrameEntry | None] = e.entries  # one per sampling entry, in order
+    if partial:
+        answers = iter(e.entries)
+        frames = [None if x.req_id in partial else next(answers, None) for x in scheduled.entries]
+    if len(frames) != len(scheduled.entries):
+        raise ReducerError(f"frame of step {e.step} has {len(e.entries)} entries for "
+                           f"{len(scheduled.entries) - len(partial)} scheduled tokens")
+    for entry, req, frame in zip(scheduled.entries, scheduled.requests, frames):
         stale = entry.epoch != req.epoch
+        if frame is None:  # a prefill chunk: nothing to apply
+            if stale:
+                req.num_stale_in_flight -= 1
+            else:
+                req.num_partial_in_flight -= 1
+            continue
+        if frame.req_id != entry.req_id:
+            raise ReducerError(f"frame of step {e.step} has no tokens for request {entry.req_id!r}")
+        num_placeholders = 1 + entry.num_spec_tokens
         if stale:
             req.num_stale_in_flight -= 1
-        if req_id in partial:
-            continue
-        frame = next(frames, None)
-        if frame is None or frame.req_id != req_id:
-            raise ReducerError(f"frame of step {e.step} has no tokens for request {req_id!r}")
-        num_placeholders = 1 + entry.num_spec_tokens
-        if not stale:
+            if req.stop_reason is not None:
+                continue
+        else:
             req.num_fresh_in_flight -= 1
             if req.stop_reason is not None:  # too late to count, but the placeholders return
                 req.num_output_placeholders -= num_placeholders
                 continue
             if num_placeholders > 1:  # rejected draft positions were counted as computed
                 req.num_computed_tokens -= entry.num_spec_tokens - frame.num_accepted
-        elif req.stop_reason is not None:
-            continue
-        if should_drop(req, stale):
+        # A policy drops a fresh frame only while a preemption has armed it.
+        if (stale or req.async_tokens_to_discard or req.discard_latest_async_tokens) and should_drop(
+            req, stale
+        ):
             req.num_frames_dropped += 1
             continue
         req.num_output_placeholders -= num_placeholders
         # Append the tokens one at a time, up to the first stop condition.
         output = req.output_token_ids
-        if req_id not in pending:
-            _mark_pending(state, req)
+        if entry.req_id not in pending:  # _mark_pending, inlined: this loop is the hot path
+            req.num_emitted = len(output)
+            pending[entry.req_id] = None
         for tok in frame.token_ids:
             output.append(tok)
             if tok in req.stop_ids:
@@ -196,10 +209,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:
-    """Every pending output was delivered: the entries record what the client received."""
-    for out in e.entries:
-        if out.finished:
-            _request(state, out.req_id).finish_emitted = True
+    """Every pending output was delivered; the entries record what the client received."""
     state.pending_output.clear()
 
 
@@ -230,7 +240,13 @@ def evolve(state: EngineState, event: ev.Event) -> EngineState:
     return state
 
 
-def fold_events(events: Iterable[ev.Event], state: EngineState) -> EngineState:
-    for event in events:
-        evolve(state, event)
+def fold_events(events: Iterable[tuple[int, ev.Event]], state: EngineState, until_seq: int | None = None) -> EngineState:
+    """Apply `(seq, event)` pairs in order, stopping before `until_seq`: `evolve` in a loop,
+    with the dispatch hoisted out of it (replay folds millions of events)."""
+    handlers = _HANDLERS
+    for seq, event in events:
+        if until_seq is not None and seq >= until_seq:
+            break
+        handlers[type(event)](state, event)
+        state.num_events += 1
     return state

@@ -43,6 +43,7 @@ class InFlightStep:
 
     step: int
     entries: list[ScheduledEntry]  # as recorded in StepScheduled
+    requests: list[RequestState]  # the entries' requests, in the same order
     partial: set[str]  # requests whose entry is a prefill chunk short of the end: no token
 
     def samples(self, entry: ScheduledEntry) -> bool:
@@ -64,11 +65,10 @@ class RequestState:
     epoch: int = 0
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
-    num_in_flight: int = 0  # scheduled entries whose frame has not come back
-    # ... of which scheduled before the latest preemption: their frames are stale
-    num_stale_in_flight: int = 0
-    # ... of which of the current epoch and sampling a token: each yields at least one
-    num_fresh_in_flight: int = 0
+    # Scheduled entries whose frame has not come back, in three kinds (see num_in_flight):
+    num_stale_in_flight: int = 0  # scheduled before the latest preemption: frames are stale
+    num_fresh_in_flight: int = 0  # current epoch, sampling a token: each yields at least one
+    num_partial_in_flight: int = 0  # current epoch, a prefill chunk that samples nothing
     # Historical discard policies: vLLM's counter (#42117) and flag (before #42117).
     async_tokens_to_discard: int = 0
     discard_latest_async_tokens: bool = False
@@ -76,7 +76,6 @@ class RequestState:
     num_emitted: int = 0  # output tokens delivered to the client before its pending ones
     stop_reason: FinishReason | None = None  # set when it takes no more tokens (stop condition or finish)
     finish_reason: FinishReason | None = None  # set when the request finished
-    finish_emitted: bool = False
     # Fixed when the request is added, so the stop check per token is two comparisons.
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     max_output_tokens: int = 0  # max_tokens, capped by max_model_len
@@ -93,6 +92,10 @@ class RequestState:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.num_stale_in_flight + self.num_fresh_in_flight + self.num_partial_in_flight
 
     @property
     def is_finished(self) -> bool:

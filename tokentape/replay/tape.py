@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from tokentape.engine.config import EngineConfig
 from tokentape.events import schema as ev
-from tokentape.events.reducer import evolve, initial_state
+from tokentape.events.reducer import evolve, fold_events, initial_state
 from tokentape.events.sqlite_store import SQLiteTapeReader
 from tokentape.events.state import EngineState
 from tokentape.events.store import MemoryTape, TapeError, TapeReader
@@ -42,12 +42,7 @@ class Tape:
 
     def fold(self, until_seq: int | None = None) -> EngineState:
         """The state after every event (or after the events before `until_seq`)."""
-        state = self.initial_state()
-        for seq, event in self.events():
-            if until_seq is not None and seq >= until_seq:
-                break
-            evolve(state, event)
-        return state
+        return fold_events(self.events(), self.initial_state(), until_seq)
 
     def at(self, step: int) -> EngineState:
         """The state at step `step`: after it was scheduled, before step `step + 1` was."""
