@@ -71,7 +71,7 @@ class Scheduler:
                 continue  # preempted earlier in this step
             computed = req.num_computed_tokens
             num_output = len(req.output_token_ids)
-            num_tokens = len(req.prompt_token_ids) + num_output
+            num_tokens = req.num_prompt_tokens + num_output
             known = num_tokens - computed  # confirmed tokens not computed yet
             # Without a known token the input is the placeholder the runner fills in (async).
             num_new = min(known, budget) if known > 0 else 1

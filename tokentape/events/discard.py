@@ -24,6 +24,7 @@ from tokentape.events.state import RequestState
 
 class DiscardPolicy(Protocol):
     name: str
+    may_drop_fresh: bool  # False when only stale frames are ever dropped
 
     def on_preempt(self, req: RequestState) -> None: ...
 
@@ -33,6 +34,7 @@ class DiscardPolicy(Protocol):
 
 class EpochPolicy:
     name = "epoch"
+    may_drop_fresh = False
 
     def on_preempt(self, req: RequestState) -> None:
         pass  # the reducer bumps the epoch for every policy
@@ -43,6 +45,7 @@ class EpochPolicy:
 
 class CounterPolicy:
     name = "counter"
+    may_drop_fresh = True
 
     def on_preempt(self, req: RequestState) -> None:
         # Overwrites, as vLLM did. Placeholders can already be negative here (a stale frame
@@ -58,6 +61,7 @@ class CounterPolicy:
 
 class FlagPolicy:
     name = "flag"
+    may_drop_fresh = True
 
     def on_preempt(self, req: RequestState) -> None:
         req.discard_latest_async_tokens = True  # even when nothing is in flight

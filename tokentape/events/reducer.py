@@ -70,7 +70,7 @@ def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
     req = state.requests[e.req_id] = RequestState(e.req_id, list(e.prompt_token_ids), e.params, e.step)
     eos = () if e.params.ignore_eos or state.eos_token_id is None else (state.eos_token_id,)
     req.stop_ids = frozenset((*e.params.stop_token_ids, *eos))
-    req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - len(e.prompt_token_ids))
+    req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - req.num_prompt_tokens)
     state.waiting.append(e.req_id)
 
 
@@ -120,7 +120,7 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
         if entry.new_block_ids:
             req.block_ids += entry.new_block_ids
         # An entry samples a token unless it is a prefill chunk short of the sequence's end.
-        if computed >= len(req.prompt_token_ids) + len(req.output_token_ids):
+        if computed >= req.num_prompt_tokens + len(req.output_token_ids):
             req.num_output_placeholders += 1 + entry.num_spec_tokens
             req.num_fresh_in_flight += 1
         else:
@@ -156,7 +156,8 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         raise ReducerError(f"frame for step {e.step} arrived when step {expected} was next")
     scheduled = state.in_flight_steps.popleft()
     pending, partial = state.pending_output, scheduled.partial
-    should_drop = get_policy(state.discard_policy).should_drop
+    policy = get_policy(state.discard_policy)
+    should_drop, may_drop_fresh = policy.should_drop, policy.may_drop_fresh
     frames: list[ev.FrameEntry | None] = e.entries  # one per sampling entry, in order
     if partial:
         answers = iter(e.entries)
@@ -186,10 +187,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
                 continue
             if num_placeholders > 1:  # rejected draft positions were counted as computed
                 req.num_computed_tokens -= entry.num_spec_tokens - frame.num_accepted
-        # A policy drops a fresh frame only while a preemption has armed it.
-        if (stale or req.async_tokens_to_discard or req.discard_latest_async_tokens) and should_drop(
-            req, stale
-        ):
+        if (stale or may_drop_fresh) and should_drop(req, stale):
             req.num_frames_dropped += 1
             continue
         req.num_output_placeholders -= num_placeholders
@@ -244,9 +242,13 @@ def fold_events(events: Iterable[tuple[int, ev.Event]], state: EngineState, unti
     """Apply `(seq, event)` pairs in order, stopping before `until_seq`: `evolve` in a loop,
     with the dispatch hoisted out of it (replay folds millions of events)."""
     handlers = _HANDLERS
-    for seq, event in events:
-        if until_seq is not None and seq >= until_seq:
-            break
-        handlers[type(event)](state, event)
-        state.num_events += 1
+    applied = 0
+    try:
+        for seq, event in events:
+            if until_seq is not None and seq >= until_seq:
+                break
+            handlers[type(event)](state, event)
+            applied += 1
+    finally:
+        state.num_events += applied
     return state

@@ -79,15 +79,15 @@ class RequestState:
     # Fixed when the request is added, so the stop check per token is two comparisons.
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     max_output_tokens: int = 0  # max_tokens, capped by max_model_len
+    num_prompt_tokens: int = field(init=False, default=0)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
         """Confirmed tokens: prompt plus delivered output, never placeholders."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
