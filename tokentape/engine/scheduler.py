@@ -106,7 +106,7 @@ class Scheduler:
             kv.cache_full_blocks(req, req.block_ids, new_blocks, computed + num_new)
             entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, computed, num_new, num_spec, new_blocks)
             if known > 0:
-                batch.token_ids[req_id] = req.all_token_ids[computed:computed + min(known, num_new)]
+                batch.token_ids[req_id] = req.token_ids_between(computed, computed + min(known, num_new))
                 if computed + num_new < num_tokens:
                     batch.partial_prefills.add(req_id)
             budget -= num_new
@@ -126,7 +126,7 @@ class Scheduler:
                 kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
                 entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
                 batch.new_requests[req_id] = NewRequest(req.prompt_token_ids, req.params)
-                batch.token_ids[req_id] = req.all_token_ids[:num_cached + num_new]
+                batch.token_ids[req_id] = req.token_ids_between(0, num_cached + num_new)
                 if num_cached + num_new < req.num_tokens:
                     batch.partial_prefills.add(req_id)
                 budget -= num_new

@@ -175,7 +175,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
             continue
         if frame.req_id != entry.req_id:
             raise ReducerError(f"frame of step {e.step} has no tokens for request {entry.req_id!r}")
-        num_placeholders = 1 + entry.num_spec_tokens
+        num_spec = entry.num_spec_tokens
         if stale:
             req.num_stale_in_flight -= 1
             if req.stop_reason is not None:
@@ -183,14 +183,14 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         else:
             req.num_fresh_in_flight -= 1
             if req.stop_reason is not None:  # too late to count, but the placeholders return
-                req.num_output_placeholders -= num_placeholders
+                req.num_output_placeholders -= 1 + num_spec
                 continue
-            if num_placeholders > 1:  # rejected draft positions were counted as computed
-                req.num_computed_tokens -= entry.num_spec_tokens - frame.num_accepted
+            if num_spec:  # rejected draft positions were counted as computed
+                req.num_computed_tokens -= num_spec - frame.num_accepted
         if (stale or may_drop_fresh) and should_drop(req, stale):
             req.num_frames_dropped += 1
             continue
-        req.num_output_placeholders -= num_placeholders
+        req.num_output_placeholders -= 1 + num_spec
         # Append the tokens one at a time, up to the first stop condition.
         output = req.output_token_ids
         if entry.req_id not in pending:  # _mark_pending, inlined: this loop is the hot path

@@ -93,6 +93,15 @@ class RequestState:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end], without building the whole list."""
+        p = self.num_prompt_tokens
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     @property
     def num_in_flight(self) -> int:
         return self.num_stale_in_flight + self.num_fresh_in_flight + self.num_partial_in_flight
