@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+import weakref
 from collections.abc import Iterator
 
+import msgspec
 import sqlite_utils
 
 from tokentape.events import schema as ev
 from tokentape.events.store import TapeError, check_format_version, decode_at
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+_encode = msgspec.msgpack.Encoder().encode
 _READ_BATCH = 4096
 
 _APPEND_ONLY_TRIGGERS = """
@@ -70,9 +74,22 @@ class SQLiteTape:
         self._conn.execute("COMMIT")
         self._buffer: list[tuple[int, int, str, bytes]] = []
         self._next_seq = 0
+        # Checkpoints (copying the WAL into the file) run on their own connection in a
+        # background thread, not inside the engine's step: sqlite3 releases the GIL while
+        # it copies, and a passive checkpoint never blocks the writer.
+        self._conn.execute("PRAGMA wal_autocheckpoint=0")
+        stop = threading.Event()
+        checkpointer = threading.Thread(
+            target=_checkpoint_periodically, args=(self.path, stop),
+            name="tape-checkpointer", daemon=True,
+        )
+        checkpointer.start()
+        # Stops the checkpointer and closes the file when the tape is closed, dropped, or the
+        # interpreter exits.
+        self._finalizer = weakref.finalize(self, _shut, stop, checkpointer, self._conn)
 
     def append(self, event: ev.Event) -> None:
-        self._buffer.append((self._next_seq, event.step, ev.kind_of(event), ev.encode(event)))
+        self._buffer.append((self._next_seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event)))
         self._next_seq += 1
 
     def commit(self) -> None:
@@ -88,10 +105,32 @@ class SQLiteTape:
         return self._next_seq
 
     def close(self) -> None:
-        if self._conn is not None:
-            self.commit()
-            self._conn.close()
-            self._conn = None  # type: ignore[assignment]
+        if self._finalizer.alive:
+            try:
+                self.commit()
+            finally:
+                self._finalizer()
+
+
+_CHECKPOINT_INTERVAL_S = 0.25
+
+
+def _checkpoint_periodically(path: str, stop: threading.Event) -> None:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        while not stop.wait(_CHECKPOINT_INTERVAL_S):
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    except sqlite3.Error:
+        pass  # a checkpoint is an optimisation; the WAL keeps every committed event
+    finally:
+        conn.close()
+
+
+def _shut(stop: threading.Event, checkpointer: threading.Thread, conn: sqlite3.Connection) -> None:
+    stop.set()
+    checkpointer.join()
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # leave one self-contained file
+    conn.close()
 
 
 class SQLiteTapeReader:
