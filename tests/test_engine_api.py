@@ -246,3 +246,17 @@ def test_generate_refuses_while_paused() -> None:
     llm.engine.pause_generation(mode="keep")
     with pytest.raises(RuntimeError, match="paused"):
         llm.generate(["hi"])
+
+
+def test_readmitted_prefill_ending_one_token_short_sends_that_token() -> None:
+    # After a reset the request is recomputed in chunks of 2 (prompt 2 + 1 output = 3
+    # tokens): the last chunk holds one confirmed token the runner never saw in this epoch.
+    llm = small_llm(pipeline_depth=1, max_num_batched_tokens=2)
+    e = llm.engine
+    params = SamplingParams(max_tokens=4)
+    e.add_request("r", [3, 3], params)
+    got = [t for o in e.step() for t in o.outputs[0].token_ids]
+    assert e.reset_prefix_cache(reset_running_requests=True)
+    while e.has_unfinished_requests():
+        got += [t for o in e.step() for t in o.outputs[0].token_ids]
+    assert got == e.runner.expected_stream([3, 3], params)

@@ -105,7 +105,7 @@ class Scheduler:
                 continue
             kv.cache_full_blocks(req, req.block_ids, new_blocks, computed + num_new)
             entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, computed, num_new, num_spec, new_blocks)
-            if known > 0:
+            if known > 0:  # confirmed tokens the runner may not have (it has its own samples)
                 batch.token_ids[req_id] = req.token_ids_between(computed, computed + min(known, num_new))
                 if computed + num_new < num_tokens:
                     batch.partial_prefills.add(req_id)
