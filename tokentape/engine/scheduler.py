@@ -76,7 +76,8 @@ class Scheduler:
             # Without a known token the input is the placeholder the runner fills in (async).
             num_new = min(known, budget) if known > 0 else 1
             num_spec = 0
-            if known <= 0 or (known == 1 and num_output):  # a decode, not a prefill chunk
+            decode = known <= 0 or (known == 1 and req.prefill_complete)
+            if decode:
                 remaining = min(req.params.max_tokens - num_output, max_model_len - num_tokens)
                 if req.num_fresh_in_flight >= remaining:
                     continue  # the steps in flight already produce every token it may have
@@ -105,8 +106,8 @@ class Scheduler:
                 continue
             kv.cache_full_blocks(req, req.block_ids, new_blocks, computed + num_new)
             entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, computed, num_new, num_spec, new_blocks)
-            if known > 0:  # confirmed tokens the runner may not have (it has its own samples)
-                batch.token_ids[req_id] = req.token_ids_between(computed, computed + min(known, num_new))
+            if not decode:  # a decode's input is the runner's own last sample
+                batch.token_ids[req_id] = req.token_ids_between(computed, computed + num_new)
                 if computed + num_new < num_tokens:
                     batch.partial_prefills.add(req_id)
             budget -= num_new

@@ -123,6 +123,7 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
         if computed >= req.num_prompt_tokens + len(req.output_token_ids):
             req.num_output_placeholders += 1 + entry.num_spec_tokens
             req.num_fresh_in_flight += 1
+            req.prefill_complete = True
         else:
             req.num_partial_in_flight += 1
             partial.add(entry.req_id)
@@ -145,6 +146,7 @@ def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     req.num_preemptions += 1
     req.num_stale_in_flight = req.num_in_flight  # whatever is in flight is now stale
     req.num_fresh_in_flight = req.num_partial_in_flight = 0
+    req.prefill_complete = False
     if state.async_scheduling:  # vLLM's synchronous Scheduler has no discard logic at all
         get_policy(state.discard_policy).on_preempt(req)
     req.num_output_placeholders = 0

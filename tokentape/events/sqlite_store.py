@@ -24,6 +24,7 @@ from tokentape.events import schema as ev
 from tokentape.events.store import TapeError, check_format_version, decode_at
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+_INSERT_EVENT = "INSERT INTO events(seq, step, kind, data) VALUES (?, ?, ?, ?)"
 _encode = msgspec.msgpack.Encoder().encode
 _READ_BATCH = 4096
 
@@ -97,7 +98,11 @@ class SQLiteTape:
             return
         conn = self._conn
         conn.execute("BEGIN")
-        conn.executemany("INSERT INTO events(seq, step, kind, data) VALUES (?, ?, ?, ?)", self._buffer)
+        try:
+            conn.executemany(_INSERT_EVENT, self._buffer)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
         conn.execute("COMMIT")
         self._buffer.clear()
 
@@ -129,8 +134,12 @@ def _checkpoint_periodically(path: str, stop: threading.Event) -> None:
 def _shut(stop: threading.Event, checkpointer: threading.Thread, conn: sqlite3.Connection) -> None:
     stop.set()
     checkpointer.join()
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # leave one self-contained file
-    conn.close()
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # leave one self-contained file
+    except sqlite3.Error:
+        pass  # the WAL still holds every committed event; the next reader recovers it
+    finally:
+        conn.close()
 
 
 class SQLiteTapeReader:

@@ -69,6 +69,9 @@ class RequestState:
     num_stale_in_flight: int = 0  # scheduled before the latest preemption: frames are stale
     num_fresh_in_flight: int = 0  # current epoch, sampling a token: each yields at least one
     num_partial_in_flight: int = 0  # current epoch, a prefill chunk that samples nothing
+    # An entry of the current epoch reached the end of the sequence: from then on the runner
+    # holds every confirmed token (it sampled them), and each step is a decode.
+    prefill_complete: bool = False
     # Historical discard policies: vLLM's counter (#42117) and flag (before #42117).
     async_tokens_to_discard: int = 0
     discard_latest_async_tokens: bool = False

@@ -20,11 +20,11 @@ class ScheduledBatch:
 
     step: int
     entries: list[ScheduledEntry]  # the StepScheduled event's entries
-    # Confirmed tokens computed in this step, by request: from position 0 for a request
-    # (re)entering the batch, so the runner rebuilds its copy; from num_computed_before for a
-    # later prefill chunk or a synchronous decode. An async decode has none: its input is the
-    # token the runner sampled in the previous step (vLLM fills that placeholder on the GPU),
-    # so the runner keeps its own copy of every sequence.
+    # Confirmed tokens a prefill computes in this step, by request: from position 0 for a
+    # request (re)entering the batch, so the runner rebuilds its copy; from
+    # num_computed_before for a later chunk. A decode has none: its input is the token the
+    # runner sampled in the previous step (in async mode vLLM fills that placeholder on the
+    # GPU), so the runner keeps its own copy of every sequence.
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     new_requests: dict[str, NewRequest] = field(default_factory=dict)
     partial_prefills: set[str] = field(default_factory=set)  # entries that sample nothing
