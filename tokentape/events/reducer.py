@@ -245,9 +245,10 @@ def fold_events(events: Iterable[tuple[int, ev.Event]], state: EngineState, unti
     with the dispatch hoisted out of it (replay folds millions of events)."""
     handlers = _HANDLERS
     applied = 0
+    until = until_seq if until_seq is not None else 1 << 62
     try:
         for seq, event in events:
-            if until_seq is not None and seq >= until_seq:
+            if seq >= until:
                 break
             handlers[type(event)](state, event)
             applied += 1
