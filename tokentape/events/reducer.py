@@ -160,13 +160,13 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     pending, partial = state.pending_output, scheduled.partial
     policy = get_policy(state.discard_policy)
     should_drop, may_drop_fresh = policy.should_drop, policy.may_drop_fresh
+    if len(e.entries) != len(scheduled.entries) - len(partial):
+        raise ReducerError(f"frame of step {e.step} has {len(e.entries)} entries for "
+                           f"{len(scheduled.entries) - len(partial)} sampling entries")
     frames: list[ev.FrameEntry | None] = e.entries  # one per sampling entry, in order
     if partial:
         answers = iter(e.entries)
-        frames = [None if x.req_id in partial else next(answers, None) for x in scheduled.entries]
-    if len(frames) != len(scheduled.entries):
-        raise ReducerError(f"frame of step {e.step} has {len(e.entries)} entries for "
-                           f"{len(scheduled.entries) - len(partial)} scheduled tokens")
+        frames = [None if x.req_id in partial else next(answers) for x in scheduled.entries]
     for entry, req, frame in zip(scheduled.entries, scheduled.requests, frames):
         stale = entry.epoch != req.epoch
         if frame is None:  # a prefill chunk: nothing to apply
