@@ -15,7 +15,8 @@ in-flight steps already reach its token limit is not scheduled again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
@@ -38,9 +39,10 @@ class Scheduler:
         self.emit = emit
         self.max_model_len = config.effective_max_model_len
 
-    def preempt(self, req: RequestState, reason: ev.PreemptReason, extra_blocks: list[int] = ()) -> None:  # type: ignore[assignment]
-        """Free the request's KV and record the preemption; the reducer requeues it."""
-        self.kv.free(req.req_id, req.block_ids + list(extra_blocks))
+    def preempt(self, req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()) -> None:
+        """Free the request's KV (and blocks given to it in the step being planned) and
+        record the preemption; the reducer requeues it."""
+        self.kv.free(req.req_id, [*req.block_ids, *extra_blocks])
         self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, req.num_in_flight))
 
     def finish(self, req: RequestState, reason: ev.FinishReason) -> None:
@@ -52,18 +54,25 @@ class Scheduler:
             self.emit(ev.RequestFinished(self.state.step, req.req_id, reason))
 
     def schedule(self) -> ScheduledBatch | None:
+        """Plan the next step and record it; None when there is nothing to run."""
         state = self.state
         if state.paused in ("keep", "abort"):
             return None
-        config, kv, requests = self.config, self.kv, state.requests
-        step = state.step
-        budget = config.max_num_batched_tokens
-        entries: dict[str, ev.ScheduledEntry] = {}
-        batch = ScheduledBatch(step, [])
-        preempted = False
-        max_model_len, max_spec = self.max_model_len, config.num_speculative_tokens
+        plan = _StepPlan(ScheduledBatch(state.step, []), self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted and state.paused is None:  # "wait" admits nothing new
+            self._admit_waiting(plan)
+        if not plan.entries:
+            return None
+        plan.batch.entries = list(plan.entries.values())
+        self.emit(ev.StepScheduled(plan.batch.step, plan.batch.entries))
+        return plan.batch
 
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        state, kv, requests = self.state, self.kv, self.state.requests
+        max_model_len, max_spec = self.max_model_len, self.config.num_speculative_tokens
         for req_id in list(state.running):
+            budget = plan.budget
             if budget <= 0:
                 break
             req = requests[req_id]
@@ -91,50 +100,75 @@ class Scheduler:
                 if max_spec:
                     num_spec = max(0, min(max_spec, budget - num_new, max_model_len - computed - num_new))
                     num_new += num_spec
-            while (new_blocks := kv.allocate(len(req.block_ids), computed + num_new)) is None:
-                victim = requests[state.running[-1]]
-                pending = entries.pop(victim.req_id, None)
-                if pending is not None:
-                    batch.token_ids.pop(victim.req_id, None)
-                    batch.partial_prefills.discard(victim.req_id)
-                    budget += pending.num_new_tokens
-                self.preempt(victim, "kv_pressure", pending.new_block_ids if pending else ())
-                preempted = True
-                if victim is req:
-                    break
+            new_blocks = self._allocate_or_preempt(req, computed + num_new, plan)
             if new_blocks is None:
-                continue
+                continue  # it was preempted itself
             kv.cache_full_blocks(req, req.block_ids, new_blocks, computed + num_new)
-            entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, computed, num_new, num_spec, new_blocks)
-            if not decode:  # a decode's input is the runner's own last sample
-                batch.token_ids[req_id] = req.token_ids_between(computed, computed + num_new)
-                if computed + num_new < num_tokens:
-                    batch.partial_prefills.add(req_id)
-            budget -= num_new
+            entry = ev.ScheduledEntry(req_id, req.epoch, computed, num_new, num_spec, new_blocks)
+            if decode:  # its input is the runner's own last sample
+                plan.add(entry, None, partial=False)
+            else:
+                tokens = req.token_ids_between(computed, computed + num_new)
+                plan.add(entry, tokens, partial=computed + num_new < num_tokens)
 
-        if not preempted and state.paused is None:
-            num_running = len(state.running)
-            for req_id in list(state.waiting):
-                if budget <= 0 or num_running >= config.max_num_seqs:
-                    break
-                req = requests[req_id]
-                hits = kv.get_computed_blocks(req)
-                num_cached = len(hits) * kv.block_size
-                num_new = min(req.num_tokens - num_cached, budget)
-                new_blocks = kv.allocate(0, num_cached + num_new, hits)
-                if new_blocks is None:
-                    break
-                kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
-                entries[req_id] = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
-                batch.new_requests[req_id] = NewRequest(req.prompt_token_ids, req.params)
-                batch.token_ids[req_id] = req.token_ids_between(0, num_cached + num_new)
-                if num_cached + num_new < req.num_tokens:
-                    batch.partial_prefills.add(req_id)
-                budget -= num_new
-                num_running += 1
+    def _allocate_or_preempt(self, req: RequestState, num_tokens: int, plan: _StepPlan) -> list[int] | None:
+        """Blocks for `num_tokens`, preempting the most recently admitted running requests
+        until they fit; None if `req` itself had to go."""
+        requests, running = self.state.requests, self.state.running
+        while (new_blocks := self.kv.allocate(len(req.block_ids), num_tokens)) is None:
+            victim = requests[running[-1]]
+            self.preempt(victim, "kv_pressure", plan.drop(victim.req_id))
+            plan.preempted = True
+            if victim is req:
+                return None
+        return new_blocks
 
-        if not entries:
-            return None
-        batch.entries = list(entries.values())
-        self.emit(ev.StepScheduled(step, batch.entries))
-        return batch
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        state, kv = self.state, self.kv
+        num_running = len(state.running)
+        for req_id in list(state.waiting):
+            if plan.budget <= 0 or num_running >= self.config.max_num_seqs:
+                break
+            req = state.requests[req_id]
+            hits = kv.get_computed_blocks(req)
+            num_cached = len(hits) * kv.block_size
+            num_new = min(req.num_tokens - num_cached, plan.budget)
+            new_blocks = kv.allocate(0, num_cached + num_new, hits)
+            if new_blocks is None:
+                break  # first come, first served: nobody behind it jumps the queue
+            kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
+            entry = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
+            # It (re)enters the batch: the runner gets its tokens from position 0.
+            plan.batch.new_requests[req_id] = NewRequest(req.prompt_token_ids, req.params)
+            plan.add(entry, req.token_ids_between(0, num_cached + num_new),
+                     partial=num_cached + num_new < req.num_tokens)
+            num_running += 1
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """The step being planned: its entries, the runner's batch and the token budget left."""
+
+    batch: ScheduledBatch
+    budget: int
+    entries: dict[str, ev.ScheduledEntry] = field(default_factory=dict)
+    preempted: bool = False
+
+    def add(self, entry: ev.ScheduledEntry, token_ids: list[int] | None, partial: bool) -> None:
+        self.entries[entry.req_id] = entry
+        self.budget -= entry.num_new_tokens
+        if token_ids is not None:
+            self.batch.token_ids[entry.req_id] = token_ids
+        if partial:
+            self.batch.partial_prefills.add(entry.req_id)
+
+    def drop(self, req_id: str) -> list[int]:
+        """Take a preempted request out of the step; returns the blocks it was given in it."""
+        entry = self.entries.pop(req_id, None)
+        if entry is None:
+            return []
+        self.budget += entry.num_new_tokens
+        self.batch.token_ids.pop(req_id, None)
+        self.batch.partial_prefills.discard(req_id)
+        self.batch.new_requests.pop(req_id, None)
+        return entry.new_block_ids
