@@ -260,3 +260,25 @@ def test_readmitted_prefill_ending_one_token_short_sends_that_token() -> None:
     while e.has_unfinished_requests():
         got += [t for o in e.step() for t in o.outputs[0].token_ids]
     assert got == e.runner.expected_stream([3, 3], params)
+
+
+def test_a_request_finished_by_the_scheduler_is_reported_to_the_client() -> None:
+    # Under `counter` with speculative decoding, dropped fresh frames leave positions
+    # computed until the scheduler caps the request at max_model_len. That finish happens
+    # while scheduling, with nothing in flight: the client must still be told.
+    llm = small_llm(pipeline_depth=2, num_speculative_tokens=1, discard_policy="counter",
+                    num_kv_blocks=8, enable_prefix_caching=False)
+    e = llm.engine
+    e.add_request("first", [3], SamplingParams(max_tokens=9))
+    for i in range(3):
+        e.add_request(f"short{i}", [3], SamplingParams(max_tokens=1))
+    e.add_request("long", [7, 8, 9, 10, 11, 12, 13, 14] + [3] * 7, SamplingParams(max_tokens=17))
+    finished = {}
+    for _ in range(500):
+        if not e.has_unfinished_requests():
+            break
+        for out in e.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].finish_reason
+    assert set(finished) == {"first", "short0", "short1", "short2", "long"}
+    assert all(r.finish_reason == finished[r.req_id] for r in e.state.requests.values())

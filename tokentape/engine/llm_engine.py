@@ -81,11 +81,13 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _recorded(self) -> Iterator[None]:
-        """Run an engine operation; record any internal failure on the tape, then re-raise."""
+        """Run an engine operation, deliver the outputs it produced and commit; record any
+        internal failure on the tape, then re-raise."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
         try:
             yield
+            self._flush_outputs()  # whatever the operation finished or produced, deliver it
         except BaseException as exc:
             self._dead = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
@@ -133,7 +135,6 @@ class LLMEngine:
             return  # finishing and aborting raced; nothing left to abort
         with self._recorded():
             self.scheduler.finish(req, "abort")
-            self._flush_outputs()
 
     def has_unfinished_requests(self) -> bool:
         s = self.state
@@ -172,7 +173,6 @@ class LLMEngine:
             req = requests[entry.req_id]
             if req.stop_reason is not None and not req.is_finished:
                 self.scheduler.finish(req, req.stop_reason)
-        self._flush_outputs()
 
     def _flush_outputs(self) -> None:
         state = self.state
@@ -212,7 +212,6 @@ class LLMEngine:
             if mode == "abort":
                 for req in self.state.unfinished:
                     self.scheduler.finish(req, "abort")
-                self._flush_outputs()
             elif mode == "wait":
                 while self.state.running:
                     self._step_once()
