@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tokentape.events import schema as ev
-from tokentape.events.reducer import ReducerError, evolve, initial_state
+from tokentape.events.errors import ReducerError
+from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.state import EngineState, RequestStatus
 
 PARAMS = ev.SamplingParams(max_tokens=10)

@@ -25,7 +25,7 @@ from tokentape.engine.llm_engine import EngineDeadError, make_header
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
 from tokentape.events import sqlite_store
-from tokentape.events.reducer import ReducerError
+from tokentape.events.errors import ReducerError
 from tokentape.events.sqlite_store import SQLiteTape, SQLiteTapeReader
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
 from tokentape.replay import fold, load_tape, verify

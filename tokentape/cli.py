@@ -40,7 +40,7 @@ class CLIError(Exception):
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from tokentape.engine.llm_engine import EngineDeadError
-    from tokentape.events.reducer import ReducerError
+    from tokentape.events.errors import ReducerError
     from tokentape.events.store import TapeError
 
     return (
@@ -524,7 +524,8 @@ class _RichView:
 def _locate_fold_failure(tape: Any, exc: BaseException) -> str:
     """Fold again, event by event, to name the event the reducer refused."""
     from tokentape.events import schema as ev
-    from tokentape.events.reducer import ReducerError, evolve
+    from tokentape.events.errors import ReducerError
+    from tokentape.events.reducer import evolve
 
     state = tape.initial_state()
     for seq, event in tape.events():
@@ -537,7 +538,7 @@ def _locate_fold_failure(tape: Any, exc: BaseException) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from tokentape.events.reducer import ReducerError
+    from tokentape.events.errors import ReducerError
     from tokentape.replay import load_tape
 
     tape = load_tape(args.tape)

@@ -1,6 +1,7 @@
 """Events, tape stores and the reducer: the event-sourced core of tokentape."""
 
-from tokentape.events.reducer import ReducerError, evolve, fold_events, initial_state
+from tokentape.events.errors import ReducerError
+from tokentape.events.reducer import evolve, fold_events, initial_state
 from tokentape.events.schema import FORMAT_VERSION, SamplingParams, TapeHeader
 from tokentape.events.state import EngineState, RequestState, RequestStatus
 from tokentape.events.store import MemoryTape, NullTape, TapeError, TapeFormatError

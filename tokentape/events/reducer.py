@@ -7,10 +7,12 @@ through the same function, so `fold(tape)` gives exactly the state the engine ha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
+from tokentape.events.errors import ReducerError
 from tokentape.events.state import (
     FINISHED_STATUS,
     EngineState,
@@ -18,10 +20,6 @@ from tokentape.events.state import (
     RequestState,
     RequestStatus,
 )
-
-
-class ReducerError(RuntimeError):
-    """An event that cannot follow the state it is applied to: the tape is inconsistent."""
 
 
 def initial_state(
@@ -163,7 +161,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     if len(e.entries) != len(scheduled.entries) - len(partial):
         raise ReducerError(f"frame of step {e.step} has {len(e.entries)} entries for "
                            f"{len(scheduled.entries) - len(partial)} sampling entries")
-    frames: list[ev.FrameEntry | None] = e.entries  # one per sampling entry, in order
+    frames: Sequence[ev.FrameEntry | None] = e.entries  # one per sampling entry, in order
     if partial:
         answers = iter(e.entries)
         frames = [None if x.req_id in partial else next(answers) for x in scheduled.entries]
@@ -217,7 +215,7 @@ def _on_error(state: EngineState, e: ev.EngineError) -> None:
     state.error = f"{e.error_type}: {e.message}"
 
 
-_HANDLERS: dict[type, Callable[[EngineState, ev.Event], None]] = {
+_HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.RequestAdded: _on_added,
     ev.RequestAborted: _on_aborted,
     ev.RequestFinished: _on_finished,

@@ -1,0 +1,20 @@
+"""Which core modules run compiled (mypyc, see setup.py), and whether a build is stale."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+COMPILED_MODULES = ("tokentape.events.state", "tokentape.events.discard", "tokentape.events.reducer")
+
+
+def stale_builds() -> list[str]:
+    """Compiled modules older than their source: an edit there would silently not run."""
+    stale = []
+    for name in COMPILED_MODULES:
+        path = importlib.import_module(name).__file__ or ""
+        if path.endswith((".so", ".pyd")):
+            source = os.path.join(os.path.dirname(path), name.rsplit(".", 1)[1] + ".py")
+            if os.path.exists(source) and os.path.getmtime(source) > os.path.getmtime(path):
+                stale.append(f"{path} is older than {source}")
+    return stale
