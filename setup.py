@@ -15,6 +15,8 @@ COMPILED = [
     "tokentape/events/state.py",
     "tokentape/events/discard.py",
     "tokentape/events/reducer.py",
+    "tokentape/engine/kv_cache_manager.py",
+    "tokentape/engine/scheduler.py",
 ]
 
 

@@ -101,6 +101,7 @@ class LLM:
                     tokens[out.request_id].extend(out.outputs[0].token_ids)
                     if out.finished:
                         reasons[out.request_id] = out.outputs[0].finish_reason
+        engine.tape.flush()  # the run is complete in the tape file when generate returns
         results = []
         for req_id, prompt in zip(ids, prompts):
             req = engine.state.requests[req_id]

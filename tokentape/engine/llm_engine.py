@@ -92,7 +92,7 @@ class LLMEngine:
             self._dead = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
                 self.tape.append(ev.EngineError(self.state.step, type(exc).__name__, str(exc)))
-                self.tape.commit()
+                self.tape.flush()  # in the file before the exception propagates
             raise
         self.tape.commit()
 
@@ -219,6 +219,7 @@ class LLMEngine:
                 self._apply_oldest_frame()
             if clear_cache:
                 self._reset_prefix_cache(reset_running_requests=True)
+        self.tape.flush()  # a paused engine's tape is complete in the file
 
     def resume_generation(self) -> None:
         if self.state.paused is None:

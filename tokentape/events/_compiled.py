@@ -5,7 +5,13 @@ from __future__ import annotations
 import importlib
 import os
 
-COMPILED_MODULES = ("tokentape.events.state", "tokentape.events.discard", "tokentape.events.reducer")
+COMPILED_MODULES = (
+    "tokentape.events.state",
+    "tokentape.events.discard",
+    "tokentape.events.reducer",
+    "tokentape.engine.kv_cache_manager",
+    "tokentape.engine.scheduler",
+)
 
 
 def stale_builds() -> list[str]:

@@ -94,6 +94,7 @@ class SQLiteTape:
         self._next_seq += 1
 
     def commit(self) -> None:
+        """End a transaction (a step boundary): the rows appended since are written."""
         if not self._buffer:
             return
         conn = self._conn
@@ -105,6 +106,9 @@ class SQLiteTape:
             raise
         conn.execute("COMMIT")
         self._buffer.clear()
+
+    def flush(self) -> None:
+        self.commit()  # a commit is in the file (its WAL) when it returns
 
     def __len__(self) -> int:
         return self._next_seq

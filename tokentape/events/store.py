@@ -38,7 +38,11 @@ class TapeWriter(Protocol):
 
     def append(self, event: ev.Event) -> None: ...
 
-    def commit(self) -> None: ...
+    def commit(self) -> None:
+        """Mark a step boundary: what was appended so far becomes one transaction."""
+
+    def flush(self) -> None:
+        """Commit, and return once everything committed is stored."""
 
     def close(self) -> None: ...
 
@@ -83,6 +87,9 @@ class MemoryTape:
     def commit(self) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -106,6 +113,9 @@ class NullTape:
         pass
 
     def commit(self) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def close(self) -> None:

@@ -115,6 +115,9 @@ class _CheckingTape:
     def commit(self) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
