@@ -10,7 +10,6 @@ COMPILED_MODULES = (
     "tokentape.events.discard",
     "tokentape.events.reducer",
     "tokentape.engine.kv_cache_manager",
-    "tokentape.engine.scheduler",
 )
 
 

@@ -3,10 +3,11 @@
 Layout (see docs/tape-format.md):
 - `meta(key, value)`: `format_version` (integer) and `header` (msgpack TapeHeader);
 - `events(seq, step, kind, data)`: one row per event, `data` is the msgpack event.
-Triggers refuse UPDATE and DELETE on both tables. Rows are buffered and written with one
-`executemany` per commit; the engine commits at every step boundary, so a killed process
-leaves a tape that reads back up to its last completed step. WAL lets another process read
-while the engine writes.
+Triggers refuse UPDATE and DELETE on both tables, and inserts that would replace a row. Rows
+are buffered and written with one `executemany` per commit; the engine commits at every step
+boundary, so a killed process leaves a tape that reads back up to its last completed step.
+WAL lets another process read while the engine writes; checkpoints run on a background
+thread (see SQLiteTape).
 """
 
 from __future__ import annotations
