@@ -19,7 +19,7 @@ PauseMode = Literal["abort", "wait", "keep"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """vLLM's SamplingParams, reduced to what this engine honours. Validated on creation."""
 
     max_tokens: int = 16
@@ -64,7 +64,7 @@ class TapeHeader(msgspec.Struct, frozen=True):
     created_at: str = ""
 
 
-class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False, omit_defaults=True):
+class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     """Base of every tape event. `step` is the engine step the event belongs to."""
 
     step: int
@@ -106,7 +106,7 @@ class WeightsUpdated(Event, tag="WeightsUpdated"):
 # -- decisions of the scheduler -----------------------------------------------------------
 
 
-class ScheduledEntry(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
+class ScheduledEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     req_id: str
     epoch: int
     num_computed_before: int
@@ -133,7 +133,7 @@ class RequestFinished(Event, tag="RequestFinished"):
 # -- facts from the runner and what the client saw ----------------------------------------
 
 
-class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
+class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     req_id: str
     token_ids: list[int]  # accepted draft tokens followed by one sampled token
     draft_token_ids: list[int] = []  # what the drafter proposed (empty without spec decoding)
@@ -148,7 +148,7 @@ class FrameProduced(Event, tag="FrameProduced"):
     entries: list[FrameEntry]
 
 
-class EmittedOutput(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
+class EmittedOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     req_id: str
     token_ids: list[int]  # tokens newly delivered to the client
     finished: bool
