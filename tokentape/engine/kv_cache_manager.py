@@ -38,9 +38,6 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     # -- prefix cache ------------------------------------------------------------------------
 
     def _block_hashes(self, req: RequestState, num_full_blocks: int) -> list[int]:

@@ -21,14 +21,6 @@ class RequestStatus(str, Enum):
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED}
-)
 
 FINISHED_STATUS: dict[str, RequestStatus] = {
     "stop": RequestStatus.FINISHED_STOPPED,
