@@ -20,7 +20,7 @@ The plain tests at the bottom are minimised reproductions of engine bugs this ma
 (premature "length" finish with speculative decoding in an async pipeline; placeholders never
 released by finished requests; a negative discard count under the "counter" policy).
 
-Knobs: TOKENTAPE_SM_EXAMPLES (default 100), TOKENTAPE_SM_STEPS (default 40), and
+Knobs: TOKENTAPE_SM_EXAMPLES (default 300), TOKENTAPE_SM_STEPS (default 40), and
 TOKENTAPE_SM_STATS=1 to record coverage events (run with --hypothesis-show-statistics).
 """
 
@@ -44,7 +44,7 @@ BLOCK_SIZE = 4
 FIRST_TOKEN, VOCAB = 3, 259
 # fold() is O(events); the runs are short, so fold after every command.
 FOLD_EVERY = 1
-MAX_EXAMPLES = int(os.environ.get("TOKENTAPE_SM_EXAMPLES", "100"))
+MAX_EXAMPLES = int(os.environ.get("TOKENTAPE_SM_EXAMPLES", "300"))
 STEP_COUNT = int(os.environ.get("TOKENTAPE_SM_STEPS", "40"))
 STATS = bool(os.environ.get("TOKENTAPE_SM_STATS"))  # record coverage events
 
