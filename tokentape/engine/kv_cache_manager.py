@@ -43,11 +43,12 @@ class KVCacheManager:
     def _block_hashes(self, req: RequestState, num_full_blocks: int) -> list[int]:
         hashes = self._req_hashes.setdefault(req.req_id, [])
         if len(hashes) < num_full_blocks:
-            tokens = req.all_token_ids
             bs = self.block_size
+            start = len(hashes) * bs  # only the blocks not hashed yet
+            tokens = req.token_ids_between(start, num_full_blocks * bs)
             parent = hashes[-1] if hashes else 0  # ints hash the same in every process
-            for i in range(len(hashes), num_full_blocks):
-                parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            for i in range(0, len(tokens), bs):
+                parent = hash((parent, tuple(tokens[i:i + bs])))
                 hashes.append(parent)
         return hashes
 

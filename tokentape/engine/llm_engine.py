@@ -13,6 +13,8 @@ import datetime
 from collections import deque
 from collections.abc import Iterator
 
+import msgspec
+
 from tokentape import __version__
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
@@ -33,8 +35,6 @@ class EngineDeadError(RuntimeError):
 
 
 def make_header(config: EngineConfig, runner: ModelRunner) -> ev.TapeHeader:
-    import msgspec
-
     return ev.TapeHeader(
         format_version=ev.FORMAT_VERSION,
         config=msgspec.to_builtins(config),
