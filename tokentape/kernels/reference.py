@@ -1,0 +1,161 @@
+"""Torch references for the KV-cache write and paged attention: the CPU path of the engine.
+
+Layout (vLLM / nano-vllm): per layer, ``k_cache`` and ``v_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot is
+``block_id * block_size + offset_in_block``.
+
+Attention is computed one sequence at a time, in float32, on exactly that sequence's tensors,
+so a sequence's result never depends on which other sequences share the batch (batch
+invariance: the same tokens at batch size 1 and 32). Within a sequence everything is
+vectorised: its blocks are gathered once and all its new tokens and heads go through two
+batched matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` [num_tokens, num_kv_heads, head_dim] into their slots.
+
+    A slot of -1 means the token is not cached (e.g. padding) and is skipped.
+    """
+    check_kv_write_shapes(key, value, k_cache, v_cache, slot_mapping)
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    block_size = k_cache.shape[1]
+    # Index by (block, offset) rather than through a flat view, so any cache strides work.
+    block_ids, offsets = slots // block_size, slots % block_size
+    k_cache[block_ids, offsets] = key.to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context.
+
+    ``query`` [total_q, num_heads, head_dim] is the ragged concatenation of the new tokens of
+    B sequences (``cu_seqlens_q`` [B+1]); ``seq_lens`` [B] counts each sequence's whole
+    context including these tokens, whose K/V are already in the cache. The j-th new token of
+    sequence b sits at position ``seq_lens[b] - q_len_b + j`` and attends to positions up to
+    its own. Returns [total_q, num_heads, head_dim] in ``query``'s dtype.
+    """
+    check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    total_q, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    tables = block_tables.to(device=k_cache.device, dtype=torch.long)
+    out = torch.empty_like(query)
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(
+                f"sequence {b}: {q_len} new tokens but seq_len is only {seq_len}"
+            )
+        num_blocks = -(-seq_len // block_size)
+        if num_blocks > tables.shape[1]:
+            raise ValueError(
+                f"sequence {b}: seq_len {seq_len} needs {num_blocks} blocks but block_tables "
+                f"has {tables.shape[1]} columns"
+            )
+        blocks = tables[b, :num_blocks]
+        # [ctx, Hkv, D] -> [Hkv, ctx, D]; the gather makes a fresh (aligned) float32 copy.
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.to(torch.float32).transpose(0, 1)
+        v = v.to(torch.float32).transpose(0, 1)
+        # [q_len, H, D] -> [Hkv, G * q_len, D]: a query head h reads kv head h // G.
+        # copy=True gives the same fresh allocation whatever the slice's offset in the batch.
+        q = query[q_start:q_end].to(torch.float32, copy=True)
+        q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, group * q_len, head_dim)
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # [Hkv, G * q_len, ctx]
+        if q_len > 1:
+            # New token j is at position seq_len - q_len + j; keys after it are masked.
+            future = torch.ones(q_len, seq_len, dtype=torch.bool).triu_(seq_len - q_len + 1)
+            scores.view(num_kv_heads, group, q_len, seq_len).masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.bmm(probs, v)  # [Hkv, G * q_len, D]
+        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim)
+    return out
+
+
+def check_kv_write_shapes(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """One-line ValueErrors for inputs that do not fit the cache layout."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    expected = (slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3])
+    if slot_mapping.dim() != 1 or key.shape != expected or value.shape != expected:
+        raise ValueError(
+            f"key/value must be [num_tokens, num_kv_heads, head_dim] = {expected}, "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+
+
+def check_attention_shapes(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    """One-line ValueErrors for inputs that do not fit together (no device sync needed)."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if query.dim() != 3 or query.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"query must be [total_q, num_heads, head_dim={k_cache.shape[3]}], "
+            f"got {tuple(query.shape)}"
+        )
+    if query.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(
+            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads "
+            f"({k_cache.shape[2]})"
+        )
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"cu_seqlens_q must have num_seqs + 1 = {num_seqs + 1} entries, "
+            f"got shape {tuple(cu_seqlens_q.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], "
+            f"got {tuple(block_tables.shape)}"
+        )
