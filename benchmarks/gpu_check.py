@@ -13,10 +13,14 @@ One short script for a machine with a CUDA GPU (a few minutes at most):
    --config qwen3-0.6b``, run as a subprocess when that file exists, its output printed.
 
 Ends with a compact summary; exit status 1 if a check failed. Without CUDA it says so and
-exits 0 having checked nothing. ``--cpu-interpret`` runs parts 1 and 2 on the CPU under the
-Triton interpreter with tiny shapes, to smoke-test this script where there is no GPU.
+exits 0 having checked nothing. Two modes need no GPU: ``--compile-only`` compiles every
+kernel ahead of time for ``--arch`` (default sm_90) with the engine's launch parameters and
+reports registers and spills; ``--cpu-interpret`` runs parts 1 and 2 on the CPU under the
+Triton interpreter with tiny shapes, to smoke-test this script.
 
-    python benchmarks/gpu_check.py [--skip-engine] [--engine-timeout 300] [--cpu-interpret]
+    python benchmarks/gpu_check.py [--skip-engine] [--engine-timeout 300]
+    python benchmarks/gpu_check.py --compile-only [--arch 90]
+    python benchmarks/gpu_check.py --cpu-interpret
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ def parse_args() -> argparse.Namespace:
                    help="seconds allowed for the engine benchmark subprocess (default 300)")
     p.add_argument("--iters", type=int, default=50,
                    help="timed iterations per variant, median reported (default 50)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: compile every kernel ahead of time for --arch with the "
+                   "launch parameters the engine uses (catches what the interpreter cannot: "
+                   "compile errors, and register spills where cuobjdump is available)")
+    p.add_argument("--arch", type=int, default=90,
+                   help="CUDA compute capability for --compile-only, e.g. 80, 90 (default 90)")
     p.add_argument("--cpu-interpret", action="store_true",
                    help="smoke-test this script without a GPU: the Triton interpreter on the "
                    "CPU with tiny shapes (timings meaningless, no engine run)")
@@ -96,6 +106,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if args.compile_only:
+        return summarize(compile_kernels(args.arch))
     if args.cpu_interpret:
         # Must be set before triton is first imported.
         os.environ["TRITON_INTERPRET"] = "1"
@@ -125,6 +137,10 @@ def main() -> int:
     results += time_kernels(device, shapes, iters, gen)
     if not (args.skip_engine or args.cpu_interpret):
         results.append(run_engine_benchmark(args.engine_timeout))
+    return summarize(results)
+
+
+def summarize(results: list[Result]) -> int:
     print("\n== summary ==")
     for r in results:
         tag = "info" if r.ok is None else ("PASS" if r.ok else "FAIL")
@@ -132,6 +148,84 @@ def main() -> int:
     failed = [r.name for r in results if r.ok is False]
     print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def compile_kernels(arch: int) -> list[Result]:
+    """Compile each kernel for sm_<arch> as the launchers would, at Qwen3-0.6B's shapes."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tokentape.kernels import triton_decode, triton_kv_write, triton_prefill
+
+    s = QWEN3_06B
+    results = []
+    for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        index = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "cu_seqlens_q_ptr": "*i32", "partial_out_ptr": "*fp32",
+                 "partial_max_ptr": "*fp32", "partial_sum_ptr": "*fp32", "qk_scale": "fp32"}
+        kernels = [
+            ("kv write", triton_kv_write._write_kv_cache_kernel,
+             triton_kv_write.kv_write_kernel_meta(s.num_kv_heads, s.head_dim)),
+            ("decode split", triton_decode._decode_split_kernel,
+             triton_decode.split_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype)),
+            ("decode merge", triton_decode._decode_merge_kernel,
+             triton_decode.merge_kernel_meta(s.head_dim, num_splits=4)),
+            ("prefill", triton_prefill._prefill_kernel,
+             triton_prefill.prefill_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype)),
+        ]
+        for name, kernel, meta in kernels:
+            meta = dict(meta)
+            options = {"num_warps": meta.pop("num_warps", 4)}
+            signature = {}
+            for arg in kernel.arg_names:
+                if arg in meta:
+                    signature[arg] = "constexpr"
+                elif arg.endswith("_ptr"):
+                    signature[arg] = index.get(arg, ptr)
+                else:
+                    signature[arg] = index.get(arg, "i32")
+            # Launches pass 16-byte-aligned pointers, which triton specializes on.
+            attrs = {(i,): [["tt.divisibility", 16]]
+                     for i, arg in enumerate(kernel.arg_names) if arg.endswith("_ptr")}
+            label = f"compile {name} {dtype_name(dtype)} sm_{arch}"
+            start = time.perf_counter()
+            try:
+                compiled = triton.compile(
+                    ASTSource(kernel, signature, constexprs=meta, attrs=attrs),
+                    target=GPUTarget("cuda", arch, 32), options=options)
+            except Exception as exc:  # a compile error is the finding: report it
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                results.append(Result(label, False, f"{type(exc).__name__}: {first[:160]}"))
+                continue
+            usage = resource_usage(compiled.asm.get("cubin", b""))
+            results.append(Result(
+                label, True,
+                f"{time.perf_counter() - start:.1f} s, {options['num_warps']} warps, "
+                f"{compiled.metadata.shared} B shared" + (f", {usage}" if usage else "")))
+    return results
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers and spill stack per thread, from the cuobjdump triton ships (if present)."""
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cubin or not tool.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+    fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line
+                  for item in line.split() if ":" in item)
+    if "REG" not in fields:
+        return ""
+    return f"{fields['REG']} registers, {fields.get('STACK', '?')} B stack (spills if > 0)"
 
 
 def describe(device) -> str:
@@ -311,7 +405,7 @@ def median_ms(fn: Callable[[], object], device, iters: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for _ in range(3):  # warm-up (and the Triton compile on the first call)
+    for _ in range(3 if device.type == "cuda" else 1):  # warm-up, and the Triton compile
         fn()
     sync()
     samples = []

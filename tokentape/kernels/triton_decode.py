@@ -18,7 +18,10 @@ import triton.language as tl
 from tokentape.kernels.reference import check_attention_shapes
 
 LOG2_E = 1.4426950408889634
-TILE_N = 64  # KV tokens per inner iteration
+# KV tokens per inner iteration, and warps: K/V are upcast to fp32 in registers, and a 64-token
+# tile at 4 warps spills on sm_90 (checked with `gpu_check.py --compile-only`), 32 does not.
+TILE_N = 32
+NUM_WARPS = 4
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split would cost more in merging than it gains
 MAX_SPLITS = 64
 
@@ -146,6 +149,28 @@ def _decode_merge_kernel(
     )
 
 
+def split_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """Compile-time parameters of the split kernel (shared with the ahead-of-time check)."""
+    group = num_heads // num_kv_heads
+    return dict(
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        TILE=TILE_N,
+        # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+    )
+
+
+def merge_kernel_meta(head_dim: int, num_splits: int):
+    """Compile-time parameters of the merge kernel."""
+    return dict(
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
 def decode_split_tokens(max_context: int) -> int:
     """Tokens per split for a block table covering ``max_context`` tokens."""
     per_split = max(MIN_SPLIT_TOKENS, triton.cdiv(max_context, MAX_SPLITS))
@@ -176,7 +201,6 @@ def paged_decode_triton(
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
@@ -190,7 +214,6 @@ def paged_decode_triton(
         num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device
     )
     partial_sum = torch.empty_like(partial_max)
-    block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -213,11 +236,7 @@ def paged_decode_triton(
         block_size,
         split_tokens,
         num_splits,
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, block_d),
-        TILE=TILE_N,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **split_kernel_meta(num_heads, num_kv_heads, head_dim, query.dtype),
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         out,
@@ -230,7 +249,6 @@ def paged_decode_triton(
         num_heads,
         head_dim,
         num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d,
+        **merge_kernel_meta(head_dim, num_splits),
     )
     return out

@@ -58,6 +58,14 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def kv_write_kernel_meta(num_kv_heads: int, head_dim: int):
+    """Compile-time parameters of the KV write kernel (shared with the ahead-of-time check)."""
+    return dict(
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
 def write_kv_cache_triton(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -91,6 +99,5 @@ def write_kv_cache_triton(
         num_kv_heads,
         head_dim,
         k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        **kv_write_kernel_meta(num_kv_heads, head_dim),
     )

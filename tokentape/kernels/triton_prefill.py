@@ -20,7 +20,10 @@ from tokentape.kernels.reference import check_attention_shapes
 
 LOG2_E = 1.4426950408889634
 BLOCK_M = 64  # query rows per program: BLOCK_M // GROUP tokens times GROUP heads
-TILE_N = 64  # KV tokens per inner iteration
+# KV tokens per inner iteration, and warps: with Q, the accumulator and K/V tiles in fp32,
+# 64-token tiles or 4 warps spill registers on sm_90 (`gpu_check.py --compile-only`).
+TILE_N = 32
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -127,6 +130,22 @@ def _prefill_kernel(
     )
 
 
+def prefill_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """Compile-time parameters of the prefill kernel (shared with the ahead-of-time check)."""
+    group = num_heads // num_kv_heads
+    block_m = max(BLOCK_M, triton.next_power_of_2(group))
+    return dict(
+        GROUP=group,
+        BLOCK_Q=block_m // group,
+        BLOCK_M=block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        TILE=TILE_N,
+        # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+    )
+
+
 def paged_prefill_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,14 +165,12 @@ def paged_prefill_triton(
     total_q, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     if total_q == 0:
         return out
-    block_m = max(BLOCK_M, triton.next_power_of_2(group))
-    block_q = block_m // group
-    # Each sequence's tiles start at cu_seqlens_q[b] // block_q + b: enough for all of them.
-    num_tiles = total_q // block_q + num_seqs
+    meta = prefill_kernel_meta(num_heads, num_kv_heads, head_dim, query.dtype)
+    # Each sequence's tiles start at cu_seqlens_q[b] // BLOCK_Q + b: enough for all of them.
+    num_tiles = total_q // meta["BLOCK_Q"] + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
         out,
         query,
@@ -174,11 +191,6 @@ def paged_prefill_triton(
         num_seqs,
         head_dim,
         block_size,
-        GROUP=group,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        TILE=TILE_N,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **meta,
     )
     return out
