@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 from cases import make_case, naive_attention
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel tests need the interpreter"
@@ -126,3 +128,35 @@ def test_dispatch_to_triton_picks_decode_or_prefill(monkeypatch: pytest.MonkeyPa
         )
         assert bool(calls) == expect_decode
         torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seqs=st.lists(
+        st.integers(1, 80).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))),
+        min_size=1,
+        max_size=4,
+    ),
+    group=st.sampled_from([1, 2, 3, 4]),
+    num_kv_heads=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([16, 24]),  # 24: the kernels pad head_dim to a power of two
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernels_property(
+    seqs: list[tuple[int, int]],
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seed: int,
+) -> None:
+    """Random ragged batches: the prefill kernel, and the decode kernel on the same contexts."""
+    shape = dict(num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 block_size=block_size, seed=seed)
+    case = make_case(seqs, **shape)
+    out = paged_prefill_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
+    case = make_case([(seq_len, 1) for seq_len, _ in seqs], **shape)
+    out = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+    torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
