@@ -39,12 +39,12 @@ def make_workload(batch: int, seq_len: int, q_len: int, gen: torch.Generator):
     order = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
     tables = order.view(batch, blocks_per_seq).to(torch.int32)
     query = torch.randn(batch * q_len, NUM_HEADS, HEAD_DIM, generator=gen)
-    kwargs = dict(
-        cu_seqlens_q=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32),
-        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32),
-        block_tables=tables,
-        scale=HEAD_DIM**-0.5,
-    )
+    kwargs = {
+        "cu_seqlens_q": torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32),
+        "seq_lens": torch.full((batch,), seq_len, dtype=torch.int32),
+        "block_tables": tables,
+        "scale": HEAD_DIM**-0.5,
+    }
     # The baseline's inputs: [B, H(kv), L, D], contiguous, gathered outside the timing.
     dense_k = k_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
     dense_v = v_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()

@@ -195,7 +195,7 @@ def compile_kernels(arch: int) -> list[Result]:
                 compiled = triton.compile(
                     ASTSource(kernel, signature, constexprs=meta, attrs=attrs),
                     target=GPUTarget("cuda", arch, 32), options=options)
-            except Exception as exc:  # a compile error is the finding: report it
+            except Exception as exc:  # noqa: BLE001 (a compile error is the finding: report it)
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 results.append(Result(label, False, f"{type(exc).__name__}: {first[:160]}"))
                 continue
@@ -220,7 +220,7 @@ def resource_usage(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
-                             text=True).stdout
+                             text=True, check=False).stdout
     fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line
                   for item in line.split() if ":" in item)
     if "REG" not in fields:
@@ -263,8 +263,8 @@ def paged_batch(device, shapes: Shapes, seqs, dtype, gen, spare_blocks: int = 8)
     query = torch.randn(sum(q_lens), shapes.num_heads, shapes.head_dim, generator=gen,
                         device=device).to(dtype)
     seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device)
-    kwargs = dict(cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
-                  scale=shapes.head_dim**-0.5)
+    kwargs = {"cu_seqlens_q": cu, "seq_lens": seq_lens, "block_tables": tables,
+              "scale": shapes.head_dim**-0.5}
     return query, k_cache, v_cache, kwargs
 
 
@@ -429,7 +429,7 @@ def run_engine_benchmark(timeout: float) -> Result:
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, timeout=timeout, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, check=False)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or ""
         print(out if isinstance(out, str) else out.decode(errors="replace"))

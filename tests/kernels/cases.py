@@ -27,12 +27,12 @@ class PagedCase:
     scale: float
 
     def attention_kwargs(self) -> dict[str, object]:
-        return dict(
-            cu_seqlens_q=self.cu_seqlens_q,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
-            scale=self.scale,
-        )
+        return {
+            "cu_seqlens_q": self.cu_seqlens_q,
+            "seq_lens": self.seq_lens,
+            "block_tables": self.block_tables,
+            "scale": self.scale,
+        }
 
     def select(self, index: int) -> PagedCase:
         """The same sequence alone in a batch of one, sharing the cache."""

@@ -28,7 +28,7 @@ def test_reference_matches_naive_attention(num_heads: int, num_kv_heads: int) ->
 
 def test_reference_chunks_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunking the new tokens (to bound memory) gives the same attention."""
-    import tokentape.kernels.reference as reference
+    from tokentape.kernels import reference
 
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
     whole = paged_attention_ref(

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel tests need the interpreter"
 
-from tokentape.kernels import paged_attention  # noqa: E402
-from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref  # noqa: E402
-from tokentape.kernels.triton_decode import paged_decode_triton  # noqa: E402
-from tokentape.kernels.triton_kv_write import write_kv_cache_triton  # noqa: E402
-from tokentape.kernels.triton_prefill import paged_prefill_triton  # noqa: E402
+from tokentape.kernels import paged_attention
+from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from tokentape.kernels.triton_decode import paged_decode_triton
+from tokentape.kernels.triton_kv_write import write_kv_cache_triton
+from tokentape.kernels.triton_prefill import paged_prefill_triton
 
 # (seq_len, q_len). Decodes: a 3-block prefix, a one-token context, a context long enough to
 # span several decode splits, a last block holding one token.
@@ -152,8 +152,8 @@ def test_kernels_property(
     seed: int,
 ) -> None:
     """Random ragged batches: the prefill kernel, and the decode kernel on the same contexts."""
-    shape = dict(num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 block_size=block_size, seed=seed)
+    shape = {"num_heads": group * num_kv_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                 "block_size": block_size, "seed": seed}
     case = make_case(seqs, **shape)
     out = paged_prefill_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)

@@ -93,7 +93,7 @@ def paged_attention(
     :func:`write_kv_cache`; block_tables [B, max_blocks_per_seq] int32. Every sequence has at
     least one new token. Returns [total_q, num_heads, head_dim] in query's dtype (fp32 math).
     """
-    kwargs = dict(cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables)
+    kwargs = {"cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens, "block_tables": block_tables}
     if resolve_backend(query.device, backend) == "triton":
         if query.shape[0] == seq_lens.shape[0]:
             # One new token per sequence (each has at least one): the split-KV decode kernel.

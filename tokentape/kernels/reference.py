@@ -61,7 +61,7 @@ def paged_attention_ref(
     its own. Returns [total_q, num_heads, head_dim] in ``query``'s dtype.
     """
     check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
-    total_q, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     starts = cu_seqlens_q.tolist()

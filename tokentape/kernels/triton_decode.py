@@ -152,23 +152,23 @@ def _decode_merge_kernel(
 def split_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
     """Compile-time parameters of the split kernel (shared with the ahead-of-time check)."""
     group = num_heads // num_kv_heads
-    return dict(
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        TILE=TILE_N,
+    return {
+        "GROUP": group,
+        "BLOCK_G": max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "TILE": TILE_N,
         # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
-        PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS,
-    )
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": NUM_WARPS,
+    }
 
 
 def merge_kernel_meta(head_dim: int, num_splits: int):
     """Compile-time parameters of the merge kernel."""
-    return dict(
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
+    return {
+        "BLOCK_S": max(2, triton.next_power_of_2(num_splits)),
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+    }
 
 
 def decode_split_tokens(max_context: int) -> int:

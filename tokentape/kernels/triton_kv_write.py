@@ -60,10 +60,10 @@ def _write_kv_cache_kernel(
 
 def kv_write_kernel_meta(num_kv_heads: int, head_dim: int):
     """Compile-time parameters of the KV write kernel (shared with the ahead-of-time check)."""
-    return dict(
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
+    return {
+        "BLOCK_H": triton.next_power_of_2(num_kv_heads),
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+    }
 
 
 def write_kv_cache_triton(

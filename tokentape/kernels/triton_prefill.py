@@ -134,16 +134,16 @@ def prefill_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype:
     """Compile-time parameters of the prefill kernel (shared with the ahead-of-time check)."""
     group = num_heads // num_kv_heads
     block_m = max(BLOCK_M, triton.next_power_of_2(group))
-    return dict(
-        GROUP=group,
-        BLOCK_Q=block_m // group,
-        BLOCK_M=block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        TILE=TILE_N,
+    return {
+        "GROUP": group,
+        "BLOCK_Q": block_m // group,
+        "BLOCK_M": block_m,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "TILE": TILE_N,
         # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
-        PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS,
-    )
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": NUM_WARPS,
+    }
 
 
 def paged_prefill_triton(
