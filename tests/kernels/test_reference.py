@@ -8,7 +8,12 @@ from cases import PAD_BLOCK, make_case, naive_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokentape.kernels import paged_attention, resolve_backend, write_kv_cache
+from tokentape.kernels import (
+    paged_attention,
+    resolve_backend,
+    triton_available,
+    write_kv_cache,
+)
 from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 # (seq_len, q_len): a decode with a 3-block prefix, a whole prompt, a chunk after a cached
@@ -108,7 +113,12 @@ def test_write_kv_cache_ref_skips_negative_slots() -> None:
 def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TOKENTAPE_KERNELS", raising=False)
     assert resolve_backend(torch.device("cpu")) == "torch"
-    assert resolve_backend(torch.device("cpu"), "triton") == "triton"
+    if triton_available():
+        assert resolve_backend(torch.device("cpu"), "triton") == "triton"  # interpreter is on
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            resolve_backend(torch.device("cpu"), "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TOKENTAPE_KERNELS", "torch")
     assert resolve_backend(torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="unknown kernel backend"):

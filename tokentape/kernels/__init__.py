@@ -54,6 +54,11 @@ def resolve_backend(device: torch.device, backend: Backend | None = None) -> str
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if choice == "triton" and not triton_available():
         raise ValueError("kernel backend 'triton' requested but triton is not installed")
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"kernel backend 'triton' needs CUDA tensors (got {device.type}) or the interpreter "
+            "(TRITON_INTERPRET=1 before triton is imported)"
+        )
     return choice
 
 
