@@ -18,7 +18,7 @@ kernel ahead of time for ``--arch`` (default sm_90) with the engine's launch par
 reports registers and spills; ``--cpu-interpret`` runs parts 1 and 2 on the CPU under the
 Triton interpreter with tiny shapes, to smoke-test this script.
 
-    python benchmarks/gpu_check.py [--skip-engine] [--engine-timeout 300]
+    python benchmarks/gpu_check.py [--skip-engine] [--engine-timeout 300] [--engine-args '...']
     python benchmarks/gpu_check.py --compile-only [--arch 90]
     python benchmarks/gpu_check.py --cpu-interpret
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -90,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-engine", action="store_true", help="do not run bench_generate.py")
     p.add_argument("--engine-timeout", type=float, default=300.0,
                    help="seconds allowed for the engine benchmark subprocess (default 300)")
+    p.add_argument("--engine-args", default="",
+                   help="extra arguments for bench_generate.py, e.g. '--num-prompts 64 --skip-hf'")
     p.add_argument("--iters", type=int, default=50,
                    help="timed iterations per variant, median reported (default 50)")
     p.add_argument("--compile-only", action="store_true",
@@ -136,7 +139,7 @@ def main() -> int:
     results += check_batch_invariance(device, shapes, gen)
     results += time_kernels(device, shapes, iters, gen)
     if not (args.skip_engine or args.cpu_interpret):
-        results.append(run_engine_benchmark(args.engine_timeout))
+        results.append(run_engine_benchmark(args.engine_timeout, shlex.split(args.engine_args)))
     return summarize(results)
 
 
@@ -418,13 +421,13 @@ def median_ms(fn: Callable[[], object], device, iters: int) -> float:
     return samples[len(samples) // 2]
 
 
-def run_engine_benchmark(timeout: float) -> Result:
+def run_engine_benchmark(timeout: float, extra_args: list[str]) -> Result:
     script = HERE / "bench_generate.py"
     name = "engine benchmark (bench_generate.py)"
     if not script.exists():
         return Result(name, None, "not run: benchmarks/bench_generate.py does not exist")
     cmd = [sys.executable, str(script), "--device", "cuda", "--dtype", "bfloat16",
-           "--config", "qwen3-0.6b"]
+           "--config", "qwen3-0.6b", *extra_args]
     print(f"\n== {' '.join(cmd[1:])} ==", flush=True)
     start = time.perf_counter()
     try:
