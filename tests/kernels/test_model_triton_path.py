@@ -15,7 +15,9 @@ from tokentape import LLM, SamplingParams
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("interpreter off (CUDA present): gpu_check.py runs the engine", allow_module_level=True)
+    pytest.skip(
+        "interpreter off (CUDA present): gpu_check.py runs the engine", allow_module_level=True
+    )
 if importlib.util.find_spec("tokentape.engine.model") is None:
     pytest.skip("the real model is not in this tree yet", allow_module_level=True)
 

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("interpreter off (CUDA present): gpu_check.py tests the kernels", allow_module_level=True)
+    pytest.skip(
+        "interpreter off (CUDA present): gpu_check.py tests the kernels", allow_module_level=True
+    )
 
 from tokentape.kernels import paged_attention
 from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
