@@ -14,6 +14,7 @@ plus batch invariance on the CPU.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import _common as c
 import torch
@@ -38,7 +39,7 @@ WORKLOADS = {
 
 def make_workload(
     shapes: tuple[int, int, int], batch: int, seq_len: int, q_len: int, gen: torch.Generator
-):
+) -> tuple[Callable[[], float], Callable[[], float]]:
     num_heads, num_kv_heads, head_dim = shapes
     blocks_per_seq = seq_len // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 16

@@ -34,6 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch  # does not import triton: TRITON_INTERPRET can still be set below
 
 HERE = Path(__file__).resolve().parent
 
@@ -112,11 +115,7 @@ def main() -> int:
     if args.compile_only:
         return summarize(compile_kernels(args.arch))
     if args.cpu_interpret:
-        # Must be set before triton is first imported.
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    if args.cpu_interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         device, shapes, iters = torch.device("cpu"), TINY, 2
     elif torch.cuda.is_available():
         device, shapes, iters = torch.device("cuda"), QWEN3_06B, args.iters
@@ -155,7 +154,6 @@ def summarize(results: list[Result]) -> int:
 
 def compile_kernels(arch: int) -> list[Result]:
     """Compile each kernel for sm_<arch> as the launchers would, at Qwen3-0.6B's shapes."""
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -231,8 +229,7 @@ def resource_usage(cubin: bytes) -> str:
     return f"{fields['REG']} registers, {fields.get('STACK', '?')} B stack (spills if > 0)"
 
 
-def describe(device) -> str:
-    import torch
+def describe(device: torch.device) -> str:
     import triton
 
     if device.type == "cuda":
@@ -243,10 +240,15 @@ def describe(device) -> str:
     return f"{where}; torch {torch.__version__}, triton {triton.__version__}"
 
 
-def paged_batch(device, shapes: Shapes, seqs, dtype, gen, spare_blocks: int = 8):
+def paged_batch(
+    device: torch.device,
+    shapes: Shapes,
+    seqs: list[tuple[int, int]],
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    spare_blocks: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Random cache and query for ``seqs`` [(seq_len, q_len)], blocks handed out shuffled."""
-    import torch
-
     bs = shapes.block_size
     blocks_per_seq = [-(-seq_len // bs) for seq_len, _ in seqs]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -271,13 +273,11 @@ def paged_batch(device, shapes: Shapes, seqs, dtype, gen, spare_blocks: int = 8)
     return query, k_cache, v_cache, kwargs
 
 
-def max_error(a, b) -> float:
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def check_kv_write(device, shapes: Shapes, gen) -> list[Result]:
-    import torch
-
+def check_kv_write(device: torch.device, shapes: Shapes, gen: torch.Generator) -> list[Result]:
     from tokentape.kernels.reference import write_kv_cache_ref
     from tokentape.kernels.triton_kv_write import write_kv_cache_triton
 
@@ -302,7 +302,11 @@ def check_kv_write(device, shapes: Shapes, gen) -> list[Result]:
 
 
 def check_attention(
-    device, shapes: Shapes, dtype, tol: tuple[float, float], gen
+    device: torch.device,
+    shapes: Shapes,
+    dtype: torch.dtype,
+    tol: tuple[float, float],
+    gen: torch.Generator,
 ) -> list[Result]:
     from tokentape.kernels.reference import paged_attention_ref
     from tokentape.kernels.triton_decode import paged_decode_triton
@@ -331,10 +335,10 @@ def check_attention(
     return results
 
 
-def check_batch_invariance(device, shapes: Shapes, gen) -> list[Result]:
+def check_batch_invariance(
+    device: torch.device, shapes: Shapes, gen: torch.Generator
+) -> list[Result]:
     """Informational: a sequence alone vs in a batch, bit for bit, through each kernel."""
-    import torch
-
     from tokentape.kernels.triton_decode import paged_decode_triton
     from tokentape.kernels.triton_prefill import paged_prefill_triton
 
@@ -361,8 +365,9 @@ def check_batch_invariance(device, shapes: Shapes, gen) -> list[Result]:
     return results
 
 
-def time_kernels(device, shapes: Shapes, iters: int, gen) -> list[Result]:
-    import torch
+def time_kernels(
+    device: torch.device, shapes: Shapes, iters: int, gen: torch.Generator
+) -> list[Result]:
     import torch.nn.functional as F
 
     from tokentape.kernels.reference import paged_attention_ref
@@ -401,9 +406,7 @@ def time_kernels(device, shapes: Shapes, iters: int, gen) -> list[Result]:
     return results
 
 
-def median_ms(fn: Callable[[], object], device, iters: int) -> float:
-    import torch
-
+def median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -444,7 +447,7 @@ def run_engine_benchmark(timeout: float, extra_args: list[str]) -> Result:
                   f"exit {proc.returncode} in {elapsed:.0f} s; last line: {last[:120]}")
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ class PagedCase:
     dense_v: list[torch.Tensor]
     scale: float
 
-    def attention_kwargs(self) -> dict[str, object]:
+    def attention_kwargs(self) -> dict[str, Any]:
         return {
             "cu_seqlens_q": self.cu_seqlens_q,
             "seq_lens": self.seq_lens,

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from cases import make_case, naive_attention
+from cases import PagedCase, make_case, naive_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +32,7 @@ MIXED = [(6, 6), (13, 5), (11, 1), (9, 3), (150, 70)]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def reference_of(case, dtype: torch.dtype) -> torch.Tensor:
+def reference_of(case: PagedCase) -> torch.Tensor:
     """The reference on the same (possibly low-precision) inputs, in float32."""
     return paged_attention_ref(
         case.query.float(), case.k_cache.float(), case.v_cache.float(), **case.attention_kwargs()
@@ -74,7 +74,7 @@ def test_decode_kernel_matches_reference(
     out = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     assert out.dtype == dtype
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), reference_of(case, dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), reference_of(case), rtol=tol, atol=tol)
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
 
@@ -97,7 +97,7 @@ def test_prefill_kernel_matches_reference(
     out = paged_prefill_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     assert out.dtype == dtype
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), reference_of(case, dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), reference_of(case), rtol=tol, atol=tol)
 
 
 def test_triton_kernels_are_batch_invariant() -> None:
@@ -155,11 +155,19 @@ def test_kernels_property(
     seed: int,
 ) -> None:
     """Random ragged batches: the prefill kernel, and the decode kernel on the same contexts."""
-    shape = {"num_heads": group * num_kv_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                 "block_size": block_size, "seed": seed}
-    case = make_case(seqs, **shape)
+    def case_of(seqs: list[tuple[int, int]]) -> PagedCase:
+        return make_case(
+            seqs,
+            num_heads=group * num_kv_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            seed=seed,
+        )
+
+    case = case_of(seqs)
     out = paged_prefill_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
-    case = make_case([(seq_len, 1) for seq_len, _ in seqs], **shape)
+    case = case_of([(seq_len, 1) for seq_len, _ in seqs])
     out = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)

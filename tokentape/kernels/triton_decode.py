@@ -11,6 +11,8 @@ sequence's result is the same whatever batch it is in.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -149,7 +151,9 @@ def _decode_merge_kernel(
     )
 
 
-def split_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+def split_kernel_meta(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> dict[str, Any]:
     """Compile-time parameters of the split kernel (shared with the ahead-of-time check)."""
     group = num_heads // num_kv_heads
     return {
@@ -163,7 +167,7 @@ def split_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
     }
 
 
-def merge_kernel_meta(head_dim: int, num_splits: int):
+def merge_kernel_meta(head_dim: int, num_splits: int) -> dict[str, Any]:
     """Compile-time parameters of the merge kernel."""
     return {
         "BLOCK_S": max(2, triton.next_power_of_2(num_splits)),

@@ -12,6 +12,8 @@ token's position.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -130,7 +132,9 @@ def _prefill_kernel(
     )
 
 
-def prefill_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+def prefill_kernel_meta(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> dict[str, Any]:
     """Compile-time parameters of the prefill kernel (shared with the ahead-of-time check)."""
     group = num_heads // num_kv_heads
     block_m = max(BLOCK_M, triton.next_power_of_2(group))
