@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from cases import PagedCase, make_case, naive_attention
+from cases import PAD_BLOCK, PagedCase, make_case, naive_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from tokentape.kernels import paged_attention
 from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
-from tokentape.kernels.triton_decode import paged_decode_triton
+from tokentape.kernels.triton_decode import MIN_SPLIT_TOKENS, paged_decode_triton
 from tokentape.kernels.triton_kv_write import write_kv_cache_triton
 from tokentape.kernels.triton_prefill import paged_prefill_triton
 
@@ -110,6 +110,20 @@ def test_triton_kernels_are_batch_invariant() -> None:
             alone = case.select(index)
             out = kernel(alone.query, alone.k_cache, alone.v_cache, **alone.attention_kwargs())
             assert torch.equal(out, batched[cu[index] : cu[index + 1]]), (kernel, index)
+
+
+def test_decode_single_split_equals_merged_splits() -> None:
+    """A short block table runs one split that writes the output itself; the same sequences
+    with the table padded to several splits go through the merge: the same bits."""
+    case = make_case(DECODES[:2] + DECODES[3:], num_heads=4, num_kv_heads=2, head_dim=16,
+                     block_size=8)
+    assert case.block_tables.shape[1] * 8 <= MIN_SPLIT_TOKENS  # a single split
+    single = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+    wide = torch.full((case.block_tables.shape[0], 100), PAD_BLOCK, dtype=torch.int32)
+    wide[:, : case.block_tables.shape[1]] = case.block_tables
+    kwargs = {**case.attention_kwargs(), "block_tables": wide}  # 800 tokens: 4 splits
+    merged = paged_decode_triton(case.query, case.k_cache, case.v_cache, **kwargs)
+    assert torch.equal(single, merged)
 
 
 def test_dispatch_to_triton_picks_decode_or_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
