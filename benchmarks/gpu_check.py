@@ -386,12 +386,20 @@ def time_kernels(
     dense_k = k_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     dense_v = v_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     dense_q = query.unsqueeze(2)  # [B, H, 1, D]
+    gqa: dict[str, bool] = {"enable_gqa": True}
+    try:
+        F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=kwargs["scale"], **gqa)
+    except TypeError:  # torch < 2.5: no enable_gqa; repeat the kv heads instead
+        group = shapes.num_heads // shapes.num_kv_heads
+        dense_k = dense_k.repeat_interleave(group, dim=1)
+        dense_v = dense_v.repeat_interleave(group, dim=1)
+        gqa = {}
     scale = kwargs["scale"]
     variants: dict[str, Callable[[], object]] = {
         "decode kernel": lambda: paged_decode_triton(query, k_cache, v_cache, **kwargs),
         "reference": lambda: paged_attention_ref(query, k_cache, v_cache, **kwargs),
         "dense SDPA (no paging)": lambda: F.scaled_dot_product_attention(
-            dense_q, dense_k, dense_v, scale=scale, enable_gqa=True),
+            dense_q, dense_k, dense_v, scale=scale, **gqa),
     }
     timings = {name: median_ms(fn, device, iters) for name, fn in variants.items()}
     base = timings["decode kernel"]
