@@ -386,7 +386,7 @@ def time_kernels(
     dense_k = k_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     dense_v = v_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     dense_q = query.unsqueeze(2)  # [B, H, 1, D]
-    gqa: dict[str, bool] = {"enable_gqa": True}
+    gqa: dict[str, Any] = {"enable_gqa": True}
     try:
         F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=kwargs["scale"], **gqa)
     except TypeError:  # torch < 2.5: no enable_gqa; repeat the kv heads instead
