@@ -31,8 +31,8 @@ NUM_WARPS = 8
 @triton.jit
 def _find_sequence(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence whose query tiles include flattened tile index ``tile``."""
-    low = 0
-    high = num_seqs
+    low: tl.int32 = 0  # typed, so the loop-carried value keeps one type on every triton
+    high: tl.int32 = num_seqs
     while low < high:
         mid = (low + high) // 2
         first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
@@ -43,7 +43,8 @@ def _find_sequence(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return low - 1
 
 
-@triton.jit
+# num_seqs is never specialized (a constexpr 1 would make a loop-carried constant above).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     out_ptr,
     query_ptr,
