@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kernel_cases  # noqa: F401  (turns the interpreter on before triton is imported)
 import pytest
 import torch
 

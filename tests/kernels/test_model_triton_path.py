@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import kernel_cases  # noqa: F401  (turns the interpreter on before triton is imported)
 import pytest
 
 from tokentape import LLM, SamplingParams

@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from cases import PAD_BLOCK, make_case, naive_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import PAD_BLOCK, make_case, naive_attention
 
 from tokentape.kernels import (
     paged_attention,

@@ -1,4 +1,4 @@
-"""The Triton kernels under the interpreter (TRITON_INTERPRET=1, see conftest) on the CPU,
+"""The Triton kernels under the interpreter (TRITON_INTERPRET=1, see kernel_cases) on the CPU,
 against the torch references, with tiny shapes."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-from cases import PAD_BLOCK, PagedCase, make_case, naive_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import PAD_BLOCK, PagedCase, make_case, naive_attention
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
