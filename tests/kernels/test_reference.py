@@ -142,6 +142,15 @@ def test_reference_rejects_bad_shapes() -> None:
         paged_attention_ref(
             case.query, case.k_cache, case.v_cache, **{**kwargs, "cu_seqlens_q": case.seq_lens}
         )
+    with pytest.raises(ValueError, match="seq_lens must be an integer tensor"):
+        paged_attention_ref(
+            case.query, case.k_cache, case.v_cache,
+            **{**kwargs, "seq_lens": case.seq_lens.float()},
+        )
+    with pytest.raises(ValueError, match="slot_mapping must be an integer tensor"):
+        write_kv_cache_ref(
+            case.dense_k[0], case.dense_v[0], case.k_cache, case.v_cache, torch.zeros(5)
+        )
     short_table = case.block_tables[:, :1]
     with pytest.raises(ValueError, match="needs 2 blocks"):
         paged_attention_ref(

@@ -147,6 +147,8 @@ def check_kv_write_shapes(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    if slot_mapping.is_floating_point() or slot_mapping.is_complex():
+        raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
     expected = (slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3])
     if slot_mapping.dim() != 1 or key.shape != expected or value.shape != expected:
         raise ValueError(
@@ -179,6 +181,15 @@ def check_attention_shapes(
             f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads "
             f"({k_cache.shape[2]})"
         )
+    for name, t in (
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(
