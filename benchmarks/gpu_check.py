@@ -31,8 +31,10 @@ import shlex
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -132,14 +134,25 @@ def main() -> int:
     print(f"gpu_check: {describe(device)}")
     results: list[Result] = []
     gen = torch.Generator(device=device).manual_seed(0)
-    results += check_kv_write(device, shapes, gen)
+    results += stage("kv write", lambda: check_kv_write(device, shapes, gen))
     for dtype, tol in ((torch.bfloat16, BF16_TOLERANCE), (torch.float32, FP32_TOLERANCE)):
-        results += check_attention(device, shapes, dtype, tol, gen)
-    results += check_batch_invariance(device, shapes, gen)
-    results += time_kernels(device, shapes, iters, gen)
+        results += stage(f"attention {dtype_name(dtype)}",
+                         partial(check_attention, device, shapes, dtype, tol, gen))
+    results += stage("batch invariance", lambda: check_batch_invariance(device, shapes, gen))
+    results += stage("timing", lambda: time_kernels(device, shapes, iters, gen))
     if not (args.skip_engine or args.cpu_interpret):
         results.append(run_engine_benchmark(args.engine_timeout, shlex.split(args.engine_args)))
     return summarize(results)
+
+
+def stage(name: str, run: Callable[[], list[Result]]) -> list[Result]:
+    """Run one part; an exception is a FAIL in the summary and the later parts still run."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 (the error is the finding: report it, go on)
+        traceback.print_exc()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return [Result(name, False, f"raised {type(exc).__name__}: {first[:160]}")]
 
 
 def summarize(results: list[Result]) -> int:
