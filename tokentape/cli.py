@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="show one request's full derived state, output token ids included")
     insp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     insp.set_defaults(func=cmd_inspect)
+
+    from tokentape.replay.commands import add_commands  # debug, diff, export, replay whatif
+
+    add_commands(sub, replay_sub)
     return parser
 
 
