@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     # replay -----------------------------------------------------------------------------------
     replay = sub.add_parser(
         "replay",
-        help="replay a recorded tape (verify)",
+        help="replay a recorded tape (verify, whatif)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Replay a recorded tape. See 'tokentape replay verify --help'.",
+        description="Replay a recorded tape. See 'tokentape replay verify --help' and\n"
+        "'tokentape replay whatif --help'.",
     )
     replay_sub = replay.add_subparsers(dest="replay_command", metavar="COMMAND")
     ver = replay_sub.add_parser(
