@@ -487,13 +487,15 @@ class TapeDebugger(cmd.Cmd):
 
     def do_requests(self, arg: str) -> None:
         """requests: a table of every request's derived state."""
-        from tokentape.cli import _REQUEST_COLUMNS, _request_row
+        from tokentape.cli import _REQUEST_COLUMNS, _PlainView, _request_row, _RichView
 
         rows = [_request_row(self.state, r) for r in self.state.requests.values()]
         if not rows:
             self.out.line("no requests yet")
             return
-        self.out.table(_REQUEST_COLUMNS, rows, title=f"requests ({len(rows)})", numeric_from=2)
+        # The same table as `tokentape inspect`: fits 80 columns on a terminal.
+        view = _RichView(self.out.stream) if self.out.rich else _PlainView(self.out.stream)
+        view.table(f"requests ({len(rows)})", _REQUEST_COLUMNS, rows)
 
     def do_events(self, arg: str) -> None:
         """events [A-B | A | step=S]: list events by sequence number (default: around the

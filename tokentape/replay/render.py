@@ -110,7 +110,7 @@ class Output:
             table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
             for i, name in enumerate(columns):
                 table.add_column(name, justify="right" if i >= numeric_from else "left",
-                                 style="bold" if i == 0 else None)
+                                 style="bold" if i == 0 else None, overflow="fold")
             for row in cells:
                 table.add_row(*row)
             self._console.print(table)
