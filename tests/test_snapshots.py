@@ -12,7 +12,7 @@ from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState
 from tokentape.replay import load_tape
-from tokentape.replay.snapshots import SnapshotIndex, copy_state
+from tokentape.replay.snapshots import SnapshotIndex, copy_request, copy_state, is_settled
 from tokentape.replay.tape import Tape
 
 
@@ -73,3 +73,29 @@ def test_the_index_reads_only_as_far_as_asked_and_knows_every_step() -> None:
     assert [index.seq_of_step(step) for _, step in steps] == [seq for seq, _ in steps]
     assert index.seq_of_step(len(steps)) is None
     assert index.positions == list(range(0, len(tape) + 1, 8))
+
+
+def test_settled_requests_never_change_again() -> None:
+    """What lets copies share settled requests: once finished, with nothing in flight and
+    its output delivered, no event changes a request."""
+    for source in recorded():
+        tape = load_tape(source)
+        state = tape.initial_state()
+        frozen: dict[str, object] = {}
+        for _, event in tape.events():
+            evolve(state, event)
+            for req_id, req in state.requests.items():
+                if req_id in frozen:
+                    assert req == frozen[req_id], req_id
+                elif is_settled(state, req):
+                    frozen[req_id] = copy_request(req)
+        assert frozen.keys() == state.requests.keys()
+
+
+def test_a_copy_shares_only_settled_requests() -> None:
+    tape = load_tape(busy())
+    for seq in range(0, len(tape), 17):
+        state = tape.fold(until_seq=seq)
+        copy = copy_state(state)
+        for req_id, req in state.requests.items():
+            assert (copy.requests[req_id] is req) == is_settled(state, req)

@@ -10,6 +10,12 @@ Copies are made field by field (`copy_state`), not by pickling: a request's outp
 lists are copied with one C-level slice each, the prompt (never mutated), the sampling params
 (frozen) and the scheduled entries (frozen) are shared. It works on the interpreted and on the
 mypyc-compiled state classes alike, since it only reads and sets their attributes.
+
+A *settled* request (finished, nothing of it in flight, its output delivered) is never
+changed by the reducer again: no event can name it any more. Copies share settled requests
+instead of copying them, so a snapshot costs time and memory in proportion to the requests
+still live, not to every request the tape ever served (tests/test_snapshots.py checks the
+invariant). States handed out are therefore to be read and folded on, not edited by hand.
 """
 
 from __future__ import annotations
@@ -55,10 +61,23 @@ def copy_request(req: RequestState) -> RequestState:
     return new
 
 
+def is_settled(state: EngineState, req: RequestState) -> bool:
+    """Finished, nothing in flight, output delivered: no later event changes the request."""
+    return (req.finish_reason is not None and not req.num_in_flight
+            and req.req_id not in state.pending_output)
+
+
 def copy_state(state: EngineState) -> EngineState:
     """An independent copy of the engine state: folding more events into either leaves the
-    other unchanged. In-flight steps point at the copied requests."""
-    requests = {req_id: copy_request(r) for req_id, r in state.requests.items()}
+    other unchanged. Settled requests are shared (nothing changes them); in-flight steps point
+    at the copied requests."""
+    pending = state.pending_output
+    requests = {
+        req_id: r if (r.finish_reason is not None and not r.num_stale_in_flight
+                      and not r.num_fresh_in_flight and not r.num_partial_in_flight
+                      and req_id not in pending) else copy_request(r)
+        for req_id, r in state.requests.items()
+    }
     new = EngineState(state.discard_policy)
     for name in _ENGINE_FIELDS:
         if name == "requests":
