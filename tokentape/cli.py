@@ -1,4 +1,5 @@
-"""The `tokentape` command line: generate (and record a tape), verify a tape, inspect a tape.
+"""The `tokentape` command line: generate (and record a tape), verify a tape, inspect a tape;
+debug, diff, what-if replay and export (in tokentape/replay/commands.py).
 
     tokentape generate "Hello" "The capital of France is" --max-tokens 8
     tokentape replay verify tokentape-20250101T000000Z.tape
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
             "  tokentape generate 'Hello' --max-tokens 8 --json\n"
             "  tokentape replay verify run.tape         # does the tape reproduce?\n"
             "  tokentape inspect run.tape --step 5      # derived state at step 5\n"
+            "  tokentape debug run.tape                 # step through it, both ways\n"
+            "  tokentape diff a.tape b.tape             # first output divergence\n"
             "\n"
             "Expected failures print 'error: <message>' on stderr and exit with status 2."
         ),
