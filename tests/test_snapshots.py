@@ -99,3 +99,43 @@ def test_a_copy_shares_only_settled_requests() -> None:
         copy = copy_state(state)
         for req_id, req in state.requests.items():
             assert (copy.requests[req_id] is req) == is_settled(state, req)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    depth=st.integers(1, 3), policy=st.sampled_from(["epoch", "counter", "flag"]),
+    k=st.integers(0, 2), blocks=st.integers(12, 40),
+    requests=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 16)), min_size=1, max_size=5),
+    commands=st.lists(st.tuples(st.integers(0, 12), st.sampled_from(["pause", "reset", "abort"])),
+                      max_size=3),
+    data=st.data(),
+)
+def test_seek_equals_fold_on_random_runs(depth, policy, k, blocks, requests, commands, data) -> None:  # type: ignore[no-untyped-def]
+    """Random engine runs (KV pressure, resets, pauses, aborts), random seeks."""
+    from tokentape import LLM, SamplingParams
+
+    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, discard_policy=policy,
+              num_speculative_tokens=k, block_size=4, num_kv_blocks=blocks, max_num_batched_tokens=16)
+    for i, (prompt_len, max_tokens) in enumerate(requests):
+        llm.engine.add_request(f"q{i}", list(range(3, 3 + prompt_len)),
+                               SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    todo = sorted(commands)
+    for n in range(400):
+        while todo and todo[0][0] == n:
+            _, what = todo.pop(0)
+            if what == "pause":
+                llm.engine.pause_generation(mode="keep", clear_cache=True)
+                llm.engine.resume_generation()
+            elif what == "reset":
+                llm.engine.reset_prefix_cache(reset_running_requests=True)
+            else:
+                llm.engine.abort_request("q0")
+        if not llm.engine.has_unfinished_requests() and not todo:
+            break
+        llm.engine.step()
+    tape = Tape(load_tape(llm.engine.tape).reader, snapshot_interval=data.draw(st.integers(1, 30)))
+    n = len(tape)
+    for seq in data.draw(st.lists(st.integers(0, n), min_size=1, max_size=4)):
+        assert tape.state_at(seq) == tape.fold(until_seq=seq)
+    step = data.draw(st.integers(0, tape.fold().step + 1))
+    assert tape.at(step) == fold_to_step(tape, step)
