@@ -32,7 +32,7 @@ def add_commands(sub: Any, replay_sub: Any) -> None:
     )
     dbg.add_argument("tape", metavar="TAPE", help="tape file to debug")
     dbg.add_argument("--snapshot-interval", type=int, default=None, metavar="K",
-                     help="keep a state snapshot every K events (default: 4096)")
+                     help="keep a state snapshot every K events (default: 2048)")
     dbg.set_defaults(func=cmd_debug)
     _add_diff_and_export(sub)
     _add_whatif(replay_sub)

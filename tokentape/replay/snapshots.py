@@ -1,8 +1,8 @@
 """Periodic snapshots of the derived state, so that seeking anywhere in a tape is cheap.
 
 A `SnapshotIndex` folds its tape once, in one streaming pass that goes only as far as it is
-asked to, and keeps a copy of the `EngineState` every `interval` events (in memory), plus the
-position of every `StepScheduled`. The state at any position is then the nearest snapshot at
+asked to, and keeps a snapshot of the `EngineState` every `interval` events (in memory),
+plus the position of every `StepScheduled`. The state at any position is then the nearest snapshot at
 or before it, copied, with at most `interval - 1` events folded on top: the cost of a seek no
 longer grows with the length of the tape.
 
@@ -12,10 +12,12 @@ lists are copied with one C-level slice each, the prompt (never mutated), the sa
 mypyc-compiled state classes alike, since it only reads and sets their attributes.
 
 A *settled* request (finished, nothing of it in flight, its output delivered) is never
-changed by the reducer again: no event can name it any more. Copies share settled requests
-instead of copying them, so a snapshot costs time and memory in proportion to the requests
-still live, not to every request the tape ever served (tests/test_snapshots.py checks the
-invariant). States handed out are therefore to be read and folded on, not edited by hand.
+changed by the reducer again: no event can name it any more (tests/test_snapshots.py checks
+the invariant). So a `Snapshot` keeps copies of the requests still live only, and the index
+keeps every request object of its pass in arrival order: restoring takes the settled ones
+from there. A snapshot costs time and memory in proportion to the live requests, not to
+every request the tape ever served, and `copy_state` shares settled requests the same way.
+States handed out are therefore to be read and folded on, not edited by hand.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, fold_events
 from tokentape.events.state import EngineState, InFlightStep, RequestState
 
-DEFAULT_INTERVAL = 4096
+DEFAULT_INTERVAL = 2048
 
 # Attribute names, read once: the compiled classes keep their dataclass fields.
 _REQUEST_ARGS = ("req_id", "prompt_token_ids", "params", "arrival_step")  # the constructor's
@@ -67,17 +69,9 @@ def is_settled(state: EngineState, req: RequestState) -> bool:
             and req.req_id not in state.pending_output)
 
 
-def copy_state(state: EngineState) -> EngineState:
-    """An independent copy of the engine state: folding more events into either leaves the
-    other unchanged. Settled requests are shared (nothing changes them); in-flight steps point
-    at the copied requests."""
-    pending = state.pending_output
-    requests = {
-        req_id: r if (r.finish_reason is not None and not r.num_stale_in_flight
-                      and not r.num_fresh_in_flight and not r.num_partial_in_flight
-                      and req_id not in pending) else copy_request(r)
-        for req_id, r in state.requests.items()
-    }
+def _with_requests(state: EngineState, requests: dict[str, RequestState]) -> EngineState:
+    """A copy of the engine-level fields of `state` around `requests` (already copied);
+    in-flight steps are pointed at those requests."""
     new = EngineState(state.discard_policy)
     for name in _ENGINE_FIELDS:
         if name == "requests":
@@ -90,6 +84,45 @@ def copy_state(state: EngineState) -> EngineState:
         else:
             setattr(new, name, _copy_value(getattr(state, name)))
     return new
+
+
+def copy_state(state: EngineState) -> EngineState:
+    """An independent copy of the engine state: folding more events into either leaves the
+    other unchanged. Settled requests are shared (nothing changes them); in-flight steps point
+    at the copied requests."""
+    pending = state.pending_output
+    return _with_requests(state, {
+        req_id: r if (r.finish_reason is not None and not r.num_stale_in_flight
+                      and not r.num_fresh_in_flight and not r.num_partial_in_flight
+                      and req_id not in pending) else copy_request(r)
+        for req_id, r in state.requests.items()
+    })
+
+
+class Snapshot:
+    """The state after `seq` events, kept small: the engine-level fields, copies of the
+    requests not settled then, and how many requests had been added. The settled ones are
+    the index's own request objects (in arrival order), which nothing changes any more."""
+
+    __slots__ = ("engine", "live", "num_requests", "seq")
+
+    def __init__(self, state: EngineState, seq: int) -> None:
+        self.seq = seq
+        self.num_requests = len(state.requests)
+        self.live = {req_id: copy_request(r) for req_id, r in state.requests.items()
+                     if not is_settled(state, r)}
+        self.engine = _with_requests(state, {**state.requests, **self.live})
+        self.engine.requests = {}  # the requests are rebuilt on restore
+
+    def restore(self, arrivals: list[RequestState]) -> EngineState:
+        """A fresh state equal to the one snapshotted; `arrivals` are the index's requests in
+        the order they were added (at least `num_requests` of them)."""
+        live = self.live
+        requests = {}
+        for r in arrivals[:self.num_requests]:
+            copy = live.get(r.req_id)
+            requests[r.req_id] = r if copy is None else copy_request(copy)
+        return _with_requests(self.engine, requests)
 
 
 EventSource = Callable[[int], Iterator[tuple[int, ev.Event]]]
@@ -113,7 +146,10 @@ class SnapshotIndex:
         self.num_events = num_events
         # Snapshot i holds the state after the first positions[i] events.
         self.positions: list[int] = [0]
-        self.snapshots: list[EngineState] = [copy_state(initial)]
+        self.snapshots: list[Snapshot] = [Snapshot(initial, 0)]
+        # Every request of the indexing pass, in arrival order: a settled one is shared by
+        # the snapshots taken after it settled.
+        self.arrivals: list[RequestState] = list(initial.requests.values())
         self.step_seqs: list[int] = []  # step_seqs[n]: position of StepScheduled(step=n)
         # The live fold of the indexing pass, and how far it got.
         self._frontier = initial
@@ -139,13 +175,16 @@ class SnapshotIndex:
         for s, event in self._frontier_events:
             if s != n:
                 raise ValueError(f"the tape skips from event {n} to {s}")
-            if type(event) is ev.StepScheduled:
+            kind = type(event)
+            if kind is ev.StepScheduled:
                 step_seqs.append(s)
             evolve(state, event)
+            if kind is ev.RequestAdded:
+                self.arrivals.append(state.requests[event.req_id])  # type: ignore[attr-defined]
             n += 1
             if n % interval == 0:
                 self.positions.append(n)
-                self.snapshots.append(copy_state(state))
+                self.snapshots.append(Snapshot(state, n))
                 if progress is not None:
                     progress(n)
             if n >= seq:
@@ -170,7 +209,7 @@ class SnapshotIndex:
             return copy_state(self._frontier)
         i = bisect.bisect_right(self.positions, seq) - 1
         start = self.positions[i]
-        state = copy_state(self.snapshots[i])
+        state = self.snapshots[i].restore(self.arrivals)
         if seq > start:
             fold_events(self.events_from(start), state, seq)
         return state
