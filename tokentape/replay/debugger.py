@@ -209,9 +209,30 @@ class TapeDebugger(cmd.Cmd):
 
     # -- moving ------------------------------------------------------------------------------------
 
+    def _index_to(self, pos: int) -> None:
+        """Run the snapshot index's pass up to `pos`, with a progress bar when it is long."""
+        index = self.tape.snapshots
+        with progress(pos - index.indexed_to, "indexing the tape") as update:
+            start = index.indexed_to
+            index.extend_to(pos, lambda done: update(done - start))
+
+    def _seq_of_step(self, step: int) -> int | None:
+        """The position of StepScheduled(step), indexing on (with a progress bar) to find it."""
+        index = self.tape.snapshots
+        if step < 0:
+            return None
+        if step >= len(index.step_seqs):
+            with progress(self.num_events - index.indexed_to, "indexing the tape") as update:
+                start = index.indexed_to
+                while len(index.step_seqs) <= step and index.indexed_to < index.num_events:
+                    index.extend_to(index.indexed_to + 65536)
+                    update(index.indexed_to - start)
+        return index.seq_of_step(step)
+
     def _seek(self, pos: int) -> None:
         if not 0 <= pos <= self.num_events:
             raise DebuggerError(f"position {pos} is outside the tape (0..{self.num_events})")
+        self._index_to(pos)
         self.state = self.tape.state_at(pos)
         self.pos = pos
 
@@ -280,7 +301,7 @@ class TapeDebugger(cmd.Cmd):
             self._seek(seq + 1)
         else:
             step = _int(arg, "a step number, @SEQ, start or end")
-            seq = self.tape.snapshots.seq_of_step(step) if step >= 0 else None
+            seq = self._seq_of_step(step)
             if seq is None:
                 last = len(self.tape.snapshots.step_seqs) - 1
                 raise DebuggerError(f"step {step} is out of range: the tape schedules steps 0..{last}")
@@ -524,10 +545,10 @@ class TapeDebugger(cmd.Cmd):
 
     def _events_of_step(self, step: int) -> tuple[int, int]:
         index = self.tape.snapshots
-        seq = index.seq_of_step(step) if step >= 0 else None
+        seq = self._seq_of_step(step)
         if seq is None:
             raise DebuggerError(f"step {step} is out of range: the tape schedules steps 0..{len(index.step_seqs) - 1}")
-        nxt = index.seq_of_step(step + 1)
+        nxt = self._seq_of_step(step + 1)
         return seq, self.num_events if nxt is None else nxt
 
     def do_diff(self, arg: str) -> None:
@@ -557,9 +578,8 @@ class TapeDebugger(cmd.Cmd):
     # -- completion ----------------------------------------------------------------------------
 
     def _all_request_ids(self) -> list[str]:
-        if self.tape.snapshots.indexed_to < self.num_events:
-            self.tape.snapshots.build()
-        return list(self.tape.state_at(self.num_events).requests)
+        self._index_to(self.num_events)
+        return [r.req_id for r in self.tape.snapshots.arrivals]
 
     def complete_next(self, text: str, line: str, begidx: int, endidx: int) -> list[str]:
         return [k for k in KINDS if k.lower().startswith(text.lower())]
