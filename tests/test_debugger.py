@@ -204,3 +204,33 @@ def test_debugging_a_busy_run_with_a_condition_on_kv_pressure(tmp_path: Path) ->
     dbg.onecmd("continue")
     _, event = next(load_tape(path).events(dbg.pos - 1))
     assert isinstance(event, ev.RequestPreempted) and event.reason == "kv_pressure"
+
+
+def test_cli_errors_before_the_session_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["debug", str(tmp_path / "missing.tape")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and "no such tape file" in err
+    (tmp_path / "notatape.tape").write_text("hello")
+    rc = cli.main(["debug", str(tmp_path / "notatape.tape")])
+    assert rc == 2 and "not a tokentape tape" in capsys.readouterr().err
+
+
+def test_interrupting_a_long_command_keeps_the_debugger_open(flag_tape: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()
+    dbg = TapeDebugger(load_tape(flag_tape), io.StringIO(), out, rich=False)
+    calls = iter(range(1000))
+
+    def interrupt_at_10(*args: object) -> None:
+        if next(calls) == 10:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("tokentape.replay.debugger.evolve", lambda state, event: (interrupt_at_10(), _evolve(state, event)))
+    dbg.onecmd("continue")
+    assert "interrupted" in out.getvalue() and dbg.pos == 10
+    assert dbg.state == load_tape(flag_tape).fold(until_seq=10)
+
+
+def _evolve(state, event):  # type: ignore[no-untyped-def]
+    from tokentape.events.reducer import evolve
+
+    return evolve(state, event)

@@ -170,7 +170,12 @@ class TapeDebugger(cmd.Cmd):
     def run(self) -> None:
         self.out.line(self.intro)
         self.intro = None  # type: ignore[assignment]
-        self.cmdloop()
+        while True:
+            try:
+                self.cmdloop()
+                return
+            except KeyboardInterrupt:  # at the prompt: stay open, as pdb does
+                self.out.line("\n(interrupted; quit leaves the debugger)")
 
     def precmd(self, line: str) -> str:
         if not self.interactive and line.strip() and line.strip() != "EOF":
@@ -185,6 +190,10 @@ class TapeDebugger(cmd.Cmd):
             return super().onecmd(line)
         except (DebuggerError, ExpressionError, TapeError, ReducerError, ValueError, IndexError) as exc:
             self.out.error(str(exc))
+            return False
+        except KeyboardInterrupt:  # a long continue or next: stop where it got to
+            self.out.line("interrupted")
+            self._show_position()
             return False
 
     def emptyline(self) -> bool:
