@@ -6,8 +6,8 @@ import io
 from pathlib import Path
 
 import pytest
-
 from tape_scenarios import busy, pause_resume
+
 from tokentape import cli
 from tokentape.events import schema as ev
 from tokentape.replay import load_tape
@@ -31,6 +31,10 @@ def session(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     return captured.out.splitlines()
 
 
+def script(*commands: str) -> str:
+    return "".join(f"{c}\n" for c in commands)
+
+
 def after(lines: list[str], command: str) -> list[str]:
     """The output of one command in a transcript (up to the next echoed command)."""
     start = lines.index(f"(tokentape) {command}") + 1
@@ -46,10 +50,10 @@ def test_breakpoints_on_a_kind_and_a_condition(monkeypatch, capsys, flag_tape) -
     events = events_of(flag_tape)
     reset = next(i for i, e in enumerate(events) if isinstance(e, ev.PrefixCacheReset))
     first_preempt = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestPreempted))
-    lines = session(monkeypatch, capsys, flag_tape, "\n".join([
+    lines = session(monkeypatch, capsys, flag_tape, script(
         "break kind=PrefixCacheReset", "break discard > 0", "continue", "diff", "continue",
         "print discard", "print req s", "break", "continue",
-    ]) + "\n")
+    ))
     assert lines[0].startswith(f"tokentape debugger: {flag_tape}, {len(events)} events, discard policy flag")
     assert after(lines, "break kind=PrefixCacheReset") == ["breakpoint 1: kind=PrefixCacheReset"]
     assert after(lines, "break discard > 0") == ["breakpoint 2: when discard > 0 becomes true"]
@@ -136,11 +140,11 @@ def test_events_where_requests_and_watch(monkeypatch, capsys, flag_tape) -> None
 
 def test_bad_input_is_one_line_and_the_debugger_stays_open(monkeypatch, capsys, flag_tape) -> None:  # type: ignore[no-untyped-def]
     n = len(load_tape(flag_tape))
-    lines = session(monkeypatch, capsys, flag_tape, "\n".join([
+    lines = session(monkeypatch, capsys, flag_tape, script(
         "frobnicate", "goto 9999", "goto @-1", "goto @99999", "print req nope", "break req=nope",
         "break", "back", "step -2", "next Nope", "break discard >", "break __import__('os')",
-        "watch nosuch", "events 10-5", "diff", "goto end", "step", "where",
-    ]) + "\n")
+        "watch nosuch", "events 10-5", "diff", "goto end", "step", "where", "print 1 / 0",
+    ))
     expected = {
         "frobnicate": "error: unknown command 'frobnicate' (type help for the commands)",
         "goto 9999": "error: step 9999 is out of range: the tape schedules steps 0..",
@@ -157,6 +161,7 @@ def test_bad_input_is_one_line_and_the_debugger_stays_open(monkeypatch, capsys, 
         "events 10-5": "error: empty range '10-5'",
         "diff": "error: at the start of the tape: no event applied yet",
         "step": f"error: at the end of the tape ({n} events)",
+        "print 1 / 0": "error: '1 / 0' failed: ZeroDivisionError: division by zero",
     }
     for command, message in expected.items():
         out = after(lines, command)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tape_scenarios import busy, double_reset, pause_resume
+
 from tokentape import LLM, SamplingParams, cli
 from tokentape.events import schema as ev
 from tokentape.replay import AlignmentError, WhatIfError, diff, load_tape, verify, whatif

@@ -9,8 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from tape_scenarios import busy, double_reset, pause_resume
+
 from tokentape import cli
 from tokentape.events import schema as ev
 from tokentape.replay import load_tape

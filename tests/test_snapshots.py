@@ -6,8 +6,8 @@ from functools import cache
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tape_scenarios import busy, double_reset, pause_resume
+
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState

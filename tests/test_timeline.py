@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
+import pytest
 from tape_scenarios import busy, double_reset, pause_resume
+
 from tokentape.replay import load_tape
 from tokentape.replay.timeline import ENGINE_MARKERS, PHASES, build_timeline, iter_items
 
@@ -20,7 +22,7 @@ def test_spans_cover_each_request_from_add_to_finish(make) -> None:  # type: ign
     for req_id in tl.requests:
         spans = tl.spans_of(req_id)
         assert spans and all(s.phase in PHASES and s.end_seq > s.start_seq for s in spans)
-        assert all(a.end_seq == b.start_seq and a.phase != b.phase for a, b in zip(spans, spans[1:]))
+        assert all(a.end_seq == b.start_seq and a.phase != b.phase for a, b in itertools.pairwise(spans))
         finish = [m for m in tl.markers_of(req_id) if m.kind == "finish"]
         assert len(finish) == 1 and finish[0].detail == state.requests[req_id].finish_reason
         assert spans[-1].end_seq == finish[0].seq + 1 and not spans[-1].open

@@ -167,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _default_whatif_path(tape: str) -> str:
     import os
 
-    stem = tape[:-5] if tape.endswith(".tape") else tape
+    stem = tape.removesuffix(".tape")
     path, n = f"{stem}-whatif.tape", 1
     while os.path.exists(path):
         n += 1

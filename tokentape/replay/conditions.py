@@ -101,8 +101,8 @@ class StateExpression:
 
     def _eval(self, scope: dict[str, Any]) -> Any:
         try:
-            return eval(self._code, {"__builtins__": {}}, scope)  # noqa: S307 (checked AST)
-        except Exception as exc:
+            return eval(self._code, {"__builtins__": {}}, scope)
+        except (TypeError, ValueError, ArithmeticError) as exc:  # e.g. None > 0, 1 / 0
             raise ExpressionError(f"{self.text!r} failed: {type(exc).__name__}: {exc}") from None
 
     def _engine_scope(self, state: EngineState) -> dict[str, Any]:

@@ -98,8 +98,8 @@ class TapeDiff:
         d = self.divergences[0]
         a, b = self.a_streams[d.req_id].token_ids, self.b_streams[d.req_id].token_ids
         lines = [
-            f"DIFFERENT: {len(self.divergences)} of {self.num_requests} requests differ "
-            f"between A ({self.a_name}) and B ({self.b_name})",
+            (f"DIFFERENT: {len(self.divergences)} of {self.num_requests} requests differ "
+             f"between A ({self.a_name}) and B ({self.b_name})"),
             f"first divergence: request {d.req_id}, output position {d.position} ({d.what})",
             f"  A: {_window(a, d.position)}",
             f"  B: {_window(b, d.position)}",
