@@ -136,11 +136,32 @@ def _add_whatif(replay_sub: Any) -> None:
     wi.set_defaults(func=cmd_whatif)
 
 
+def _print_diff(text: str) -> None:
+    """A diff report, coloured on a terminal (plain text when piped)."""
+    from tokentape.replay.render import Output
+
+    out = Output(sys.stdout)
+    for line in text.splitlines():
+        style = None
+        if line.startswith("DIFFERENT"):
+            style = "bold red"
+        elif line.startswith("identical"):
+            style = "bold green"
+        elif line.startswith(("first divergence", "tape A around", "tape B around")):
+            style = "bold"
+        elif line.startswith("  >"):
+            style = "yellow"
+        out.line(line, style=style)
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     from tokentape.replay.diff import diff
+    from tokentape.replay.render import progress
 
-    result = diff(_open(args.a), _open(args.b))
-    print(result.format())
+    a, b = _open(args.a), _open(args.b)
+    with progress(len(a) + len(b), "reading the tapes") as update:
+        result = diff(a, b, update)
+    _print_diff(result.format())
     return 0 if result.identical else 1
 
 
@@ -184,5 +205,5 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     c = result.config
     print(f"what-if: discard policy {c.discard_policy}, pipeline depth {c.effective_pipeline_depth}, "
           f"model {c.model}; new tape {out} ({len(result.tape)} events)")
-    print(result.diff.format())
+    _print_diff(result.diff.format())
     return 0 if result.diff.identical else 1

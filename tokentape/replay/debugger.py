@@ -168,7 +168,7 @@ class TapeDebugger(cmd.Cmd):
     # -- plumbing ----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.out.line(self.intro)
+        self.out.line(str(self.intro))
         self.intro = None  # type: ignore[assignment]
         while True:
             try:
@@ -199,9 +199,7 @@ class TapeDebugger(cmd.Cmd):
     def emptyline(self) -> bool:
         return super().emptyline() if self.interactive else False
 
-    def default(self, line: str) -> bool:
-        if line.strip() in ("EOF",):
-            return True
+    def default(self, line: str) -> None:
         raise DebuggerError(f"unknown command {line.split()[0]!r} (type help for the commands)")
 
     def do_EOF(self, arg: str) -> bool:
@@ -310,11 +308,11 @@ class TapeDebugger(cmd.Cmd):
             self._seek(seq + 1)
         else:
             step = _int(arg, "a step number, @SEQ, start or end")
-            seq = self._seq_of_step(step)
-            if seq is None:
+            step_seq = self._seq_of_step(step)
+            if step_seq is None:
                 last = len(self.tape.snapshots.step_seqs) - 1
                 raise DebuggerError(f"step {step} is out of range: the tape schedules steps 0..{last}")
-            self._seek(seq + 1)
+            self._seek(step_seq + 1)
         self._show_position()
 
     def do_next(self, arg: str) -> None:

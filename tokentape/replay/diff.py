@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokentape.events import schema as ev
@@ -44,10 +45,13 @@ class ClientStream:
     finish_seq: int | None = None
 
 
-def client_streams(tape: Tape) -> dict[str, ClientStream]:
-    """Every request's delivered stream, in the order the requests were added."""
+def client_streams(tape: Tape, progress: Callable[[int], None] | None = None) -> dict[str, ClientStream]:
+    """Every request's delivered stream, in the order the requests were added. `progress`, if
+    given, is called with the number of events read every 65536 events."""
     streams: dict[str, ClientStream] = {}
     for seq, event in tape.events():
+        if progress is not None and not seq & 0xFFFF:
+            progress(seq)
         if type(event) is ev.OutputsEmitted:
             for out in event.entries:
                 s = streams[out.req_id]
@@ -214,11 +218,14 @@ def _context(tape: Tape, req_id: str, seq: int) -> list[tuple[int, ev.Event]]:
     return out
 
 
-def diff(a: TapeSource, b: TapeSource) -> TapeDiff:
-    """Compare the client-visible output of two tapes of the same requests."""
+def diff(a: TapeSource, b: TapeSource, progress: Callable[[int], None] | None = None) -> TapeDiff:
+    """Compare the client-visible output of two tapes of the same requests. `progress`, if
+    given, is called with the number of events read so far (both tapes together)."""
     ta, tb = load_tape(a), load_tape(b)
     a_name, b_name = ta.path or "<memory tape A>", tb.path or "<memory tape B>"
-    sa, sb = client_streams(ta), client_streams(tb)
+    sa = client_streams(ta, progress)
+    offset = len(ta)
+    sb = client_streams(tb, None if progress is None else (lambda n: progress(offset + n)))
     _align(sa, sb, a_name, b_name)
     divergences = [d for r in sa if (d := _compare(sa[r], sb[r])) is not None]
     divergences.sort(key=lambda d: (d.a_seq, d.b_seq))
