@@ -170,3 +170,22 @@ def test_whatif_cli_writes_a_new_tape_and_prints_the_diff(tmp_path: Path, capsys
     assert rc == 2 and err.count("\n") == 1 and "--runner model: cannot build a runner for model 'tiny'" in err
     rc, _, err = run(capsys, "replay", "whatif", str(flag), "--out", str(new))
     assert rc == 2 and "a tape already exists here" in err
+
+
+def test_whatif_skips_a_weight_update_under_the_oracle() -> None:
+    """The RLHF loop: pause, update the weights, resume. The tape names the weights only."""
+    from tokentape.events.store import MemoryTape
+
+    recording = load_tape(pause_resume("epoch"))
+    with_update = MemoryTape(recording.header)
+    for _, event in recording.events():
+        with_update.append(event)
+        if isinstance(event, ev.PrefixCacheReset):
+            with_update.append(ev.WeightsUpdated(event.step, "sha256:abc"))
+    assert load_tape(with_update).fold().weights_id == "sha256:abc"
+    result = whatif(with_update)
+    assert result.diff.identical
+    step = next(e.step for _, e in recording.events() if isinstance(e, ev.PrefixCacheReset))
+    assert result.notes == [f"weight update to 'sha256:abc' at step {step} skipped: the oracle's "
+                            "tokens do not depend on weights"]
+    assert [ev.kind_of(e) for e in recorded_commands(load_tape(with_update))].count("WeightsUpdated") == 1

@@ -205,5 +205,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     c = result.config
     print(f"what-if: discard policy {c.discard_policy}, pipeline depth {c.effective_pipeline_depth}, "
           f"model {c.model}; new tape {out} ({len(result.tape)} events)")
+    for note in result.notes:
+        print(f"note: {note}")
     _print_diff(result.diff.format())
     return 0 if result.diff.identical else 1

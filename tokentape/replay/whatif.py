@@ -8,14 +8,16 @@ Events that a pause causes (its aborts under `mode="abort"`, its prefix-cache re
 `clear_cache=True`) are not commands: the new engine makes its own.
 
 The configuration is the tape header's, with the discard policy and the pipeline depth
-changed as asked; the runner is the oracle (the default) or the real model. The new run is
+changed as asked; the runner is the oracle (the default) or the real model. A weight update
+names its weights but the tape does not hold them: the oracle skips it (its tokens do not
+depend on weights; the result notes it), the model refuses the run. The new run is
 recorded on its own tape, and `diff` compares its client-visible output with the recording.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -43,6 +45,7 @@ class WhatIfResult:
     config: EngineConfig  # what the new run used
     tape: Tape  # the new run's tape
     diff: TapeDiff  # the recording (A) against the new run (B)
+    notes: list[str] = field(default_factory=list)  # recorded commands that were not repeated
 
 
 def whatif_config(tape: Tape, discard_policy: str | None = None, pipeline_depth: int | None = None,
@@ -88,7 +91,18 @@ def _advance_to(engine: LLMEngine, step: int, limit: int) -> None:
     raise WhatIfError(f"the what-if run did not reach step {step} within {limit} engine steps")
 
 
-def _issue(engine: LLMEngine, event: ev.Event) -> None:
+def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) -> None:
+    if isinstance(event, ev.WeightsUpdated):
+        # The tape names the weights (an id) but does not hold them.
+        if runner == "oracle":
+            notes.append(f"weight update to {event.weights_id!r} at step {event.step} skipped: "
+                         "the oracle's tokens do not depend on weights")
+            return
+        raise WhatIfError(
+            f"the tape updates the weights to {event.weights_id!r} at step {event.step}; the "
+            "weights are not on the tape, so a run with the model cannot repeat the update "
+            "(use --runner oracle)"
+        )
     match event:
         case ev.RequestAdded(req_id=req_id, prompt_token_ids=prompt, params=params):
             engine.add_request(req_id, list(prompt), params)
@@ -100,12 +114,8 @@ def _issue(engine: LLMEngine, event: ev.Event) -> None:
             engine.resume_generation()
         case ev.PrefixCacheReset(reset_running_requests=reset_running):
             engine.reset_prefix_cache(reset_running)
-        case ev.WeightsUpdated(weights_id=weights_id):
-            update = getattr(engine, "update_weights", None)
-            if update is None:
-                raise WhatIfError(f"the tape updates the weights to {weights_id!r} at step {event.step}; "
-                                  "this engine cannot replay a weight update")
-            update(weights_id)
+        case _:
+            raise WhatIfError(f"cannot replay command {ev.kind_of(event)}")
 
 
 def recorded_commands(tape: Tape) -> list[ev.Event]:
@@ -151,10 +161,11 @@ def whatif(
     engine = LLMEngine(config, engine_runner, writer)
     # Generous: a changed pipeline may need more steps than the recording, never unboundedly more.
     limit = 10 * len(original) + 10_000
+    notes: list[str] = []
     try:
         for command in recorded_commands(original):
             _advance_to(engine, command.step, limit)
-            _issue(engine, command)
+            _issue(engine, command, runner, notes)
         for _ in range(limit):
             if not engine.has_unfinished_requests():
                 break
@@ -168,4 +179,4 @@ def whatif(
     finally:
         engine.close()
     new = load_tape(writer if isinstance(writer, MemoryTape) else writer.path)  # type: ignore[arg-type]
-    return WhatIfResult(config, new, diff(original, new))
+    return WhatIfResult(config, new, diff(original, new), notes)
