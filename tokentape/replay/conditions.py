@@ -115,7 +115,8 @@ class StateExpression:
             return self._eval(scope)
         return {r.req_id: self.value_for(state, r, scope) for r in state.requests.values()}
 
-    def value_for(self, state: EngineState, req: RequestState, scope: dict[str, Any] | None = None) -> Any:
+    def value_for(self, state: EngineState, req: RequestState,
+                  scope: dict[str, Any] | None = None) -> Any:
         scope = dict(scope if scope is not None else self._engine_scope(state))
         for name in self.request_names:
             scope[name] = REQUEST_NAMES[name](state, req)

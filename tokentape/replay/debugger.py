@@ -223,6 +223,13 @@ class TapeDebugger(cmd.Cmd):
             start = index.indexed_to
             index.extend_to(pos, lambda done: update(done - start))
 
+    def _event_out_of_range(self, seq: int) -> str:
+        return f"event {seq} is out of range: the tape has events 0..{self.num_events - 1}"
+
+    def _step_out_of_range(self, step: int) -> str:
+        last = len(self.tape.snapshots.step_seqs) - 1
+        return f"step {step} is out of range: the tape schedules steps 0..{last}"
+
     def _seq_of_step(self, step: int) -> int | None:
         """The position of StepScheduled(step), indexing on (with a progress bar) to find it."""
         index = self.tape.snapshots
@@ -304,14 +311,13 @@ class TapeDebugger(cmd.Cmd):
         elif arg.startswith(("@", "#")):
             seq = _int(arg[1:], "a sequence number")
             if not 0 <= seq < self.num_events:
-                raise DebuggerError(f"event {seq} is out of range: the tape has events 0..{self.num_events - 1}")
+                raise DebuggerError(self._event_out_of_range(seq))
             self._seek(seq + 1)
         else:
             step = _int(arg, "a step number, @SEQ, start or end")
             step_seq = self._seq_of_step(step)
             if step_seq is None:
-                last = len(self.tape.snapshots.step_seqs) - 1
-                raise DebuggerError(f"step {step} is out of range: the tape schedules steps 0..{last}")
+                raise DebuggerError(self._step_out_of_range(step))
             self._seek(step_seq + 1)
         self._show_position()
 
@@ -448,8 +454,8 @@ class TapeDebugger(cmd.Cmd):
         changed = w.last is not None and value != w.last
         w.last = value
         shown = _format_value(value)
-        self.out.line(f"watch {w.number}: {w.expression.text} = {shown}" + ("  (changed)" if changed else ""),
-                      style="magenta" if changed else None)
+        text = f"watch {w.number}: {w.expression.text} = {shown}"
+        self.out.line(text + "  (changed)" if changed else text, style="magenta" if changed else None)
 
     # -- looking -------------------------------------------------------------------------------
 
@@ -504,7 +510,8 @@ class TapeDebugger(cmd.Cmd):
             known = list(self.state.requests)
             later = req_id in self._all_request_ids()
             raise DebuggerError(
-                f"no request {req_id!r} " + ("yet at this point of the tape" if later else "on this tape")
+                f"no request {req_id!r} "
+                + ("yet at this point of the tape" if later else "on this tape")
                 + f" ({len(known)} requests here{': ' + ', '.join(known[:10]) if known else ''})"
             )
         detail = _request_detail(self.state, req)
@@ -540,7 +547,7 @@ class TapeDebugger(cmd.Cmd):
             first = _int(a, "a sequence number")
             last = _int(b, "a sequence number") + 1 if sep else first + 10
             if first < 0 or first >= self.num_events:
-                raise DebuggerError(f"event {first} is out of range: the tape has events 0..{self.num_events - 1}")
+                raise DebuggerError(self._event_out_of_range(first))
             if last <= first:
                 raise DebuggerError(f"empty range {arg!r}")
             last = min(last, self.num_events)
@@ -548,13 +555,13 @@ class TapeDebugger(cmd.Cmd):
             if seq >= last:
                 break
             mark = "->" if seq == self.pos - 1 else "  "
-            self.out.line(f"{mark} {seq:>7}  {describe_event(event)}", style="bold" if mark == "->" else None)
+            self.out.line(f"{mark} {seq:>7}  {describe_event(event)}",
+                          style="bold" if mark == "->" else None)
 
     def _events_of_step(self, step: int) -> tuple[int, int]:
-        index = self.tape.snapshots
         seq = self._seq_of_step(step)
         if seq is None:
-            raise DebuggerError(f"step {step} is out of range: the tape schedules steps 0..{len(index.step_seqs) - 1}")
+            raise DebuggerError(self._step_out_of_range(step))
         nxt = self._seq_of_step(step + 1)
         return seq, self.num_events if nxt is None else nxt
 

@@ -45,7 +45,8 @@ class ClientStream:
     finish_seq: int | None = None
 
 
-def client_streams(tape: Tape, progress: Callable[[int], None] | None = None) -> dict[str, ClientStream]:
+def client_streams(tape: Tape,
+                   progress: Callable[[int], None] | None = None) -> dict[str, ClientStream]:
     """Every request's delivered stream, in the order the requests were added. `progress`, if
     given, is called with the number of events read every 65536 events."""
     streams: dict[str, ClientStream] = {}
@@ -122,10 +123,11 @@ class TapeDiff:
 
 def _window(tokens: list[int], pos: int, width: int = 4) -> str:
     start = max(0, pos - width)
-    shown = [f"[{t}]" if i == pos else str(t) for i, t in enumerate(tokens[start:pos + width + 1], start)]
+    end = pos + width + 1
+    shown = [f"[{t}]" if i == pos else str(t) for i, t in enumerate(tokens[start:end], start)]
     if pos >= len(tokens):
         shown.append("[end]")
-    return ("... " if start else "") + " ".join(shown) + (" ..." if pos + width + 1 < len(tokens) else "")
+    return ("... " if start else "") + " ".join(shown) + (" ..." if end < len(tokens) else "")
 
 
 def _explain(a: list[int], b: list[int], p: int) -> str:

@@ -75,7 +75,8 @@ def perfetto_trace(tape: Tape, timeline: Timeline | None = None) -> dict[str, An
             "name": marker.kind + (f" ({marker.detail})" if marker.detail and not engine_wide else ""),
             "cat": "engine" if engine_wide else "request", "ph": "i",
             "s": "g" if engine_wide else "t",
-            "pid": _PID, "tid": _ENGINE_TID if engine_wide else tids[marker.req_id],  # type: ignore[index]
+            "pid": _PID,
+            "tid": _ENGINE_TID if marker.req_id is None else tids[marker.req_id],
             "ts": marker.seq,
             "args": {"step": marker.step, "event": marker.seq, "detail": marker.detail},
         })
@@ -145,8 +146,9 @@ def write_csv(tape: Tape, out: TextIO, progress: Callable[[int], None] | None = 
                        spec_tokens=sum(e.num_spec_tokens for e in event.entries))
             carried_adds = 0
             evolve(state, event)
+            requests = state.requests
             row["prefill_entries"] = sum(
-                1 for e in event.entries if e.num_computed_before < state.requests[e.req_id].num_prompt_tokens
+                1 for e in event.entries if e.num_computed_before < requests[e.req_id].num_prompt_tokens
             )
             continue
         dropped_before = 0

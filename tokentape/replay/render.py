@@ -50,7 +50,8 @@ def describe_event(event: ev.Event) -> str:
             body = ", ".join(f"{e.req_id}: {_tokens(e.token_ids)}" for e in entries)
         case ev.OutputsEmitted(entries=entries):
             body = ", ".join(
-                f"{e.req_id}: {_tokens(e.token_ids)}" + (f" finished={e.finish_reason}" if e.finished else "")
+                f"{e.req_id}: {_tokens(e.token_ids)}"
+                + (f" finished={e.finish_reason}" if e.finished else "")
                 for e in entries
             )
         case ev.EngineError(error_type=t, message=m):

@@ -78,7 +78,8 @@ def _with_requests(state: EngineState, requests: dict[str, RequestState]) -> Eng
             new.requests = requests
         elif name == "in_flight_steps":
             new.in_flight_steps = deque(
-                InFlightStep(s.step, s.entries, [requests[r.req_id] for r in s.requests], set(s.partial))
+                InFlightStep(s.step, s.entries, [requests[r.req_id] for r in s.requests],
+                             set(s.partial))
                 for s in state.in_flight_steps
             )
         else:
