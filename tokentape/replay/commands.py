@@ -31,7 +31,9 @@ def add_commands(sub: Any, replay_sub: Any) -> None:
         ),
     )
     dbg.add_argument("tape", metavar="TAPE", help="tape file to debug")
-    dbg.add_argument("--snapshot-interval", type=int, default=None, metavar="K",
+    from tokentape.cli import _positive_int
+
+    dbg.add_argument("--snapshot-interval", type=_positive_int, default=None, metavar="K",
                      help="keep a state snapshot every K events (default: 2048)")
     dbg.set_defaults(func=cmd_debug)
     _add_diff_and_export(sub)
@@ -43,10 +45,6 @@ def _open(path: str, interval: int | None = None) -> Any:
     from tokentape.replay.snapshots import DEFAULT_INTERVAL
     from tokentape.replay.tape import Tape
 
-    if interval is not None and interval < 1:
-        from tokentape.cli import CLIError
-
-        raise CLIError(f"--snapshot-interval must be >= 1, got {interval}")
     return Tape(SQLiteTapeReader(path), interval or DEFAULT_INTERVAL)
 
 
@@ -103,6 +101,7 @@ def _add_diff_and_export(sub: Any) -> None:
 
 
 def _add_whatif(replay_sub: Any) -> None:
+    from tokentape.cli import _positive_int
     from tokentape.events.discard import DISCARD_POLICIES
 
     wi = replay_sub.add_parser(
@@ -127,7 +126,7 @@ def _add_whatif(replay_sub: Any) -> None:
     wi.add_argument("tape", metavar="TAPE", help="the recorded tape")
     wi.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
                     help="discard policy for the new run (default: the tape's)")
-    wi.add_argument("--pipeline-depth", type=int, default=None, metavar="N",
+    wi.add_argument("--pipeline-depth", type=_positive_int, default=None, metavar="N",
                     help="steps in flight for the new run, 1 = synchronous (default: the tape's)")
     wi.add_argument("--runner", default="oracle", metavar="RUNNER",
                     help="oracle (default) or model (the real model)")
