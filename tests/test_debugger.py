@@ -239,3 +239,50 @@ def _evolve(state, event):  # type: ignore[no-untyped-def]
     from tokentape.events.reducer import evolve
 
     return evolve(state, event)
+
+
+def first_failing_event(tape: Tape) -> int:
+    from tokentape.events.errors import ReducerError
+    from tokentape.events.reducer import evolve
+
+    state = tape.initial_state()
+    for seq, event in tape.events():
+        try:
+            evolve(state, event)
+        except ReducerError:
+            return seq
+    raise AssertionError("the tape folds")
+
+
+def test_a_damaged_tape_is_debugged_up_to_the_damage() -> None:
+    from tokentape.events.store import MemoryTape
+
+    recording = load_tape(pause_resume("flag"))
+    damaged = MemoryTape(recording.header)
+    events = [e for _, e in recording.events()]
+    dropped = next(i for i, e in enumerate(events) if isinstance(e, ev.StepScheduled) and e.step == 4)
+    for i, event in enumerate(events):
+        if i != dropped:  # then step 5 is scheduled when step 4 was expected
+            damaged.append(event)
+    frame = first_failing_event(load_tape(damaged))
+    out = io.StringIO()
+    dbg = TapeDebugger(load_tape(damaged), io.StringIO(), out, rich=False)
+    dbg.onecmd("goto end")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"error: event {frame} cannot be applied to the state before it: ")
+    assert lines[1].startswith(f"[0/{frame}]")  # it stays where it was, the tape now ends there
+    dbg.onecmd("goto end")
+    assert out.getvalue().splitlines()[2].startswith(f"[{frame}/{frame}]")
+    assert dbg.num_events == frame and dbg.state == load_tape(damaged).fold(until_seq=frame)
+    out.truncate(0)
+    out.seek(0)
+    dbg.onecmd("back 3")
+    dbg.onecmd("step 10")
+    assert out.getvalue().splitlines()[1].startswith(f"[{frame}/{frame}]")
+    assert dbg.state == load_tape(damaged).fold(until_seq=frame)
+    # Stepping into the damage from a fresh session says so too.
+    out2 = io.StringIO()
+    dbg2 = TapeDebugger(load_tape(damaged), io.StringIO(), out2, rich=False)
+    dbg2.onecmd("step 1000")
+    assert out2.getvalue().startswith(f"error: event {frame} (StepScheduled) cannot be applied")
+    assert dbg2.pos == frame and dbg2.state == load_tape(damaged).fold(until_seq=frame)

@@ -188,7 +188,11 @@ class TapeDebugger(cmd.Cmd):
     def onecmd(self, line: str) -> bool:
         try:
             return super().onecmd(line)
-        except (DebuggerError, ExpressionError, TapeError, ReducerError, ValueError, IndexError) as exc:
+        except ReducerError as exc:  # a damaged tape: the debugger works up to the damage
+            self.out.error(str(exc))
+            self._after_damage()
+            return False
+        except (DebuggerError, ExpressionError, TapeError, ValueError, IndexError) as exc:
             self.out.error(str(exc))
             return False
         except KeyboardInterrupt:  # a long continue or next: stop where it got to
@@ -201,6 +205,19 @@ class TapeDebugger(cmd.Cmd):
 
     def default(self, line: str) -> None:
         raise DebuggerError(f"unknown command {line.split()[0]!r} (type help for the commands)")
+
+    def _after_damage(self) -> None:
+        """Keep to the part of the tape the index could fold, with a clean state."""
+        index = self.tape.snapshots
+        if index.error is None:
+            try:
+                self._index_to(self.num_events)  # to find where the damage starts
+            except ReducerError:
+                pass  # index.error says where
+        self.num_events = min(self.num_events, index.num_events)
+        self.pos = min(self.pos, self.num_events)
+        self.state = self.tape.state_at(self.pos)
+        self._show_position()
 
     def do_EOF(self, arg: str) -> bool:
         """End of input: leave the debugger."""
@@ -261,7 +278,11 @@ class TapeDebugger(cmd.Cmd):
         state = self.state
         with progress(todo, "reading the tape") as update:
             for n, (seq, event) in enumerate(self.tape.events(self.pos), 1):
-                evolve(state, event)
+                try:
+                    evolve(state, event)
+                except (ReducerError, ValueError, KeyError, IndexError, TypeError) as exc:
+                    raise ReducerError(f"event {seq} ({ev.kind_of(event)}) cannot be applied to "
+                                       f"the state before it: {exc}") from None
                 self.pos = seq + 1
                 reason = stop(seq, event, state)
                 if reason is not None:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokentape.events import schema as ev
+from tokentape.events.errors import ReducerError
 from tokentape.events.reducer import evolve, fold_events
 from tokentape.events.state import EngineState, InFlightStep, RequestState
 
@@ -156,6 +157,7 @@ class SnapshotIndex:
         self._frontier = initial
         self._frontier_seq = 0
         self._frontier_events: Iterator[tuple[int, ev.Event]] | None = None
+        self.error: str | None = None  # why the index ends before the tape does, if it does
 
     # -- building ------------------------------------------------------------------------------
 
@@ -173,26 +175,42 @@ class SnapshotIndex:
             self._frontier_events = self.events_from(self._frontier_seq)
         state, step_seqs, interval = self._frontier, self.step_seqs, self.interval
         n = self._frontier_seq
-        for s, event in self._frontier_events:
-            if s != n:
-                raise ValueError(f"the tape skips from event {n} to {s}")
-            kind = type(event)
-            if kind is ev.StepScheduled:
-                step_seqs.append(s)
-            evolve(state, event)
-            if kind is ev.RequestAdded:
-                self.arrivals.append(state.requests[event.req_id])  # type: ignore[attr-defined]
-            n += 1
-            if n % interval == 0:
-                self.positions.append(n)
-                self.snapshots.append(Snapshot(state, n))
-                if progress is not None:
-                    progress(n)
-            if n >= seq:
-                break
+        try:
+            for s, event in self._frontier_events:
+                if s != n:
+                    raise ValueError(f"the tape skips from event {n} to {s}")
+                evolve(state, event)
+                kind = type(event)
+                if kind is ev.StepScheduled:
+                    step_seqs.append(s)
+                elif kind is ev.RequestAdded:
+                    self.arrivals.append(state.requests[event.req_id])  # type: ignore[attr-defined]
+                n += 1
+                if n % interval == 0:
+                    self.positions.append(n)
+                    self.snapshots.append(Snapshot(state, n))
+                    if progress is not None:
+                        progress(n)
+                if n >= seq:
+                    break
+        except (ReducerError, ValueError, KeyError, IndexError, TypeError) as exc:
+            self._cut_at(n, exc)
         self._frontier_seq = n
         if n < seq:  # the tape is shorter than its count said (it is still being written)
             self.num_events = n
+
+    def _cut_at(self, n: int, exc: Exception) -> None:
+        """The event at position `n` cannot follow the ones before it (a damaged or
+        hand-edited tape): the index ends before it, with a clean state, and says why."""
+        self.num_events = n
+        self.error = f"event {n} cannot be applied to the state before it: {exc}"
+        self._frontier_events = None
+        i = bisect.bisect_right(self.positions, n) - 1
+        state = self.snapshots[i].restore(self.arrivals)
+        # Requests the failed event may have half-added are not in the arrival list yet.
+        self._frontier = fold_events(self.events_from(self.positions[i]), state, n)
+        self._frontier_seq = n
+        raise ReducerError(self.error) from None
 
     def build(self, progress: Callable[[int], None] | None = None) -> SnapshotIndex:
         """Index the whole tape."""
