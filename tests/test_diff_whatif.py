@@ -189,3 +189,14 @@ def test_whatif_skips_a_weight_update_under_the_oracle() -> None:
     note = f"weight update to 'sha256:abc' at step {step} skipped: the oracle's tokens do not depend on weights"
     assert result.notes == [note]
     assert [ev.kind_of(e) for e in recorded_commands(load_tape(with_update))].count("WeightsUpdated") == 1
+
+
+def test_sync_against_async_runs_of_the_same_requests_are_identical() -> None:
+    prompts = [[3, 4, 5, 6, 7], [9, 8, 7], list(range(20, 60))]
+    tapes = []
+    for kwargs in ({"async_scheduling": False}, {"pipeline_depth": 3, "num_speculative_tokens": 2}):
+        llm = LLM(model="oracle", tape=None, block_size=4, num_kv_blocks=32, **kwargs)  # type: ignore[arg-type]
+        llm.generate(prompts, SamplingParams(max_tokens=12))
+        tapes.append(llm.engine.tape)
+    assert len(tapes[0]) != len(tapes[1])  # different schedules, different tapes
+    assert diff(tapes[0], tapes[1]).identical
