@@ -181,9 +181,14 @@ def test_help_and_completion(flag_tape: Path) -> None:
     out = io.StringIO()
     dbg = TapeDebugger(load_tape(flag_tape), io.StringIO(), out, rich=False)
     dbg.onecmd("help")
-    for command in ("step", "back", "goto", "next", "continue", "reverse_continue", "break",
+    lines = out.getvalue().splitlines()
+    for command in ("step", "back", "goto", "next", "continue", "reverse-continue", "break",
                     "print", "requests", "events", "where", "diff", "watch"):
-        assert command in out.getvalue()
+        assert any(line.startswith(f"  {command}") for line in lines), command
+    out.truncate(0)
+    out.seek(0)
+    dbg.onecmd("help reverse-continue")
+    assert out.getvalue().startswith("reverse-continue: go backwards")
     assert dbg.complete_next("Fr", "next Fr", 5, 7) == ["FrameProduced"]
     assert dbg.complete_break("kind=Pre", "break kind=Pre", 6, 14) == ["kind=PrefixCacheReset"]
     dbg.onecmd("goto end")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import cmd
 import itertools
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,14 @@ from tokentape.replay.render import Output, describe_event, event_requests, prog
 from tokentape.replay.tape import Tape
 
 KINDS = sorted(ev.EVENT_KINDS)
+_HELP_GROUPS = {
+    "moving": ("step", "back", "goto", "next", "continue", "reverse-continue"),
+    "breakpoints and watches": ("break", "delete", "watch", "unwatch"),
+    "looking": ("where", "print", "requests", "events", "diff", "names"),
+    "other": ("help", "quit"),
+}
+_SENTENCE_END = re.compile(r"[.]\s+(?=[A-Z])")  # not inside "e.g. next"
+_ALIASES = "s = step, c = continue, rc = reverse-continue, b = break, p = print, w = where, q = quit"
 _KINDS_LOWER = {k.lower(): k for k in KINDS}
 _CONTEXT = 5  # events shown either side of the current one
 
@@ -218,6 +227,20 @@ class TapeDebugger(cmd.Cmd):
         self.pos = min(self.pos, self.num_events)
         self.state = self.tape.state_at(self.pos)
         self._show_position()
+
+    def do_help(self, arg: str) -> None:
+        """help [COMMAND]: the commands, or what one does."""
+        if arg.strip():
+            super().do_help(arg.strip().replace("-", "_"))
+            return
+        for group, names in _HELP_GROUPS.items():
+            self.out.line(f"{group}:", style="bold")
+            for name in names:
+                doc = " ".join((getattr(self, "do_" + name.replace("-", "_")).__doc__ or "").split())
+                first_sentence = _SENTENCE_END.split(doc)[0].rstrip(".")
+                self.out.line(f"  {first_sentence}")
+        self.out.line(f"aliases: {_ALIASES}")
+        self.out.line("help COMMAND says more; names lists what conditions, watch and print can use.")
 
     def do_EOF(self, arg: str) -> bool:
         """End of input: leave the debugger."""
