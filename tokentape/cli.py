@@ -1,4 +1,5 @@
-"""The `tokentape` command line: generate (and record a tape), verify a tape, inspect a tape.
+"""The `tokentape` command line: generate (and record a tape), verify a tape, inspect a tape;
+debug, diff, what-if replay and export (in tokentape/replay/commands.py).
 
     tokentape generate "Hello" "The capital of France is" --max-tokens 8
     tokentape replay verify tokentape-20250101T000000Z.tape
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
             "  tokentape generate 'Hello' --max-tokens 8 --json\n"
             "  tokentape replay verify run.tape         # does the tape reproduce?\n"
             "  tokentape inspect run.tape --step 5      # derived state at step 5\n"
+            "  tokentape debug run.tape                 # step through it, both ways\n"
+            "  tokentape diff a.tape b.tape             # first output divergence\n"
             "\n"
             "Expected failures print 'error: <message>' on stderr and exit with status 2."
         ),
@@ -160,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     # replay -----------------------------------------------------------------------------------
     replay = sub.add_parser(
         "replay",
-        help="replay a recorded tape (verify)",
+        help="replay a recorded tape (verify, whatif)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Replay a recorded tape. See 'tokentape replay verify --help'.",
+        description="Replay a recorded tape. See 'tokentape replay verify --help' and\n"
+        "'tokentape replay whatif --help'.",
     )
     replay_sub = replay.add_subparsers(dest="replay_command", metavar="COMMAND")
     ver = replay_sub.add_parser(
@@ -207,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="show one request's full derived state, output token ids included")
     insp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     insp.set_defaults(func=cmd_inspect)
+
+    from tokentape.replay.commands import add_commands  # debug, diff, export, replay whatif
+
+    add_commands(sub, replay_sub)
     return parser
 
 

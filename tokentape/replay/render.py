@@ -1,0 +1,153 @@
+"""Text for people: one-line event summaries, and an output that uses rich on a terminal.
+
+The debugger, `diff` and `replay whatif` print through `Output`: tables and colour with rich
+when the stream is a terminal, plain text (what tests assert on) when it is piped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+from tokentape.events import schema as ev
+
+_MAX_TOKENS_SHOWN = 8
+
+
+def _tokens(ids: Sequence[int]) -> str:
+    if len(ids) <= _MAX_TOKENS_SHOWN:
+        return "[" + ", ".join(map(str, ids)) + "]"
+    return "[" + ", ".join(map(str, ids[:_MAX_TOKENS_SHOWN])) + f", ... {len(ids)} tokens]"
+
+
+def describe_event(event: ev.Event) -> str:
+    """A one-line summary of an event: its kind, step and what it says per request."""
+    kind = ev.kind_of(event)
+    match event:
+        case ev.RequestAdded(req_id=r, prompt_token_ids=p, params=params):
+            body = f"req={r} prompt={len(p)} tokens max_tokens={params.max_tokens}"
+        case ev.RequestAborted(req_id=r):
+            body = f"req={r}"
+        case ev.RequestFinished(req_id=r, reason=reason):
+            body = f"req={r} reason={reason}"
+        case ev.RequestPreempted(req_id=r, reason=reason, in_flight=n):
+            body = f"req={r} reason={reason} in_flight={n}"
+        case ev.GenerationPaused(mode=mode, clear_cache=clear):
+            body = f"mode={mode} clear_cache={clear}"
+        case ev.PrefixCacheReset(reset_running_requests=running, ok=ok):
+            body = f"reset_running_requests={running} ok={ok}"
+        case ev.WeightsUpdated(weights_id=w):
+            body = f"weights_id={w}"
+        case ev.StepScheduled(entries=entries):
+            body = ", ".join(
+                f"{e.req_id}: +{e.num_new_tokens}@{e.num_computed_before} e{e.epoch}"
+                + (f" spec={e.num_spec_tokens}" if e.num_spec_tokens else "")
+                for e in entries
+            )
+        case ev.FrameProduced(entries=entries):
+            body = ", ".join(f"{e.req_id}: {_tokens(e.token_ids)}" for e in entries)
+        case ev.OutputsEmitted(entries=entries):
+            body = ", ".join(
+                f"{e.req_id}: {_tokens(e.token_ids)}"
+                + (f" finished={e.finish_reason}" if e.finished else "")
+                for e in entries
+            )
+        case ev.EngineError(error_type=t, message=m):
+            body = f"{t}: {m}"
+        case _:
+            body = ""
+    return f"{kind}(step={event.step}) {body}".rstrip()
+
+
+def event_requests(event: ev.Event) -> list[str]:
+    """The requests an event names (empty for engine-wide events)."""
+    req_id = getattr(event, "req_id", None)
+    if req_id is not None:
+        return [req_id]
+    entries = getattr(event, "entries", None)
+    if entries is not None:
+        return [e.req_id for e in entries]
+    return []
+
+
+def is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Output:
+    """Lines and tables to a stream: rich on a terminal (or when forced), plain otherwise."""
+
+    def __init__(self, stream: TextIO | None = None, rich: bool | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stdout
+        self.rich = is_terminal(self.stream) if rich is None else rich
+        self._console: Any = None
+        if self.rich:
+            from rich.console import Console
+
+            self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
+
+    def line(self, text: str = "", style: str | None = None) -> None:
+        if self._console is not None:
+            self._console.print(text, style=style, markup=False)
+        else:
+            self.stream.write(text + "\n")
+
+    def error(self, message: str) -> None:
+        self.line(f"error: {' '.join(message.split())}", style="bold red")
+
+    def table(self, columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None,
+              numeric_from: int = 1) -> None:
+        """A table; columns from `numeric_from` on are right-aligned when their cells are numbers."""
+        cells = [[str(v) for v in row] for row in rows]
+        if self._console is not None:
+            from rich import box
+            from rich.table import Table
+
+            table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+            for i, name in enumerate(columns):
+                table.add_column(name, justify="right" if i >= numeric_from else "left",
+                                 style="bold" if i == 0 else None, overflow="fold")
+            for row in cells:
+                table.add_row(*row)
+            self._console.print(table)
+            return
+        if title:
+            self.stream.write(f"{title}\n")
+        allc = [list(columns)] + cells
+        widths = [max(len(r[i]) for r in allc) for i in range(len(columns))]
+        for row in allc:
+            text = "  ".join(v.rjust(w) if i >= numeric_from else v.ljust(w)
+                             for i, (v, w) in enumerate(zip(row, widths)))
+            self.stream.write(f"  {text.rstrip()}\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def progress(total: int, description: str, stream: TextIO | None = None,
+             minimum: int = 200_000) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr for a long read (at least `minimum` events) on a terminal;
+    yields an `update(done)` callback, a no-op otherwise."""
+    stream = stream if stream is not None else sys.stderr
+    if total < minimum or not is_terminal(stream):
+        yield lambda done: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=Console(file=stream), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda done: bar.update(task, completed=done)

@@ -1,0 +1,182 @@
+"""what-if replay: run a tape's recorded commands again under another configuration.
+
+The commands are the client's calls, as recorded: `RequestAdded`, `RequestAborted`,
+`GenerationPaused`, `GenerationResumed`, `PrefixCacheReset` and `WeightsUpdated`. Each is
+issued to a fresh engine at the step it was recorded at (the engine is stepped until it
+reaches that step, or has nothing left to do), and the engine runs to completion afterwards.
+Events that a pause causes (its aborts under `mode="abort"`, its prefix-cache reset under
+`clear_cache=True`) are not commands: the new engine makes its own.
+
+The configuration is the tape header's, with the discard policy and the pipeline depth
+changed as asked; the runner is the oracle (the default) or the real model. A weight update
+names its weights but the tape does not hold them: the oracle skips it (its tokens do not
+depend on weights; the result notes it), the model refuses the run. The new run is
+recorded on its own tape, and `diff` compares its client-visible output with the recording.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.llm import make_runner, open_tape_writer
+from tokentape.engine.llm_engine import LLMEngine
+from tokentape.engine.runners.base import ModelRunner
+from tokentape.events import schema as ev
+from tokentape.events.store import MemoryTape
+from tokentape.replay.diff import TapeDiff, TapeSource, diff
+from tokentape.replay.tape import Tape, load_tape
+
+RUNNERS = ("oracle", "model")
+ORACLE_MODELS = ("oracle", "oracle-random")
+DEFAULT_MODEL = "tiny"  # the real model served when the tape was recorded with the oracle
+
+
+class WhatIfError(ValueError):
+    """The what-if run cannot be set up or cannot replay one of the recorded commands."""
+
+
+@dataclass(slots=True)
+class WhatIfResult:
+    config: EngineConfig  # what the new run used
+    tape: Tape  # the new run's tape
+    diff: TapeDiff  # the recording (A) against the new run (B)
+    notes: list[str] = field(default_factory=list)  # recorded commands that were not repeated
+
+
+def whatif_config(tape: Tape, discard_policy: str | None = None, pipeline_depth: int | None = None,
+                  runner: str = "oracle") -> EngineConfig:
+    """The header's config with the changes applied."""
+    if runner not in RUNNERS:
+        raise WhatIfError(f"unknown runner {runner!r}: choose one of {', '.join(RUNNERS)}")
+    changes: dict[str, Any] = {}
+    if discard_policy is not None:
+        changes["discard_policy"] = discard_policy
+    if pipeline_depth is not None:
+        changes["pipeline_depth"] = pipeline_depth
+        changes["async_scheduling"] = pipeline_depth > 1
+    model = tape.config.model
+    if runner == "oracle" and model not in ORACLE_MODELS:
+        changes["model"] = "oracle"
+    elif runner == "model" and model in ORACLE_MODELS:
+        changes["model"] = DEFAULT_MODEL
+    try:
+        return msgspec.structs.replace(tape.config, **changes)
+    except (ValueError, TypeError) as exc:
+        raise WhatIfError(f"invalid what-if configuration: {exc}") from None
+
+
+def _make_runner(config: EngineConfig, runner: str) -> ModelRunner:
+    try:
+        return make_runner(config)
+    except ValueError as exc:
+        raise WhatIfError(f"--runner {runner}: cannot build a runner for model {config.model!r} "
+                          f"({exc})") from None
+
+
+def _advance_to(engine: LLMEngine, step: int, limit: int) -> None:
+    """Step the engine until it is about to schedule `step`, or can do nothing more."""
+    state = engine.state
+    for _ in range(limit):
+        if state.step >= step or not engine.has_unfinished_requests():
+            return
+        before = state.num_events
+        engine.step()
+        if state.num_events == before:  # paused, or nothing schedulable: waiting cannot help
+            return
+    raise WhatIfError(f"the what-if run did not reach step {step} within {limit} engine steps")
+
+
+def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) -> None:
+    if isinstance(event, ev.WeightsUpdated):
+        # The tape names the weights (an id) but does not hold them.
+        if runner == "oracle":
+            notes.append(f"weight update to {event.weights_id!r} at step {event.step} skipped: "
+                         "the oracle's tokens do not depend on weights")
+            return
+        raise WhatIfError(
+            f"the tape updates the weights to {event.weights_id!r} at step {event.step}; the "
+            "weights are not on the tape, so a run with the model cannot repeat the update "
+            "(use --runner oracle)"
+        )
+    match event:
+        case ev.RequestAdded(req_id=req_id, prompt_token_ids=prompt, params=params):
+            engine.add_request(req_id, list(prompt), params)
+        case ev.RequestAborted(req_id=req_id):
+            engine.abort_request(req_id)
+        case ev.GenerationPaused(mode=mode, clear_cache=clear_cache):
+            engine.pause_generation(mode, clear_cache)
+        case ev.GenerationResumed():
+            engine.resume_generation()
+        case ev.PrefixCacheReset(reset_running_requests=reset_running):
+            engine.reset_prefix_cache(reset_running)
+        case _:
+            raise WhatIfError(f"cannot replay command {ev.kind_of(event)}")
+
+
+def recorded_commands(tape: Tape) -> list[ev.Event]:
+    """The client's calls on a tape, in order, without the events a pause caused."""
+    commands: list[ev.Event] = []
+    after_abort_pause = False  # the aborts right after a pause(mode="abort") are its own
+    pending_resets = 0  # a pause with clear_cache resets the prefix cache itself, once drained
+    for _, event in tape.events():
+        kind = ev.kind_of(event)
+        if kind not in ev.COMMAND_KINDS:
+            if kind != "RequestAborted":
+                after_abort_pause = False
+            continue
+        if isinstance(event, ev.RequestAborted) and after_abort_pause:
+            continue
+        after_abort_pause = False
+        if isinstance(event, ev.PrefixCacheReset) and pending_resets:
+            pending_resets -= 1
+            continue
+        commands.append(event)
+        if isinstance(event, ev.GenerationPaused):
+            after_abort_pause = event.mode == "abort"
+            pending_resets += event.clear_cache
+    return commands
+
+
+def whatif(
+    source: TapeSource,
+    *,
+    discard_policy: str | None = None,
+    pipeline_depth: int | None = None,
+    runner: str = "oracle",
+    out: str | os.PathLike[str] | None = None,
+) -> WhatIfResult:
+    """Re-run the recorded commands under the changed configuration and diff the outputs.
+
+    `out` is the new tape's path (an SQLite file, never overwritten); None keeps it in memory.
+    """
+    original = load_tape(source)
+    config = whatif_config(original, discard_policy, pipeline_depth, runner)
+    engine_runner = _make_runner(config, runner)
+    writer = open_tape_writer(None if out is None else os.fspath(out), config, engine_runner)
+    engine = LLMEngine(config, engine_runner, writer)
+    # Generous: a changed pipeline may need more steps than the recording, never unboundedly more.
+    limit = 10 * len(original) + 10_000
+    notes: list[str] = []
+    try:
+        for command in recorded_commands(original):
+            _advance_to(engine, command.step, limit)
+            _issue(engine, command, runner, notes)
+        for _ in range(limit):
+            if not engine.has_unfinished_requests():
+                break
+            before = engine.state.num_events
+            engine.step()
+            if engine.state.num_events == before:
+                break  # left paused by the recording: nothing more runs
+        else:
+            raise WhatIfError(f"the what-if run did not finish within {limit} engine steps")
+        engine.tape.flush()
+    finally:
+        engine.close()
+    new = load_tape(writer if isinstance(writer, MemoryTape) else writer.path)  # type: ignore[arg-type]
+    return WhatIfResult(config, new, diff(original, new), notes)
