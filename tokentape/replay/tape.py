@@ -7,17 +7,20 @@ from collections.abc import Iterator
 
 from tokentape.engine.config import EngineConfig
 from tokentape.events import schema as ev
-from tokentape.events.reducer import evolve, fold_events, initial_state
+from tokentape.events.reducer import fold_events, initial_state
 from tokentape.events.sqlite_store import SQLiteTapeReader
 from tokentape.events.state import EngineState
 from tokentape.events.store import MemoryTape, TapeError, TapeReader
+from tokentape.replay.snapshots import DEFAULT_INTERVAL, SnapshotIndex
 
 
 class Tape:
     """A read-only view of a tape: its header, its events in order, and folds over them."""
 
-    def __init__(self, reader: TapeReader) -> None:
+    def __init__(self, reader: TapeReader, snapshot_interval: int = DEFAULT_INTERVAL) -> None:
         self.reader = reader
+        self.snapshot_interval = snapshot_interval
+        self._snapshots: SnapshotIndex | None = None
         self.path = reader.path
         self.header = reader.header
         try:
@@ -44,14 +47,22 @@ class Tape:
         """The state after every event (or after the events before `until_seq`)."""
         return fold_events(self.events(), self.initial_state(), until_seq)
 
+    @property
+    def snapshots(self) -> SnapshotIndex:
+        """The tape's snapshot index, built lazily as far as seeks need it."""
+        if self._snapshots is None:
+            self._snapshots = SnapshotIndex(self.events, self.initial_state(), len(self),
+                                            self.snapshot_interval)
+        return self._snapshots
+
     def at(self, step: int) -> EngineState:
-        """The state at step `step`: after it was scheduled, before step `step + 1` was."""
-        state = self.initial_state()
-        for _, event in self.events():
-            if isinstance(event, ev.StepScheduled) and event.step > step:
-                break
-            evolve(state, event)
-        return state
+        """The state at step `step`: after it was scheduled, before step `step + 1` was.
+        Seeks through periodic snapshots; the result is a fresh copy."""
+        return self.snapshots.state_at_step(step)
+
+    def state_at(self, seq: int) -> EngineState:
+        """The state after the first `seq` events, through snapshots (a fresh copy)."""
+        return self.snapshots.state_at(seq)
 
 
 def load_tape(source: str | os.PathLike[str] | MemoryTape | Tape) -> Tape:
