@@ -13,6 +13,7 @@ from tokentape.postmortem.findings import Finding, Severity, excerpt_of
 from tokentape.replay.tape import Tape
 
 Item = tuple[int, ev.Event]  # (seq, event)
+_MAX_REQUESTS = 16  # requests an engine-wide finding lists
 
 
 @dataclass(slots=True)
@@ -63,13 +64,18 @@ class Context:
         seq: int | None = None,
         key: str = "",
         last_step: int | None = None,
+        per_request: bool = True,
     ) -> None:
         """Record a finding; a repeat of the same kind for the same requests (and key) only
-        widens the step range and counts, so one cause gives one finding."""
-        dkey = (kind, tuple(request_ids), key)
+        widens the step range and counts, so one cause gives one finding. An engine-wide
+        finding (`per_request=False`) gathers the requests of its repeats instead."""
+        dkey = (kind, tuple(request_ids) if per_request else (), key)
         draft = self._drafts.get(dkey)
         if draft is not None:
             draft.count += 1
+            for r in request_ids:
+                if r not in draft.request_ids and len(draft.request_ids) < _MAX_REQUESTS:
+                    draft.request_ids.append(r)
             draft.first_step = min(draft.first_step, step)
             draft.last_step = max(draft.last_step, step if last_step is None else last_step)
             return
@@ -83,7 +89,9 @@ class Context:
         for d in self._drafts.values():
             message = d.message
             if d.count > 1:
-                message += f" ({d.count} times, steps {d.first_step}-{d.last_step})"
+                where = (f"step {d.first_step}" if d.first_step == d.last_step
+                         else f"steps {d.first_step}-{d.last_step}")
+                message += f" ({d.count} times, {where})"
             out.append(Finding(d.kind, d.severity, d.request_ids, (d.first_step, d.last_step),
                                message, excerpt_of(d.excerpt, set(d.request_ids)), d.bug_class, d.seq))
         out.sort(key=lambda f: (f.steps[0], f.seq if f.seq is not None else -1, f.kind))

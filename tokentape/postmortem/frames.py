@@ -123,19 +123,21 @@ class FrameChecker(Checker):
                "counter": "the discard counter (async_tokens_to_discard)"}.get(policy, f"policy {policy!r}")
         excerpt = [p and (p.seq, p.event), self.ctx.last_resume if p and p.resumed else None,
                    scheduled, (seq, e)]
+        bug = None
+        if policy == "flag":
+            bug = "vllm#42043"
+        elif policy == "counter" and p is not None and p.spec_in_flight:
+            bug = "vllm#42117-spec-units"
+        elif policy == "counter" and p is not None and p.counter_left > 0:
+            bug = "vllm#42117-overwrite"
         if p is not None and p.resumed and p.fresh_frames == 0:
             self.ctx.report(
                 "post_resume_token_dropped", "error", [req.req_id], e.step,
                 f"the first token after resume of request {req.req_id!r} (step {e.step}) was dropped by "
                 f"{why}, set by its {p.event.reason} preemption in step {p.event.step} with "
                 f"{p.event.in_flight} steps in flight; every later token moves up by one",
-                excerpt, "vllm#42043" if policy == "flag" else None, seq)
+                excerpt, bug, seq)
             return
-        bug = None
-        if policy == "flag":
-            bug = "vllm#42043"
-        elif policy == "counter" and p is not None and p.spec_in_flight:
-            bug = "vllm#42117-spec-units"
         self.ctx.report(
             "fresh_frame_dropped", "error", [req.req_id], e.step,
             f"a fresh frame of request {req.req_id!r} (step {e.step}, epoch {req.epoch}) was dropped by "

@@ -99,7 +99,7 @@ class KVChecker(Checker):
                     f"request {e.req_id!r} was preempted for KV pressure in step {e.step} while the tape "
                     f"accounts for only {self.used} of {self.num_blocks} blocks in use ({free} free, "
                     f"no allocation of the step needs more than {bound}): the engine's pool lost blocks",
-                    [(seq, e)], None, seq)
+                    [(seq, e)], None, seq, per_request=False)
         self._release(seq, e, e.req_id)
 
     def _prefix_cache_reset(self, seq: int, e: ev.PrefixCacheReset) -> None:
