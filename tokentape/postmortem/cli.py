@@ -62,7 +62,7 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
     from tokentape.replay.tape import load_tape
 
     tape = load_tape(args.tape)
-    with _progress_bar(sys.stderr, tape) as progress:
+    with progress_bar(sys.stderr, tape) as progress:
         report = postmortem(tape, reference=args.reference, progress=progress)
     if args.html:
         from tokentape.postmortem.report_html import write_report
@@ -102,7 +102,7 @@ def print_report(report: Report, out: TextIO) -> None:
 
 
 @contextlib.contextmanager
-def _progress_bar(stream: TextIO, tape: Any) -> Iterator[Any]:
+def progress_bar(stream: TextIO, tape: Any) -> Iterator[Any]:
     """A rich progress bar on a terminal; nothing otherwise."""
     try:
         tty = stream.isatty()

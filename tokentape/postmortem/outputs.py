@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tokentape.events import schema as ev
+from tokentape.events.state import RequestState
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context
 
@@ -63,6 +64,15 @@ class OutputChecker(Checker):
                 [finished.get(req_id), (seq, e)], bug, seq)
 
 
+def _oracle_length(longer: list[int], req: RequestState) -> int:
+    """The length of the oracle's stream for the request, from a longer copy of it."""
+    limit = min(req.max_output_tokens, len(longer))
+    for i in range(limit):
+        if longer[i] in req.stop_ids:
+            return i + 1
+    return limit
+
+
 def _describe(out: tuple[list[int], bool, str | None] | None) -> str:
     if out is None:
         return "nothing"
@@ -102,7 +112,8 @@ class ReferenceChecker(Checker):
             self.max_model_len = c.effective_max_model_len
 
     def after(self) -> dict[type, Hook]:
-        return {ev.RequestAdded: self._added, ev.FrameProduced: self._frame}
+        return {ev.RequestAdded: self._added, ev.FrameProduced: self._frame,
+                ev.RequestFinished: self._finished, ev.RequestAborted: self._finished}
 
     def _added(self, seq: int, e: ev.RequestAdded) -> None:
         if self.oracle is not None:
@@ -131,21 +142,34 @@ class ReferenceChecker(Checker):
                 self.diverged[req_id] = _Divergence(i, e.step, seq, e, self.ctx.scheduled.get(e.step))
             checked[req_id] = len(out)
 
+    def _finished(self, seq: int, e: ev.RequestFinished | ev.RequestAborted) -> None:
+        """A finished request takes no more tokens: judge it now and forget its stream."""
+        req = self.state.requests.get(e.req_id)
+        if req is not None and e.req_id in self.streams:
+            self._settle(req)
+
     def finish(self) -> None:
         requests = self.state.requests
-        for req_id, d in self.diverged.items():
-            self._classify(req_id, requests[req_id].output_token_ids, self.streams[req_id], d)
-        if self.oracle is None:
+        for req_id in list(self.streams):
+            self._settle(requests[req_id])
+
+    def _settle(self, req: RequestState) -> None:
+        ref = self.streams.pop(req.req_id)
+        self.checked.pop(req.req_id, None)
+        d = self.diverged.pop(req.req_id, None)
+        if d is not None:
+            self._classify(req.req_id, req.output_token_ids, ref, d)
             return
-        for req_id, req in requests.items():  # the oracle knows where each stream must end
-            if req_id in self.diverged or req.finish_reason not in ("stop", "length"):
-                continue
-            ref = self.oracle.expected_stream(req.prompt_token_ids, req.params, self.max_model_len)
-            if len(req.output_token_ids) != len(ref):
-                self.ctx.report(
-                    "token_mismatch", "error", [req_id], req.arrival_step,
-                    f"request {req_id!r} finished ({req.finish_reason}) with {len(req.output_token_ids)} "
-                    f"tokens where the {self.source} stream has {len(ref)}", [], None, None)
+        if self.oracle is None or req.finish_reason not in ("stop", "length"):
+            return
+        # The oracle knows where the stream must end: its stop condition, within the lookahead.
+        want = _oracle_length(ref, req)
+        if len(req.output_token_ids) != want:
+            self.ctx.report(
+                "token_mismatch", "error", [req.req_id], req.arrival_step,
+                f"request {req.req_id!r} finished ({req.finish_reason}) with "
+                f"{len(req.output_token_ids)} tokens where the {self.source} stream has {want}",
+                [], None, None)
 
     def _classify(self, req_id: str, out: list[int], ref: list[int], d: _Divergence) -> None:
         i = d.index
