@@ -205,6 +205,14 @@ def test_reference_tape(tmp_path: Path) -> None:
     assert report.summary.reference.startswith("reference tape")
     assert ("token_shifted", "error", ("r",), None) in found(report)
     assert postmortem(good, reference=good).findings == []
+    # Against a reference that ran longer, the shorter finished stream is named.
+    longer = tmp_path / "longer.tape"
+    with LLM(model="oracle-random", tape=str(longer), block_size=4, num_kv_blocks=64) as llm:
+        llm.engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True))
+        run_steps(llm, 200)
+    report = postmortem(good, reference=longer)
+    assert [(f.kind, f.request_ids) for f in report.findings] == [("token_mismatch", ["r"])]
+    assert "with 24 tokens where the reference" in report.findings[0].message
 
 
 # -- bad input -----------------------------------------------------------------------------
@@ -248,6 +256,16 @@ def test_truncated_tape_is_analysed_up_to_the_break(tmp_path: Path) -> None:
     assert 0 < report.summary.num_events < total  # the readable prefix was analysed
     assert found(report) == [("tape_damaged", "error", (), None)]
     assert f"from event {report.summary.num_events} on" in report.findings[0].message
+
+
+def test_damaged_tape_still_gets_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "corrupt.tape"
+    copy_with(TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 50", b"\x00\x01")
+    page = tmp_path / "r.html"
+    assert main(["postmortem", str(bad), "--html", str(page)]) == 1
+    out = capsys.readouterr().out
+    assert "[error] tape_damaged" in out and "event 50" in out
+    assert "tape_damaged" in page.read_text() and "<svg" in page.read_text()
 
 
 def test_inconsistent_tape(tmp_path: Path) -> None:

@@ -45,10 +45,11 @@ class EngineErrorChecker(Checker):
                         [(seq, e)], None, seq)
 
 
-def reference_outputs(source: TapeSource) -> dict[str, tuple[list[int], list[int]]]:
-    """(prompt, delivered tokens) of every request of a reference tape."""
+def reference_outputs(source: TapeSource) -> dict[str, tuple[list[int], list[int], str | None]]:
+    """(prompt, delivered tokens, finish reason) of every request of a reference tape."""
     state = load_tape(source).fold()
-    return {r.req_id: (r.prompt_token_ids, r.output_token_ids) for r in state.requests.values()}
+    return {r.req_id: (r.prompt_token_ids, r.output_token_ids, r.finish_reason)
+            for r in state.requests.values()}
 
 
 def _dispatch(checkers: list[Checker], which: str) -> dict[type, tuple[Hook, ...]]:

@@ -92,13 +92,15 @@ class _Divergence:
 class ReferenceChecker(Checker):
     """Compares each request's delivered tokens with a reference stream as they arrive."""
 
-    def __init__(self, ctx: Context, reference: dict[str, tuple[list[int], list[int]]] | None,
+    def __init__(self, ctx: Context, reference: dict[str, tuple[list[int], list[int], str | None]] | None,
                  source: str) -> None:
-        """`reference` maps request ids to (prompt, output tokens); None uses the oracle."""
+        """`reference` maps request ids to (prompt, output tokens, finish reason); None uses
+        the oracle."""
         super().__init__(ctx)
         self.source = source
         self.reference = reference  # None: the oracle's expected stream, built per request
         self.streams: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}  # where a reference stream that finished normally ends
         self.checked: dict[str, int] = {}
         self.diverged: dict[str, _Divergence] = {}
         self.oracle = None
@@ -121,9 +123,11 @@ class ReferenceChecker(Checker):
             self.streams[e.req_id] = self.oracle.expected_stream(
                 e.prompt_token_ids, longer, self.max_model_len + _LOOKAHEAD)
         elif self.reference is not None and e.req_id in self.reference:
-            prompt, tokens = self.reference[e.req_id]
+            prompt, tokens, reason = self.reference[e.req_id]
             if prompt == e.prompt_token_ids:  # the same request id may name another request
                 self.streams[e.req_id] = tokens
+                if reason in ("stop", "length"):
+                    self.lengths[e.req_id] = len(tokens)
         self.checked[e.req_id] = 0
 
     def _frame(self, seq: int, e: ev.FrameProduced) -> None:
@@ -160,11 +164,13 @@ class ReferenceChecker(Checker):
         if d is not None:
             self._classify(req.req_id, req.output_token_ids, ref, d)
             return
-        if self.oracle is None or req.finish_reason not in ("stop", "length"):
+        want = self.lengths.pop(req.req_id, None)
+        if req.finish_reason not in ("stop", "length"):
             return
-        # The oracle knows where the stream must end: its stop condition, within the lookahead.
-        want = _oracle_length(ref, req)
-        if len(req.output_token_ids) != want:
+        if self.oracle is not None:
+            # The oracle knows where the stream must end: its stop condition, within the lookahead.
+            want = _oracle_length(ref, req)
+        if want is not None and len(req.output_token_ids) != want:
             self.ctx.report(
                 "token_mismatch", "error", [req.req_id], req.arrival_step,
                 f"request {req.req_id!r} finished ({req.finish_reason}) with "
