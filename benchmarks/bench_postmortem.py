@@ -44,7 +44,7 @@ def record_tape(path: str, num_events: int) -> None:
         engine = llm.engine
         next_id = 0
         steps = 0
-        while len(engine.tape) < num_events:
+        while engine.state.num_events < num_events:  # every event went through evolve
             while engine.get_num_unfinished_requests() < 12:
                 prompt = [rng.randrange(3, 259) for _ in range(rng.randint(8, 96))]
                 engine.add_request(str(next_id), prompt, SamplingParams(max_tokens=rng.randint(16, 160), seed=next_id))

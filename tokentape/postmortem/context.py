@@ -28,6 +28,11 @@ class Preemption:
     fresh_frames: int = 0  # frames of the new epoch that came back since
 
 
+def cite(p: Preemption | None) -> Item | None:
+    """The preemption's event, for an excerpt."""
+    return (p.seq, p.event) if p is not None else None
+
+
 @dataclass(slots=True)
 class _Draft:
     kind: str

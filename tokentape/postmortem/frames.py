@@ -16,7 +16,7 @@ from tokentape.engine.config import MAX_PIPELINE_DEPTH
 from tokentape.events import schema as ev
 from tokentape.events.state import InFlightStep, RequestState
 from tokentape.postmortem.base import Checker, Hook
-from tokentape.postmortem.context import Preemption
+from tokentape.postmortem.context import Context, Preemption, cite
 
 
 _KEEP_STEPS = MAX_PIPELINE_DEPTH + 4
@@ -51,8 +51,8 @@ class HistoryChecker(Checker):
 
 
 class FrameChecker(Checker):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         # Per sampling entry of the frame being applied: (request, stale, outputs, dropped, stopped).
         self._before: list[tuple[RequestState, bool, int, int, bool]] = []
         self._step: InFlightStep | None = None
@@ -121,7 +121,7 @@ class FrameChecker(Checker):
         policy = self.state.discard_policy
         why = {"flag": "the preemption flag (discard_latest_async_tokens)",
                "counter": "the discard counter (async_tokens_to_discard)"}.get(policy, f"policy {policy!r}")
-        excerpt = [p and (p.seq, p.event), self.ctx.last_resume if p and p.resumed else None,
+        excerpt = [cite(p), self.ctx.last_resume if p and p.resumed else None,
                    scheduled, (seq, e)]
         bug = None
         if policy == "flag":
@@ -151,13 +151,15 @@ class FrameChecker(Checker):
             bug = "vllm#42117-overwrite"
         elif p is not None and p.event.reason == "kv_pressure":
             bug = "vllm#47900"
-        extra = (f"; its preemption in step {p.event.step} overwrote a discard counter of "
-                 f"{p.counter_left} that had not drained" if bug == "vllm#42117-overwrite" else "")
+        extra = ""
+        if p is not None and bug == "vllm#42117-overwrite":
+            extra = (f"; its preemption in step {p.event.step} overwrote a discard counter of "
+                     f"{p.counter_left} that had not drained")
         self.ctx.report(
             "stale_frame_applied", "error", [req.req_id], e.step,
             f"a stale frame of request {req.req_id!r} (scheduled in step {e.step} before a preemption) "
             f"was applied: its token is delivered and computed again{extra}",
-            [scheduled, p and (p.seq, p.event), (seq, e)], bug, seq)
+            [scheduled, cite(p), (seq, e)], bug, seq)
 
 
 _COUNTS = ("num_output_placeholders", "async_tokens_to_discard", "num_stale_in_flight",
@@ -165,8 +167,8 @@ _COUNTS = ("num_output_placeholders", "async_tokens_to_discard", "num_stale_in_f
 
 
 class CountChecker(Checker):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         self._done: set[str] = set()  # finished requests already checked for leftover counts
 
     def after(self) -> dict[type, Hook]:
@@ -204,7 +206,7 @@ class CountChecker(Checker):
                     "count_nonzero_at_finish", "warning", [req.req_id], e.step,
                     f"request {req.req_id!r} finished ({req.finish_reason}) with nothing in flight "
                     f"but {shown}",
-                    [p and (p.seq, p.event), (seq, e)], None, seq)
+                    [cite(p), (seq, e)], None, seq)
 
     def _negative(self, seq: int, e: ev.Event, req: RequestState, name: str, value: int) -> None:
         p = self.ctx.preemptions.get(req.req_id)
@@ -217,4 +219,4 @@ class CountChecker(Checker):
         self.ctx.report(
             "negative_count", "error", [req.req_id], e.step,
             f"{name} of request {req.req_id!r} went negative ({value}) at step {e.step}",
-            [p and (p.seq, p.event), (seq, e)], bug, seq, key=name)
+            [cite(p), (seq, e)], bug, seq, key=name)

@@ -16,11 +16,12 @@ from __future__ import annotations
 from tokentape.events import schema as ev
 from tokentape.events.state import RequestStatus
 from tokentape.postmortem.base import Checker, Hook
+from tokentape.postmortem.context import Context
 
 
 class KVChecker(Checker):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         config = self.ctx.tape.config
         self.num_blocks = config.num_kv_blocks
         self.block_size = config.block_size

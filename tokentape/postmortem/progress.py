@@ -6,14 +6,15 @@ from __future__ import annotations
 from tokentape.events import schema as ev
 from tokentape.events.state import RequestStatus
 from tokentape.postmortem.base import Checker, Hook
+from tokentape.postmortem.context import Context
 
 STUCK_AFTER_STEPS = 200  # steps with room for the request but no progress
 _SCAN_EVERY = 16  # steps between scans of the unfinished requests
 
 
 class StuckChecker(Checker):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         config = self.ctx.tape.config
         self.budget = config.max_num_batched_tokens
         self.max_seqs = config.max_num_seqs

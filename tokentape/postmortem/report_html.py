@@ -179,8 +179,9 @@ class _Axis:
     def __init__(self, timeline: Timeline, findings: list[Finding], step_seq: dict[int, int],
                  left: float, width: float) -> None:
         first: dict[int, int] = dict(step_seq)
-        for item in (*timeline.spans, *timeline.markers):
-            seq, step = (item.start_seq, item.start_step) if isinstance(item, Span) else (item.seq, item.step)
+        starts = [(s.start_seq, s.start_step) for s in timeline.spans]
+        starts += [(m.seq, m.step) for m in timeline.markers]
+        for seq, step in starts:
             if seq < first.get(step, 1 << 62):
                 first[step] = seq
         for f in findings:
