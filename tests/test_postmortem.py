@@ -9,6 +9,8 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tokentape import LLM, SamplingParams
 from tokentape.cli import main
@@ -61,6 +63,22 @@ def test_zoo_tape_gives_exactly_its_findings(name: str) -> None:
         assert f.excerpt or f.kind in ("token_mismatch",)
 
 
+@pytest.mark.parametrize("name", ZOO)
+def test_the_regeneration_script_records_the_same_bugs(name: str, tmp_path: Path) -> None:
+    """tests/tapes/regenerate.py (run when the format changes) records each bug again."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regenerate", TAPES / "regenerate.py")
+    assert spec is not None and spec.loader is not None
+    regenerate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regenerate)
+    scenario, expected = regenerate.ZOO[name]
+    scenario(tmp_path / "again.tape")
+    assert found(postmortem(tmp_path / "again.tape")) == sorted(
+        (f["kind"], f["severity"], tuple(f["request_ids"]), f["bug_class"]) for f in expected)
+    assert json.loads((TAPES / f"{name}.expected.json").read_text())["findings"] == expected
+
+
 def test_flag_finding_cites_the_preemption_the_resume_and_the_dropped_frame() -> None:
     report = postmortem(TAPES / "flag_42043.tape")
     f = next(f for f in report.findings if f.kind == "post_resume_token_dropped")
@@ -69,6 +87,76 @@ def test_flag_finding_cites_the_preemption_the_resume_and_the_dropped_frame() ->
     assert report.summary.tokens["dropped_fresh"] == 1
     t = report.summary.tokens
     assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
+
+
+COMMANDS = ("step",) * 8 + ("pause_keep", "pause_keep_clear", "pause_wait", "resume", "resume",
+                            "reset", "reset_running", "abort", "add", "add")
+
+
+def storm(llm: LLM, commands: list[str]) -> None:
+    engine = llm.engine
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        engine.add_request(f"h{added}", list(range(5 + added, 14 + 2 * added)),
+                           SamplingParams(max_tokens=6 + 3 * (added % 4), ignore_eos=True))
+        added += 1
+
+    for _ in range(3):
+        add()
+    for command in commands:
+        if command == "step":
+            engine.step()
+        elif command.startswith("pause"):
+            _, mode, *clear = command.split("_")
+            engine.pause_generation(mode, bool(clear))
+        elif command == "resume":
+            engine.resume_generation()
+        elif command.startswith("reset"):
+            engine.reset_prefix_cache(reset_running_requests=command == "reset_running")
+        elif command == "abort" and engine.state.unfinished:
+            engine.abort_request(engine.state.unfinished[0].req_id)
+        elif command == "add" and not engine.is_paused():
+            add()
+    engine.resume_generation()
+    run_steps(llm, 500)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
+       depth=st.integers(1, 3), k=st.integers(0, 2))
+def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int) -> None:
+    """No false positives: whatever the storm of pauses, resumes, resets and aborts, an
+    epoch-policy run is clean, and the tape's tokens are all accounted for."""
+    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, num_speculative_tokens=k,
+              block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=3)
+    storm(llm, commands)
+    report = postmortem(llm.engine.tape)
+    assert report.findings == []
+    t = report.summary.tokens
+    assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
+
+
+def test_the_same_storm_under_the_historical_policies_is_caught() -> None:
+    commands = ["step"] * 5 + ["pause_keep_clear", "step", "resume"] + ["step"] * 4 + ["reset_running"]
+    for policy in ("flag", "counter"):
+        llm = LLM(model="oracle-random", tape=None, pipeline_depth=2, num_speculative_tokens=2,
+                  discard_policy=policy, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+                  max_num_seqs=3)
+        storm(llm, commands)
+        report = postmortem(llm.engine.tape)
+        assert not report.ok, policy
+        assert kinds(report) & {"post_resume_token_dropped", "fresh_frame_dropped", "stale_frame_applied"}
+
+
+def test_cli_help_lists_postmortem(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "postmortem" in capsys.readouterr().out
+    assert main(["postmortem", "--help"]) == 0
+    out = capsys.readouterr().out
+    for fragment in ("TAPE", "--html", "--json", "--reference", "exit status"):
+        assert fragment in out
 
 
 # -- the other checkers, on faults injected into a real engine -------------------------------
@@ -202,7 +290,7 @@ def test_reference_tape(tmp_path: Path) -> None:
     good = pause_resume("epoch", tmp_path / "good.tape")
     bad = pause_resume("flag", tmp_path / "bad.tape")
     report = postmortem(bad, reference=good)
-    assert report.summary.reference.startswith("reference tape")
+    assert (report.summary.reference or "").startswith("reference tape")
     assert ("token_shifted", "error", ("r",), None) in found(report)
     assert postmortem(good, reference=good).findings == []
     # Against a reference that ran longer, the shorter finished stream is named.
