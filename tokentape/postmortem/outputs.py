@@ -178,38 +178,42 @@ class ReferenceChecker(Checker):
                 [], None, None)
 
     def _classify(self, req_id: str, out: list[int], ref: list[int], d: _Divergence) -> None:
+        """Name how the delivered stream leaves the reference at position d.index: the rest of
+        it is the reference moved back (duplicated tokens) or up (skipped tokens), or not."""
         i = d.index
 
-        def run(shift: int) -> int:  # how many tokens from i on match the reference moved by shift
-            n = 0
-            for j in range(i, len(out)):
-                k = j + shift
-                if not 0 <= k < len(ref) or out[j] != ref[k]:
-                    break
-                n += 1
-            return n
+        def moved(shift: int) -> bool:  # out[i:] is the reference moved by `shift`, to its end
+            rest = out[i:]
+            lo, hi = i + shift, i + shift + len(rest)
+            if lo < 0 or lo >= len(ref):
+                return False
+            return rest[:len(ref) - lo] == ref[lo:hi]
 
-        best = max(((run(s), s) for s in range(-_MAX_SHIFT, _MAX_SHIFT + 1) if s),
-                   key=lambda t: (t[0], -abs(t[1])))
-        matched, shift = best
-        scheduled = d.scheduled
+        shifts = [s for s in range(1, _MAX_SHIFT + 1) for s in (-s, s) if moved(s)]
         where = f"output position {i} (step {d.step})"
+        got = out[i] if i < len(out) else None
         expected = ref[i] if i < len(ref) else None
-        if matched and shift < 0:
+        excerpt = [d.scheduled, (d.seq, d.event)]
+        if shifts and shifts[0] < 0:
             self.ctx.report(
                 "token_duplicated", "error", [req_id], d.step,
-                f"request {req_id!r} repeats {-shift} token(s) at {where} against the {self.source} "
-                f"stream: got {out[i]}, expected {expected}; {matched} tokens after it match the "
-                "stream moved back", [scheduled, (d.seq, d.event)], None, d.seq)
-        elif matched and shift > 0:
+                f"request {req_id!r} repeats {-shifts[0]} token(s) at {where} against the {self.source} "
+                f"stream: got {got}, expected {expected}; every later token comes one place late",
+                excerpt, None, d.seq)
+        elif shifts:
             self.ctx.report(
                 "token_shifted", "error", [req_id], d.step,
-                f"request {req_id!r} skips {shift} token(s) at {where} against the {self.source} "
-                f"stream: got {out[i]}, expected {expected}; {matched} tokens after it match the "
-                "stream moved up", [scheduled, (d.seq, d.event)], None, d.seq)
+                f"request {req_id!r} skips {shifts[0]} token(s) at {where} against the {self.source} "
+                f"stream: got {got}, expected {expected}; every later token moved up",
+                excerpt, None, d.seq)
         else:
+            near = [j for j in range(max(0, i - _MAX_SHIFT), min(len(ref), i + _MAX_SHIFT + 1))
+                    if j != i and ref[j] == got]
+            whose = f" (the token of position {near[0]})" if near else ""
+            back = next((j for j in range(i + 1, len(out)) if j < len(ref) and out[j:] == ref[j:len(out)]), None)
+            after = f"; from position {back} on it matches again" if back is not None else ""
             self.ctx.report(
                 "token_mismatch", "error", [req_id], d.step,
                 f"request {req_id!r} differs from the {self.source} stream at {where}: got "
-                f"{out[i] if i < len(out) else None}, expected {expected}",
-                [scheduled, (d.seq, d.event)], None, d.seq)
+                f"{got}{whose}, expected {expected}{after}",
+                excerpt, None, d.seq)
