@@ -179,26 +179,37 @@ def run_steps(llm: LLM, limit: int) -> None:
             return  # the injected fault broke the engine: the tape holds the failure
 
 
-class LeakyKV(KVCacheManager):
+class FaultyKV:
+    """A real KV cache manager with a fault injected into `free` (by delegation: the
+    manager may be compiled, and compiled classes cannot be subclassed)."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self._kv = kv
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kv, name)
+
+
+class LeakyKV(FaultyKV):
     """Never gives a preempted or finished request's blocks back."""
 
     def free(self, req_id: str, block_ids: list[int]) -> None:
-        self._num_cached.pop(req_id, None)
+        self._kv._num_cached.pop(req_id, None)
 
 
-class RefcountBlindKV(KVCacheManager):
+class RefcountBlindKV(FaultyKV):
     """Returns blocks to the free queue whatever other requests still hold them."""
 
     def free(self, req_id: str, block_ids: list[int]) -> None:
-        self._num_cached.pop(req_id, None)
+        self._kv._num_cached.pop(req_id, None)
         for b in block_ids:
-            self.ref_cnt[b] = 0
-            self.free_queue[b] = None
+            self._kv.ref_cnt[b] = 0
+            self._kv.free_queue[b] = None
 
 
-def with_kv(llm: LLM, kv_type: type[KVCacheManager]) -> None:
-    c = llm.config
-    llm.engine.kv = llm.engine.scheduler.kv = kv_type(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+def with_kv(llm: LLM, kv_type: type[FaultyKV]) -> None:
+    faulty = kv_type(llm.engine.kv)
+    llm.engine.kv = llm.engine.scheduler.kv = faulty  # type: ignore[assignment]
 
 
 def test_kv_leak_is_found(tmp_path: Path) -> None:
