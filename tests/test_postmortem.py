@@ -295,6 +295,37 @@ def test_stuck_request_is_found(tmp_path: Path) -> None:
     assert report.ok  # a warning does not fail the job
 
 
+class FailingRunner:
+    """A real runner whose sixth frame never comes back (a device failure)."""
+
+    def __init__(self, runner: object) -> None:
+        self._runner = runner
+        self.collected = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._runner, name)
+
+    def collect(self, step: int) -> list[ev.FrameEntry]:
+        self.collected += 1
+        if self.collected == 6:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self._runner.collect(step)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_engine_error_is_a_finding(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path)
+    llm.engine.runner = FailingRunner(llm.engine.runner)  # type: ignore[assignment]
+    llm.engine.add_request("a", list(range(10, 20)), SamplingParams(max_tokens=20, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        for _ in range(20):
+            llm.engine.step()
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert [(f.kind, f.request_ids) for f in report.findings] == [("engine_error", ["a"])]
+    assert "RuntimeError: CUDA error: an illegal memory access" in report.findings[0].message
+    assert report.summary.complete and not report.ok
+
+
 def test_reference_tape(tmp_path: Path) -> None:
     from tape_scenarios import pause_resume
 

@@ -67,7 +67,8 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
     if args.html:
         from tokentape.postmortem.report_html import write_report
 
-        write_report(report, tape, args.html)
+        with progress_bar(sys.stderr, tape, "report") as progress:
+            write_report(report, tape, args.html, progress=progress)
     if args.json:
         print(json.dumps(msgspec.to_builtins(report)))
     else:
@@ -102,7 +103,7 @@ def print_report(report: Report, out: TextIO) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar(stream: TextIO, tape: Any) -> Iterator[Any]:
+def progress_bar(stream: TextIO, tape: Any, label: str = "postmortem") -> Iterator[Any]:
     """A rich progress bar on a terminal; nothing otherwise."""
     try:
         tty = stream.isatty()
@@ -118,7 +119,7 @@ def progress_bar(stream: TextIO, tape: Any) -> Iterator[Any]:
         total = len(tape)
     except Exception:  # a damaged tape: the pass reports where it breaks
         total = None
-    with Progress(TextColumn("postmortem"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=Console(file=stream), transient=True) as bar:
         task = bar.add_task("events", total=total)
         yield lambda n: bar.update(task, completed=n)

@@ -43,7 +43,8 @@ class _Tokens:
     step_seq: dict[int, int]  # step -> position of its StepScheduled
 
 
-def _watched_pass(tape: Tape, watch: set[str]) -> tuple[Timeline, EngineState, _Tokens]:
+def _watched_pass(tape: Tape, watch: set[str],
+                  progress: Callable[[int], None] | None = None) -> tuple[Timeline, EngineState, _Tokens]:
     """Build the timeline and, in the same pass, the step of every token of `watch`."""
     state = tape.initial_state()
     steps: dict[str, list[int]] = {r: [] for r in watch}
@@ -60,7 +61,7 @@ def _watched_pass(tape: Tape, watch: set[str]) -> tuple[Timeline, EngineState, _
         _record(last, state, steps)
 
     try:
-        timeline = timeline_from_events(events(), state)
+        timeline = timeline_from_events(events(), state, progress)
     except Exception:  # a damaged tape: draw what reads (the findings name the break)
         timeline = timeline_from_events(_readable_prefix(tape), tape.initial_state())
     return timeline, state, _Tokens(steps, step_seq)
@@ -90,9 +91,12 @@ def _record(event: ev.Event | None, state: EngineState, steps: dict[str, list[in
 
 
 def write_report(report: Report, tape: Tape, path: str | os.PathLike[str],
-                 expected: dict[str, list[int]] | None = None) -> None:
+                 expected: dict[str, list[int]] | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+    """Render the report (one more pass over the tape, for the timeline) and write it."""
+    page = render_report(report, tape, expected, progress)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(render_report(report, tape, expected))
+        f.write(page)
 
 
 def _expected_streams(tape: Tape, report: Report, watch: set[str], state: EngineState) -> dict[str, list[int]]:
@@ -112,14 +116,15 @@ def _expected_streams(tape: Tape, report: Report, watch: set[str], state: Engine
     return out
 
 
-def render_report(report: Report, tape: Tape, expected: dict[str, list[int]] | None = None) -> str:
+def render_report(report: Report, tape: Tape, expected: dict[str, list[int]] | None = None,
+                  progress: Callable[[int], None] | None = None) -> str:
     findings = report.findings
     watch: list[str] = []
     for f in findings:
         for r in f.request_ids:
             if r not in watch:
                 watch.append(r)
-    timeline, state, tokens = _watched_pass(tape, set(watch))
+    timeline, state, tokens = _watched_pass(tape, set(watch), progress)
     if expected is None:
         expected = _expected_streams(tape, report, set(watch[:MAX_TABLE_REQUESTS]), state)
     parts = [_HEAD.replace("{title}", e(f"tokentape postmortem: {report.summary.tape}"))]
