@@ -1,4 +1,4 @@
-"""The `tokentape` command line: generate (and record a tape), verify, inspect or postmortem a tape.
+"""The `tokentape` command line: generate (and record a tape), verify a tape, inspect a tape.
 
     tokentape generate "Hello" "The capital of France is" --max-tokens 8
     tokentape replay verify tokentape-20250101T000000Z.tape
@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  tokentape generate                       # built-in prompts, records a tape\n"
             "  tokentape generate 'Hello' --max-tokens 8 --json\n"
+            "  tokentape postmortem run.tape --html r.html  # what went wrong, and where\n"
             "  tokentape replay verify run.tape         # does the tape reproduce?\n"
             "  tokentape inspect run.tape --step 5      # derived state at step 5\n"
-            "  tokentape postmortem run.tape --html r.html  # what went wrong, and where\n"
             "\n"
             "Expected failures print 'error: <message>' on stderr and exit with status 2."
         ),
@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     ver.set_defaults(func=cmd_replay_verify)
     replay.set_defaults(func=lambda args: _missing_subcommand(replay))
 
+    from tokentape.postmortem.cli import add_parser as add_postmortem_parser
+
+    add_postmortem_parser(sub)  # tokentape postmortem
+
     # inspect ----------------------------------------------------------------------------------
     insp = sub.add_parser(
         "inspect",
@@ -208,10 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="show one request's full derived state, output token ids included")
     insp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     insp.set_defaults(func=cmd_inspect)
-
-    from tokentape.postmortem.cli import add_parser as add_postmortem_parser
-
-    add_postmortem_parser(sub)
     return parser
 
 
