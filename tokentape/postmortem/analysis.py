@@ -109,14 +109,22 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress |
     """The pass itself; False when it stopped before the end of the tape."""
     before, after = _dispatch(checkers, "before"), _dispatch(checkers, "after")
     state = ctx.state
-    seq, event = -1, None
+    seq = -1
     next_progress = PROGRESS_EVERY
     try:
         for seq, event in tape.events():
             t = type(event)
             for hook in before[t]:
                 hook(seq, event)
-            evolve(state, event)
+            try:
+                evolve(state, event)
+            except (ReducerError, KeyError, ValueError, IndexError) as exc:
+                # The event cannot follow the ones before it (a damaged or hand-edited tape).
+                ctx.report("tape_inconsistent", "error", [], event.step,
+                           f"event {seq} ({ev.kind_of(event)} of step {event.step}) cannot follow the "
+                           f"ones before it: {_one_line(exc)}; the {seq} events before it were analysed",
+                           [(seq, event)], None, seq)
+                return False
             for hook in after[t]:
                 hook(seq, event)
             if progress is not None and seq >= next_progress:
@@ -129,13 +137,6 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress |
         ctx.report("tape_damaged", "error", [], state.step,
                    f"the tape cannot be read from event {where} on ({_reason(exc)}); "
                    f"the {where} events before it were analysed", [], None, where)
-        return False
-    except (ReducerError, KeyError, ValueError, IndexError) as exc:
-        assert event is not None
-        ctx.report("tape_inconsistent", "error", [], event.step,
-                   f"event {seq} ({ev.kind_of(event)} of step {event.step}) cannot follow the ones "
-                   f"before it: {_one_line(exc)}; the {seq} events before it were analysed",
-                   [(seq, event)], None, seq)
         return False
     finally:
         if progress is not None:

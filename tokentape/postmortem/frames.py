@@ -94,7 +94,8 @@ class FrameChecker(Checker):
                 else:
                     tokens["dropped_fresh"] += produced
                     self._fresh_dropped(seq, e, req, scheduled, preemption)
-                    preemption and self._count_fresh(preemption)
+                    if preemption is not None:
+                        preemption.fresh_frames += 1
                 continue
             applied = len(req.output_token_ids) - n_out
             tokens["applied"] += applied
@@ -110,11 +111,7 @@ class FrameChecker(Checker):
             if stale:
                 self._stale_applied(seq, e, req, scheduled, preemption)
             elif preemption is not None:
-                self._count_fresh(preemption)
-
-    @staticmethod
-    def _count_fresh(p: Preemption) -> None:
-        p.fresh_frames += 1
+                preemption.fresh_frames += 1
 
     def _fresh_dropped(self, seq: int, e: ev.FrameProduced, req: RequestState,
                        scheduled: tuple[int, ev.Event] | None, p: Preemption | None) -> None:
