@@ -492,7 +492,8 @@ def test_html_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     page = tmp_path / "report.html"
     page.write_text(render_report(postmortem(tape), tape))
     proc = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--enable-logging=stderr", "--v=0",
          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
