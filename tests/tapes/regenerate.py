@@ -99,16 +99,16 @@ class _AbortRacingFinalStep(LLMEngine):
     """Fault injected (vLLM #26400/#29987): a request aborted while its final step is in
     flight is reported to the client as a normal finish, with the final step's token."""
 
+    _raced: tuple[str, int] | None = None
+
     def abort_request(self, request_id: str) -> None:
-        req = self.state.requests[request_id]
         in_flight = [step for step, _ in self.state.in_flight_entries(request_id)]
         self._raced = (request_id, in_flight[-1]) if in_flight else None
         super().abort_request(request_id)
 
     def _emit(self, event: ev.Event) -> None:
-        raced = getattr(self, "_raced", None)
-        if isinstance(event, ev.OutputsEmitted) and raced is not None:
-            req_id, step = raced
+        if isinstance(event, ev.OutputsEmitted) and self._raced is not None:
+            req_id, step = self._raced
             final = [f.token_ids for f in self.runner._results[step] if f.req_id == req_id]  # type: ignore[attr-defined]
             event = ev.OutputsEmitted(event.step, [
                 ev.EmittedOutput(o.req_id, final[0], True, "length")
@@ -120,8 +120,8 @@ class _AbortRacingFinalStep(LLMEngine):
 
 def abort_final_step(path: Path) -> None:
     llm = _llm(path, depth=2)
-    engine = llm.engine
-    engine.__class__ = _AbortRacingFinalStep  # the same engine, with the fault injected
+    # The same runner and (still empty) tape, driven by the faulty engine.
+    engine = llm.engine = _AbortRacingFinalStep(llm.config, llm.engine.runner, llm.engine.tape, llm.tokenizer)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request("a", PROMPT, params)
     engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
