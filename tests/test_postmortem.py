@@ -138,6 +138,30 @@ def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int) -
     assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
+       depth=st.integers(2, 3), k=st.integers(0, 2), policy=st.sampled_from(["flag", "counter"]))
+def test_a_wrong_stream_never_goes_unreported(commands: list[str], depth: int, k: int, policy: str) -> None:
+    """No false negatives: under the historical policies, whenever a request's delivered
+    tokens are not the oracle's stream (a prefix of it, if aborted), the report has an error."""
+    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, num_speculative_tokens=k,
+              discard_policy=policy, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+              max_num_seqs=3)
+    storm(llm, commands)
+    runner, state = llm.engine.runner, llm.engine.state
+    wrong = []
+    for req in state.requests.values():
+        want = runner.expected_stream(req.prompt_token_ids, req.params)  # type: ignore[attr-defined]
+        got = req.output_token_ids
+        if (got != want) if req.finish_reason in ("stop", "length") else (got != want[:len(got)]):
+            wrong.append(req.req_id)
+    report = postmortem(llm.engine.tape)
+    if wrong:
+        assert not report.ok
+        flagged = {r for f in report.findings if f.severity == "error" for r in f.request_ids}
+        assert set(wrong) <= flagged
+
+
 def test_the_same_storm_under_the_historical_policies_is_caught() -> None:
     commands = ["step"] * 5 + ["pause_keep_clear", "step", "resume"] + ["step"] * 4 + ["reset_running"]
     for policy in ("flag", "counter"):
