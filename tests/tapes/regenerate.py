@@ -199,19 +199,20 @@ def _finding(kind: str, request_ids: list[str], bug_class: str | None = None,
 ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
     "flag_42043": (flag_42043, [
         _finding("post_resume_token_dropped", ["r"], "vllm#42043"),
-        _finding("token_shifted", ["r"]),  # every later token moved up by one
-        _finding("count_nonzero_at_finish", ["r"], severity="warning"),  # its placeholder never came back
+        # Every later token moved up by one; the dropped frame's placeholder never came back.
+        _finding("token_shifted", ["r"], "vllm#42043"),
+        _finding("count_nonzero_at_finish", ["r"], "vllm#42043", severity="warning"),
     ]),
     "counter_double_reset": (counter_double_reset, [
         _finding("stale_frame_applied", ["r"], "vllm#42117-overwrite"),
         _finding("negative_count", ["r"], "vllm#42117-overwrite"),  # placeholders -1
-        _finding("token_duplicated", ["r"]),
-        _finding("count_nonzero_at_finish", ["r"], severity="warning"),  # placeholders still -1
+        _finding("token_duplicated", ["r"], "vllm#42117-overwrite"),
+        _finding("count_nonzero_at_finish", ["r"], "vllm#42117-overwrite", severity="warning"),  # -1
     ]),
     "counter_spec_units": (counter_spec_units, [
         _finding("fresh_frame_dropped", ["r"], "vllm#42117-spec-units"),
-        _finding("token_shifted", ["r"]),
-        _finding("count_nonzero_at_finish", ["r"], severity="warning"),
+        _finding("token_shifted", ["r"], "vllm#42117-spec-units"),
+        _finding("count_nonzero_at_finish", ["r"], "vllm#42117-spec-units", severity="warning"),
     ]),
     "abort_final_step": (abort_final_step, [
         _finding("output_mismatch", ["a"], "vllm#26400"),
@@ -220,9 +221,9 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         _finding("stale_frame_applied", ["q2"], "vllm#47900"),
         # The applied stale token is the one after the dropped one, in its place; the
         # recompute then carries on from the right position: one wrong token.
-        _finding("token_mismatch", ["q2"]),
+        _finding("token_mismatch", ["q2"], "vllm#47900"),
         _finding("negative_count", ["q2"], "vllm#47900"),
-        _finding("count_nonzero_at_finish", ["q2"], severity="warning"),
+        _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
     ]),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),

@@ -56,6 +56,7 @@ class Context:
     last_resume: Item | None = None
     tokens: Counter[str] = field(default_factory=Counter)
     _drafts: dict[tuple[str, tuple[str, ...], str], _Draft] = field(default_factory=dict)
+    _bug_classes: dict[str, str] = field(default_factory=dict)  # request -> its first bug class
 
     def report(
         self,
@@ -74,6 +75,9 @@ class Context:
         """Record a finding; a repeat of the same kind for the same requests (and key) only
         widens the step range and counts, so one cause gives one finding. An engine-wide
         finding (`per_request=False`) gathers the requests of its repeats instead."""
+        if bug_class is not None:
+            for r in request_ids:
+                self._bug_classes.setdefault(r, bug_class)
         dkey = (kind, tuple(request_ids) if per_request else (), key)
         draft = self._drafts.get(dkey)
         if draft is not None:
@@ -88,6 +92,11 @@ class Context:
         self._drafts[dkey] = _Draft(kind, severity, list(request_ids), step,
                                     step if last_step is None else last_step, message,
                                     items, bug_class, seq)
+
+    def bug_class_of(self, req_id: str) -> str | None:
+        """The bug class of the first finding so far that names the request and has one: the
+        cause a later symptom (a shifted stream, a leftover count) follows from."""
+        return self._bug_classes.get(req_id)
 
     def findings(self) -> list[Finding]:
         out = []

@@ -203,7 +203,7 @@ class CountChecker(Checker):
                     "count_nonzero_at_finish", "warning", [req.req_id], e.step,
                     f"request {req.req_id!r} finished ({req.finish_reason}) with nothing in flight "
                     f"but {shown}",
-                    [cite(p), (seq, e)], None, seq)
+                    [cite(p), (seq, e)], self.ctx.bug_class_of(req.req_id), seq)
 
     def _negative(self, seq: int, e: ev.Event, req: RequestState, name: str, value: int) -> None:
         p = self.ctx.preemptions.get(req.req_id)

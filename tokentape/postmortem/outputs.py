@@ -194,18 +194,19 @@ class ReferenceChecker(Checker):
         got = out[i] if i < len(out) else None
         expected = ref[i] if i < len(ref) else None
         excerpt = [d.scheduled, (d.seq, d.event)]
+        bug = self.ctx.bug_class_of(req_id)
         if shifts and shifts[0] < 0:
             self.ctx.report(
                 "token_duplicated", "error", [req_id], d.step,
                 f"request {req_id!r} repeats {-shifts[0]} token(s) at {where} against the {self.source} "
                 f"stream: got {got}, expected {expected}; every later token comes one place late",
-                excerpt, None, d.seq)
+                excerpt, bug, d.seq)
         elif shifts:
             self.ctx.report(
                 "token_shifted", "error", [req_id], d.step,
                 f"request {req_id!r} skips {shifts[0]} token(s) at {where} against the {self.source} "
                 f"stream: got {got}, expected {expected}; every later token moved up",
-                excerpt, None, d.seq)
+                excerpt, bug, d.seq)
         else:
             near = [j for j in range(max(0, i - _MAX_SHIFT), min(len(ref), i + _MAX_SHIFT + 1))
                     if j != i and ref[j] == got]
@@ -216,4 +217,4 @@ class ReferenceChecker(Checker):
                 "token_mismatch", "error", [req_id], d.step,
                 f"request {req_id!r} differs from the {self.source} stream at {where}: got "
                 f"{got}{whose}, expected {expected}{after}",
-                excerpt, None, d.seq)
+                excerpt, bug, d.seq)
