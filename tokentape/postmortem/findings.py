@@ -80,12 +80,22 @@ def excerpt_of(items: list[tuple[int, ev.Event]], request_ids: set[str] | frozen
 
 
 def _cut(event: ev.Event, request_ids: set[str] | frozenset[str]) -> dict[str, Any]:
-    data = msgspec.structs.asdict(event)
-    data.pop("step", None)
+    data = {name: getattr(event, name) for name in event.__struct_fields__ if name != "step"}
     entries = data.get("entries")
     if entries is not None:
         kept = [e for e in entries if e.req_id in request_ids]
-        data["entries"] = msgspec.to_builtins(kept)
+        data["entries"] = kept
         if len(kept) < len(entries):
             data["other_entries"] = len(entries) - len(kept)
-    return msgspec.to_builtins(data)
+    return _plain(data)  # type: ignore[no-any-return]
+
+
+def _plain(value: Any) -> Any:
+    """Builtins with field names (the tape's structs are array-like: lists without names)."""
+    if isinstance(value, msgspec.Struct):
+        return {name: _plain(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
