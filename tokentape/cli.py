@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  tokentape generate                       # built-in prompts, records a tape\n"
             "  tokentape generate 'Hello' --max-tokens 8 --json\n"
+            "  tokentape postmortem run.tape --html r.html  # what went wrong, and where\n"
             "  tokentape replay verify run.tape         # does the tape reproduce?\n"
             "  tokentape inspect run.tape --step 5      # derived state at step 5\n"
             "  tokentape debug run.tape                 # step through it, both ways\n"
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("tape", metavar="TAPE", help="tape file to verify")
     ver.set_defaults(func=cmd_replay_verify)
     replay.set_defaults(func=lambda args: _missing_subcommand(replay))
+
+    from tokentape.postmortem.cli import add_parser as add_postmortem_parser
+
+    add_postmortem_parser(sub)  # tokentape postmortem
 
     # inspect ----------------------------------------------------------------------------------
     insp = sub.add_parser(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.llm_engine import LLMEngine, make_header
@@ -16,6 +16,10 @@ from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
 
 TapeSpec = str | os.PathLike[str] | None | bool
+
+# Called with every new LLM. The postmortem's pytest plugin (--tokentape-dir) uses it to keep
+# the tape of every engine a failing test created.
+LLM_CREATED_HOOKS: list[Callable[[LLM], None]] = []
 
 
 def make_runner(config: EngineConfig) -> ModelRunner:
@@ -59,6 +63,8 @@ class LLM:
         writer = open_tape_writer(tape, self.config, runner)
         self.engine = LLMEngine(self.config, runner, writer, self.tokenizer)
         self._next_id = 0
+        for hook in LLM_CREATED_HOOKS:
+            hook(self)
 
     @property
     def tape_path(self) -> str | None:

@@ -190,20 +190,38 @@ class SQLiteTapeReader:
     def iter_events(self, start: int = 0) -> Iterator[tuple[int, ev.Event]]:
         next_seq = start
         while True:
+            damage: sqlite3.DatabaseError | None = None
             try:
                 rows = self._conn.execute(
                     "SELECT seq, data FROM events WHERE seq >= ? ORDER BY seq LIMIT ?",
                     (next_seq, _READ_BATCH),
                 ).fetchall()
             except sqlite3.DatabaseError as exc:
-                raise TapeError(self.path, f"the tape is truncated or damaged ({exc})", next_seq) from None
-            if not rows:
+                # A page of this batch is lost: read on row by row, so that every event before
+                # the break is returned and the error names the first one that is not.
+                rows, damage = self._rows_until_damage(next_seq)
+                damage = damage or exc
+            if not rows and damage is None:
                 return
             for seq, data in rows:
                 if seq != next_seq:
                     raise TapeError(self.path, f"events are missing (next is {seq})", next_seq)
                 yield seq, decode_at(data, seq, self.path)
                 next_seq += 1
+            if damage is not None:
+                raise TapeError(self.path, f"the tape is truncated or damaged ({damage})", next_seq)
+
+    def _rows_until_damage(self, start: int) -> tuple[list[tuple[int, bytes]], sqlite3.DatabaseError | None]:
+        rows: list[tuple[int, bytes]] = []
+        for seq in range(start, start + _READ_BATCH):
+            try:
+                row = self._conn.execute("SELECT seq, data FROM events WHERE seq = ?", (seq,)).fetchone()
+            except sqlite3.DatabaseError as exc:
+                return rows, exc
+            if row is None:
+                break
+            rows.append(row)
+        return rows, None
 
     def close(self) -> None:
         self._conn.close()

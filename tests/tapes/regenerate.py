@@ -1,0 +1,251 @@
+"""Regenerate the bug zoo: one small tape per known bug class, recorded by tokentape itself
+with the historical discard policies or a fault injected into the engine, each with the
+findings the postmortem must report for it (`<name>.expected.json`), and clean tapes that
+must yield no finding at all.
+
+    python tests/tapes/regenerate.py            # rewrites every tape here
+
+Run it when the tape format changes. The expected findings below are written by hand from
+what each bug does, not taken from the postmortem's output.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tokentape import LLM, SamplingParams
+from tokentape.engine.llm_engine import LLMEngine
+from tokentape.events import schema as ev
+
+HERE = Path(__file__).resolve().parent
+PROMPT = list(range(10, 30))
+Delivered = dict[str, list[int]]
+
+
+def _llm(path: Path, policy: str = "epoch", depth: int = 2, k: int = 0, **kw: Any) -> LLM:
+    args: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 64}
+    args.update(kw)
+    return LLM(model="oracle-random", tape=str(path), pipeline_depth=depth,
+               num_speculative_tokens=k, discard_policy=policy, **args)
+
+
+def _drive(llm: LLM, delivered: Delivered) -> None:
+    for out in llm.engine.step():
+        delivered.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+
+
+def _until(llm: LLM, delivered: Delivered, done: Callable[[], bool], limit: int = 2000) -> None:
+    for _ in range(limit):
+        if done():
+            return
+        _drive(llm, delivered)
+    raise RuntimeError("the scenario did not reach its point")
+
+
+def _run_until_idle(llm: LLM, delivered: Delivered) -> None:
+    _until(llm, delivered, lambda: not llm.engine.has_unfinished_requests())
+
+
+# -- the bug classes -----------------------------------------------------------------------
+
+
+def flag_42043(path: Path) -> None:
+    """vLLM #42043: pause(keep, clear_cache=True) drains, the reset preempts with nothing in
+    flight, yet the flag drops the first token after resume."""
+    llm = _llm(path, "flag")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    llm.engine.add_request("r", PROMPT, params)
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 8)
+    llm.engine.pause_generation(mode="keep", clear_cache=True)
+    _drive(llm, delivered)
+    llm.engine.resume_generation()
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def counter_double_reset(path: Path) -> None:
+    """The counter policy: a second reset overwrites a counter that still had a stale frame
+    to drop, so the stale token is applied (and computed again)."""
+    llm = _llm(path, "counter", depth=3)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 6)
+    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    _drive(llm, delivered)
+    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def counter_spec_units(path: Path) -> None:
+    """The counter policy with 3 speculative tokens: a reset sets the counter to 1 + k tokens
+    but each frame removes one, so fresh frames after the stale one are dropped."""
+    llm = _llm(path, "counter", depth=2, k=3)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 5)
+    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+class _AbortRacingFinalStep(LLMEngine):
+    """Fault injected (vLLM #26400/#29987): a request aborted while its final step is in
+    flight is reported to the client as a normal finish, with the final step's token."""
+
+    _raced: tuple[str, int] | None = None
+
+    def abort_request(self, request_id: str) -> None:
+        in_flight = [step for step, _ in self.state.in_flight_entries(request_id)]
+        self._raced = (request_id, in_flight[-1]) if in_flight else None
+        super().abort_request(request_id)
+
+    def _emit(self, event: ev.Event) -> None:
+        if isinstance(event, ev.OutputsEmitted) and self._raced is not None:
+            req_id, step = self._raced
+            final = [f.token_ids for f in self.runner._results[step] if f.req_id == req_id]  # type: ignore[attr-defined]
+            event = ev.OutputsEmitted(event.step, [
+                ev.EmittedOutput(o.req_id, final[0], True, "length")
+                if o.req_id == req_id and o.finish_reason == "abort" else o
+                for o in event.entries])
+            self._raced = None
+        super()._emit(event)
+
+
+def abort_final_step(path: Path) -> None:
+    llm = _llm(path, depth=2)
+    # The same runner and (still empty) tape, driven by the faulty engine.
+    engine = llm.engine = _AbortRacingFinalStep(llm.config, llm.engine.runner, llm.engine.tape, llm.tokenizer)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("a", PROMPT, params)
+    engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
+    delivered: Delivered = {}
+    req = engine.state.requests["a"]
+    # The final step is in flight: the steps in flight cover every token it may still take.
+    _until(llm, delivered, lambda: req.num_fresh_in_flight >= 1
+           and len(req.output_token_ids) + req.num_fresh_in_flight >= params.max_tokens)
+    engine.abort_request("a")
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def kv_pressure_in_flight(path: Path) -> None:
+    """vLLM #47900's setting: KV-pressure preemptions while decode output is in flight (pipeline
+    depth 3, two steps in flight); the flag drops one stale frame, the second is applied and
+    output placeholders go negative."""
+    llm = _llm(path, "flag", depth=3, num_kv_blocks=14, max_num_seqs=4)
+    for i in range(3):
+        llm.engine.add_request(f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+    delivered: Delivered = {}
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+# -- clean tapes: no finding at all --------------------------------------------------------
+
+
+def clean_epoch_storm(path: Path) -> None:
+    """The epoch policy through storms of pause/resume/reset, with speculative decoding,
+    chunked prefill, KV-pressure preemptions and an abort."""
+    llm = _llm(path, "epoch", depth=3, k=2, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request(f"s{i}", list(range(3 + i, 12 + 3 * i)), SamplingParams(max_tokens=14, ignore_eos=True))
+    delivered: Delivered = {}
+    modes = ("keep", "wait", "keep")
+    for round_ in range(9):
+        for _ in range(2 + round_ % 3):
+            _drive(llm, delivered)
+        if round_ % 3 == 2:
+            engine.reset_prefix_cache(reset_running_requests=True)
+            engine.reset_prefix_cache(reset_running_requests=True)
+        else:
+            engine.pause_generation(mode=modes[round_ % 3], clear_cache=round_ % 2 == 0)
+            _drive(llm, delivered)
+            engine.resume_generation()
+        if round_ == 1:
+            engine.abort_request("s5")
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def clean_epoch_pause_resume(path: Path) -> None:
+    """The #42043 scenario itself under the epoch policy, repeated: nothing is lost."""
+    llm = _llm(path, "epoch", depth=2)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.engine.add_request("s", PROMPT[:7], SamplingParams(max_tokens=30, ignore_eos=True))
+    delivered: Delivered = {}
+    for target in (6, 12, 18, 24):
+        _until(llm, delivered, lambda: len(delivered.get("r", [])) >= target)
+        llm.engine.pause_generation(mode="keep", clear_cache=True)
+        _drive(llm, delivered)
+        llm.engine.resume_generation()
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def _finding(kind: str, request_ids: list[str], bug_class: str | None = None,
+             severity: str = "error") -> dict[str, Any]:
+    return {"kind": kind, "severity": severity, "request_ids": request_ids, "bug_class": bug_class}
+
+
+# name -> (scenario, the findings the postmortem must report, exactly)
+ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
+    "flag_42043": (flag_42043, [
+        _finding("post_resume_token_dropped", ["r"], "vllm#42043"),
+        # Every later token moved up by one; the dropped frame's placeholder never came back.
+        _finding("token_shifted", ["r"], "vllm#42043"),
+        _finding("count_nonzero_at_finish", ["r"], "vllm#42043", severity="warning"),
+    ]),
+    "counter_double_reset": (counter_double_reset, [
+        _finding("stale_frame_applied", ["r"], "vllm#42117-overwrite"),
+        _finding("negative_count", ["r"], "vllm#42117-overwrite"),  # placeholders -1
+        _finding("token_duplicated", ["r"], "vllm#42117-overwrite"),
+        _finding("count_nonzero_at_finish", ["r"], "vllm#42117-overwrite", severity="warning"),  # -1
+    ]),
+    "counter_spec_units": (counter_spec_units, [
+        _finding("fresh_frame_dropped", ["r"], "vllm#42117-spec-units"),
+        _finding("token_shifted", ["r"], "vllm#42117-spec-units"),
+        _finding("count_nonzero_at_finish", ["r"], "vllm#42117-spec-units", severity="warning"),
+    ]),
+    "abort_final_step": (abort_final_step, [
+        _finding("output_mismatch", ["a"], "vllm#26400"),
+    ]),
+    "kv_pressure_in_flight": (kv_pressure_in_flight, [
+        _finding("stale_frame_applied", ["q2"], "vllm#47900"),
+        # The applied stale token is the one after the dropped one, in its place; the
+        # recompute then carries on from the right position: one wrong token.
+        _finding("token_mismatch", ["q2"], "vllm#47900"),
+        _finding("negative_count", ["q2"], "vllm#47900"),
+        _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
+    ]),
+    "clean_epoch_storm": (clean_epoch_storm, []),
+    "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),
+}
+
+
+def regenerate(names: list[str] | None = None) -> None:
+    for name, (scenario, expected) in ZOO.items():
+        if names and name not in names:
+            continue
+        tape = HERE / f"{name}.tape"
+        for stale in (tape, Path(f"{tape}-wal"), Path(f"{tape}-shm")):
+            stale.unlink(missing_ok=True)
+        scenario(tape)
+        # A rollback-journal file reads back read-only without -wal/-shm files beside it.
+        conn = sqlite3.connect(tape)
+        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.close()
+        doc = {"description": " ".join((scenario.__doc__ or "").split()), "findings": expected}
+        (HERE / f"{name}.expected.json").write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"{tape.name}: {tape.stat().st_size} bytes")
+
+
+if __name__ == "__main__":
+    regenerate(sys.argv[1:] or None)

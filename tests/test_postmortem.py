@@ -1,0 +1,528 @@
+"""The postmortem: the bug zoo's findings exactly, clean tapes without any, the other
+checkers against faults injected into a real engine, bad input, the CLI and the HTML report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokentape import LLM, SamplingParams
+from tokentape.cli import main
+from tokentape.engine.kv_cache_manager import KVCacheManager
+from tokentape.engine.scheduler import Scheduler
+from tokentape.events import schema as ev
+from tokentape.events.sqlite_store import SQLiteTape
+from tokentape.postmortem import postmortem
+from tokentape.postmortem.findings import BUG_CLASSES, Report
+from tokentape.postmortem.report_html import render_report
+from tokentape.replay import load_tape
+
+TAPES = Path(__file__).parent / "tapes"
+ZOO = sorted(p.name.removesuffix(".expected.json") for p in TAPES.glob("*.expected.json"))
+
+
+def found(report: Report) -> list[tuple[str, str, tuple[str, ...], str | None]]:
+    return sorted((f.kind, f.severity, tuple(f.request_ids), f.bug_class) for f in report.findings)
+
+
+def kinds(report: Report) -> set[str]:
+    return {f.kind for f in report.findings}
+
+
+# -- the zoo -------------------------------------------------------------------------------
+
+
+def test_the_zoo_has_every_bug_class_and_clean_tapes() -> None:
+    expected = {n: json.loads((TAPES / f"{n}.expected.json").read_text()) for n in ZOO}
+    classes = {f["bug_class"] for doc in expected.values() for f in doc["findings"]}
+    assert {"vllm#42043", "vllm#42117-overwrite", "vllm#42117-spec-units", "vllm#47900",
+            "vllm#26400"} <= classes
+    assert sum(not doc["findings"] for doc in expected.values()) >= 2  # clean tapes
+    assert classes - {None} <= set(BUG_CLASSES)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_tape_gives_exactly_its_findings(name: str) -> None:
+    tape = TAPES / f"{name}.tape"
+    assert tape.stat().st_size < 200_000
+    expected = json.loads((TAPES / f"{name}.expected.json").read_text())["findings"]
+    report = postmortem(tape)
+    assert report.summary.complete
+    assert found(report) == sorted(
+        (f["kind"], f["severity"], tuple(f["request_ids"]), f["bug_class"]) for f in expected)
+    assert report.ok == (not any(f["severity"] == "error" for f in expected))
+    for f in report.findings:  # every finding is placed and shown
+        assert 0 <= f.steps[0] <= f.steps[1] <= report.summary.num_steps
+        assert f.message and "\n" not in f.message
+        assert f.excerpt or f.kind in ("token_mismatch",)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_the_regeneration_script_records_the_same_bugs(name: str, tmp_path: Path) -> None:
+    """tests/tapes/regenerate.py (run when the format changes) records each bug again."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regenerate", TAPES / "regenerate.py")
+    assert spec is not None and spec.loader is not None
+    regenerate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regenerate)
+    scenario, expected = regenerate.ZOO[name]
+    scenario(tmp_path / "again.tape")
+    assert found(postmortem(tmp_path / "again.tape")) == sorted(
+        (f["kind"], f["severity"], tuple(f["request_ids"]), f["bug_class"]) for f in expected)
+    assert json.loads((TAPES / f"{name}.expected.json").read_text())["findings"] == expected
+
+
+def test_flag_finding_cites_the_preemption_the_resume_and_the_dropped_frame() -> None:
+    report = postmortem(TAPES / "flag_42043.tape")
+    f = next(f for f in report.findings if f.kind == "post_resume_token_dropped")
+    assert [x.kind for x in f.excerpt] == ["RequestPreempted", "GenerationResumed", "StepScheduled",
+                                           "FrameProduced"]
+    assert report.summary.tokens["dropped_fresh"] == 1
+    t = report.summary.tokens
+    assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
+
+
+COMMANDS = ("step",) * 8 + ("pause_keep", "pause_keep_clear", "pause_wait", "resume", "resume",
+                            "reset", "reset_running", "abort", "add", "add")
+
+
+def storm(llm: LLM, commands: list[str]) -> None:
+    engine = llm.engine
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        engine.add_request(f"h{added}", list(range(5 + added, 14 + 2 * added)),
+                           SamplingParams(max_tokens=6 + 3 * (added % 4), ignore_eos=True))
+        added += 1
+
+    for _ in range(3):
+        add()
+    for command in commands:
+        if command == "step":
+            engine.step()
+        elif command.startswith("pause"):
+            _, mode, *clear = command.split("_")
+            engine.pause_generation(mode, bool(clear))
+        elif command == "resume":
+            engine.resume_generation()
+        elif command.startswith("reset"):
+            engine.reset_prefix_cache(reset_running_requests=command == "reset_running")
+        elif command == "abort" and engine.state.unfinished:
+            engine.abort_request(engine.state.unfinished[0].req_id)
+        elif command == "add" and not engine.is_paused():
+            add()
+    engine.resume_generation()
+    run_steps(llm, 500)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
+       depth=st.integers(1, 3), k=st.integers(0, 2))
+def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int) -> None:
+    """No false positives: whatever the storm of pauses, resumes, resets and aborts, an
+    epoch-policy run is clean, and the tape's tokens are all accounted for."""
+    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, num_speculative_tokens=k,
+              block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=3)
+    storm(llm, commands)
+    report = postmortem(llm.engine.tape)
+    assert report.findings == []
+    t = report.summary.tokens
+    assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
+       depth=st.integers(2, 3), k=st.integers(0, 2), policy=st.sampled_from(["flag", "counter"]))
+def test_a_wrong_stream_never_goes_unreported(commands: list[str], depth: int, k: int, policy: str) -> None:
+    """No false negatives: under the historical policies, whenever a request's delivered
+    tokens are not the oracle's stream (a prefix of it, if aborted), the report has an error."""
+    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, num_speculative_tokens=k,
+              discard_policy=policy, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+              max_num_seqs=3)
+    storm(llm, commands)
+    runner, state = llm.engine.runner, llm.engine.state
+    wrong = []
+    for req in state.requests.values():
+        want = runner.expected_stream(req.prompt_token_ids, req.params)  # type: ignore[attr-defined]
+        got = req.output_token_ids
+        if (got != want) if req.finish_reason in ("stop", "length") else (got != want[:len(got)]):
+            wrong.append(req.req_id)
+    report = postmortem(llm.engine.tape)
+    if wrong:
+        assert not report.ok
+        flagged = {r for f in report.findings if f.severity == "error" for r in f.request_ids}
+        assert set(wrong) <= flagged
+
+
+def test_the_same_storm_under_the_historical_policies_is_caught() -> None:
+    commands = ["step"] * 5 + ["pause_keep_clear", "step", "resume"] + ["step"] * 4 + ["reset_running"]
+    for policy in ("flag", "counter"):
+        llm = LLM(model="oracle-random", tape=None, pipeline_depth=2, num_speculative_tokens=2,
+                  discard_policy=policy, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+                  max_num_seqs=3)
+        storm(llm, commands)
+        report = postmortem(llm.engine.tape)
+        assert not report.ok, policy
+        assert kinds(report) & {"post_resume_token_dropped", "fresh_frame_dropped", "stale_frame_applied"}
+
+
+def test_cli_help_lists_postmortem(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "postmortem" in capsys.readouterr().out
+    assert main(["postmortem", "--help"]) == 0
+    out = capsys.readouterr().out
+    for fragment in ("TAPE", "--html", "--json", "--reference", "exit status"):
+        assert fragment in out
+
+
+# -- the other checkers, on faults injected into a real engine -------------------------------
+
+
+def small_llm(tmp_path: Path, **kw: object) -> LLM:
+    args: dict[str, object] = {"model": "oracle-random", "block_size": 4, "num_kv_blocks": 64,
+                               "tape": str(tmp_path / "run.tape")}
+    args.update(kw)
+    return LLM(**args)  # type: ignore[arg-type]
+
+
+def run_steps(llm: LLM, limit: int) -> None:
+    for _ in range(limit):
+        if not llm.engine.has_unfinished_requests():
+            return
+        try:
+            llm.engine.step()
+        except RuntimeError:
+            return  # the injected fault broke the engine: the tape holds the failure
+
+
+class FaultyKV:
+    """A real KV cache manager with a fault injected into `free` (by delegation: the
+    manager may be compiled, and compiled classes cannot be subclassed)."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self._kv = kv
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kv, name)
+
+
+class LeakyKV(FaultyKV):
+    """Never gives a preempted or finished request's blocks back."""
+
+    def free(self, req_id: str, block_ids: list[int]) -> None:
+        self._kv._num_cached.pop(req_id, None)
+
+
+class RefcountBlindKV(FaultyKV):
+    """Returns blocks to the free queue whatever other requests still hold them."""
+
+    def free(self, req_id: str, block_ids: list[int]) -> None:
+        self._kv._num_cached.pop(req_id, None)
+        for b in block_ids:
+            self._kv.ref_cnt[b] = 0
+            self._kv.free_queue[b] = None
+
+
+def with_kv(llm: LLM, kv_type: type[FaultyKV]) -> None:
+    faulty = kv_type(llm.engine.kv)
+    llm.engine.kv = llm.engine.scheduler.kv = faulty  # type: ignore[assignment]
+
+
+def test_kv_leak_is_found(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path, num_kv_blocks=120, max_num_batched_tokens=16)
+    with_kv(llm, LeakyKV)
+    for i in range(16):
+        llm.engine.add_request(f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=20, ignore_eos=True))
+    run_steps(llm, 400)
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert "kv_block_leaked" in kinds(report)
+    assert not report.ok
+
+
+def test_kv_block_handed_out_twice_is_found(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path, max_num_batched_tokens=64, num_kv_blocks=10)
+    with_kv(llm, RefcountBlindKV)
+    shared = list(range(40, 52))  # three full blocks both prompts share
+    llm.engine.add_request("a", shared + [7], SamplingParams(max_tokens=3, ignore_eos=True))
+    run_steps(llm, 2)
+    llm.engine.add_request("b", shared + [8, 9], SamplingParams(max_tokens=12, ignore_eos=True))
+    run_steps(llm, 4)  # a finishes and gives the shared blocks back while b holds them
+    llm.engine.add_request("c", list(range(60, 90)), SamplingParams(max_tokens=4, ignore_eos=True))
+    run_steps(llm, 50)
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    twice = [f for f in report.findings if f.kind == "kv_block_freed_twice"]
+    assert [f.request_ids for f in twice] == [["b", "c"]]
+    assert "while request 'b' still held it" in twice[0].message
+
+
+def test_clean_kv_runs_have_no_kv_findings(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4)
+    shared = list(range(40, 48))
+    for i in range(6):
+        llm.engine.add_request(f"q{i}", shared + list(range(i, i + 5)), SamplingParams(max_tokens=12, ignore_eos=True))
+    run_steps(llm, 500)
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert report.findings == []
+    assert load_tape(tmp_path / "run.tape").fold().num_prefix_cache_resets == 0
+
+
+def test_prefix_cache_reset_while_blocks_in_use_is_found(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path)
+    llm.engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=8, ignore_eos=True))
+    run_steps(llm, 3)
+    # Fault: an engine that reports a successful reset without preempting anyone.
+    with llm.engine._recorded():
+        llm.engine._emit(ev.PrefixCacheReset(llm.engine.state.step, False, True))
+    run_steps(llm, 50)
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert found(report) == [("prefix_cache_reset_in_use", "error", ("a",), None)]
+
+
+class NeverAdmits(Scheduler):
+    """Fault: request 'x' is never admitted, whatever room there is."""
+
+    def _admit_waiting(self, plan) -> None:  # type: ignore[no-untyped-def]
+        waiting = self.state.waiting
+        if "x" in waiting:
+            waiting.remove("x")
+            try:
+                super()._admit_waiting(plan)
+            finally:
+                waiting.append("x")
+        else:
+            super()._admit_waiting(plan)
+
+
+def test_stuck_request_is_found(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path, pipeline_depth=1)
+    s = llm.engine.scheduler
+    llm.engine.scheduler = NeverAdmits(s.config, s.kv, s.state, s.emit)
+    llm.engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=260, ignore_eos=True))
+    llm.engine.add_request("x", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(260):
+        llm.engine.step()
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert found(report) == [("request_stuck", "warning", ("x",), None)]
+    assert report.ok  # a warning does not fail the job
+
+
+class FailingRunner:
+    """A real runner whose sixth frame never comes back (a device failure)."""
+
+    def __init__(self, runner: object) -> None:
+        self._runner = runner
+        self.collected = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._runner, name)
+
+    def collect(self, step: int) -> list[ev.FrameEntry]:
+        self.collected += 1
+        if self.collected == 6:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self._runner.collect(step)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_engine_error_is_a_finding(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path)
+    llm.engine.runner = FailingRunner(llm.engine.runner)  # type: ignore[assignment]
+    llm.engine.add_request("a", list(range(10, 20)), SamplingParams(max_tokens=20, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        for _ in range(20):
+            llm.engine.step()
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert [(f.kind, f.request_ids) for f in report.findings] == [("engine_error", ["a"])]
+    assert "RuntimeError: CUDA error: an illegal memory access" in report.findings[0].message
+    assert report.summary.complete and not report.ok
+
+
+def test_reference_tape(tmp_path: Path) -> None:
+    from tape_scenarios import pause_resume
+
+    good = pause_resume("epoch", tmp_path / "good.tape")
+    bad = pause_resume("flag", tmp_path / "bad.tape")
+    report = postmortem(bad, reference=good)
+    assert (report.summary.reference or "").startswith("reference tape")
+    assert ("token_shifted", "error", ("r",), "vllm#42043") in found(report)
+    assert postmortem(good, reference=good).findings == []
+    # Against a reference that ran longer, the shorter finished stream is named.
+    longer = tmp_path / "longer.tape"
+    with LLM(model="oracle-random", tape=str(longer), block_size=4, num_kv_blocks=64) as llm:
+        llm.engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True))
+        run_steps(llm, 200)
+    report = postmortem(good, reference=longer)
+    assert [(f.kind, f.request_ids) for f in report.findings] == [("token_mismatch", ["r"])]
+    assert "with 24 tokens where the reference" in report.findings[0].message
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def copy_with(src: Path, dst: Path, sql: str, *params: object) -> None:
+    src_conn = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+    dst_conn = sqlite3.connect(dst)
+    src_conn.backup(dst_conn)
+    src_conn.close()
+    dst_conn.execute("DROP TRIGGER IF EXISTS events_no_update")
+    dst_conn.execute("DROP TRIGGER IF EXISTS meta_no_update")
+    dst_conn.execute(sql, params)
+    dst_conn.commit()
+    dst_conn.close()
+
+
+def test_corrupt_event_names_where_and_keeps_the_prefix(tmp_path: Path) -> None:
+    bad = tmp_path / "corrupt.tape"
+    copy_with(TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 40", b"\xc1garbage")
+    report = postmortem(bad)
+    damaged = [f for f in report.findings if f.kind == "tape_damaged"]
+    assert len(damaged) == 1 and damaged[0].seq == 40 and "event 40" in damaged[0].message
+    assert report.summary.num_events == 40 and not report.summary.complete
+    # The prefix still shows the bug: the dropped first token after resume is before event 40.
+    assert "post_resume_token_dropped" in kinds(report)
+
+
+def test_truncated_tape_is_analysed_up_to_the_break(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    for i in range(30):
+        llm.engine.add_request(f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=30, ignore_eos=True))
+    run_steps(llm, 2000)
+    llm.close()
+    data = (tmp_path / "run.tape").read_bytes()
+    total = len(load_tape(tmp_path / "run.tape"))
+    cut = tmp_path / "cut.tape"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    report = postmortem(cut)
+    assert not report.summary.complete
+    assert 0 < report.summary.num_events < total  # the readable prefix was analysed
+    assert found(report) == [("tape_damaged", "error", (), None)]
+    assert f"from event {report.summary.num_events} on" in report.findings[0].message
+
+
+def test_damaged_tape_still_gets_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "corrupt.tape"
+    copy_with(TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 50", b"\x00\x01")
+    page = tmp_path / "r.html"
+    assert main(["postmortem", str(bad), "--html", str(page)]) == 1
+    out = capsys.readouterr().out
+    assert "[error] tape_damaged" in out and "event 50" in out
+    assert "tape_damaged" in page.read_text() and "<svg" in page.read_text()
+
+
+def test_inconsistent_tape(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tape"
+    tape = load_tape(TAPES / "clean_epoch_pause_resume.tape")
+    out = SQLiteTape(bad, tape.header)
+    for seq, event in tape.events():
+        if seq == 30:
+            out.append(ev.RequestFinished(event.step, "nobody", "stop"))
+        out.append(event)
+    out.close()
+    report = postmortem(bad)
+    assert [f.kind for f in report.findings] == ["tape_inconsistent"]
+    assert report.findings[0].seq == 30 and "'nobody'" in report.findings[0].message
+
+
+def test_newer_format_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    newer = tmp_path / "newer.tape"
+    copy_with(TAPES / "flag_42043.tape", newer, "UPDATE meta SET value = ? WHERE key = 'format_version'",
+              ev.FORMAT_VERSION + 1)
+    assert main(["postmortem", str(newer)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "newer" in err and "\n" not in err
+
+
+def test_not_a_tape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "junk.tape"
+    junk.write_text("hello")
+    assert main(["postmortem", str(junk)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+# -- CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["postmortem", str(TAPES / "flag_42043.tape"), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"findings", "summary"}
+    first = doc["findings"][0]
+    assert {"kind", "severity", "request_ids", "steps", "message", "excerpt", "bug_class"} <= set(first)
+    assert doc["summary"]["errors"] == 2 and doc["summary"]["warnings"] == 1
+    assert main(["postmortem", str(TAPES / "clean_epoch_storm.tape"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"] == []
+
+
+def test_cli_text_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_html = tmp_path / "r.html"
+    assert main(["postmortem", str(TAPES / "counter_spec_units.tape"), "--html", str(out_html)]) == 1
+    text = capsys.readouterr().out
+    assert "[error] fresh_frame_dropped" in text and "vllm#42117-spec-units" in text
+    assert f"report: {out_html}" in text
+    page = out_html.read_text()
+    assert "<svg" in page and "fresh_frame_dropped" in page
+
+
+# -- the HTML report -----------------------------------------------------------------------
+
+
+def hostile_tape(tmp_path: Path) -> Path:
+    """A flag-policy pause/resume whose request id is markup."""
+    llm = small_llm(tmp_path, discard_policy="flag")
+    rid = '<script>alert("x")</script>&'
+    llm.engine.add_request(rid, list(range(10, 30)), SamplingParams(max_tokens=16, ignore_eos=True))
+    for _ in range(6):
+        llm.engine.step()
+    llm.engine.pause_generation("keep", True)
+    llm.engine.step()
+    llm.engine.resume_generation()
+    run_steps(llm, 100)
+    llm.close()
+    return tmp_path / "run.tape"
+
+
+def test_html_escapes_the_tape_and_needs_no_network(tmp_path: Path) -> None:
+    tape = load_tape(hostile_tape(tmp_path))
+    page = render_report(postmortem(tape), tape)
+    assert '<script>alert("x")' not in page and "&lt;script&gt;alert(" in page
+    assert page.count("<script>") == 1  # the report's own, inline
+    for remote in ("http://", "https://", " src=", "@import", "url("):
+        assert remote not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert 'class="span paused"' in page and 'class="marker discarded fresh"' in page
+    assert 'class="finding-mark error"' in page and 'class="marker reset"' in page
+    assert "<th>expected</th>" in page and 'class="differs"' in page
+
+
+def test_html_report_opens_in_headless_chromium(tmp_path: Path) -> None:
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed here (.ci/run installs Debian's chromium in CI)")
+    tape = load_tape(hostile_tape(tmp_path))
+    page = tmp_path / "report.html"
+    page.write_text(render_report(postmortem(tape), tape))
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--enable-logging=stderr", "--v=0",
+         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert console == []
+    assert 'data-timeline="drawn ' in proc.stdout  # the page's script measured the laid-out SVG
+    spans = int(proc.stdout.split('data-timeline="drawn ')[1].split()[0])
+    assert spans > 3

@@ -1,0 +1,158 @@
+"""The postmortem driver: one streaming pass over a tape, the reducer deriving the state and
+the checkers reading it around each event, then a report.
+
+    report = postmortem("run.tape")                  # Report(findings, summary)
+    report = postmortem("run.tape", reference="good.tape")
+
+A tape that cannot be read to its end (truncated, damaged) or whose events cannot follow each
+other gets a finding naming the event where it breaks; everything before it is analysed.
+A tape of a newer format version is refused (TapeFormatError).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from tokentape.events import schema as ev
+from tokentape.events.errors import ReducerError
+from tokentape.events.reducer import evolve
+from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
+from tokentape.postmortem.base import Checker, Hook
+from tokentape.postmortem.context import Context
+from tokentape.postmortem.findings import Report, Summary
+from tokentape.postmortem.frames import CountChecker, FrameChecker, HistoryChecker
+from tokentape.postmortem.kv import KVChecker
+from tokentape.postmortem.outputs import OutputChecker, ReferenceChecker
+from tokentape.postmortem.progress import StuckChecker
+from tokentape.replay.tape import Tape, load_tape
+
+ORACLE_MODELS = ("oracle", "oracle-random")
+PROGRESS_EVERY = 1 << 14  # events between progress callbacks
+
+TapeSource = str | os.PathLike[str] | MemoryTape | Tape
+Progress = Callable[[int], None]  # called with the number of events analysed so far
+
+
+class EngineErrorChecker(Checker):
+    def after(self) -> dict[type, Hook]:
+        return {ev.EngineError: self._error}
+
+    def _error(self, seq: int, e: ev.EngineError) -> None:
+        self.ctx.report("engine_error", "error", sorted(self.state.running)[:8], e.step,
+                        f"the engine failed at step {e.step}: {e.error_type}: {' '.join(e.message.split())}",
+                        [(seq, e)], None, seq)
+
+
+def reference_outputs(source: TapeSource) -> dict[str, tuple[list[int], list[int], str | None]]:
+    """(prompt, delivered tokens, finish reason) of every request of a reference tape."""
+    state = load_tape(source).fold()
+    return {r.req_id: (r.prompt_token_ids, r.output_token_ids, r.finish_reason)
+            for r in state.requests.values()}
+
+
+def _dispatch(checkers: list[Checker], which: str) -> dict[type, tuple[Hook, ...]]:
+    table: dict[type, list[Hook]] = {t: [] for t in ev.EVENT_TYPES}
+    for checker in checkers:
+        for t, hook in getattr(checker, which)().items():
+            table[t].append(hook)
+    return {t: tuple(hooks) for t, hooks in table.items()}
+
+
+def postmortem(
+    source: TapeSource,
+    reference: TapeSource | None = None,
+    progress: Progress | None = None,
+) -> Report:
+    """Run every checker over the tape in one pass and report what they found."""
+    tape = load_tape(source)
+    ctx = Context(tape, tape.initial_state())
+    checkers: list[Checker] = [HistoryChecker(ctx), FrameChecker(ctx), CountChecker(ctx),
+                               KVChecker(ctx), StuckChecker(ctx), OutputChecker(ctx),
+                               EngineErrorChecker(ctx)]
+    ref_name: str | None = None
+    if reference is not None:
+        ref_tape = load_tape(reference)
+        ref_name = f"reference tape {ref_tape.path or '<memory>'}"
+        checkers.append(ReferenceChecker(ctx, reference_outputs(ref_tape), ref_name))
+    elif tape.header.model_id in ORACLE_MODELS:
+        ref_name = "oracle"
+        checkers.append(ReferenceChecker(ctx, None, "oracle's expected"))
+    complete = _run(tape, ctx, checkers, progress)
+    for checker in checkers:
+        checker.finish()
+    findings = ctx.findings()
+    state = ctx.state
+    counts: dict[str, int] = {}
+    for f in findings:
+        counts[f.kind] = counts.get(f.kind, 0) + 1
+    summary = Summary(
+        tape=tape.path or "<memory tape>",
+        num_events=state.num_events,
+        num_steps=state.step,
+        num_requests=len(state.requests),
+        discard_policy=tape.header.discard_policy,
+        model_id=tape.header.model_id,
+        reference=ref_name,
+        errors=sum(f.severity == "error" for f in findings),
+        warnings=sum(f.severity == "warning" for f in findings),
+        counts=counts,
+        tokens={k: ctx.tokens.get(k, 0) for k in
+                ("produced", "applied", "dropped_stale", "dropped_fresh", "after_stop", "lost")},
+        complete=complete,
+    )
+    return Report(findings, summary)
+
+
+def _run(tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress | None) -> bool:
+    """The pass itself; False when it stopped before the end of the tape."""
+    before, after = _dispatch(checkers, "before"), _dispatch(checkers, "after")
+    state = ctx.state
+    seq = -1
+    next_progress = PROGRESS_EVERY
+    try:
+        for seq, event in tape.events():
+            t = type(event)
+            for hook in before[t]:
+                hook(seq, event)
+            try:
+                evolve(state, event)
+            except (ReducerError, KeyError, ValueError, IndexError) as exc:
+                # The event cannot follow the ones before it (a damaged or hand-edited tape).
+                ctx.report("tape_inconsistent", "error", [], event.step,
+                           f"event {seq} ({ev.kind_of(event)} of step {event.step}) cannot follow the "
+                           f"ones before it: {_one_line(exc)}; the {seq} events before it were analysed",
+                           [(seq, event)], None, seq)
+                return False
+            for hook in after[t]:
+                hook(seq, event)
+            if progress is not None and seq >= next_progress:
+                progress(seq + 1)
+                next_progress += PROGRESS_EVERY
+    except TapeFormatError:
+        raise
+    except TapeError as exc:
+        where = exc.position if exc.position is not None else seq + 1
+        ctx.report("tape_damaged", "error", [], state.step,
+                   f"the tape cannot be read from event {where} on ({_reason(exc)}); "
+                   f"the {where} events before it were analysed", [], None, where)
+        return False
+    finally:
+        if progress is not None:
+            progress(seq + 1)
+    return True
+
+
+def _reason(exc: TapeError) -> str:
+    text = str(exc)
+    prefix = f"{exc.path or '<memory tape>'}: "
+    text = text.removeprefix(prefix)
+    if exc.position is not None:
+        text = text.removesuffix(f" at event {exc.position}")
+    return _one_line(text)
+
+
+def _one_line(exc: Any) -> str:
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return " ".join(text.split()) or type(exc).__name__

@@ -1,0 +1,125 @@
+"""`tokentape postmortem TAPE`: run the checkers over a tape and print (or write) the report.
+
+Exit status: 0 when no finding has error severity, 1 when one has, 2 when the tape cannot be
+opened at all (not a tape, a newer format version): the CLI's one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import msgspec
+
+from tokentape.postmortem.findings import BUG_CLASSES, Report
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+
+
+def add_parser(sub: Any) -> None:
+    """Register the subcommand on the CLI's subparsers."""
+    pm = sub.add_parser(
+        "postmortem",
+        help="name what went wrong in a tape (findings, HTML report)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run the postmortem checkers over a tape in one pass: token conservation, stale\n"
+            "frames applied, fresh frames dropped (the first token after resume: vLLM #42043),\n"
+            "tokens duplicated or shifted against a reference (a reference tape, or the\n"
+            "oracle's stream for an oracle tape), negative or leftover counts, KV blocks leaked\n"
+            "or freed twice, stuck requests, prefix-cache resets with blocks in use, and client\n"
+            "outputs that differ from what the reducer derives. A damaged tape is analysed up\n"
+            "to where it breaks.\n"
+            "\n"
+            "exit status: 0 when no finding is an error, 1 when one is, 2 when the tape\n"
+            "cannot be opened (not a tape, or a newer format version)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  tokentape postmortem run.tape\n"
+            "  tokentape postmortem run.tape --html report.html\n"
+            "  tokentape postmortem run.tape --json --reference good.tape"
+        ),
+    )
+    pm.add_argument("tape", metavar="TAPE", help="tape file to analyse")
+    pm.add_argument("--html", metavar="REPORT", default=None,
+                    help="also write a self-contained HTML report (summary, findings, timeline)")
+    pm.add_argument("--json", action="store_true",
+                    help='print {"findings": [...], "summary": {...}} as JSON')
+    pm.add_argument("--reference", metavar="TAPE", default=None,
+                    help="compare every request's tokens with this tape's (default: the oracle's "
+                    "expected stream when the tape was made with the oracle)")
+    pm.set_defaults(func=cmd_postmortem)
+
+
+def cmd_postmortem(args: argparse.Namespace) -> int:
+    from tokentape.postmortem.analysis import postmortem
+    from tokentape.replay.tape import load_tape
+
+    tape = load_tape(args.tape)
+    with progress_bar(sys.stderr, tape) as progress:
+        report = postmortem(tape, reference=args.reference, progress=progress)
+    if args.html:
+        from tokentape.postmortem.report_html import write_report
+
+        with progress_bar(sys.stderr, tape, "report") as progress:
+            write_report(report, tape, args.html, progress=progress)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(report)))
+    else:
+        print_report(report, sys.stdout)
+        if args.html:
+            print(f"report: {args.html}")
+    return EXIT_OK if report.ok else EXIT_FINDINGS
+
+
+def print_report(report: Report, out: TextIO) -> None:
+    s = report.summary
+    state = "complete" if s.complete else "stopped early"
+    out.write(f"{s.tape}: {s.num_events} events ({state}), {s.num_steps} steps, "
+              f"{s.num_requests} requests, policy {s.discard_policy}, model {s.model_id}, "
+              f"reference {s.reference or 'none'}\n")
+    t = s.tokens
+    out.write(f"tokens: {t['produced']} produced, {t['applied']} applied, {t['dropped_stale']} "
+              f"dropped stale, {t['dropped_fresh']} dropped fresh, {t['after_stop']} after a stop, "
+              f"{t['lost']} lost\n")
+    if not report.findings:
+        out.write("no findings\n")
+        return
+    out.write(f"{s.errors} error(s), {s.warnings} warning(s)\n")
+    for f in report.findings:
+        reqs = ", ".join(f.request_ids) or "-"
+        steps = f"step {f.steps[0]}" if f.steps[0] == f.steps[1] else f"steps {f.steps[0]}-{f.steps[1]}"
+        out.write(f"\n[{f.severity}] {f.kind}  requests {reqs}  {steps}\n  {f.message}\n")
+        if f.bug_class:
+            out.write(f"  matches {f.bug_class}: {BUG_CLASSES.get(f.bug_class, '')}\n")
+        for x in f.excerpt:
+            out.write(f"    {x.seq:>8}  step {x.step:<6} {x.kind} {json.dumps(x.data)}\n")
+
+
+@contextlib.contextmanager
+def progress_bar(stream: TextIO, tape: Any, label: str = "postmortem") -> Iterator[Any]:
+    """A rich progress bar on a terminal; nothing otherwise."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    if not tty:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    try:
+        total = len(tape)
+    except Exception:  # a damaged tape: the pass reports where it breaks
+        total = None
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(file=stream), transient=True) as bar:
+        task = bar.add_task("events", total=total)
+        yield lambda n: bar.update(task, completed=n)

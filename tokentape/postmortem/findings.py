@@ -1,0 +1,101 @@
+"""What a postmortem reports: findings (msgspec structs) and the report that gathers them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from tokentape.events import schema as ev
+
+Severity = Literal["error", "warning"]
+
+# Upstream bug classes a finding can match (see /work/shared/DESIGN.md and docs/postmortem.md).
+BUG_CLASSES: dict[str, str] = {
+    "vllm#42043": "vLLM #42043: a preemption flag drops the first token after resume",
+    "vllm#42117-overwrite": "vLLM #42117 review: a second preemption overwrites a discard counter "
+                            "that has not drained, so a stale token slips through",
+    "vllm#42117-spec-units": "vLLM #42117 follow-up (#46066): the discard counter is set in tokens "
+                             "but drained per frame, so with speculative decoding fresh frames are dropped",
+    "vllm#47900": "vLLM #47900: output placeholders go negative after a KV-pressure preemption "
+                  "with output in flight",
+    "vllm#26400": "vLLM #26400/#29987: an abort during the final step is reported as a normal finish",
+}
+
+
+class ExcerptEvent(msgspec.Struct, frozen=True):
+    """One tape event of a finding's excerpt, cut down to the finding's requests."""
+
+    seq: int
+    step: int
+    kind: str
+    data: dict[str, Any]
+
+
+class Finding(msgspec.Struct, frozen=True):
+    kind: str
+    severity: Severity
+    request_ids: list[str]
+    steps: tuple[int, int]  # first and last engine step the finding covers
+    message: str  # one line
+    excerpt: list[ExcerptEvent] = []
+    bug_class: str | None = None  # a key of BUG_CLASSES
+    seq: int | None = None  # the tape position where it shows
+
+
+class Summary(msgspec.Struct):
+    tape: str
+    num_events: int  # events analysed (the readable prefix)
+    num_steps: int
+    num_requests: int
+    discard_policy: str
+    model_id: str
+    reference: str | None  # "oracle", a reference tape's path, or None
+    errors: int
+    warnings: int
+    counts: dict[str, int]  # findings per kind
+    tokens: dict[str, int]  # token conservation: produced, applied, dropped_stale, ...
+    complete: bool  # False when the tape could not be read or folded to its end
+
+
+class Report(msgspec.Struct):
+    findings: list[Finding]
+    summary: Summary
+
+    @property
+    def ok(self) -> bool:
+        return self.summary.errors == 0
+
+
+def excerpt_of(items: list[tuple[int, ev.Event]], request_ids: set[str] | frozenset[str]) -> list[ExcerptEvent]:
+    """The events, in tape order and without repeats, each cut down to the given requests."""
+    seen: set[int] = set()
+    out = []
+    for seq, event in sorted(items, key=lambda item: item[0]):
+        if seq in seen:
+            continue
+        seen.add(seq)
+        out.append(ExcerptEvent(seq, event.step, ev.kind_of(event), _cut(event, request_ids)))
+    return out
+
+
+def _cut(event: ev.Event, request_ids: set[str] | frozenset[str]) -> dict[str, Any]:
+    data = {name: getattr(event, name) for name in event.__struct_fields__ if name != "step"}
+    entries = data.get("entries")
+    if entries is not None:
+        kept = [e for e in entries if e.req_id in request_ids]
+        data["entries"] = kept
+        if len(kept) < len(entries):
+            data["other_entries"] = len(entries) - len(kept)
+    return _plain(data)  # type: ignore[no-any-return]
+
+
+def _plain(value: Any) -> Any:
+    """Builtins with field names (the tape's structs are array-like: lists without names)."""
+    if isinstance(value, msgspec.Struct):
+        return {name: _plain(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

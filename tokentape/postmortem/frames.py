@@ -1,0 +1,219 @@
+"""Checkers of what happened to each frame and to the counts that decide it.
+
+- History: the scheduling event of every in-flight step, each request's latest preemption
+  and the latest resume, shared through the context (the other checkers' excerpts use them).
+- Frame fate (token conservation): every frame token is applied, dropped as stale, dropped
+  as fresh (a finding), or arrives after the request stopped; a stale frame applied, a fresh
+  frame dropped and the first token after a resume dropped (vLLM #42043) are findings.
+- Counts: output placeholders, the discard count and the in-flight counts must never go
+  negative, and placeholders and the discard count must be zero once a finished request has
+  nothing in flight.
+"""
+
+from __future__ import annotations
+
+from tokentape.engine.config import MAX_PIPELINE_DEPTH
+from tokentape.events import schema as ev
+from tokentape.events.state import InFlightStep, RequestState
+from tokentape.postmortem.base import Checker, Hook
+from tokentape.postmortem.context import Context, Preemption, cite
+
+
+_KEEP_STEPS = MAX_PIPELINE_DEPTH + 4
+
+
+class HistoryChecker(Checker):
+    """Keeps the history the other checkers cite; reports nothing itself."""
+
+    def before(self) -> dict[type, Hook]:
+        return {ev.RequestPreempted: self._preempted}
+
+    def after(self) -> dict[type, Hook]:
+        return {ev.StepScheduled: self._scheduled, ev.GenerationResumed: self._resumed}
+
+    def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
+        scheduled = self.ctx.scheduled
+        scheduled[e.step] = (seq, e)
+        # A step's frame comes back before the pipeline schedules MAX_PIPELINE_DEPTH more.
+        scheduled.pop(e.step - _KEEP_STEPS, None)
+
+    def _preempted(self, seq: int, e: ev.RequestPreempted) -> None:
+        req = self.state.requests.get(e.req_id)
+        if req is None:
+            return  # the reducer refuses it
+        spec = any(entry.num_spec_tokens for _, entry in self.state.in_flight_entries(e.req_id))
+        self.ctx.preemptions[e.req_id] = Preemption(seq, e, req.async_tokens_to_discard, spec)
+
+    def _resumed(self, seq: int, e: ev.GenerationResumed) -> None:
+        self.ctx.last_resume = (seq, e)
+        for p in self.ctx.preemptions.values():
+            p.resumed = True
+
+
+class FrameChecker(Checker):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        # Per sampling entry of the frame being applied: (request, stale, outputs, dropped, stopped).
+        self._before: list[tuple[RequestState, bool, int, int, bool]] = []
+        self._step: InFlightStep | None = None
+
+    def before(self) -> dict[type, Hook]:
+        return {ev.FrameProduced: self._frame_before}
+
+    def after(self) -> dict[type, Hook]:
+        return {ev.FrameProduced: self._frame_after}
+
+    def _frame_before(self, seq: int, e: ev.FrameProduced) -> None:
+        flight = self.state.in_flight_steps
+        self._step = flight[0] if flight and flight[0].step == e.step else None
+        if self._step is None:
+            return  # the reducer refuses this frame; the driver reports it
+        partial = self._step.partial
+        self._before = [
+            (req, entry.epoch != req.epoch, len(req.output_token_ids), req.num_frames_dropped,
+             req.stop_reason is not None)
+            for entry, req in zip(self._step.entries, self._step.requests)
+            if entry.req_id not in partial
+        ]
+
+    def _frame_after(self, seq: int, e: ev.FrameProduced) -> None:
+        if self._step is None:
+            return
+        ctx, tokens = self.ctx, self.ctx.tokens
+        scheduled = ctx.scheduled.get(e.step)
+        for (req, stale, n_out, n_dropped, stopped), frame in zip(self._before, e.entries):
+            produced = len(frame.token_ids)
+            tokens["produced"] += produced
+            if stopped:
+                tokens["after_stop"] += produced
+                continue
+            preemption = ctx.preemptions.get(req.req_id)
+            if req.num_frames_dropped > n_dropped:
+                if stale:
+                    tokens["dropped_stale"] += produced
+                else:
+                    tokens["dropped_fresh"] += produced
+                    self._fresh_dropped(seq, e, req, scheduled, preemption)
+                    if preemption is not None:
+                        preemption.fresh_frames += 1
+                continue
+            applied = len(req.output_token_ids) - n_out
+            tokens["applied"] += applied
+            if applied < produced:
+                if req.stop_reason is not None:
+                    tokens["after_stop"] += produced - applied
+                else:
+                    tokens["lost"] += produced - applied
+                    ctx.report("token_lost", "error", [req.req_id], e.step,
+                               f"{produced - applied} of {produced} tokens of request {req.req_id!r}'s "
+                               f"frame for step {e.step} were neither applied nor dropped",
+                               [scheduled, (seq, e)], seq=seq)
+            if stale:
+                self._stale_applied(seq, e, req, scheduled, preemption)
+            elif preemption is not None:
+                preemption.fresh_frames += 1
+
+    def _fresh_dropped(self, seq: int, e: ev.FrameProduced, req: RequestState,
+                       scheduled: tuple[int, ev.Event] | None, p: Preemption | None) -> None:
+        policy = self.state.discard_policy
+        why = {"flag": "the preemption flag (discard_latest_async_tokens)",
+               "counter": "the discard counter (async_tokens_to_discard)"}.get(policy, f"policy {policy!r}")
+        excerpt = [cite(p), self.ctx.last_resume if p and p.resumed else None,
+                   scheduled, (seq, e)]
+        bug = None
+        if policy == "flag":
+            bug = "vllm#42043"
+        elif policy == "counter" and p is not None and p.spec_in_flight:
+            bug = "vllm#42117-spec-units"
+        elif policy == "counter" and p is not None and p.counter_left > 0:
+            bug = "vllm#42117-overwrite"
+        if p is not None and p.resumed and p.fresh_frames == 0:
+            self.ctx.report(
+                "post_resume_token_dropped", "error", [req.req_id], e.step,
+                f"the first token after resume of request {req.req_id!r} (step {e.step}) was dropped by "
+                f"{why}, set by its {p.event.reason} preemption in step {p.event.step} with "
+                f"{p.event.in_flight} steps in flight; every later token moves up by one",
+                excerpt, bug, seq)
+            return
+        self.ctx.report(
+            "fresh_frame_dropped", "error", [req.req_id], e.step,
+            f"a fresh frame of request {req.req_id!r} (step {e.step}, epoch {req.epoch}) was dropped by "
+            f"{why}; its tokens are lost and later tokens move up",
+            excerpt, bug, seq)
+
+    def _stale_applied(self, seq: int, e: ev.FrameProduced, req: RequestState,
+                       scheduled: tuple[int, ev.Event] | None, p: Preemption | None) -> None:
+        bug = None
+        if p is not None and p.counter_left > 0:
+            bug = "vllm#42117-overwrite"
+        elif p is not None and p.event.reason == "kv_pressure":
+            bug = "vllm#47900"
+        extra = ""
+        if p is not None and bug == "vllm#42117-overwrite":
+            extra = (f"; its preemption in step {p.event.step} overwrote a discard counter of "
+                     f"{p.counter_left} that had not drained")
+        self.ctx.report(
+            "stale_frame_applied", "error", [req.req_id], e.step,
+            f"a stale frame of request {req.req_id!r} (scheduled in step {e.step} before a preemption) "
+            f"was applied: its token is delivered and computed again{extra}",
+            [scheduled, cite(p), (seq, e)], bug, seq)
+
+
+_COUNTS = ("num_output_placeholders", "async_tokens_to_discard", "num_stale_in_flight",
+           "num_fresh_in_flight", "num_partial_in_flight")
+
+
+class CountChecker(Checker):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._done: set[str] = set()  # finished requests already checked for leftover counts
+
+    def after(self) -> dict[type, Hook]:
+        return {ev.FrameProduced: self._frame, ev.RequestPreempted: self._one,
+                ev.RequestFinished: self._one, ev.RequestAborted: self._one}
+
+    def _frame(self, seq: int, e: ev.FrameProduced) -> None:
+        requests = self.state.requests
+        for entry in e.entries:
+            req = requests.get(entry.req_id)
+            if req is not None:
+                self._check(seq, e, req)
+
+    def _one(self, seq: int, e: ev.RequestPreempted | ev.RequestFinished | ev.RequestAborted) -> None:
+        req = self.state.requests.get(e.req_id)
+        if req is not None:
+            self._check(seq, e, req)
+
+    def _check(self, seq: int, e: ev.Event, req: RequestState) -> None:
+        if (req.num_output_placeholders < 0 or req.async_tokens_to_discard < 0 or req.num_stale_in_flight < 0
+                or req.num_fresh_in_flight < 0 or req.num_partial_in_flight < 0):
+            for name in _COUNTS:
+                value = getattr(req, name)
+                if value < 0:
+                    self._negative(seq, e, req, name, value)
+        if req.finish_reason is not None and not req.num_in_flight and req.req_id not in self._done:
+            self._done.add(req.req_id)
+            left = {"num_output_placeholders": req.num_output_placeholders,
+                    "discard count": self.state.discard_count(req)}
+            nonzero = {k: v for k, v in left.items() if v}
+            if nonzero:
+                shown = ", ".join(f"{k} = {v}" for k, v in nonzero.items())
+                p = self.ctx.preemptions.get(req.req_id)
+                self.ctx.report(
+                    "count_nonzero_at_finish", "warning", [req.req_id], e.step,
+                    f"request {req.req_id!r} finished ({req.finish_reason}) with nothing in flight "
+                    f"but {shown}",
+                    [cite(p), (seq, e)], self.ctx.bug_class_of(req.req_id), seq)
+
+    def _negative(self, seq: int, e: ev.Event, req: RequestState, name: str, value: int) -> None:
+        p = self.ctx.preemptions.get(req.req_id)
+        bug = None
+        if name == "num_output_placeholders" and p is not None:
+            if p.counter_left > 0:
+                bug = "vllm#42117-overwrite"
+            elif p.event.reason == "kv_pressure":
+                bug = "vllm#47900"
+        self.ctx.report(
+            "negative_count", "error", [req.req_id], e.step,
+            f"{name} of request {req.req_id!r} went negative ({value}) at step {e.step}",
+            [cite(p), (seq, e)], bug, seq, key=name)

@@ -1,0 +1,156 @@
+"""pytest plugin (entry point `pytest11`): `--tokentape-dir DIR` keeps, for every failing
+test, the tape of every `LLM` the test created, with the postmortem's HTML report beside it,
+and adds both paths to the test's JUnit XML properties (`record_property`), so CI shows them.
+
+Engines with an in-memory tape (the default, `tape=None`) are written out as SQLite tapes;
+a file tape is copied; `tape=False` records nothing and keeps nothing. Tapes of passing tests
+are never written.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from tokentape.engine.llm import LLM
+
+# tokentape itself is imported only when the option is on: the plugin loads in every pytest
+# run of an environment where tokentape is installed.
+
+_FAILED = pytest.StashKey[bool]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tokentape")
+    group.addoption(
+        "--tokentape-dir", metavar="DIR", default=None,
+        help="record a tape for every tokentape engine a test creates; keep the tapes of failing "
+        "tests in DIR, each with its postmortem report (.html) beside it",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    directory = config.getoption("tokentape_dir", None)
+    if directory:
+        config.pluginmanager.register(TapeKeeper(Path(directory)), "tokentape-tape-keeper")
+
+
+class TapeKeeper:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.engines: list[LLM] = []
+        self.kept: list[tuple[str, Path, Path | None]] = []  # (test, tape, report)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+        from tokentape.engine import llm as llm_module
+
+        self.engines = []
+        hook = self.engines.append
+        llm_module.LLM_CREATED_HOOKS.append(hook)
+        try:
+            yield
+        finally:
+            llm_module.LLM_CREATED_HOOKS.remove(hook)
+            self.engines = []
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+        if call.when == "teardown" and self.engines and (item.stash.get(_FAILED, False) or call.excinfo):
+            # Before the teardown report is made: it carries the test's properties to JUnit XML.
+            for name, value in self._keep(item):
+                item.user_properties.append((name, value))
+        outcome = yield
+        if outcome.get_result().failed:
+            item.stash[_FAILED] = True
+
+    def _keep(self, item: pytest.Item) -> list[tuple[str, str]]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid).strip("_")[-120:]
+        properties = []
+        engines = [llm for llm in self.engines if _has_tape(llm)]
+        for i, llm in enumerate(engines):
+            name = base if len(engines) == 1 else f"{base}-{i}"
+            tape = self.directory / f"{name}.tape"
+            try:
+                _save_tape(llm, tape)
+            except Exception as exc:  # keeping a tape must never break the test run
+                properties.append(("tokentape_error", f"{name}: the tape could not be kept: {exc}"))
+                continue
+            properties.append(("tokentape_tape", str(tape)))
+            report = tape.with_suffix(".html")
+            try:
+                _write_postmortem(tape, report)
+            except Exception as exc:
+                properties.append(("tokentape_error", f"{name}: no postmortem report: {exc}"))
+                self.kept.append((item.nodeid, tape, None))
+                continue
+            properties.append(("tokentape_report", str(report)))
+            self.kept.append((item.nodeid, tape, report))
+        return properties
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
+        if not self.kept:
+            return
+        terminalreporter.section("tokentape: tapes of failing tests")
+        for nodeid, tape, report in self.kept:
+            terminalreporter.write_line(f"{nodeid}: {tape}" + (f" (postmortem: {report})" if report else ""))
+
+
+def _has_tape(llm: LLM) -> bool:
+    from tokentape.events.sqlite_store import SQLiteTape
+    from tokentape.events.store import MemoryTape
+
+    writer = llm.engine.tape
+    return isinstance(writer, (MemoryTape, SQLiteTape))
+
+
+def _remove(path: Path) -> None:
+    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        p.unlink(missing_ok=True)
+
+
+def _save_tape(llm: LLM, dest: Path) -> None:
+    from tokentape.events.sqlite_store import SQLiteTape
+    from tokentape.events.store import MemoryTape
+
+    writer = llm.engine.tape
+    _remove(dest)  # a tape kept by an earlier run of the same test
+    if isinstance(writer, MemoryTape):
+        out = SQLiteTape(dest, writer.header)
+        try:
+            for _, event in writer.iter_events():
+                out.append(event)
+        finally:
+            out.close()
+        conn = sqlite3.connect(dest)
+        try:
+            conn.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+        finally:
+            conn.close()
+        return
+    assert isinstance(writer, SQLiteTape) and writer.path is not None
+    if writer._finalizer.alive:
+        writer.flush()  # everything the engine recorded is in the file (or its WAL)
+    src = sqlite3.connect(f"file:{writer.path}?mode=ro", uri=True)
+    dst = sqlite3.connect(dest)
+    try:
+        src.backup(dst)  # a consistent copy, even of a tape still open for writing
+        dst.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+    finally:
+        src.close()
+        dst.close()
+
+
+def _write_postmortem(tape: Path, report_path: Path) -> None:
+    from tokentape.postmortem.analysis import postmortem
+    from tokentape.postmortem.report_html import write_report
+    from tokentape.replay.tape import load_tape
+
+    loaded = load_tape(tape)
+    write_report(postmortem(loaded), loaded, report_path)
