@@ -1,0 +1,127 @@
+"""The real model through the engine: the paged, batched, chunked, pipelined path gives the
+tokens and logprobs of a plain dense forward pass, and the same tokens whatever the schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import dense_greedy, dense_logits
+
+from tokentape import LLM, SamplingParams
+from tokentape.engine.model.loader import builtin_model
+from tokentape.events import schema as ev
+from tokentape.replay import verify
+
+PROMPTS = ["Hello", "The quick brown fox jumps", "a", "tokentape " * 6, "0123456789" * 3]
+
+
+def tiny_llm(**kw: object) -> LLM:
+    args: dict[str, object] = dict(model="tiny", tape=None, block_size=4, num_kv_blocks=128)
+    args.update(kw)
+    return LLM(**args)  # type: ignore[arg-type]
+
+
+def run_tokens(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_greedy_matches_a_dense_forward_pass() -> None:
+    _, model = builtin_model("tiny", 0)
+    llm = tiny_llm(max_num_batched_tokens=16)  # chunked prefills mixed with decodes
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = run_tokens(llm, PROMPTS, params)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == dense_greedy(model, llm.tokenizer.encode(prompt), 12)
+
+
+def test_frame_logprobs_are_the_raw_log_softmax() -> None:
+    _, model = builtin_model("tiny", 0)
+    llm = tiny_llm()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS[:2], params)
+    frames = [e for _, event in llm.engine.tape.iter_events() if isinstance(event, ev.FrameProduced)
+              for e in event.entries]
+    by_req: dict[str, list[float]] = {}
+    for f in frames:
+        assert f.logprobs is not None and len(f.logprobs) == len(f.token_ids)
+        by_req.setdefault(f.req_id, []).extend(f.logprobs)
+    for o in outs:
+        tokens = o.prompt_token_ids + o.outputs[0].token_ids
+        ref = dense_logits(model, tokens).log_softmax(-1)
+        n = len(o.prompt_token_ids)
+        expected = [float(ref[n - 1 + i, t]) for i, t in enumerate(o.outputs[0].token_ids)]
+        assert by_req[o.request_id] == pytest.approx(expected, abs=1e-4)
+        assert o.outputs[0].logprobs == by_req[o.request_id]
+
+
+def test_no_logprobs_unless_asked() -> None:
+    llm = tiny_llm()
+    llm.generate(["Hi"], SamplingParams(max_tokens=3))
+    frames = [e for _, event in llm.engine.tape.iter_events() if isinstance(event, ev.FrameProduced)
+              for e in event.entries]
+    assert frames and all(f.logprobs is None for f in frames)
+
+
+MIXED = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+         SamplingParams(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True),
+         SamplingParams(max_tokens=20, temperature=0.8, top_k=20, ignore_eos=True),
+         SamplingParams(max_tokens=20, temperature=1.2, top_p=0.9, seed=11, ignore_eos=True)]
+
+
+def test_batch_size_1_and_32_give_identical_tokens() -> None:
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(32)]
+    params = [MIXED[i % len(MIXED)] for i in range(32)]
+    batched = run_tokens(tiny_llm(num_kv_blocks=512), prompts, params)
+    alone = [run_tokens(tiny_llm(max_num_seqs=1), [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_preemptions_and_pipelining_do_not_change_tokens(depth: int) -> None:
+    prompts = [f"request {i}: " + "xyz" * i for i in range(12)]
+    params = [MIXED[i % len(MIXED)] for i in range(12)]
+    reference = run_tokens(tiny_llm(num_kv_blocks=256, async_scheduling=False), prompts, params)
+    llm = tiny_llm(num_kv_blocks=24, pipeline_depth=depth, max_num_batched_tokens=24)
+    got = run_tokens(llm, prompts, params)
+    assert sum(r.num_preemptions for r in llm.engine.state.requests.values()) > 0
+    assert got == reference
+
+
+def test_speculative_decoding_gives_the_same_tokens() -> None:
+    prompts = ["abcabcabcabc", "the cat the cat the cat", "xyz"]
+    params = [MIXED[0], MIXED[1], MIXED[3]]
+    plain = run_tokens(tiny_llm(), prompts, params)
+    llm = tiny_llm(num_speculative_tokens=3)
+    assert run_tokens(llm, prompts, params) == plain
+    frames = [e for _, event in llm.engine.tape.iter_events() if isinstance(event, ev.FrameProduced)
+              for e in event.entries]
+    assert any(f.draft_token_ids for f in frames)
+
+
+def test_seed_keys_the_samples() -> None:
+    p = lambda seed: SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)  # noqa: E731
+    a = run_tokens(tiny_llm(), ["Hello", "Hello"], [p(1), p(1)])
+    b = run_tokens(tiny_llm(), ["Hello"], [p(2)])
+    assert a[0] == a[1] != b[0]
+
+
+def test_a_model_tape_verifies_without_the_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "model.tape"
+    llm = tiny_llm(tape=str(path), num_kv_blocks=24, num_speculative_tokens=2)
+    llm.generate([f"p{i} " * 5 for i in range(6)], MIXED[1])
+    llm.close()
+    result = verify(path)
+    assert result.ok, result.first_divergence and result.first_divergence.format()
+
+
+def test_a_runner_failure_is_recorded_and_raised() -> None:
+    llm = tiny_llm(pipeline_depth=2)
+    llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8))
+    llm.engine.step()
+    # A KV cache that no longer fits the model: the worker thread's forward pass fails.
+    llm.engine.runner.kv_caches[0] = (torch.zeros(1), torch.zeros(1))
+    with pytest.raises(ValueError, match="k_cache"):
+        while True:
+            llm.engine.step()
+    errors = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.EngineError)]
+    assert len(errors) == 1 and "k_cache" in errors[0].message
