@@ -32,6 +32,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     batch_invariant: bool | None = None
+    # torch's intra-op threads on the CPU (process-wide). None: 1 for models under 50M
+    # parameters, whose matmuls are too small to pay for a thread pool (and the pipeline's
+    # worker thread already runs beside the scheduler), else torch's default; 0: torch's default.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -54,6 +58,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
              f"got {self.max_model_len}")
         need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        need(self.cpu_threads is None or self.cpu_threads >= 0,
+             f"cpu_threads must be >= 0 or None, got {self.cpu_threads}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -261,6 +261,7 @@ class TorchModelRunner:
         return frame
 
 
+SMALL_MODEL_PARAMS = 50_000_000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -283,6 +284,12 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        threads = config.cpu_threads
+        if threads is None:
+            threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else 0
+        if threads:
+            torch.set_num_threads(threads)
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
