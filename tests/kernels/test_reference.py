@@ -26,6 +26,22 @@ def test_reference_matches_naive_attention(num_heads: int, num_kv_heads: int) ->
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
 
 
+def test_reference_chunks_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunking the new tokens (to bound memory) gives the same attention."""
+    import tokentape.kernels.reference as reference
+
+    case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+    whole = paged_attention_ref(
+        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+    )
+    monkeypatch.setattr(reference, "SCORE_ELEMENTS_PER_CHUNK", 4 * 13 * 2)  # 2-token chunks
+    chunked = paged_attention_ref(
+        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+    )
+    torch.testing.assert_close(chunked.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reference_low_precision_returns_query_dtype(dtype: torch.dtype) -> None:
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+# Upper bound on one score matrix (new tokens x heads x context), in elements (16 MiB fp32).
+SCORE_ELEMENTS_PER_CHUNK = 1 << 22
+
 
 def write_kv_cache_ref(
     key: torch.Tensor,
@@ -81,25 +84,34 @@ def paged_attention_ref(
                 f"has {tables.shape[1]} columns"
             )
         blocks = tables[b, :num_blocks]
-        # [ctx, Hkv, D] -> [Hkv, ctx, D]; the gather makes a fresh (aligned) float32 copy.
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        # [ctx, Hkv, D] -> [Hkv, ctx, D]; the gather makes a fresh (aligned) copy.
+        # index_select: several times faster than advanced indexing on CPU.
+        k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
         k = k.to(torch.float32).transpose(0, 1)
         v = v.to(torch.float32).transpose(0, 1)
-        # [q_len, H, D] -> [Hkv, G * q_len, D]: a query head h reads kv head h // G.
+        # [q_len, H, D] -> [Hkv, G, q_len, D]: a query head h reads kv head h // G.
         # copy=True gives the same fresh allocation whatever the slice's offset in the batch.
         q = query[q_start:q_end].to(torch.float32, copy=True)
         q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(num_kv_heads, group * q_len, head_dim)
-        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # [Hkv, G * q_len, ctx]
-        if q_len > 1:
-            # New token j is at position seq_len - q_len + j; keys after it are masked.
-            future = torch.ones(q_len, seq_len, dtype=torch.bool).triu_(seq_len - q_len + 1)
-            scores.view(num_kv_heads, group, q_len, seq_len).masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.bmm(probs, v)  # [Hkv, G * q_len, D]
-        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
-        out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim)
+        # Long prompts go in chunks of new tokens, bounding the score matrix; the chunking
+        # depends only on this sequence, so batch invariance holds.
+        chunk = max(1, SCORE_ELEMENTS_PER_CHUNK // (num_heads * seq_len))
+        for j0 in range(0, q_len, chunk):
+            j1 = min(q_len, j0 + chunk)
+            n = j1 - j0
+            key_end = seq_len - q_len + j1  # one past the chunk's last token's position
+            qc = q[:, :, j0:j1].reshape(num_kv_heads, group * n, head_dim)
+            kc, vc = k[:, :key_end], v[:, :key_end]
+            scores = torch.bmm(qc, kc.transpose(1, 2)).mul_(scale)  # [Hkv, G * n, key_end]
+            if n > 1:
+                # Chunk token i sits at position key_end - n + i; later keys are masked.
+                future = torch.ones(n, key_end, dtype=torch.bool, device=scores.device)
+                future.triu_(key_end - n + 1)
+                scores.view(num_kv_heads, group, n, key_end).masked_fill_(future, float("-inf"))
+            o = torch.bmm(torch.softmax(scores, dim=-1), vc)  # [Hkv, G * n, D]
+            o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+            out[q_start + j0 : q_start + j1] = o.reshape(n, num_heads, head_dim)
     return out
 
 

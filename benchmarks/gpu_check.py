@@ -1,0 +1,449 @@
+"""GPU check: the Triton kernels against their torch references on CUDA, then the engine.
+
+One short script for a machine with a CUDA GPU (a few minutes at most):
+
+1. correctness, bfloat16, at Qwen3-0.6B's attention shapes (16 query heads, 8 kv heads,
+   head_dim 128, block_size 16): the KV-cache write (must be exact), the decode kernel on a
+   batch of ragged contexts, the prefill kernel on a mix of whole prompts, chunks after a
+   cached prefix and decodes, plus float32 runs and a batch-invariance check of the kernels;
+2. timing: the decode kernel against the torch reference and against torch's dense
+   ``scaled_dot_product_attention`` on the same K/V laid out contiguously (no paging: a
+   speed-of-light baseline), and the prefill kernel against the reference;
+3. the engine benchmark, ``benchmarks/bench_generate.py --device cuda --dtype bfloat16
+   --config qwen3-0.6b``, run as a subprocess when that file exists, its output printed.
+
+Ends with a compact summary; exit status 1 if a check failed. Without CUDA it says so and
+exits 0 having checked nothing. Two modes need no GPU: ``--compile-only`` compiles every
+kernel ahead of time for ``--arch`` (default sm_90) with the engine's launch parameters and
+reports registers and spills; ``--cpu-interpret`` runs parts 1 and 2 on the CPU under the
+Triton interpreter with tiny shapes, to smoke-test this script.
+
+    python benchmarks/gpu_check.py [--skip-engine] [--engine-timeout 300]
+    python benchmarks/gpu_check.py --compile-only [--arch 90]
+    python benchmarks/gpu_check.py --cpu-interpret
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Shapes:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    decode_seq_lens: tuple[int, ...]  # one new token each
+    mixed_seqs: tuple[tuple[int, int], ...]  # (seq_len, q_len)
+    timing_batch: int
+    timing_context: int
+
+
+QWEN3_06B = Shapes(
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    block_size=16,
+    decode_seq_lens=(1, 15, 16, 17, 100, 511, 1024, 2047, 4096, 3000, 77, 250) * 3,
+    mixed_seqs=((512, 512), (1000, 200), (2048, 1), (33, 33), (700, 1), (1500, 300), (17, 16)),
+    timing_batch=32,
+    timing_context=1024,
+)
+TINY = Shapes(
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    block_size=4,
+    decode_seq_lens=(1, 3, 4, 5, 40, 300),
+    mixed_seqs=((12, 12), (20, 7), (30, 1), (5, 4)),
+    timing_batch=2,
+    timing_context=64,
+)
+# (rtol, atol) as in torch.testing: |out - ref| <= atol + rtol * |ref|. A bf16 output is
+# rounded to 8 significant bits; fp32 inputs use IEEE fp32 dots (no tf32), so 1e-4 is generous.
+BF16_TOLERANCE = (1.6e-2, 1e-2)
+FP32_TOLERANCE = (1e-4, 1e-4)
+
+
+@dataclass
+class Result:
+    name: str
+    ok: bool | None  # None: informational
+    detail: str
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Check the Triton kernels against the torch references on CUDA, time "
+        "them, and run the engine benchmark (benchmarks/bench_generate.py) if present."
+    )
+    p.add_argument("--skip-engine", action="store_true", help="do not run bench_generate.py")
+    p.add_argument("--engine-timeout", type=float, default=300.0,
+                   help="seconds allowed for the engine benchmark subprocess (default 300)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="timed iterations per variant, median reported (default 50)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: compile every kernel ahead of time for --arch with the "
+                   "launch parameters the engine uses (catches what the interpreter cannot: "
+                   "compile errors, and register spills where cuobjdump is available)")
+    p.add_argument("--arch", type=int, default=90,
+                   help="CUDA compute capability for --compile-only, e.g. 80, 90 (default 90)")
+    p.add_argument("--cpu-interpret", action="store_true",
+                   help="smoke-test this script without a GPU: the Triton interpreter on the "
+                   "CPU with tiny shapes (timings meaningless, no engine run)")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.compile_only:
+        return summarize(compile_kernels(args.arch))
+    if args.cpu_interpret:
+        # Must be set before triton is first imported.
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if args.cpu_interpret:
+        device, shapes, iters = torch.device("cpu"), TINY, 2
+    elif torch.cuda.is_available():
+        device, shapes, iters = torch.device("cuda"), QWEN3_06B, args.iters
+    else:
+        print(f"gpu_check: no CUDA device (torch {torch.__version__}, CUDA build "
+              f"{torch.version.cuda or 'none'}); nothing checked. --cpu-interpret runs the "
+              "kernel checks on the CPU under the Triton interpreter.")
+        return 0
+    from tokentape.kernels import triton_available
+
+    if not triton_available():
+        print("gpu_check: triton is not installed: pip install -e '.[cuda]'")
+        return 1
+    print(f"gpu_check: {describe(device)}")
+    results: list[Result] = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    results += check_kv_write(device, shapes, gen)
+    for dtype, tol in ((torch.bfloat16, BF16_TOLERANCE), (torch.float32, FP32_TOLERANCE)):
+        results += check_attention(device, shapes, dtype, tol, gen)
+    results += check_batch_invariance(device, shapes, gen)
+    results += time_kernels(device, shapes, iters, gen)
+    if not (args.skip_engine or args.cpu_interpret):
+        results.append(run_engine_benchmark(args.engine_timeout))
+    return summarize(results)
+
+
+def summarize(results: list[Result]) -> int:
+    print("\n== summary ==")
+    for r in results:
+        tag = "info" if r.ok is None else ("PASS" if r.ok else "FAIL")
+        print(f"{tag:4}  {r.name}: {r.detail}")
+    failed = [r.name for r in results if r.ok is False]
+    print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def compile_kernels(arch: int) -> list[Result]:
+    """Compile each kernel for sm_<arch> as the launchers would, at Qwen3-0.6B's shapes."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tokentape.kernels import triton_decode, triton_kv_write, triton_prefill
+
+    s = QWEN3_06B
+    results = []
+    for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        index = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "cu_seqlens_q_ptr": "*i32", "partial_out_ptr": "*fp32",
+                 "partial_max_ptr": "*fp32", "partial_sum_ptr": "*fp32", "qk_scale": "fp32"}
+        kernels = [
+            ("kv write", triton_kv_write._write_kv_cache_kernel,
+             triton_kv_write.kv_write_kernel_meta(s.num_kv_heads, s.head_dim)),
+            ("decode split", triton_decode._decode_split_kernel,
+             triton_decode.split_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype)),
+            ("decode merge", triton_decode._decode_merge_kernel,
+             triton_decode.merge_kernel_meta(s.head_dim, num_splits=4)),
+            ("prefill", triton_prefill._prefill_kernel,
+             triton_prefill.prefill_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype)),
+        ]
+        for name, kernel, meta in kernels:
+            meta = dict(meta)
+            options = {"num_warps": meta.pop("num_warps", 4)}
+            signature = {}
+            for arg in kernel.arg_names:
+                if arg in meta:
+                    signature[arg] = "constexpr"
+                elif arg.endswith("_ptr"):
+                    signature[arg] = index.get(arg, ptr)
+                else:
+                    signature[arg] = index.get(arg, "i32")
+            # Launches pass 16-byte-aligned pointers, which triton specializes on.
+            attrs = {(i,): [["tt.divisibility", 16]]
+                     for i, arg in enumerate(kernel.arg_names) if arg.endswith("_ptr")}
+            label = f"compile {name} {dtype_name(dtype)} sm_{arch}"
+            start = time.perf_counter()
+            try:
+                compiled = triton.compile(
+                    ASTSource(kernel, signature, constexprs=meta, attrs=attrs),
+                    target=GPUTarget("cuda", arch, 32), options=options)
+            except Exception as exc:  # a compile error is the finding: report it
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                results.append(Result(label, False, f"{type(exc).__name__}: {first[:160]}"))
+                continue
+            usage = resource_usage(compiled.asm.get("cubin", b""))
+            results.append(Result(
+                label, True,
+                f"{time.perf_counter() - start:.1f} s, {options['num_warps']} warps, "
+                f"{compiled.metadata.shared} B shared" + (f", {usage}" if usage else "")))
+    return results
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers and spill stack per thread, from the cuobjdump triton ships (if present)."""
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cubin or not tool.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+    fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line
+                  for item in line.split() if ":" in item)
+    if "REG" not in fields:
+        return ""
+    return f"{fields['REG']} registers, {fields.get('STACK', '?')} B stack (spills if > 0)"
+
+
+def describe(device) -> str:
+    import torch
+    import triton
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        where = f"{name}, CUDA {torch.version.cuda}"
+    else:
+        where = "CPU, Triton interpreter"
+    return f"{where}; torch {torch.__version__}, triton {triton.__version__}"
+
+
+def paged_batch(device, shapes: Shapes, seqs, dtype, gen, spare_blocks: int = 8):
+    """Random cache and query for ``seqs`` [(seq_len, q_len)], blocks handed out shuffled."""
+    import torch
+
+    bs = shapes.block_size
+    blocks_per_seq = [-(-seq_len // bs) for seq_len, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    cache_shape = (num_blocks, bs, shapes.num_kv_heads, shapes.head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen, device=device).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen, device=device).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    width = max(blocks_per_seq) + 2
+    # Padding entries are never read: fill them with the last block id, a valid wrong one.
+    tables = torch.full((len(seqs), width), num_blocks - 1, dtype=torch.int32, device=device)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    q_lens = [q for _, q in seqs]
+    cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    query = torch.randn(sum(q_lens), shapes.num_heads, shapes.head_dim, generator=gen,
+                        device=device).to(dtype)
+    seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device)
+    kwargs = dict(cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
+                  scale=shapes.head_dim**-0.5)
+    return query, k_cache, v_cache, kwargs
+
+
+def max_error(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def check_kv_write(device, shapes: Shapes, gen) -> list[Result]:
+    import torch
+
+    from tokentape.kernels.reference import write_kv_cache_ref
+    from tokentape.kernels.triton_kv_write import write_kv_cache_triton
+
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        num_blocks, bs = 64, shapes.block_size
+        shape = (num_blocks, bs, shapes.num_kv_heads, shapes.head_dim)
+        k_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+        v_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+        num_tokens = num_blocks * bs // 2
+        slots = torch.randperm(num_blocks * bs, generator=gen, device=device)[:num_tokens]
+        slots[::7] = -1
+        key = torch.randn(num_tokens, *shape[2:], generator=gen, device=device).to(dtype)
+        value = torch.randn(num_tokens, *shape[2:], generator=gen, device=device).to(dtype)
+        expected_k, expected_v = k_cache.clone(), v_cache.clone()
+        write_kv_cache_ref(key, value, expected_k, expected_v, slots)
+        write_kv_cache_triton(key, value, k_cache, v_cache, slots)
+        err = max(max_error(k_cache, expected_k), max_error(v_cache, expected_v))
+        results.append(Result(f"kv write {dtype_name(dtype)}", err == 0.0,
+                              f"{num_tokens} tokens, max error {err:.1e} (must be 0)"))
+    return results
+
+
+def check_attention(
+    device, shapes: Shapes, dtype, tol: tuple[float, float], gen
+) -> list[Result]:
+    from tokentape.kernels.reference import paged_attention_ref
+    from tokentape.kernels.triton_decode import paged_decode_triton
+    from tokentape.kernels.triton_prefill import paged_prefill_triton
+
+    results = []
+    decodes = [(s, 1) for s in shapes.decode_seq_lens]
+    for label, seqs, kernel in (
+        ("decode", decodes, paged_decode_triton),
+        ("prefill+decode mix", list(shapes.mixed_seqs), paged_prefill_triton),
+        ("prefill kernel on decodes", decodes, paged_prefill_triton),
+    ):
+        query, k_cache, v_cache, kwargs = paged_batch(device, shapes, seqs, dtype, gen)
+        # The reference on the same low-precision inputs, in float32.
+        expected = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(),
+                                       **kwargs)
+        out = kernel(query, k_cache, v_cache, **kwargs)
+        err = max_error(out, expected)
+        rtol, atol = tol
+        excess = ((out.float() - expected).abs() - rtol * expected.abs()).max().item()
+        ok = excess <= atol and out.dtype == dtype
+        results.append(Result(
+            f"{label} {dtype_name(dtype)}", ok,
+            f"{len(seqs)} seqs, {query.shape[0]} new tokens, max |err| {err:.2e} "
+            f"(rtol {rtol:.1e}, atol {atol:.0e})"))
+    return results
+
+
+def check_batch_invariance(device, shapes: Shapes, gen) -> list[Result]:
+    """Informational: a sequence alone vs in a batch, bit for bit, through each kernel."""
+    import torch
+
+    from tokentape.kernels.triton_decode import paged_decode_triton
+    from tokentape.kernels.triton_prefill import paged_prefill_triton
+
+    results = []
+    decodes = [(s, 1) for s in shapes.decode_seq_lens]
+    for label, seqs, kernel in (("decode", decodes, paged_decode_triton),
+                                ("prefill", list(shapes.mixed_seqs), paged_prefill_triton)):
+        query, k_cache, v_cache, kwargs = paged_batch(device, shapes, seqs, torch.bfloat16, gen)
+        batched = kernel(query, k_cache, v_cache, **kwargs)
+        cu = kwargs["cu_seqlens_q"].tolist()
+        same = 0
+        for i in range(len(seqs)):
+            alone = kernel(
+                query[cu[i] : cu[i + 1]], k_cache, v_cache,
+                cu_seqlens_q=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32,
+                                          device=device),
+                seq_lens=kwargs["seq_lens"][i : i + 1],
+                block_tables=kwargs["block_tables"][i : i + 1],
+                scale=kwargs["scale"],
+            )
+            same += bool(torch.equal(alone, batched[cu[i] : cu[i + 1]]))
+        results.append(Result(f"batch invariance, {label} kernel", None,
+                              f"{same}/{len(seqs)} sequences bit-identical alone and batched"))
+    return results
+
+
+def time_kernels(device, shapes: Shapes, iters: int, gen) -> list[Result]:
+    import torch
+    import torch.nn.functional as F
+
+    from tokentape.kernels.reference import paged_attention_ref
+    from tokentape.kernels.triton_decode import paged_decode_triton
+    from tokentape.kernels.triton_prefill import paged_prefill_triton
+
+    batch, context = shapes.timing_batch, shapes.timing_context
+    seqs = [(context, 1)] * batch
+    query, k_cache, v_cache, kwargs = paged_batch(device, shapes, seqs, torch.bfloat16, gen)
+    # The same K/V gathered contiguously, for the dense baseline: [B, Hkv, context, D].
+    tables = kwargs["block_tables"][:, : context // shapes.block_size].long()
+    dense_k = k_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    dense_v = v_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    dense_q = query.unsqueeze(2)  # [B, H, 1, D]
+    scale = kwargs["scale"]
+    variants: dict[str, Callable[[], object]] = {
+        "decode kernel": lambda: paged_decode_triton(query, k_cache, v_cache, **kwargs),
+        "reference": lambda: paged_attention_ref(query, k_cache, v_cache, **kwargs),
+        "dense SDPA (no paging)": lambda: F.scaled_dot_product_attention(
+            dense_q, dense_k, dense_v, scale=scale, enable_gqa=True),
+    }
+    timings = {name: median_ms(fn, device, iters) for name, fn in variants.items()}
+    base = timings["decode kernel"]
+    detail = ", ".join(f"{name} {ms:.3f} ms ({ms / base:.1f}x)" for name, ms in timings.items())
+    results = [Result(f"decode timing B={batch} ctx={context} bf16", None, detail)]
+
+    seqs = [(2 * context, context)] * 4  # 4 chunks of `context` tokens after as many cached
+    query, k_cache, v_cache, kwargs = paged_batch(device, shapes, seqs, torch.bfloat16, gen)
+    prefill = median_ms(lambda: paged_prefill_triton(query, k_cache, v_cache, **kwargs),
+                        device, iters)
+    ref = median_ms(lambda: paged_attention_ref(query, k_cache, v_cache, **kwargs), device,
+                    max(2, iters // 5))
+    results.append(Result(
+        f"prefill timing 4 x {context} new after {context} cached, bf16", None,
+        f"prefill kernel {prefill:.3f} ms, reference {ref:.3f} ms ({ref / prefill:.1f}x)"))
+    return results
+
+
+def median_ms(fn: Callable[[], object], device, iters: int) -> float:
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3 if device.type == "cuda" else 1):  # warm-up, and the Triton compile
+        fn()
+    sync()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - start) * 1e3)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def run_engine_benchmark(timeout: float) -> Result:
+    script = HERE / "bench_generate.py"
+    name = "engine benchmark (bench_generate.py)"
+    if not script.exists():
+        return Result(name, None, "not run: benchmarks/bench_generate.py does not exist")
+    cmd = [sys.executable, str(script), "--device", "cuda", "--dtype", "bfloat16",
+           "--config", "qwen3-0.6b"]
+    print(f"\n== {' '.join(cmd[1:])} ==", flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=timeout, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        print(out if isinstance(out, str) else out.decode(errors="replace"))
+        return Result(name, False, f"timed out after {timeout:.0f} s")
+    print(proc.stdout, flush=True)
+    elapsed = time.perf_counter() - start
+    last = next((line for line in reversed(proc.stdout.splitlines()) if line.strip()), "")
+    return Result(name, proc.returncode == 0,
+                  f"exit {proc.returncode} in {elapsed:.0f} s; last line: {last[:120]}")
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
