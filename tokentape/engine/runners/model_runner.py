@@ -146,6 +146,8 @@ class TorchModelRunner:
             raise RuntimeError("update_weights: steps are still in flight in the runner")
         tensors = prepare_update(self.model, weights)
         apply_update(self.model, tensors)
+        if self.device.type == "cuda":  # the worker's stream must see the copies
+            torch.cuda.synchronize(self.device)
         self.weights_id = weights_hash(self.model)
         return self.weights_id
 
