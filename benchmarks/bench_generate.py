@@ -33,6 +33,7 @@ import torch
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.model.config import BUILTIN_CONFIGS
+from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import builtin_model
 
 HBM_BYTES_PER_S = 4.8e12
@@ -188,7 +189,8 @@ def main() -> int:
         agree = sum(a == b for a, b in zip(tt["tokens"], hf["tokens"]))
         summary["greedy_streams_equal_to_transformers"] = f"{agree}/{len(prompts)}"
     if args.device == "cuda":
-        _, model = builtin_model(args.config, args.seed)
+        with torch.device("meta"):  # shapes only
+            model = CausalLM(BUILTIN_CONFIGS[args.config])
         weight_bytes = sum(t.numel() for t in model.parameters()) * torch.finfo(getattr(torch, args.dtype)).bits // 8
         floor = weight_bytes / HBM_BYTES_PER_S
         for batch in (1, 64):

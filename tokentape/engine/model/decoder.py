@@ -99,17 +99,18 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.batch_invariant = False
+        self.pad_rows_to = 0  # batch-invariant row padding of the matmuls, 0: off
         self.model = DecoderModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
 
-    def set_batch_invariant(self, on: bool) -> None:
+    def set_batch_invariant(self, pad_rows_to: int) -> None:
+        """Pad every matmul's rows to a multiple of `pad_rows_to` (0: off); see layers.py."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.batch_invariant = on
-        self.batch_invariant = on
+                m.pad_rows_to = pad_rows_to
+        self.pad_rows_to = pad_rows_to
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -121,5 +122,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
-            return linear(hidden, self.model.embed_tokens.weight, None, self.batch_invariant)
+            return linear(hidden, self.model.embed_tokens.weight, None, self.pad_rows_to)
         return self.lm_head(hidden)

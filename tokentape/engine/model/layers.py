@@ -8,30 +8,50 @@ import torch.nn.functional as F
 from torch import nn
 
 # On the CPU a row of `x @ W.T` can come out differently depending on how many rows the
-# matmul has (oneDNN/MKL pick other kernels and edge tiles for small M). Padding the rows to a
-# multiple of this keeps every row on the same code path, so a sequence gets the same logits
-# whether it is batched alone or with 31 others.
-BATCH_INVARIANT_ROWS = 16
+# matmul has: BLAS picks other kernels for small M and handles the rows past the last full
+# micro-tile separately. Padding the rows to a multiple of the micro-tile keeps every row on
+# the same code path, so a sequence gets the same logits alone or batched with 31 others.
+# The multiple is measured on the machine (calibrate_batch_invariant_rows); 0 means off.
+ROW_MULTIPLES = (4, 8, 16, 32, 64)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           batch_invariant: bool = False) -> torch.Tensor:
-    """x @ weight.T + bias; with `batch_invariant`, rows padded as explained above."""
-    if batch_invariant:
+           pad_rows_to: int = 0) -> torch.Tensor:
+    """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0)."""
+    if pad_rows_to:
         rows = x.shape[0]
-        pad = -rows % BATCH_INVARIANT_ROWS
+        pad = -rows % pad_rows_to
         if pad:
             return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:rows]
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
-    """nn.Linear with an optional batch-invariant mode."""
+def calibrate_batch_invariant_rows(weights: list[torch.Tensor]) -> int | None:
+    """The smallest row multiple in ROW_MULTIPLES for which every row of a padded matmul with
+    these weights equals the same row computed among 64, 256 and 1024 rows; None if none does
+    (this BLAS is not batch-invariant even for large batches)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {tuple(w.shape): w for w in weights}
+    candidates = list(ROW_MULTIPLES)
+    for w in shapes.values():
+        x = torch.randn(1024, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
+        ref = F.linear(x, w)
+        if not all(torch.equal(F.linear(x[:m], w), ref[:m]) for m in (64, 256)):
+            return None
+        candidates = [c for c in candidates
+                      if all(torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2))]
+        if not candidates:
+            return None
+    return candidates[0]
 
-    batch_invariant: bool = False
+
+class Linear(nn.Linear):
+    """nn.Linear with optional row padding for batch invariance (see above)."""
+
+    pad_rows_to: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.batch_invariant)
+        return linear(x, self.weight, self.bias, self.pad_rows_to)
 
 
 class RMSNorm(nn.Module):

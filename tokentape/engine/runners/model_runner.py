@@ -19,11 +19,12 @@ import torch
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.model.decoder import AttentionMetadata, CausalLM
+from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
-from tokentape.engine.tokenizer import Tokenizer
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 
 
@@ -79,7 +80,18 @@ class TorchModelRunner:
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if batch_invariant is None:  # exact and cheap on the CPU in float32 (docs/benchmarks.md)
             batch_invariant = self.device.type == "cpu" and dtype == torch.float32
-        self.model.set_batch_invariant(batch_invariant)
+        self.pad_rows_to = 0
+        if batch_invariant:
+            weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
+            if model.config.tie_word_embeddings:
+                weights.append(self.model.model.embed_tokens.weight)
+            rows = calibrate_batch_invariant_rows([w.detach() for w in weights])
+            if rows is None:
+                raise RuntimeError("batch_invariant: this machine's matmuls give different results for "
+                                   "the same row in different batch sizes, whatever the padding; "
+                                   "pass batch_invariant=False")
+            self.pad_rows_to = rows
+        self.model.set_batch_invariant(self.pad_rows_to)
         self.config = model.config
         self.model_id = model_id
         self.vocab_size = self.config.vocab_size
