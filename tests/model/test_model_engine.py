@@ -128,3 +128,18 @@ def test_a_runner_failure_is_recorded_and_raised() -> None:
             llm.engine.step()
     errors = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.EngineError)]
     assert len(errors) == 1 and "k_cache" in errors[0].message
+
+
+def test_prefix_cache_hits_read_the_same_kv() -> None:
+    shared = "a shared system prompt, long enough to fill blocks. "
+    prompts = [shared + tail for tail in ("first", "second one", "third")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    cached_llm = tiny_llm()
+    cached = cached_llm.generate(prompts[:1], params) + cached_llm.generate(prompts[1:], params)
+    hits = [e for _, event in cached_llm.engine.tape.iter_events() if isinstance(event, ev.StepScheduled)
+            for e in event.entries if e.num_computed_before > 0 and e.req_id != "0" and len(e.new_block_ids) > 1]
+    assert hits  # the later requests started from cached blocks
+    plain = tiny_llm(enable_prefix_caching=False).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
+    for a, b in zip(cached, plain):
+        assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-5)
