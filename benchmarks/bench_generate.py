@@ -51,16 +51,32 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_tokentape(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int], *,
-                  depth: int, tape: bool) -> dict[str, Any]:
+def run_tokentape(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    outputs: list[int],
+    *,
+    depth: int,
+    tape: bool,
+) -> dict[str, Any]:
     max_len = max(len(p) + o for p, o in zip(prompts, outputs))
     blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs)) + len(prompts)
     with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(model=args.config, tape=os.path.join(tmp, "bench.tape") if tape else False,
-                  device=args.device, dtype=args.dtype, pipeline_depth=depth, async_scheduling=depth > 1,
-                  num_kv_blocks=blocks, block_size=16, max_num_seqs=256, max_model_len=max_len + 1,
-                  max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                  cpu_threads=args.cpu_threads)
+        llm = LLM(
+            model=args.config,
+            tape=os.path.join(tmp, "bench.tape") if tape else False,
+            device=args.device,
+            dtype=args.dtype,
+            pipeline_depth=depth,
+            async_scheduling=depth > 1,
+            num_kv_blocks=blocks,
+            block_size=16,
+            max_num_seqs=256,
+            max_model_len=max_len + 1,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+            cpu_threads=args.cpu_threads,
+        )
         params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
         llm.generate(prompts[:2], params[:2])  # warm-up
         sync_device(args.device)
@@ -71,8 +87,12 @@ def run_tokentape(args: argparse.Namespace, prompts: list[list[int]], outputs: l
         llm.close()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), "every request must produce its requested tokens"
-    return {"seconds": elapsed, "output_tokens": n_out, "tok_s": n_out / elapsed,
-            "tokens": [o.outputs[0].token_ids for o in outs]}
+    return {
+        "seconds": elapsed,
+        "output_tokens": n_out,
+        "tok_s": n_out / elapsed,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
 
 
 def hf_model(args: argparse.Namespace) -> Any:
@@ -88,21 +108,34 @@ def hf_model(args: argparse.Namespace) -> Any:
     return hf.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
 
 
-def run_hf(args: argparse.Namespace, hf: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
+def run_hf(
+    args: argparse.Namespace, hf: Any, prompts: list[list[int]], outputs: list[int]
+) -> dict[str, Any]:
     pad = 2
     dev = args.device
     tokens: list[list[int]] = []
 
     def batch_generate(batch: range) -> None:
         width = max(len(prompts[i]) for i in batch)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=dev)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch], device=dev)
+        ids = torch.tensor(
+            [[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=dev
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch], device=dev
+        )
         new = max(outputs[i] for i in batch)
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=pad, eos_token_id=None)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=None,
+            )
         for row, i in enumerate(batch):
-            tokens.append(out[row, width:width + outputs[i]].tolist())
+            tokens.append(out[row, width : width + outputs[i]].tolist())
 
     batch_generate(range(2))  # warm-up
     tokens.clear()
@@ -118,15 +151,26 @@ def run_hf(args: argparse.Namespace, hf: Any, prompts: list[list[int]], outputs:
 
 def decode_step_time(args: argparse.Namespace, batch: int) -> float:
     """Seconds per decode step with `batch` sequences (32-token prompts, 128 outputs each)."""
-    llm = LLM(model=args.config, tape=False, device=args.device, dtype=args.dtype, pipeline_depth=2,
-              num_kv_blocks=max(64, batch * 12), block_size=16, max_num_seqs=max(batch, 1), seed=args.seed)
+    llm = LLM(
+        model=args.config,
+        tape=False,
+        device=args.device,
+        dtype=args.dtype,
+        pipeline_depth=2,
+        num_kv_blocks=max(64, batch * 12),
+        block_size=16,
+        max_num_seqs=max(batch, 1),
+        seed=args.seed,
+    )
     rng = random.Random(1)
     vocab = BUILTIN_CONFIGS[args.config].vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(f"d{i}", p, SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            f"d{i}", p, SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+        )
     for _ in range(4):  # prefill and the first decodes, untimed
         engine.step()
     sync_device(args.device)
@@ -148,23 +192,36 @@ def main() -> int:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per tokentape variant, alternating, best kept (default 1)")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="the engine's cpu_threads (default: its own choice, 1 for the tiny model); "
-                   "transformers runs with the same torch thread count")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per tokentape variant, alternating, best kept (default 1)",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="the engine's cpu_threads (default: its own choice, 1 for the tiny model); "
+        "transformers runs with the same torch thread count",
+    )
     p.add_argument("--skip-hf", action="store_true", help="tokentape only (no transformers)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     vocab = BUILTIN_CONFIGS[args.config].vocab_size
     prompts, outputs = workload(args.num_prompts, vocab, args.seed)
-    print(f"# bench_generate: {args.num_prompts} prompts, config {args.config}, {args.device}, {args.dtype}; "
-          f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads before the engine set its own")
+    print(
+        f"# bench_generate: {args.num_prompts} prompts, config {args.config}, {args.device}, {args.dtype}; "
+        f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads before the engine set its own"
+    )
     results: dict[str, Any] = {}
-    variants = {"tokentape_async_tape": (2, True), "tokentape_async_notape": (2, False),
-                "tokentape_sync_tape": (1, True)}
+    variants = {
+        "tokentape_async_tape": (2, True),
+        "tokentape_async_notape": (2, False),
+        "tokentape_sync_tape": (1, True),
+    }
     for _ in range(args.repeats):
         for name, (depth, tape) in variants.items():
             r = run_tokentape(args, prompts, outputs, depth=depth, tape=tape)
@@ -181,7 +238,11 @@ def main() -> int:
         "tape_on_over_off": tt["tok_s"] / results["tokentape_async_notape"]["tok_s"],
         "async_over_sync": tt["tok_s"] / results["tokentape_sync_tape"]["tok_s"],
     }
-    same = tt["tokens"] == results["tokentape_sync_tape"]["tokens"] == results["tokentape_async_notape"]["tokens"]
+    same = (
+        tt["tokens"]
+        == results["tokentape_sync_tape"]["tokens"]
+        == results["tokentape_async_notape"]["tokens"]
+    )
     summary["tokentape_variants_agree"] = same
     if "transformers" in results:
         hf = results["transformers"]
@@ -191,7 +252,11 @@ def main() -> int:
     if args.device == "cuda":
         with torch.device("meta"):  # shapes only
             model = CausalLM(BUILTIN_CONFIGS[args.config])
-        weight_bytes = sum(t.numel() for t in model.parameters()) * torch.finfo(getattr(torch, args.dtype)).bits // 8
+        weight_bytes = (
+            sum(t.numel() for t in model.parameters())
+            * torch.finfo(getattr(torch, args.dtype)).bits
+            // 8
+        )
         floor = weight_bytes / HBM_BYTES_PER_S
         for batch in (1, 64):
             step = decode_step_time(args, batch)
@@ -203,8 +268,12 @@ def main() -> int:
         print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in results.items()}
-                      | {"summary": summary}, f, indent=2)
+            json.dump(
+                {k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in results.items()}
+                | {"summary": summary},
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -30,7 +30,9 @@ def params(i: int) -> SamplingParams:
     # engine continuing from the same prefix draws the same tokens.
     if i % 2:
         return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=100 + i, ignore_eos=True)
+    return SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=100 + i, ignore_eos=True
+    )
 
 
 def new_weights() -> dict:
@@ -73,18 +75,29 @@ def run(depth: int, discard_policy: str, tape: str | None = None) -> list[str]:
     mismatches = []
     for i, prompt in enumerate(prompts):
         req_id = str(i)
-        prefix, after = prefixes[req_id], tokens[req_id][len(prefixes[req_id]):]
+        prefix, after = prefixes[req_id], tokens[req_id][len(prefixes[req_id]) :]
         remaining = MAX_TOKENS - len(prefix)
         if remaining <= 0:
             continue
         p = params(i)
-        cont = SamplingParams(max_tokens=remaining, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                              ignore_eos=True)
+        cont = SamplingParams(
+            max_tokens=remaining,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            ignore_eos=True,
+        )
         expected = fresh.generate([prompt + prefix], cont)[0].outputs[0].token_ids
         if after != expected:
-            first = next((j for j, (a, b) in enumerate(zip(after, expected)) if a != b), min(len(after), len(expected)))
-            mismatches.append(f"request {req_id}: after {len(prefix)} tokens, resumed {after[first:first + 4]}... "
-                              f"where a fresh engine gives {expected[first:first + 4]}... (from token {first} after resume)")
+            first = next(
+                (j for j, (a, b) in enumerate(zip(after, expected)) if a != b),
+                min(len(after), len(expected)),
+            )
+            mismatches.append(
+                f"request {req_id}: after {len(prefix)} tokens, resumed {after[first : first + 4]}... "
+                f"where a fresh engine gives {expected[first : first + 4]}... "
+                f"(from token {first} after resume)"
+            )
     fresh.close()
     return mismatches
 
@@ -92,14 +105,21 @@ def run(depth: int, discard_policy: str, tape: str | None = None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--discard-policy", default="epoch", choices=["epoch", "counter", "flag"])
-    parser.add_argument("--pipeline-depth", type=int, action="append", choices=[1, 2, 3, 4],
-                        help="pipeline depth to check (repeatable; default 1, 2 and 3)")
+    parser.add_argument(
+        "--pipeline-depth",
+        type=int,
+        action="append",
+        choices=[1, 2, 3, 4],
+        help="pipeline depth to check (repeatable; default 1, 2 and 3)",
+    )
     args = parser.parse_args(argv)
     held = True
     for depth in args.pipeline_depth or [1, 2, 3]:
         mismatches = run(depth, args.discard_policy)
-        print(f"pipeline_depth={depth} discard_policy={args.discard_policy}: "
-              f"{'check held' if not mismatches else 'CHECK FAILED'}")
+        print(
+            f"pipeline_depth={depth} discard_policy={args.discard_policy}: "
+            f"{'check held' if not mismatches else 'CHECK FAILED'}"
+        )
         for m in mismatches:
             print(f"  {m}")
         held &= not mismatches

@@ -29,13 +29,16 @@ def dense_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
             q, k = model.rope(pos, q, k)
             rep = a.num_heads // a.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True)
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+            )
             h = h + F.linear(o.transpose(0, 1).reshape(t, -1), a.o_proj.weight)
             m = layer.mlp
             x = layer.post_attention_layernorm(h)
-            h = h + F.linear(F.silu(F.linear(x, m.gate_proj.weight)) * F.linear(x, m.up_proj.weight),
-                             m.down_proj.weight)
+            h = h + F.linear(
+                F.silu(F.linear(x, m.gate_proj.weight)) * F.linear(x, m.up_proj.weight),
+                m.down_proj.weight,
+            )
         h = model.model.norm(h)
         w = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
         return F.linear(h, w)
@@ -45,7 +48,7 @@ def dense_greedy(model: CausalLM, prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(int(dense_logits(model, tokens)[-1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 @pytest.fixture(autouse=True)

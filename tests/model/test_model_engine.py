@@ -17,12 +17,14 @@ PROMPTS = ["Hello", "The quick brown fox jumps", "a", "tokentape " * 6, "0123456
 
 
 def tiny_llm(**kw: object) -> LLM:
-    args: dict[str, object] = dict(model="tiny", tape=None, block_size=4, num_kv_blocks=128)
+    args: dict[str, object] = {"model": "tiny", "tape": None, "block_size": 4, "num_kv_blocks": 128}
     args.update(kw)
     return LLM(**args)  # type: ignore[arg-type]
 
 
-def run_tokens(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+def run_tokens(
+    llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
@@ -40,8 +42,12 @@ def test_frame_logprobs_are_the_raw_log_softmax() -> None:
     llm = tiny_llm()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate(PROMPTS[:2], params)
-    frames = [e for _, event in llm.engine.tape.iter_events() if isinstance(event, ev.FrameProduced)
-              for e in event.entries]
+    frames = [
+        e
+        for _, event in llm.engine.tape.iter_events()
+        if isinstance(event, ev.FrameProduced)
+        for e in event.entries
+    ]
     by_req: dict[str, list[float]] = {}
     for f in frames:
         assert f.logprobs is not None and len(f.logprobs) == len(f.token_ids)
@@ -58,15 +64,21 @@ def test_frame_logprobs_are_the_raw_log_softmax() -> None:
 def test_no_logprobs_unless_asked() -> None:
     llm = tiny_llm()
     llm.generate(["Hi"], SamplingParams(max_tokens=3))
-    frames = [e for _, event in llm.engine.tape.iter_events() if isinstance(event, ev.FrameProduced)
-              for e in event.entries]
+    frames = [
+        e
+        for _, event in llm.engine.tape.iter_events()
+        if isinstance(event, ev.FrameProduced)
+        for e in event.entries
+    ]
     assert frames and all(f.logprobs is None for f in frames)
 
 
-MIXED = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
-         SamplingParams(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True),
-         SamplingParams(max_tokens=20, temperature=0.8, top_k=20, ignore_eos=True),
-         SamplingParams(max_tokens=20, temperature=1.2, top_p=0.9, seed=11, ignore_eos=True)]
+MIXED = [
+    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.8, top_k=20, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=1.2, top_p=0.9, seed=11, ignore_eos=True),
+]
 
 
 def test_batch_size_1_and_32_give_identical_tokens_and_logprobs() -> None:
@@ -96,13 +108,19 @@ def test_speculative_decoding_gives_the_same_tokens() -> None:
     plain = run_tokens(tiny_llm(), prompts, params)
     llm = tiny_llm(num_speculative_tokens=3)
     assert run_tokens(llm, prompts, params) == plain
-    frames = [e for _, event in llm.engine.tape.iter_events() if isinstance(event, ev.FrameProduced)
-              for e in event.entries]
+    frames = [
+        e
+        for _, event in llm.engine.tape.iter_events()
+        if isinstance(event, ev.FrameProduced)
+        for e in event.entries
+    ]
     assert any(f.draft_token_ids for f in frames)
 
 
 def test_seed_keys_the_samples() -> None:
-    p = lambda seed: SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)  # noqa: E731
+    def p(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+
     a = run_tokens(tiny_llm(), ["Hello", "Hello"], [p(1), p(1)])
     b = run_tokens(tiny_llm(), ["Hello"], [p(2)])
     assert a[0] == a[1] != b[0]
@@ -136,8 +154,13 @@ def test_prefix_cache_hits_read_the_same_kv() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     cached_llm = tiny_llm()
     cached = cached_llm.generate(prompts[:1], params) + cached_llm.generate(prompts[1:], params)
-    hits = [e for _, event in cached_llm.engine.tape.iter_events() if isinstance(event, ev.StepScheduled)
-            for e in event.entries if e.num_computed_before > 0 and e.req_id != "0" and len(e.new_block_ids) > 1]
+    hits = [
+        e
+        for _, event in cached_llm.engine.tape.iter_events()
+        if isinstance(event, ev.StepScheduled)
+        for e in event.entries
+        if e.num_computed_before > 0 and e.req_id != "0" and len(e.new_block_ids) > 1
+    ]
     assert hits  # the later requests started from cached blocks
     plain = tiny_llm(enable_prefix_caching=False).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]

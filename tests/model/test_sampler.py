@@ -11,9 +11,17 @@ from tokentape.engine.model.sampler import SamplingRows, position_key, sample
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
 
 
-def draw(logits: torch.Tensor, n: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-         seed: int = 0) -> torch.Tensor:
-    rows = SamplingRows([temperature] * n, [top_k] * n, [top_p] * n, [position_key(seed, p) for p in range(n)])
+def draw(
+    logits: torch.Tensor,
+    n: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> torch.Tensor:
+    rows = SamplingRows(
+        [temperature] * n, [top_k] * n, [top_p] * n, [position_key(seed, p) for p in range(n)]
+    )
     return sample(logits.expand(n, -1), rows)
 
 
@@ -51,7 +59,12 @@ def test_draws_are_keyed_by_seed_and_position_only() -> None:
     assert torch.equal(a, b)
     assert not torch.equal(a, draw(LOGITS, 64, seed=6))
     # a row's draw does not depend on the other rows of the batch
-    rows = SamplingRows([1.0, 0.0, 1.0], [0, 0, 5], [1.0, 1.0, 0.9], [position_key(5, 7), (0, 0), position_key(5, 9)])
+    rows = SamplingRows(
+        [1.0, 0.0, 1.0],
+        [0, 0, 5],
+        [1.0, 1.0, 0.9],
+        [position_key(5, 7), (0, 0), position_key(5, 9)],
+    )
     out = sample(torch.stack([LOGITS, LOGITS, LOGITS]), rows)
     assert int(out[0]) == int(a[7]) and int(out[1]) == int(LOGITS.argmax())
 

@@ -57,8 +57,12 @@ def test_a_bad_update_changes_nothing_and_the_engine_serves_on() -> None:
     llm.engine.pause_generation(mode="keep")
     good = builtin_model("tiny", seed=1)[1].state_dict()
     wrong_shape = dict(good)
-    wrong_shape["model.layers.3.mlp.down_proj.weight"] = torch.zeros(256, 100)  # the last one checked
-    with pytest.raises(ValueError, match=r"'model\.layers\.3\.mlp\.down_proj\.weight' has shape \(256, 100\)"):
+    wrong_shape["model.layers.3.mlp.down_proj.weight"] = torch.zeros(
+        256, 100
+    )  # the last one checked
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.3\.mlp\.down_proj\.weight' has shape \(256, 100\)"
+    ):
         llm.engine.update_weights(wrong_shape)
     with pytest.raises(ValueError, match="unknown tensor 'model.layers.9.mlp.up_proj.weight'"):
         llm.engine.update_weights({**good, "model.layers.9.mlp.up_proj.weight": torch.zeros(3)})
@@ -78,6 +82,7 @@ def test_partial_update_from_a_checkpoint_folder(tmp_path: Path) -> None:
     import json
 
     from tokentape.engine.model.config import TINY
+
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
     a = LLM(model="tiny", tape=None)
     a.engine.pause_generation(mode="keep")
@@ -88,7 +93,12 @@ def test_partial_update_from_a_checkpoint_folder(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("policy,rc", [("epoch", 0), ("flag", 1)])
 def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int) -> None:
-    args = [sys.executable, str(ROOT / "examples" / "rl_pause_resume.py"), "--discard-policy", policy]
+    args = [
+        sys.executable,
+        str(ROOT / "examples" / "rl_pause_resume.py"),
+        "--discard-policy",
+        policy,
+    ]
     if policy == "flag":
         args += ["--pipeline-depth", "1", "--pipeline-depth", "2"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)

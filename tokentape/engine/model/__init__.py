@@ -5,5 +5,12 @@ from tokentape.engine.model.config import BUILTIN_CONFIGS, CheckpointError, Mode
 from tokentape.engine.model.decoder import AttentionMetadata, CausalLM
 from tokentape.engine.model.loader import builtin_model, load_checkpoint
 
-__all__ = ["BUILTIN_CONFIGS", "AttentionMetadata", "CausalLM", "CheckpointError", "ModelConfig",
-           "builtin_model", "load_checkpoint"]
+__all__ = [
+    "BUILTIN_CONFIGS",
+    "AttentionMetadata",
+    "CausalLM",
+    "CheckpointError",
+    "ModelConfig",
+    "builtin_model",
+    "load_checkpoint",
+]

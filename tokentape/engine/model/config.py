@@ -14,7 +14,11 @@ from typing import Any
 from tokentape.engine.tokenizer import ByteTokenizer
 
 # model_type -> the Hugging Face architecture it loads as
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 class CheckpointError(ValueError):
@@ -42,11 +46,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                             f"of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The equivalent Hugging Face config.json contents."""
@@ -63,18 +71,40 @@ class ModelConfig:
 # The built-in default: small enough for fast tests and a CPU benchmark, with the byte
 # tokenizer's vocabulary. Weights come from a fixed seed (see loader.init_weights).
 TINY = ModelConfig(
-    model_type="qwen3", vocab_size=ByteTokenizer.vocab_size, hidden_size=256, intermediate_size=768,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=False,
-    qk_norm=True, bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
+    model_type="qwen3",
+    vocab_size=ByteTokenizer.vocab_size,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+    qk_norm=True,
+    bos_token_id=ByteTokenizer.bos_token_id,
+    eos_token_id=ByteTokenizer.eos_token_id,
 )
 
 # Qwen3-0.6B's shapes (for the GPU benchmark; weights drawn from a seed, no download).
 QWEN3_0_6B = ModelConfig(
-    model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
-    qk_norm=True, bos_token_id=151643, eos_token_id=151645,
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
 )
 
 BUILTIN_CONFIGS = {"tiny": TINY, "qwen3-0.6b": QWEN3_0_6B}
@@ -92,13 +122,20 @@ def config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
         raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"{file}: model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise CheckpointError(
+            f"{file}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     rope_scaling = raw.get("rope_scaling")
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
+        None,
+        "default",
+    ):
         raise CheckpointError(f"{file}: rope_scaling {rope_scaling!r} is not supported")
     if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{file}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+        raise CheckpointError(
+            f"{file}: hidden_act {raw['hidden_act']!r} is not supported (silu only)"
+        )
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])

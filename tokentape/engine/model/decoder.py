@@ -34,7 +34,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         bias = config.attention_bias
         self.q_proj = Linear(config.hidden_size, self.num_heads * d, bias=bias)
         self.k_proj = Linear(config.hidden_size, self.num_kv_heads * d, bias=bias)
@@ -63,8 +63,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
-            q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
-            block_tables=meta.block_tables, scale=self.scale,
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables,
+            scale=self.scale,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -77,8 +82,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -103,7 +114,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
 
     def set_batch_invariant(self, pad_rows_to: int) -> None:
         """Pad every matmul's rows to a multiple of `pad_rows_to` (0: off); see layers.py."""
@@ -112,8 +125,13 @@ class CausalLM(nn.Module):
                 m.pad_rows_to = pad_rows_to
         self.pad_rows_to = pad_rows_to
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         h = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches):

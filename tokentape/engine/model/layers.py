@@ -15,8 +15,9 @@ from torch import nn
 ROW_MULTIPLES = (4, 8, 16, 32, 64)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           pad_rows_to: int = 0) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pad_rows_to: int = 0
+) -> torch.Tensor:
     """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0)."""
     if pad_rows_to:
         rows = x.shape[0]
@@ -38,8 +39,11 @@ def calibrate_batch_invariant_rows(weights: list[torch.Tensor]) -> int | None:
         ref = F.linear(x, w)
         if not all(torch.equal(F.linear(x[:m], w), ref[:m]) for m in (64, 256)):
             return None
-        candidates = [c for c in candidates
-                      if all(torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2))]
+        candidates = [
+            c
+            for c in candidates
+            if all(torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2))
+        ]
         if not candidates:
             return None
     return candidates[0]
@@ -72,7 +76,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos_cached", torch.empty(0), persistent=False)
         self.register_buffer("sin_cached", torch.empty(0), persistent=False)
@@ -83,7 +89,9 @@ class RotaryEmbedding(nn.Module):
         if self.cos_cached.shape[0] >= num_positions:
             return
         inv_freq = self.inv_freq.float()
-        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=inv_freq.device), inv_freq)
+        freqs = torch.outer(
+            torch.arange(num_positions, dtype=torch.float32, device=inv_freq.device), inv_freq
+        )
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cached, self.sin_cached = emb.cos(), emb.sin()
 
@@ -95,7 +103,9 @@ class RotaryEmbedding(nn.Module):
         self.cos_cached, self.sin_cached, self.inv_freq = cos.to(dev), sin.to(dev), inv.to(dev)
         return self
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

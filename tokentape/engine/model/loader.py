@@ -10,7 +10,12 @@ from collections.abc import Mapping
 
 import torch
 
-from tokentape.engine.model.config import BUILTIN_CONFIGS, CheckpointError, ModelConfig, config_from_hf
+from tokentape.engine.model.config import (
+    BUILTIN_CONFIGS,
+    CheckpointError,
+    ModelConfig,
+    config_from_hf,
+)
 from tokentape.engine.model.decoder import CausalLM
 
 WeightsSource = Mapping[str, torch.Tensor] | str | os.PathLike[str]
@@ -39,34 +44,38 @@ def init_weights(model: CausalLM, seed: int) -> None:
 
 
 def builtin_model(name: str, seed: int = 0) -> tuple[ModelConfig, CausalLM]:
-    """A built-in config ('tiny', 'qwen3-0.6b') with weights drawn from `seed`, on the CPU in float32."""
+    """A built-in config ('tiny', 'qwen3-0.6b'), weights drawn from `seed`, CPU, float32."""
     config = BUILTIN_CONFIGS[name]
     model = CausalLM(config)
     init_weights(model, seed)
     return config, model
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
-    """config.json and every tensor of the folder's *.safetensors files, with the file each came from."""
+def read_checkpoint(
+    path: str | os.PathLike[str],
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
+    """config.json and every tensor of the folder's *.safetensors, with the file of each."""
     from safetensors import safe_open
 
     config = config_from_hf(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise CheckpointError(f"{os.path.join(path, '*.safetensors')}: no weight files in the checkpoint folder")
+        raise CheckpointError(
+            f"{os.path.join(path, '*.safetensors')}: no weight files in the checkpoint folder"
+        )
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
                     tensors[name] = f.get_tensor(name)
                     origin[name] = file
         except CheckpointError:
             raise
-        except Exception as exc:  # safetensors raises its own error types for a damaged file
+        except Exception as exc:  # noqa: BLE001 (safetensors has its own error types)
             raise CheckpointError(f"{file}: cannot read the safetensors file ({exc})") from None
     return config, tensors, origin
 
@@ -84,10 +93,14 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, CausalLM
             raise CheckpointError(f"{where}: missing tensor {name!r}")
     for name, t in tensors.items():
         if name not in shapes:
-            raise CheckpointError(f"{origin[name]}: unexpected tensor {name!r} for a {config.model_type} model")
+            raise CheckpointError(
+                f"{origin[name]}: unexpected tensor {name!r} for a {config.model_type} model"
+            )
         if tuple(t.shape) != shapes[name]:
-            raise CheckpointError(f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                  f"config.json implies {shapes[name]}")
+            raise CheckpointError(
+                f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)}, "
+                f"config.json implies {shapes[name]}"
+            )
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name].to(torch.float32))
@@ -110,9 +123,13 @@ def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.T
     if isinstance(weights, (str, os.PathLike)):
         _, tensors, origin = read_checkpoint(weights)
     elif isinstance(weights, Mapping):
-        tensors, origin = dict(weights), {}
+        tensors = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+        origin = {}
     else:
-        raise TypeError(f"update_weights takes a state_dict or a checkpoint folder, got {type(weights).__name__}")
+        raise TypeError(
+            "update_weights takes a state_dict or a checkpoint folder, "
+            f"got {type(weights).__name__}"
+        )
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -125,10 +142,16 @@ def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.T
         if p is None:
             raise ValueError(f"{where}update_weights: unknown tensor {name!r}; nothing was changed")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{where}update_weights: tensor {name!r} is not a floating-point tensor; nothing was changed")
+            raise ValueError(
+                f"{where}update_weights: tensor {name!r} is not a floating-point tensor; "
+                "nothing was changed"
+            )
         if t.shape != p.shape:
-            raise ValueError(f"{where}update_weights: tensor {name!r} has shape {tuple(t.shape)}, the model's is "
-                             f"{tuple(p.shape)}; nothing was changed")
+            raise ValueError(
+                f"{where}update_weights: tensor {name!r} has shape {tuple(t.shape)}, "
+                "the model's is "
+                f"{tuple(p.shape)}; nothing was changed"
+            )
         out[name] = t.detach().to(device=p.device, dtype=p.dtype)
     return out
 

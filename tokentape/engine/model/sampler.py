@@ -31,8 +31,9 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 def position_key(seed: int, position: int) -> tuple[int, int]:
     """Two 32-bit keys for the draw at (seed, position)."""
-    d = hashlib.blake2b(seed.to_bytes(16, "little", signed=True) + position.to_bytes(8, "little"),
-                        digest_size=8).digest()
+    d = hashlib.blake2b(
+        seed.to_bytes(16, "little", signed=True) + position.to_bytes(8, "little"), digest_size=8
+    ).digest()
     return int.from_bytes(d[:4], "little"), int.from_bytes(d[4:], "little")
 
 
@@ -64,7 +65,9 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         return out
     device = logits.device
     sel = torch.tensor(random_rows, device=device)
-    x = logits[sel] / torch.tensor([rows.temperatures[i] for i in random_rows], device=device).unsqueeze(1)
+    x = logits[sel] / torch.tensor(
+        [rows.temperatures[i] for i in random_rows], device=device
+    ).unsqueeze(1)
     keys = torch.tensor([rows.keys[i] for i in random_rows], dtype=torch.int64, device=device)
     noise = gumbel_noise(keys, x.shape[1])
     top_ks = [rows.top_ks[i] for i in random_rows]

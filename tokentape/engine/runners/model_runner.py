@@ -87,9 +87,11 @@ class TorchModelRunner:
                 weights.append(self.model.model.embed_tokens.weight)
             rows = calibrate_batch_invariant_rows([w.detach() for w in weights])
             if rows is None:
-                raise RuntimeError("batch_invariant: this machine's matmuls give different results for "
-                                   "the same row in different batch sizes, whatever the padding; "
-                                   "pass batch_invariant=False")
+                raise RuntimeError(
+                    "batch_invariant: this machine's matmuls give different results for "
+                    "the same row in different batch sizes, whatever the padding; "
+                    "pass batch_invariant=False"
+                )
             self.pad_rows_to = rows
         self.model.set_batch_invariant(self.pad_rows_to)
         self.config = model.config
@@ -101,7 +103,10 @@ class TorchModelRunner:
         self.lookup = prompt_lookup
         shape = (num_kv_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(self.config.num_hidden_layers)
         ]
         self.model.rope.extend(num_kv_blocks * block_size)
@@ -115,7 +120,9 @@ class TorchModelRunner:
         if overlap:
             self._inbox: queue.Queue[ScheduledBatch | None] = queue.Queue()
             self._outbox: queue.Queue[tuple[int, list[FrameEntry] | _Failure]] = queue.Queue()
-            self._worker = threading.Thread(target=self._work, name="tokentape-model-runner", daemon=True)
+            self._worker = threading.Thread(
+                target=self._work, name="tokentape-model-runner", daemon=True
+            )
             self._worker.start()
 
     # -- the runner protocol -------------------------------------------------------------------
@@ -129,8 +136,10 @@ class TorchModelRunner:
 
     def collect(self, step: int) -> list[FrameEntry]:
         if not self._submitted or self._submitted[0] != step:
-            raise RuntimeError(f"collect({step}): the oldest step submitted is "
-                               f"{self._submitted[0] if self._submitted else None}")
+            raise RuntimeError(
+                f"collect({step}): the oldest step submitted is "
+                f"{self._submitted[0] if self._submitted else None}"
+            )
         self._submitted.pop(0)
         if self._worker is not None:
             got, result = self._outbox.get()
@@ -175,14 +184,16 @@ class TorchModelRunner:
                 with torch.cuda.stream(self._stream):
                     return self._run(batch)
             return self._run(batch)
-        except BaseException as exc:  # handed to the engine, which records it and re-raises
+        except BaseException as exc:  # noqa: BLE001 (the engine records and re-raises it)
             return _Failure(exc)
 
     def _request_seed(self, prompt: list[int], params: SamplingParams) -> int:
         """The request's seed, or one derived from the engine seed and the prompt."""
         if params.seed is not None:
             return params.seed
-        data = self.seed.to_bytes(8, "little", signed=True) + b"".join(t.to_bytes(4, "little") for t in prompt)
+        data = self.seed.to_bytes(8, "little", signed=True) + b"".join(
+            t.to_bytes(4, "little") for t in prompt
+        )
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
     def _plan(self, batch: ScheduledBatch) -> _Plan:
@@ -196,19 +207,23 @@ class TorchModelRunner:
             new = batch.new_requests.get(req_id)
             if new is not None:  # (re)entering: rebuild the copy; its blocks are all in the entry
                 seq = self._seqs[req_id] = _Seq(
-                    new.params, self._request_seed(new.prompt_token_ids, new.params), list(known or ()),
-                    list(e.new_block_ids), e.num_computed_before)
+                    new.params,
+                    self._request_seed(new.prompt_token_ids, new.params),
+                    list(known or ()),
+                    list(e.new_block_ids),
+                    e.num_computed_before,
+                )
             else:
                 seq = self._seqs[req_id]
                 seq.block_ids += e.new_block_ids
                 if known:
-                    seq.tokens[e.num_computed_before:] = known
+                    seq.tokens[e.num_computed_before :] = known
                     seq.num_computed = e.num_computed_before
             drafts: list[int] = []
             if known:
-                inputs = known[e.num_computed_before:] if new is not None else known
+                inputs = known[e.num_computed_before :] if new is not None else known
             else:  # a decode: its input is our own last sample, plus n-gram drafts
-                inputs = seq.tokens[seq.num_computed:]
+                inputs = seq.tokens[seq.num_computed :]
                 if e.num_spec_tokens:
                     drafts = propose_ngram_drafts(seq.tokens, e.num_spec_tokens, *self.lookup)
                     inputs = inputs + drafts
@@ -221,7 +236,7 @@ class TorchModelRunner:
             plan.cu_seqlens.append(len(plan.input_ids))
             plan.seq_lens.append(end)
             plan.tables.append(blocks)
-            # K/V are now in the cache up to the inputs before the drafts; accepted drafts add to it.
+            # K/V are now cached up to the inputs before the drafts; accepted drafts add to it.
             seq.num_computed = end - len(drafts)
             if req_id in batch.partial_prefills:
                 continue
@@ -238,7 +253,9 @@ class TorchModelRunner:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in plan.tables], dtype=torch.int32)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(plan.slots, dtype=torch.int64).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(plan.cu_seqlens, dtype=torch.int32).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(plan.cu_seqlens, dtype=torch.int32).to(
+                dev, non_blocking=True
+            ),
             seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
             block_tables=tables.to(dev, non_blocking=True),
         )
@@ -255,7 +272,9 @@ class TorchModelRunner:
                 rows.temperatures.append(p.temperature)
                 rows.top_ks.append(p.top_k)
                 rows.top_ps.append(p.top_p)
-                rows.keys.append(position_key(seq.seed, len(seq.tokens) + j) if p.temperature > 0 else (0, 0))
+                rows.keys.append(
+                    position_key(seq.seed, len(seq.tokens) + j) if p.temperature > 0 else (0, 0)
+                )
         sampled_t = sample(logits, rows)
         want_logprobs = any(seq.params.logprobs is not None for _, seq, _, _ in plan.samplers)
         logprobs = token_logprobs(logits, sampled_t).tolist() if want_logprobs else None
@@ -270,7 +289,11 @@ class TorchModelRunner:
             out.append(sampled[row + len(out)])
             seq.num_computed += len(out) - 1  # the accepted drafts' K/V are valid
             seq.tokens += out
-            lp = logprobs[row:row + len(out)] if logprobs is not None and seq.params.logprobs is not None else None
+            lp = (
+                logprobs[row : row + len(out)]
+                if logprobs is not None and seq.params.logprobs is not None
+                else None
+            )
             frame.append(FrameEntry(req_id, out, drafts, lp))
         return frame
 
@@ -293,8 +316,10 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         tokenizer = load_tokenizer(config.model)
         model_id = os.path.abspath(config.model)
     else:
-        raise ValueError(f"unknown model {config.model!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
-                         "'oracle-random' or a local Hugging Face checkpoint folder")
+        raise ValueError(
+            f"unknown model {config.model!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
+            "'oracle-random' or a local Hugging Face checkpoint folder"
+        )
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -308,9 +333,15 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
     runner = TorchModelRunner(
-        model, model_id, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
-        seed=config.seed, device=device, dtype=_DTYPES[dtype_name],
-        overlap=config.effective_pipeline_depth > 1, batch_invariant=config.batch_invariant,
+        model,
+        model_id,
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        seed=config.seed,
+        device=device,
+        dtype=_DTYPES[dtype_name],
+        overlap=config.effective_pipeline_depth > 1,
+        batch_invariant=config.batch_invariant,
         prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
     )
     runner.tokenizer = tokenizer
