@@ -157,7 +157,7 @@ def decode_step_time(args: argparse.Namespace, batch: int) -> float:
         device=args.device,
         dtype=args.dtype,
         pipeline_depth=2,
-        num_kv_blocks=max(64, batch * 12),
+        num_kv_blocks=max(64, batch * 14),
         block_size=16,
         max_num_seqs=max(batch, 1),
         seed=args.seed,
