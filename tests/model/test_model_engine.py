@@ -3,6 +3,8 @@ tokens and logprobs of a plain dense forward pass, and the same tokens whatever 
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 import torch
@@ -166,3 +168,34 @@ def test_prefix_cache_hits_read_the_same_kv() -> None:
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
     for a, b in zip(cached, plain):
         assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["epoch", "counter", "flag"])
+@pytest.mark.parametrize("depth,spec", [(1, 0), (3, 2)])
+def test_stress_preempt_abort_pause_reset_and_verify(policy: str, depth: int, spec: int) -> None:
+    """The model under KV pressure, speculative decoding, an abort, a pause with a cache reset
+    and a reset of running requests: it finishes every request and its tape verifies."""
+    rng = random.Random(f"{policy}-{depth}-{spec}")
+    llm = tiny_llm(num_kv_blocks=12, pipeline_depth=depth, num_speculative_tokens=spec,
+                   discard_policy=policy, max_num_batched_tokens=20, max_model_len=48)
+    engine = llm.engine
+    for i in range(8):
+        prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 30))]
+        engine.add_request(str(i), prompt, SamplingParams(
+            max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]), seed=i,
+            stop_token_ids=(rng.randrange(3, 259),)))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 5:
+            engine.abort_request("3")
+        if steps == 9:
+            engine.pause_generation("keep", clear_cache=True)
+            engine.step()
+            engine.resume_generation()
+        if steps == 14:
+            engine.reset_prefix_cache(reset_running_requests=True)
+    assert all(r.is_finished for r in engine.state.requests.values())
+    result = verify(engine.tape)
+    assert result.ok, result.first_divergence and result.first_divergence.format()

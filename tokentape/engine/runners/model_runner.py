@@ -13,6 +13,7 @@ import hashlib
 import os
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +125,8 @@ class TorchModelRunner:
                 target=self._work, name="tokentape-model-runner", daemon=True
             )
             self._worker.start()
+            # Stop the worker at interpreter exit too, before torch is torn down under it.
+            self._stop = weakref.finalize(self, _stop_worker, self._inbox, self._worker)
 
     # -- the runner protocol -------------------------------------------------------------------
 
@@ -152,8 +155,7 @@ class TorchModelRunner:
 
     def close(self) -> None:
         if self._worker is not None:
-            self._inbox.put(None)
-            self._worker.join()
+            self._stop()
             self._worker = None
         self._seqs.clear()
         self._results.clear()
@@ -227,6 +229,10 @@ class TorchModelRunner:
                 if e.num_spec_tokens:
                     drafts = propose_ngram_drafts(seq.tokens, e.num_spec_tokens, *self.lookup)
                     inputs = inputs + drafts
+            if not inputs:
+                raise RuntimeError(
+                    f"step {batch.step}: request {req_id!r} was scheduled with no token to compute"
+                )
             start = seq.num_computed
             end = start + len(inputs)
             plan.input_ids += inputs
@@ -296,6 +302,11 @@ class TorchModelRunner:
             )
             frame.append(FrameEntry(req_id, out, drafts, lp))
         return frame
+
+
+def _stop_worker(inbox: queue.Queue[ScheduledBatch | None], worker: threading.Thread) -> None:
+    inbox.put(None)
+    worker.join()
 
 
 SMALL_MODEL_PARAMS = 50_000_000
