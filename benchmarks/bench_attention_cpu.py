@@ -3,9 +3,10 @@
 The reference computes one sequence at a time (batch invariance) and gathers each sequence's
 blocks from the paged cache. The baseline is torch's `scaled_dot_product_attention` on the
 same K/V already laid out contiguously per sequence, the whole batch in one call: no paging,
-no per-sequence loop, i.e. a lower bound for the work. Both in float32 at Qwen3-0.6B's
-attention shapes (16 query heads, 8 kv heads, head_dim 128, block_size 16), one layer.
-The ratio (reference / baseline) is the price of paging plus batch invariance on the CPU.
+no per-sequence loop, i.e. a lower bound for the work. Both in float32, one layer, block_size
+16, at Qwen3-0.6B's attention shapes (16 query heads, 8 kv heads, head_dim 128) and at the
+built-in tiny model's (4, 2, 64). The ratio (reference / baseline) is the price of paging
+plus batch invariance on the CPU.
 
     python benchmarks/bench_attention_cpu.py [--repeats 5] [--json out.json]
 """
@@ -13,6 +14,7 @@ The ratio (reference / baseline) is the price of paging plus batch invariance on
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import _common as c
 import torch
@@ -20,35 +22,42 @@ import torch.nn.functional as F
 
 from tokentape.kernels.reference import paged_attention_ref
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
-# name -> (batch, context length including the new tokens, new tokens per sequence)
+BLOCK_SIZE = 16
+QWEN3_06B = (16, 8, 128)  # query heads, kv heads, head_dim
+TINY = (4, 2, 64)
+# name -> (shapes, batch, context length including the new tokens, new tokens per sequence)
 WORKLOADS = {
-    "decode, 1 x 512": (1, 512, 1),
-    "decode, 32 x 512": (32, 512, 1),
-    "decode, 8 x 2048": (8, 2048, 1),
-    "prefill, 1 x 512": (1, 512, 512),
-    "chunk, 4 x 256 after 768 cached": (4, 1024, 256),
+    "qwen3-0.6b decode, 1 x 512": (QWEN3_06B, 1, 512, 1),
+    "qwen3-0.6b decode, 32 x 512": (QWEN3_06B, 32, 512, 1),
+    "qwen3-0.6b decode, 8 x 2048": (QWEN3_06B, 8, 2048, 1),
+    "qwen3-0.6b prefill, 1 x 512": (QWEN3_06B, 1, 512, 512),
+    "qwen3-0.6b chunk, 4 x 256 after 768 cached": (QWEN3_06B, 4, 1024, 256),
+    "tiny decode, 32 x 256": (TINY, 32, 256, 1),
+    "tiny prefill, 8 x 128": (TINY, 8, 128, 128),
 }
 
 
-def make_workload(batch: int, seq_len: int, q_len: int, gen: torch.Generator):
+def make_workload(
+    shapes: tuple[int, int, int], batch: int, seq_len: int, q_len: int, gen: torch.Generator
+) -> tuple[Callable[[], float], Callable[[], float]]:
+    num_heads, num_kv_heads, head_dim = shapes
     blocks_per_seq = seq_len // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 16
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     order = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
     tables = order.view(batch, blocks_per_seq).to(torch.int32)
-    query = torch.randn(batch * q_len, NUM_HEADS, HEAD_DIM, generator=gen)
-    kwargs = dict(
-        cu_seqlens_q=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32),
-        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32),
-        block_tables=tables,
-        scale=HEAD_DIM**-0.5,
-    )
+    query = torch.randn(batch * q_len, num_heads, head_dim, generator=gen)
+    kwargs = {
+        "cu_seqlens_q": torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32),
+        "seq_lens": torch.full((batch,), seq_len, dtype=torch.int32),
+        "block_tables": tables,
+        "scale": head_dim**-0.5,
+    }
     # The baseline's inputs: [B, H(kv), L, D], contiguous, gathered outside the timing.
     dense_k = k_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
     dense_v = v_cache[tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
-    dense_q = query.view(batch, q_len, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    dense_q = query.view(batch, q_len, num_heads, head_dim).transpose(1, 2).contiguous()
     mask = None
     if q_len > 1:
         mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril_(seq_len - q_len)
@@ -72,8 +81,8 @@ def main() -> None:
     args = c.parse_args(__doc__.splitlines()[0], default_repeats=5)
     gen = torch.Generator().manual_seed(0)
     rows, results = [], {}
-    for name, (batch, seq_len, q_len) in WORKLOADS.items():
-        reference, dense = make_workload(batch, seq_len, q_len, gen)
+    for name, (shapes, batch, seq_len, q_len) in WORKLOADS.items():
+        reference, dense = make_workload(shapes, batch, seq_len, q_len, gen)
         with c.gc_collected():
             best = c.best_of({"reference": reference, "dense": dense}, args.repeats)
         ratio = best["reference"] / best["dense"]

@@ -18,7 +18,7 @@ kernel ahead of time for ``--arch`` (default sm_90) with the engine's launch par
 reports registers and spills; ``--cpu-interpret`` runs parts 1 and 2 on the CPU under the
 Triton interpreter with tiny shapes, to smoke-test this script.
 
-    python benchmarks/gpu_check.py [--skip-engine] [--engine-timeout 300]
+    python benchmarks/gpu_check.py [--skip-engine] [--engine-timeout 300] [--engine-args '...']
     python benchmarks/gpu_check.py --compile-only [--arch 90]
     python benchmarks/gpu_check.py --cpu-interpret
 """
@@ -27,12 +27,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
+
+import torch  # does not import triton: TRITON_INTERPRET can still be set below
 
 HERE = Path(__file__).resolve().parent
 
@@ -90,6 +96,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-engine", action="store_true", help="do not run bench_generate.py")
     p.add_argument("--engine-timeout", type=float, default=300.0,
                    help="seconds allowed for the engine benchmark subprocess (default 300)")
+    p.add_argument("--engine-args", default="",
+                   help="extra arguments for bench_generate.py, e.g. '--num-prompts 64 --skip-hf'")
     p.add_argument("--iters", type=int, default=50,
                    help="timed iterations per variant, median reported (default 50)")
     p.add_argument("--compile-only", action="store_true",
@@ -109,11 +117,7 @@ def main() -> int:
     if args.compile_only:
         return summarize(compile_kernels(args.arch))
     if args.cpu_interpret:
-        # Must be set before triton is first imported.
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    if args.cpu_interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         device, shapes, iters = torch.device("cpu"), TINY, 2
     elif torch.cuda.is_available():
         device, shapes, iters = torch.device("cuda"), QWEN3_06B, args.iters
@@ -130,14 +134,25 @@ def main() -> int:
     print(f"gpu_check: {describe(device)}")
     results: list[Result] = []
     gen = torch.Generator(device=device).manual_seed(0)
-    results += check_kv_write(device, shapes, gen)
+    results += stage("kv write", lambda: check_kv_write(device, shapes, gen))
     for dtype, tol in ((torch.bfloat16, BF16_TOLERANCE), (torch.float32, FP32_TOLERANCE)):
-        results += check_attention(device, shapes, dtype, tol, gen)
-    results += check_batch_invariance(device, shapes, gen)
-    results += time_kernels(device, shapes, iters, gen)
+        results += stage(f"attention {dtype_name(dtype)}",
+                         partial(check_attention, device, shapes, dtype, tol, gen))
+    results += stage("batch invariance", lambda: check_batch_invariance(device, shapes, gen))
+    results += stage("timing", lambda: time_kernels(device, shapes, iters, gen))
     if not (args.skip_engine or args.cpu_interpret):
-        results.append(run_engine_benchmark(args.engine_timeout))
+        results.append(run_engine_benchmark(args.engine_timeout, shlex.split(args.engine_args)))
     return summarize(results)
+
+
+def stage(name: str, run: Callable[[], list[Result]]) -> list[Result]:
+    """Run one part; an exception is a FAIL in the summary and the later parts still run."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 (the error is the finding: report it, go on)
+        traceback.print_exc()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return [Result(name, False, f"raised {type(exc).__name__}: {first[:160]}")]
 
 
 def summarize(results: list[Result]) -> int:
@@ -152,7 +167,6 @@ def summarize(results: list[Result]) -> int:
 
 def compile_kernels(arch: int) -> list[Result]:
     """Compile each kernel for sm_<arch> as the launchers would, at Qwen3-0.6B's shapes."""
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -169,7 +183,11 @@ def compile_kernels(arch: int) -> list[Result]:
             ("kv write", triton_kv_write._write_kv_cache_kernel,
              triton_kv_write.kv_write_kernel_meta(s.num_kv_heads, s.head_dim)),
             ("decode split", triton_decode._decode_split_kernel,
-             triton_decode.split_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype)),
+             triton_decode.split_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype,
+                                             num_splits=4)),
+            ("decode single split", triton_decode._decode_split_kernel,
+             triton_decode.split_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype,
+                                             num_splits=1)),
             ("decode merge", triton_decode._decode_merge_kernel,
              triton_decode.merge_kernel_meta(s.head_dim, num_splits=4)),
             ("prefill", triton_prefill._prefill_kernel,
@@ -195,7 +213,7 @@ def compile_kernels(arch: int) -> list[Result]:
                 compiled = triton.compile(
                     ASTSource(kernel, signature, constexprs=meta, attrs=attrs),
                     target=GPUTarget("cuda", arch, 32), options=options)
-            except Exception as exc:  # a compile error is the finding: report it
+            except Exception as exc:  # noqa: BLE001 (a compile error is the finding: report it)
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 results.append(Result(label, False, f"{type(exc).__name__}: {first[:160]}"))
                 continue
@@ -220,7 +238,7 @@ def resource_usage(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
-                             text=True).stdout
+                             text=True, check=False).stdout
     fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line
                   for item in line.split() if ":" in item)
     if "REG" not in fields:
@@ -228,8 +246,7 @@ def resource_usage(cubin: bytes) -> str:
     return f"{fields['REG']} registers, {fields.get('STACK', '?')} B stack (spills if > 0)"
 
 
-def describe(device) -> str:
-    import torch
+def describe(device: torch.device) -> str:
     import triton
 
     if device.type == "cuda":
@@ -240,10 +257,15 @@ def describe(device) -> str:
     return f"{where}; torch {torch.__version__}, triton {triton.__version__}"
 
 
-def paged_batch(device, shapes: Shapes, seqs, dtype, gen, spare_blocks: int = 8):
+def paged_batch(
+    device: torch.device,
+    shapes: Shapes,
+    seqs: list[tuple[int, int]],
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    spare_blocks: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Random cache and query for ``seqs`` [(seq_len, q_len)], blocks handed out shuffled."""
-    import torch
-
     bs = shapes.block_size
     blocks_per_seq = [-(-seq_len // bs) for seq_len, _ in seqs]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -263,18 +285,16 @@ def paged_batch(device, shapes: Shapes, seqs, dtype, gen, spare_blocks: int = 8)
     query = torch.randn(sum(q_lens), shapes.num_heads, shapes.head_dim, generator=gen,
                         device=device).to(dtype)
     seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device)
-    kwargs = dict(cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
-                  scale=shapes.head_dim**-0.5)
+    kwargs = {"cu_seqlens_q": cu, "seq_lens": seq_lens, "block_tables": tables,
+              "scale": shapes.head_dim**-0.5}
     return query, k_cache, v_cache, kwargs
 
 
-def max_error(a, b) -> float:
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def check_kv_write(device, shapes: Shapes, gen) -> list[Result]:
-    import torch
-
+def check_kv_write(device: torch.device, shapes: Shapes, gen: torch.Generator) -> list[Result]:
     from tokentape.kernels.reference import write_kv_cache_ref
     from tokentape.kernels.triton_kv_write import write_kv_cache_triton
 
@@ -299,7 +319,11 @@ def check_kv_write(device, shapes: Shapes, gen) -> list[Result]:
 
 
 def check_attention(
-    device, shapes: Shapes, dtype, tol: tuple[float, float], gen
+    device: torch.device,
+    shapes: Shapes,
+    dtype: torch.dtype,
+    tol: tuple[float, float],
+    gen: torch.Generator,
 ) -> list[Result]:
     from tokentape.kernels.reference import paged_attention_ref
     from tokentape.kernels.triton_decode import paged_decode_triton
@@ -328,10 +352,10 @@ def check_attention(
     return results
 
 
-def check_batch_invariance(device, shapes: Shapes, gen) -> list[Result]:
+def check_batch_invariance(
+    device: torch.device, shapes: Shapes, gen: torch.Generator
+) -> list[Result]:
     """Informational: a sequence alone vs in a batch, bit for bit, through each kernel."""
-    import torch
-
     from tokentape.kernels.triton_decode import paged_decode_triton
     from tokentape.kernels.triton_prefill import paged_prefill_triton
 
@@ -358,8 +382,9 @@ def check_batch_invariance(device, shapes: Shapes, gen) -> list[Result]:
     return results
 
 
-def time_kernels(device, shapes: Shapes, iters: int, gen) -> list[Result]:
-    import torch
+def time_kernels(
+    device: torch.device, shapes: Shapes, iters: int, gen: torch.Generator
+) -> list[Result]:
     import torch.nn.functional as F
 
     from tokentape.kernels.reference import paged_attention_ref
@@ -374,12 +399,20 @@ def time_kernels(device, shapes: Shapes, iters: int, gen) -> list[Result]:
     dense_k = k_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     dense_v = v_cache[tables].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     dense_q = query.unsqueeze(2)  # [B, H, 1, D]
+    gqa: dict[str, Any] = {"enable_gqa": True}
+    try:
+        F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=kwargs["scale"], **gqa)
+    except TypeError:  # torch < 2.5: no enable_gqa; repeat the kv heads instead
+        group = shapes.num_heads // shapes.num_kv_heads
+        dense_k = dense_k.repeat_interleave(group, dim=1)
+        dense_v = dense_v.repeat_interleave(group, dim=1)
+        gqa = {}
     scale = kwargs["scale"]
     variants: dict[str, Callable[[], object]] = {
         "decode kernel": lambda: paged_decode_triton(query, k_cache, v_cache, **kwargs),
         "reference": lambda: paged_attention_ref(query, k_cache, v_cache, **kwargs),
         "dense SDPA (no paging)": lambda: F.scaled_dot_product_attention(
-            dense_q, dense_k, dense_v, scale=scale, enable_gqa=True),
+            dense_q, dense_k, dense_v, scale=scale, **gqa),
     }
     timings = {name: median_ms(fn, device, iters) for name, fn in variants.items()}
     base = timings["decode kernel"]
@@ -398,9 +431,7 @@ def time_kernels(device, shapes: Shapes, iters: int, gen) -> list[Result]:
     return results
 
 
-def median_ms(fn: Callable[[], object], device, iters: int) -> float:
-    import torch
-
+def median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -418,18 +449,18 @@ def median_ms(fn: Callable[[], object], device, iters: int) -> float:
     return samples[len(samples) // 2]
 
 
-def run_engine_benchmark(timeout: float) -> Result:
+def run_engine_benchmark(timeout: float, extra_args: list[str]) -> Result:
     script = HERE / "bench_generate.py"
     name = "engine benchmark (bench_generate.py)"
     if not script.exists():
         return Result(name, None, "not run: benchmarks/bench_generate.py does not exist")
     cmd = [sys.executable, str(script), "--device", "cuda", "--dtype", "bfloat16",
-           "--config", "qwen3-0.6b"]
+           "--config", "qwen3-0.6b", *extra_args]
     print(f"\n== {' '.join(cmd[1:])} ==", flush=True)
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, timeout=timeout, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, check=False)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or ""
         print(out if isinstance(out, str) else out.decode(errors="replace"))
@@ -441,7 +472,7 @@ def run_engine_benchmark(timeout: float) -> Result:
                   f"exit {proc.returncode} in {elapsed:.0f} s; last line: {last[:120]}")
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kernel_cases  # noqa: F401  (turns the interpreter on before triton is imported)
 import pytest
 import torch
 
@@ -18,7 +19,8 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default; silences triton 3.9's warning
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120,
+        check=False,
     )
 
 
@@ -43,4 +45,24 @@ def test_every_kernel_compiles_for_sm90() -> None:
     proc = run_script("--compile-only", "--arch", "90")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = proc.stdout.split("== summary ==")[1]
-    assert summary.count("PASS  compile") == 8 and "0 failed" in summary, summary
+    assert summary.count("PASS  compile") == 10 and "0 failed" in summary, summary
+
+
+def test_a_part_that_raises_is_a_failure_and_the_rest_still_runs() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(gpu_check)
+    finally:
+        del sys.modules["gpu_check"]
+
+    def broken() -> list[object]:
+        raise IndexError("a kernel failed")
+
+    [result] = gpu_check.stage("broken part", broken)
+    assert result.ok is False and "IndexError" in result.detail
+    assert gpu_check.summarize([result, gpu_check.Result("fine", True, "")]) == 1

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from cases import PAD_BLOCK, make_case, naive_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import PAD_BLOCK, make_case, naive_attention
 
-from tokentape.kernels import paged_attention, resolve_backend, write_kv_cache
+from tokentape.kernels import (
+    paged_attention,
+    resolve_backend,
+    triton_available,
+    write_kv_cache,
+)
 from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 # (seq_len, q_len): a decode with a 3-block prefix, a whole prompt, a chunk after a cached
@@ -28,7 +35,7 @@ def test_reference_matches_naive_attention(num_heads: int, num_kv_heads: int) ->
 
 def test_reference_chunks_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunking the new tokens (to bound memory) gives the same attention."""
-    import tokentape.kernels.reference as reference
+    from tokentape.kernels import reference
 
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
     whole = paged_attention_ref(
@@ -108,7 +115,12 @@ def test_write_kv_cache_ref_skips_negative_slots() -> None:
 def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TOKENTAPE_KERNELS", raising=False)
     assert resolve_backend(torch.device("cpu")) == "torch"
-    assert resolve_backend(torch.device("cpu"), "triton") == "triton"
+    if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
+        assert resolve_backend(torch.device("cpu"), "triton") == "triton"  # interpreter is on
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            resolve_backend(torch.device("cpu"), "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TOKENTAPE_KERNELS", "torch")
     assert resolve_backend(torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="unknown kernel backend"):
@@ -129,6 +141,15 @@ def test_reference_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="num_seqs \\+ 1"):
         paged_attention_ref(
             case.query, case.k_cache, case.v_cache, **{**kwargs, "cu_seqlens_q": case.seq_lens}
+        )
+    with pytest.raises(ValueError, match="seq_lens must be an integer tensor"):
+        paged_attention_ref(
+            case.query, case.k_cache, case.v_cache,
+            **{**kwargs, "seq_lens": case.seq_lens.float()},
+        )
+    with pytest.raises(ValueError, match="slot_mapping must be an integer tensor"):
+        write_kv_cache_ref(
+            case.dense_k[0], case.dense_v[0], case.k_cache, case.v_cache, torch.zeros(5)
         )
     short_table = case.block_tables[:, :1]
     with pytest.raises(ValueError, match="needs 2 blocks"):

@@ -1,4 +1,4 @@
-"""The Triton kernels under the interpreter (TRITON_INTERPRET=1, see conftest) on the CPU,
+"""The Triton kernels under the interpreter (TRITON_INTERPRET=1, see kernel_cases) on the CPU,
 against the torch references, with tiny shapes."""
 
 from __future__ import annotations
@@ -7,18 +7,21 @@ import os
 
 import pytest
 import torch
-from cases import make_case, naive_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import PAD_BLOCK, PagedCase, make_case, naive_attention
 
 pytest.importorskip("triton")
-assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel tests need the interpreter"
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "interpreter off (CUDA present): gpu_check.py tests the kernels", allow_module_level=True
+    )
 
-from tokentape.kernels import paged_attention  # noqa: E402
-from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref  # noqa: E402
-from tokentape.kernels.triton_decode import paged_decode_triton  # noqa: E402
-from tokentape.kernels.triton_kv_write import write_kv_cache_triton  # noqa: E402
-from tokentape.kernels.triton_prefill import paged_prefill_triton  # noqa: E402
+from tokentape.kernels import paged_attention
+from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from tokentape.kernels.triton_decode import MIN_SPLIT_TOKENS, paged_decode_triton
+from tokentape.kernels.triton_kv_write import write_kv_cache_triton
+from tokentape.kernels.triton_prefill import paged_prefill_triton
 
 # (seq_len, q_len). Decodes: a 3-block prefix, a one-token context, a context long enough to
 # span several decode splits, a last block holding one token.
@@ -29,7 +32,7 @@ MIXED = [(6, 6), (13, 5), (11, 1), (9, 3), (150, 70)]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def reference_of(case, dtype: torch.dtype) -> torch.Tensor:
+def reference_of(case: PagedCase) -> torch.Tensor:
     """The reference on the same (possibly low-precision) inputs, in float32."""
     return paged_attention_ref(
         case.query.float(), case.k_cache.float(), case.v_cache.float(), **case.attention_kwargs()
@@ -71,7 +74,7 @@ def test_decode_kernel_matches_reference(
     out = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     assert out.dtype == dtype
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), reference_of(case, dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), reference_of(case), rtol=tol, atol=tol)
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
 
@@ -94,7 +97,7 @@ def test_prefill_kernel_matches_reference(
     out = paged_prefill_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     assert out.dtype == dtype
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), reference_of(case, dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), reference_of(case), rtol=tol, atol=tol)
 
 
 def test_triton_kernels_are_batch_invariant() -> None:
@@ -107,6 +110,20 @@ def test_triton_kernels_are_batch_invariant() -> None:
             alone = case.select(index)
             out = kernel(alone.query, alone.k_cache, alone.v_cache, **alone.attention_kwargs())
             assert torch.equal(out, batched[cu[index] : cu[index + 1]]), (kernel, index)
+
+
+def test_decode_single_split_equals_merged_splits() -> None:
+    """A short block table runs one split that writes the output itself; the same sequences
+    with the table padded to several splits go through the merge: the same bits."""
+    case = make_case(DECODES[:2] + DECODES[3:], num_heads=4, num_kv_heads=2, head_dim=16,
+                     block_size=8)
+    assert case.block_tables.shape[1] * 8 <= MIN_SPLIT_TOKENS  # a single split
+    single = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+    wide = torch.full((case.block_tables.shape[0], 100), PAD_BLOCK, dtype=torch.int32)
+    wide[:, : case.block_tables.shape[1]] = case.block_tables
+    kwargs = {**case.attention_kwargs(), "block_tables": wide}  # 800 tokens: 4 splits
+    merged = paged_decode_triton(case.query, case.k_cache, case.v_cache, **kwargs)
+    assert torch.equal(single, merged)
 
 
 def test_dispatch_to_triton_picks_decode_or_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,11 +169,19 @@ def test_kernels_property(
     seed: int,
 ) -> None:
     """Random ragged batches: the prefill kernel, and the decode kernel on the same contexts."""
-    shape = dict(num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 block_size=block_size, seed=seed)
-    case = make_case(seqs, **shape)
+    def case_of(seqs: list[tuple[int, int]]) -> PagedCase:
+        return make_case(
+            seqs,
+            num_heads=group * num_kv_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            seed=seed,
+        )
+
+    case = case_of(seqs)
     out = paged_prefill_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
-    case = make_case([(seq_len, 1) for seq_len, _ in seqs], **shape)
+    case = case_of([(seq_len, 1) for seq_len, _ in seqs])
     out = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)

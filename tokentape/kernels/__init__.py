@@ -54,6 +54,11 @@ def resolve_backend(device: torch.device, backend: Backend | None = None) -> str
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if choice == "triton" and not triton_available():
         raise ValueError("kernel backend 'triton' requested but triton is not installed")
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"kernel backend 'triton' needs CUDA tensors (got {device.type}) or the interpreter "
+            "(TRITON_INTERPRET=1 before triton is imported)"
+        )
     return choice
 
 
@@ -93,7 +98,7 @@ def paged_attention(
     :func:`write_kv_cache`; block_tables [B, max_blocks_per_seq] int32. Every sequence has at
     least one new token. Returns [total_q, num_heads, head_dim] in query's dtype (fp32 math).
     """
-    kwargs = dict(cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables)
+    kwargs = {"cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens, "block_tables": block_tables}
     if resolve_backend(query.device, backend) == "triton":
         if query.shape[0] == seq_lens.shape[0]:
             # One new token per sequence (each has at least one): the split-KV decode kernel.

@@ -61,7 +61,7 @@ def paged_attention_ref(
     its own. Returns [total_q, num_heads, head_dim] in ``query``'s dtype.
     """
     check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
-    total_q, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     starts = cu_seqlens_q.tolist()
@@ -84,35 +84,54 @@ def paged_attention_ref(
                 f"has {tables.shape[1]} columns"
             )
         blocks = tables[b, :num_blocks]
-        # [ctx, Hkv, D] -> [Hkv, ctx, D]; the gather makes a fresh (aligned) copy.
-        # index_select: several times faster than advanced indexing on CPU.
+        # [ctx, Hkv, D] float32. index_select (several times faster than advanced indexing on
+        # the CPU) makes a fresh copy, laid out the same whatever else is in the batch.
         k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        k = k.to(torch.float32).transpose(0, 1)
-        v = v.to(torch.float32).transpose(0, 1)
-        # [q_len, H, D] -> [Hkv, G, q_len, D]: a query head h reads kv head h // G.
-        # copy=True gives the same fresh allocation whatever the slice's offset in the batch.
-        q = query[q_start:q_end].to(torch.float32, copy=True)
-        q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        # Long prompts go in chunks of new tokens, bounding the score matrix; the chunking
-        # depends only on this sequence, so batch invariance holds.
-        chunk = max(1, SCORE_ELEMENTS_PER_CHUNK // (num_heads * seq_len))
-        for j0 in range(0, q_len, chunk):
-            j1 = min(q_len, j0 + chunk)
-            n = j1 - j0
-            key_end = seq_len - q_len + j1  # one past the chunk's last token's position
-            qc = q[:, :, j0:j1].reshape(num_kv_heads, group * n, head_dim)
-            kc, vc = k[:, :key_end], v[:, :key_end]
-            scores = torch.bmm(qc, kc.transpose(1, 2)).mul_(scale)  # [Hkv, G * n, key_end]
-            if n > 1:
-                # Chunk token i sits at position key_end - n + i; later keys are masked.
-                future = torch.ones(n, key_end, dtype=torch.bool, device=scores.device)
-                future.triu_(key_end - n + 1)
-                scores.view(num_kv_heads, group, n, key_end).masked_fill_(future, float("-inf"))
-            o = torch.bmm(torch.softmax(scores, dim=-1), vc)  # [Hkv, G * n, D]
-            o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-            out[q_start + j0 : q_start + j1] = o.reshape(n, num_heads, head_dim)
+        k, v = k.to(torch.float32), v.to(torch.float32)
+        # Scaling makes a fresh copy too, whatever the slice's offset in the batch.
+        q = query[q_start:q_end].to(torch.float32) * scale
+        if q_len == 1:
+            # A decode: [H, D] -> [Hkv, G, D]; query head h reads kv head h // G.
+            scores = torch.bmm(q.view(num_kv_heads, group, head_dim), k.permute(1, 2, 0))
+            o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [Hkv, G, D]
+            out[q_start] = o.view(num_heads, head_dim)
+        else:
+            _attend_chunks(q, k, v, out[q_start:q_end], seq_len)
     return out
+
+
+def _attend_chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, seq_len: int
+) -> None:
+    """Causal attention of q_len > 1 new tokens (q pre-scaled) into ``out`` [q_len, H, D].
+
+    The new tokens are the last q_len positions of the seq_len in k/v [seq_len, Hkv, D]. Long
+    prompts go in chunks of new tokens, bounding the score matrix, each chunk reading keys only
+    up to its own last position; the chunking depends only on this sequence.
+    """
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # [q_len, H, D] -> [Hkv, G, q_len, D]: query head h reads kv head h // G.
+    q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, ctx, D]
+    chunk = max(1, SCORE_ELEMENTS_PER_CHUNK // (num_heads * seq_len))
+    for j0 in range(0, q_len, chunk):
+        j1 = min(q_len, j0 + chunk)
+        n = j1 - j0
+        key_end = seq_len - q_len + j1  # one past the chunk's last token's position
+        qc = q[:, :, j0:j1].reshape(num_kv_heads, group * n, head_dim)
+        kc, vc = k[:, :key_end], v[:, :key_end]
+        scores = torch.bmm(qc, kc.transpose(1, 2))  # [Hkv, G * n, key_end]
+        if n > 1:
+            # Chunk token i sits at position key_end - n + i; later keys are masked.
+            future = torch.ones(n, key_end, dtype=torch.bool, device=scores.device)
+            future.triu_(key_end - n + 1)
+            scores.view(num_kv_heads, group, n, key_end).masked_fill_(future, float("-inf"))
+        o = torch.bmm(torch.softmax(scores, dim=-1), vc)  # [Hkv, G * n, D]
+        o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+        out[j0:j1] = o.reshape(n, num_heads, head_dim)
 
 
 def check_kv_write_shapes(
@@ -128,6 +147,8 @@ def check_kv_write_shapes(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    if slot_mapping.is_floating_point() or slot_mapping.is_complex():
+        raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
     expected = (slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3])
     if slot_mapping.dim() != 1 or key.shape != expected or value.shape != expected:
         raise ValueError(
@@ -160,6 +181,15 @@ def check_attention_shapes(
             f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads "
             f"({k_cache.shape[2]})"
         )
+    for name, t in (
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(

@@ -3,13 +3,16 @@
 Stage 1 runs one program per (sequence, kv head, split of the context): the group of query
 heads sharing that kv head is padded to 16 rows so both products are ``tl.dot``s, and K/V are
 read once per group (GQA). Each program keeps a flash-attention style running max, sum and
-weighted value, written as partials. Stage 2 merges the splits of each (sequence, head).
+weighted value, written as partials. Stage 2 merges the splits of each (sequence, head); when
+the block table is short enough for a single split, stage 1 writes the output itself.
 
 The split length depends only on the block table's width, never on the other sequences, so a
 sequence's result is the same whatever batch it is in.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -28,6 +31,7 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_split_kernel(
+    out_ptr,  # written directly when there is a single split
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -40,6 +44,8 @@ def _decode_split_kernel(
     qk_scale,  # softmax scale * log2(e)
     stride_q_t,
     stride_q_h,
+    stride_o_t,
+    stride_o_h,
     stride_cache_b,
     stride_cache_s,
     stride_cache_h,
@@ -54,6 +60,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     TILE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,15 +105,24 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
 
-    # An empty split (past the end of the context) stores max -inf and sum 0: weight 0 later.
-    partial = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
-    tl.store(partial_max_ptr + partial, m, mask=row_ok)
-    tl.store(partial_sum_ptr + partial, l, mask=row_ok)
-    tl.store(
-        partial_out_ptr + partial[:, None] * head_dim + dims[None, :],
-        acc,
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    if SINGLE_SPLIT:
+        # The whole context in one split: no merge. This gives the same bits as the merge
+        # would (weight exactly 1, the empty splits' exactly 0).
+        tl.store(
+            out_ptr + q_row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
+            (acc / l[:, None]).to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+    else:
+        # An empty split (past the end of the context) stores max -inf and sum 0: weight 0.
+        partial = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(partial_max_ptr + partial, m, mask=row_ok)
+        tl.store(partial_sum_ptr + partial, l, mask=row_ok)
+        tl.store(
+            partial_out_ptr + partial[:, None] * head_dim + dims[None, :],
+            acc,
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
 
 
 @triton.jit
@@ -149,26 +165,29 @@ def _decode_merge_kernel(
     )
 
 
-def split_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+def split_kernel_meta(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_splits: int
+) -> dict[str, Any]:
     """Compile-time parameters of the split kernel (shared with the ahead-of-time check)."""
     group = num_heads // num_kv_heads
-    return dict(
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        TILE=TILE_N,
+    return {
+        "SINGLE_SPLIT": num_splits == 1,
+        "GROUP": group,
+        "BLOCK_G": max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "TILE": TILE_N,
         # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
-        PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS,
-    )
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": NUM_WARPS,
+    }
 
 
-def merge_kernel_meta(head_dim: int, num_splits: int):
+def merge_kernel_meta(head_dim: int, num_splits: int) -> dict[str, Any]:
     """Compile-time parameters of the merge kernel."""
-    return dict(
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
+    return {
+        "BLOCK_S": max(2, triton.next_power_of_2(num_splits)),
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+    }
 
 
 def decode_split_tokens(max_context: int) -> int:
@@ -207,14 +226,18 @@ def paged_decode_triton(
     max_context = block_tables.shape[1] * block_size
     split_tokens = decode_split_tokens(max_context)
     num_splits = triton.cdiv(max_context, split_tokens)
-    partial_out = torch.empty(
-        num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
-    )
-    partial_max = torch.empty(
-        num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device
-    )
-    partial_sum = torch.empty_like(partial_max)
+    if num_splits == 1:  # the kernel writes `out` itself; the partials are never touched
+        partial_out = partial_max = partial_sum = out
+    else:
+        partial_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        partial_max = torch.empty(
+            num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
+        partial_sum = torch.empty_like(partial_max)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out,
         query,
         k_cache,
         v_cache,
@@ -227,6 +250,8 @@ def paged_decode_triton(
         scale * LOG2_E,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -236,8 +261,10 @@ def paged_decode_triton(
         block_size,
         split_tokens,
         num_splits,
-        **split_kernel_meta(num_heads, num_kv_heads, head_dim, query.dtype),
+        **split_kernel_meta(num_heads, num_kv_heads, head_dim, query.dtype, num_splits),
     )
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         out,
         cu_seqlens_q,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -58,12 +60,12 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def kv_write_kernel_meta(num_kv_heads: int, head_dim: int):
+def kv_write_kernel_meta(num_kv_heads: int, head_dim: int) -> dict[str, Any]:
     """Compile-time parameters of the KV write kernel (shared with the ahead-of-time check)."""
-    return dict(
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
+    return {
+        "BLOCK_H": triton.next_power_of_2(num_kv_heads),
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+    }
 
 
 def write_kv_cache_triton(

@@ -12,6 +12,8 @@ token's position.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -29,8 +31,8 @@ NUM_WARPS = 8
 @triton.jit
 def _find_sequence(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence whose query tiles include flattened tile index ``tile``."""
-    low = 0
-    high = num_seqs
+    low: tl.int32 = 0  # typed, so the loop-carried value keeps one type on every triton
+    high: tl.int32 = num_seqs
     while low < high:
         mid = (low + high) // 2
         first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
@@ -41,7 +43,8 @@ def _find_sequence(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return low - 1
 
 
-@triton.jit
+# num_seqs is never specialized (a constexpr 1 would make a loop-carried constant above).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     out_ptr,
     query_ptr,
@@ -130,20 +133,22 @@ def _prefill_kernel(
     )
 
 
-def prefill_kernel_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+def prefill_kernel_meta(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> dict[str, Any]:
     """Compile-time parameters of the prefill kernel (shared with the ahead-of-time check)."""
     group = num_heads // num_kv_heads
     block_m = max(BLOCK_M, triton.next_power_of_2(group))
-    return dict(
-        GROUP=group,
-        BLOCK_Q=block_m // group,
-        BLOCK_M=block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        TILE=TILE_N,
+    return {
+        "GROUP": group,
+        "BLOCK_Q": block_m // group,
+        "BLOCK_M": block_m,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "TILE": TILE_N,
         # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
-        PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS,
-    )
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": NUM_WARPS,
+    }
 
 
 def paged_prefill_triton(

@@ -1,12 +1,25 @@
-"""Paged-attention test cases: a ragged batch in a paged cache plus a dense naive oracle."""
+"""Paged-attention test cases: a ragged batch in a paged cache plus a dense naive oracle.
+
+Importing this module also turns on the Triton interpreter where there is no CUDA:
+TRITON_INTERPRET must be in the environment before triton is first imported, so every kernel
+test module imports this first. The variable holds for the whole test process, so where CUDA
+is present it is left alone (the real model's CUDA runs must not be interpreted) and the
+interpreted tests skip: benchmarks/gpu_check.py covers the kernels on hardware. (Not a
+conftest.py: other test folders import their conftest by name.)
+"""
 
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tokentape.kernels.reference import write_kv_cache_ref
 
@@ -26,13 +39,13 @@ class PagedCase:
     dense_v: list[torch.Tensor]
     scale: float
 
-    def attention_kwargs(self) -> dict[str, object]:
-        return dict(
-            cu_seqlens_q=self.cu_seqlens_q,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
-            scale=self.scale,
-        )
+    def attention_kwargs(self) -> dict[str, Any]:
+        return {
+            "cu_seqlens_q": self.cu_seqlens_q,
+            "seq_lens": self.seq_lens,
+            "block_tables": self.block_tables,
+            "scale": self.scale,
+        }
 
     def select(self, index: int) -> PagedCase:
         """The same sequence alone in a batch of one, sharing the cache."""
