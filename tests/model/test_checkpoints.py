@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import dense_greedy, dense_logits
+from dense_reference import dense_greedy, dense_logits
 from safetensors.torch import save_file
 
 from tokentape import LLM, SamplingParams

@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 import torch
-from conftest import dense_greedy, dense_logits
+from dense_reference import dense_greedy, dense_logits
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.model.loader import builtin_model

@@ -1,9 +1,8 @@
-"""Shared helpers for the model tests: a dense (non-paged) forward pass of the same weights,
-used as an independent check of the engine's paged path."""
+"""For the model tests: a dense (non-paged) forward pass of the same weights, an independent
+check of the engine's paged path. A plain module (not conftest.py), imported by its name."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -49,8 +48,3 @@ def dense_greedy(model: CausalLM, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         tokens.append(int(dense_logits(model, tokens)[-1].argmax()))
     return tokens[len(prompt) :]
-
-
-@pytest.fixture(autouse=True)
-def _fixed_threads() -> None:
-    torch.manual_seed(0)
