@@ -15,7 +15,14 @@ from torch import nn
 
 from tokentape import kernels
 from tokentape.engine.model.config import ModelConfig
-from tokentape.engine.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, linear
+from tokentape.engine.model.layers import (
+    MLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    linear,
+)
 
 
 @dataclass(slots=True)
@@ -48,8 +55,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -59,7 +65,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         k_cache, v_cache = kv_cache
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
@@ -85,12 +91,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, kv_cache, meta)
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -134,8 +139,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         h = self.model.embed_tokens(input_ids)
+        rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, self.rope, kv, meta)
+            h = layer(h, rope, kv, meta)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -103,12 +103,24 @@ class RotaryEmbedding(nn.Module):
         self.cos_cached, self.sin_cached, self.inv_freq = cos.to(dev), sin.to(dev), inv.to(dev)
         return self
 
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] at the positions, in `dtype`: once per forward pass."""
+        cos = self.cos_cached[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cached[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return apply_rotary(q, k, *self.cos_sin(positions, q.dtype))
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
