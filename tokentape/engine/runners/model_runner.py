@@ -117,7 +117,12 @@ class TorchModelRunner:
         self._results: dict[int, list[FrameEntry] | _Failure] = {}
         self._submitted: list[int] = []
         self._worker: threading.Thread | None = None
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+            # The weights and the zeroed caches were written on the default stream; the
+            # steps run on this one, so nothing may still be in flight there.
+            torch.cuda.synchronize(self.device)
         if overlap:
             self._inbox: queue.Queue[ScheduledBatch | None] = queue.Queue()
             self._outbox: queue.Queue[tuple[int, list[FrameEntry] | _Failure]] = queue.Queue()
