@@ -48,9 +48,11 @@ def collect(engine: LLMEngine, tokens: dict[str, list[int]], max_steps: int | No
         steps += 1
 
 
-def run(depth: int, discard_policy: str, tape: str | None = None) -> list[str]:
+def run(depth: int, discard_policy: str, device: str = "cpu", tape: str | None = None) -> list[str]:
     """One RL round; returns the mismatches (empty when the check held)."""
-    llm = LLM(model="tiny", pipeline_depth=depth, discard_policy=discard_policy, tape=tape)
+    llm = LLM(
+        model="tiny", device=device, pipeline_depth=depth, discard_policy=discard_policy, tape=tape
+    )
     engine = llm.engine
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     tokens: dict[str, list[int]] = {}
@@ -68,7 +70,7 @@ def run(depth: int, discard_policy: str, tape: str | None = None) -> list[str]:
     llm.close()
 
     # A fresh engine with the new weights continues each request from the same prefix.
-    fresh = LLM(model="tiny", pipeline_depth=1, tape=None)
+    fresh = LLM(model="tiny", device=device, pipeline_depth=1, tape=None)
     fresh.engine.pause_generation(mode="keep", clear_cache=False)
     fresh.engine.update_weights(weights)
     fresh.engine.resume_generation()
@@ -112,10 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         choices=[1, 2, 3, 4],
         help="pipeline depth to check (repeatable; default 1, 2 and 3)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs (default cpu: float32 and batch-invariant, so the check is "
+        "exact; on cuda in bfloat16 a batched run may differ from the fresh one in the last "
+        "bits, and a near-tie can then flip a token)",
+    )
     args = parser.parse_args(argv)
     held = True
     for depth in args.pipeline_depth or [1, 2, 3]:
-        mismatches = run(depth, args.discard_policy)
+        mismatches = run(depth, args.discard_policy, args.device)
         print(
             f"pipeline_depth={depth} discard_policy={args.discard_policy}: "
             f"{'check held' if not mismatches else 'CHECK FAILED'}"

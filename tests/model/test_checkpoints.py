@@ -75,7 +75,7 @@ def test_checkpoint_generates_like_its_weights(tmp_path: Path, model_type: str, 
     model = write_checkpoint(tmp_path / "ckpt", config)
     loaded_config, _ = load_checkpoint(tmp_path / "ckpt")
     assert loaded_config == config
-    llm = LLM(model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=64)
+    llm = LLM(device="cpu", model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=64)
     assert llm.engine.runner.eos_token_id == 1
     prompt = "w3 w17 w5 w5 w42"
     assert llm.tokenizer.encode(prompt) == [5, 19, 7, 7, 44]
@@ -97,7 +97,7 @@ def test_logits_match_transformers(tmp_path: Path, model_type: str) -> None:
         expected = hf(torch.tensor([tokens])).logits[0]
     assert torch.allclose(dense_logits(model, tokens), expected, atol=1e-4)
     # and the engine's paged path, through its frame logprobs
-    llm = LLM(model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=64)
+    llm = LLM(device="cpu", model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=64)
     out = llm.generate(
         [tokens], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
     )[0]
@@ -135,7 +135,7 @@ def test_bad_checkpoints_name_the_file_and_tensor(tmp_path: Path) -> None:
     ):
         load_checkpoint(ckpt)
     with pytest.raises(CheckpointError, match="missing tensor"):  # through the public API too
-        LLM(model=str(ckpt), tape=None)
+        LLM(device="cpu", model=str(ckpt), tape=None)
 
 
 def test_builtin_config_round_trips_through_hf_json(tmp_path: Path) -> None:
@@ -150,6 +150,7 @@ def test_frames_of_a_checkpoint_run_replay(tmp_path: Path) -> None:
 
     write_checkpoint(tmp_path / "ckpt", small_config("llama"))
     llm = LLM(
+        device="cpu",
         model=str(tmp_path / "ckpt"),
         tape=str(tmp_path / "run.tape"),
         block_size=4,

@@ -19,7 +19,14 @@ PROMPTS = ["Hello", "The quick brown fox jumps", "a", "tokentape " * 6, "0123456
 
 
 def tiny_llm(**kw: object) -> LLM:
-    args: dict[str, object] = {"model": "tiny", "tape": None, "block_size": 4, "num_kv_blocks": 128}
+    # The CPU in float32 (batch-invariant) whatever the machine has: the tests compare bits.
+    args: dict[str, object] = {
+        "model": "tiny",
+        "device": "cpu",
+        "tape": None,
+        "block_size": 4,
+        "num_kv_blocks": 128,
+    }
     args.update(kw)
     return LLM(**args)  # type: ignore[arg-type]
 
@@ -176,14 +183,27 @@ def test_stress_preempt_abort_pause_reset_and_verify(policy: str, depth: int, sp
     """The model under KV pressure, speculative decoding, an abort, a pause with a cache reset
     and a reset of running requests: it finishes every request and its tape verifies."""
     rng = random.Random(f"{policy}-{depth}-{spec}")
-    llm = tiny_llm(num_kv_blocks=12, pipeline_depth=depth, num_speculative_tokens=spec,
-                   discard_policy=policy, max_num_batched_tokens=20, max_model_len=48)
+    llm = tiny_llm(
+        num_kv_blocks=12,
+        pipeline_depth=depth,
+        num_speculative_tokens=spec,
+        discard_policy=policy,
+        max_num_batched_tokens=20,
+        max_model_len=48,
+    )
     engine = llm.engine
     for i in range(8):
         prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 30))]
-        engine.add_request(str(i), prompt, SamplingParams(
-            max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]), seed=i,
-            stop_token_ids=(rng.randrange(3, 259),)))
+        engine.add_request(
+            str(i),
+            prompt,
+            SamplingParams(
+                max_tokens=rng.randint(1, 30),
+                temperature=rng.choice([0.0, 1.0]),
+                seed=i,
+                stop_token_ids=(rng.randrange(3, 259),),
+            ),
+        )
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()

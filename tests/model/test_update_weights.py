@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def test_update_weights_only_while_paused_and_drained() -> None:
-    llm = LLM(model="tiny", tape=None, pipeline_depth=2)
+    llm = LLM(device="cpu", model="tiny", tape=None, pipeline_depth=2)
     new = builtin_model("tiny", seed=1)[1].state_dict()
     with pytest.raises(RuntimeError, match="pause generation first"):
         llm.engine.update_weights(new)
@@ -36,9 +36,19 @@ def test_update_weights_only_while_paused_and_drained() -> None:
 
 
 def test_new_weights_change_the_tokens_and_match_a_fresh_model(tmp_path: Path) -> None:
-    old = LLM(model="tiny", tape=None).generate(["Hello"], GREEDY)[0].outputs[0].token_ids
-    fresh = LLM(model="tiny", tape=None, seed=1).generate(["Hello"], GREEDY)[0].outputs[0].token_ids
-    llm = LLM(model="tiny", tape=str(tmp_path / "rl.tape"))
+    old = (
+        LLM(device="cpu", model="tiny", tape=None)
+        .generate(["Hello"], GREEDY)[0]
+        .outputs[0]
+        .token_ids
+    )
+    fresh = (
+        LLM(device="cpu", model="tiny", tape=None, seed=1)
+        .generate(["Hello"], GREEDY)[0]
+        .outputs[0]
+        .token_ids
+    )
+    llm = LLM(device="cpu", model="tiny", tape=str(tmp_path / "rl.tape"))
     assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids == old
     llm.engine.pause_generation(mode="keep")
     llm.engine.update_weights(builtin_model("tiny", seed=1)[1].state_dict())
@@ -51,7 +61,7 @@ def test_new_weights_change_the_tokens_and_match_a_fresh_model(tmp_path: Path) -
 
 
 def test_a_bad_update_changes_nothing_and_the_engine_serves_on() -> None:
-    llm = LLM(model="tiny", tape=None)
+    llm = LLM(device="cpu", model="tiny", tape=None)
     before = llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
     weights_id = llm.engine.runner.weights_id
     llm.engine.pause_generation(mode="keep")
@@ -84,10 +94,10 @@ def test_partial_update_from_a_checkpoint_folder(tmp_path: Path) -> None:
     from tokentape.engine.model.config import TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
-    a = LLM(model="tiny", tape=None)
+    a = LLM(device="cpu", model="tiny", tape=None)
     a.engine.pause_generation(mode="keep")
     a.engine.update_weights(str(tmp_path))
-    b = LLM(model="tiny", tape=None, seed=1)
+    b = LLM(device="cpu", model="tiny", tape=None, seed=1)
     assert a.engine.runner.weights_id == b.engine.runner.weights_id
 
 
@@ -110,7 +120,7 @@ def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int) -> None
 
 
 def test_weights_updated_is_on_the_tape() -> None:
-    llm = LLM(model="tiny", tape=None)
+    llm = LLM(device="cpu", model="tiny", tape=None)
     llm.engine.pause_generation(mode="keep")
     wid = llm.engine.update_weights(builtin_model("tiny", seed=2)[1].state_dict())
     events = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.WeightsUpdated)]
