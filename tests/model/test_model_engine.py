@@ -4,6 +4,8 @@ tokens and logprobs of a plain dense forward pass, and the same tokens whatever 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import msgspec
 import pytest
@@ -219,3 +221,28 @@ def test_stress_preempt_abort_pause_reset_and_verify(policy: str, depth: int, sp
     assert all(r.is_finished for r in engine.state.requests.values())
     result = verify(engine.tape)
     assert result.ok, result.first_divergence and result.first_divergence.format()
+
+
+def test_pipelined_steps_run_on_the_worker_thread_in_order() -> None:
+    """With depth 2 the forward pass runs off the engine's thread, and the engine hands over
+    step N + 1 while step N is still running (it does not wait for N's frame to plan it)."""
+    llm = tiny_llm(pipeline_depth=2)
+    runner = llm.engine.runner
+    threads: set[str] = set()
+    overlapped: list[bool] = []
+    forward = runner.model.forward
+
+    def forward_that_waits_for_the_next_step(*args: object, **kwargs: object) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        if len(overlapped) < 3:  # hold the first steps until the engine submits the next one
+            deadline = time.monotonic() + 10
+            while runner._inbox.empty() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            overlapped.append(not runner._inbox.empty())  # step N + 1 queued behind us
+        return forward(*args, **kwargs)
+
+    runner.model.forward = forward_that_waits_for_the_next_step  # type: ignore[method-assign]
+    out = llm.generate(["Hello", "world"], SamplingParams(max_tokens=8, temperature=0.0))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    assert threads == {"tokentape-model-runner"}
+    assert overlapped == [True, True, True]
