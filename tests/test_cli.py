@@ -123,7 +123,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_generate_prompts_plain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tape = tmp_path / "run.tape"
-    rc, out, err = run(capsys, "generate", "Hello", "The capital of France is",
+    rc, out, err = run(capsys, "generate", "--model", "oracle", "Hello", "The capital of France is",
                        "--max-tokens", "5", "--tape", str(tape))
     assert rc == 0
     expected = expected_tokens(["Hello", "The capital of France is"], 5)
@@ -138,7 +138,7 @@ def test_generate_prompts_plain(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_generate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tape = tmp_path / "run.tape"
-    rc, out, err = run(capsys, "generate", "one", "two", "three", "--max-tokens", "4", "--json",
+    rc, out, err = run(capsys, "generate", "--model", "oracle", "one", "two", "three", "--max-tokens", "4", "--json",
                        "--tape", str(tape))
     assert rc == 0
     records = [json.loads(line) for line in out.splitlines()]
@@ -212,7 +212,7 @@ def test_generate_engine_options_reach_the_tape(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tape = tmp_path / "opts.tape"
-    rc, out, _ = run(capsys, "generate", "abc abc abc abc", "xyz", "--max-tokens", "20", "--json",
+    rc, out, _ = run(capsys, "generate", "--model", "oracle", "abc abc abc abc", "xyz", "--max-tokens", "20", "--json",
                      "--tape", str(tape), "--pipeline-depth", "3", "--num-speculative-tokens", "2",
                      "--discard-policy", "counter", "--num-kv-blocks", "64", "--block-size", "8",
                      "--seed", "7", "--temperature", "0.5", "--max-num-seqs", "1")
@@ -512,7 +512,7 @@ def test_unknown_request(busy_tape: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_subprocess_module(tmp_path: Path) -> None:
     tape = tmp_path / "proc.tape"
-    gen = subprocess.run([sys.executable, "-m", "tokentape.cli", "generate", "Hi", "--json",
+    gen = subprocess.run([sys.executable, "-m", "tokentape.cli", "generate", "Hi", "--model", "oracle", "--json",
                           "--max-tokens", "3", "--tape", str(tape)],
                          capture_output=True, text=True, timeout=120, check=False)
     assert gen.returncode == 0, gen.stderr

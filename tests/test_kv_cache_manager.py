@@ -94,3 +94,14 @@ def test_taking_a_free_cached_block_counts_against_free_blocks() -> None:
     assert kv.allocate(0, 8, hits) is None  # 1 hit + 3 new > 3 blocks
     got = kv.allocate(0, 6, hits)
     assert got is not None and got[0] == hits[0] and kv.num_free_blocks == 0
+
+
+def test_a_preempted_request_never_hits_its_last_tokens_block() -> None:
+    # Its hash chain covers every full block, the last one included when its length is a
+    # multiple of the block size; a hit there would leave no token to compute (and sample).
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = req("r", list(range(8)))
+    blocks = kv.allocate(0, 8)
+    kv.cache_full_blocks(r, [], blocks, 8)
+    kv.free("r", blocks)  # preempted: the blocks stay cached
+    assert kv.get_computed_blocks(r) == blocks[:1]

@@ -124,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="read prompts from FILE, one per line (blank lines skipped); '-' reads stdin; "
         "may be repeated",
     )
-    gen.add_argument("--model", default="oracle",
-                     help="model to serve: 'oracle' (default) or 'oracle-random' in this build")
+    gen.add_argument("--model", default="tiny",
+                     help="model to serve: 'tiny' (default: the built-in model, seeded weights), "
+                     "'qwen3-0.6b' (its shapes, seeded weights), a local Hugging Face checkpoint "
+                     "folder, or the fake models 'oracle' and 'oracle-random'")
     gen.add_argument("--max-tokens", type=_positive_int, default=16, metavar="N",
                      help="maximum number of tokens generated per prompt (default: 16)")
     gen.add_argument("--temperature", type=float, default=1.0,

@@ -11,7 +11,7 @@ MAX_PIPELINE_DEPTH = 4
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str = "oracle"
+    model: str = "tiny"
     async_scheduling: bool = True
     pipeline_depth: int = 2
     num_speculative_tokens: int = 0
@@ -26,6 +26,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # n-gram (prompt lookup) drafter: the longest and shortest suffix it tries to match
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # The real model (ignored by the oracle): "auto" is CUDA when there is one, else the CPU;
+    # dtype "auto" is bfloat16 on CUDA and float32 on the CPU; batch_invariant None means on
+    # for float32 on the CPU (a sequence's tokens do not depend on what it is batched with).
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_invariant: bool | None = None
+    # torch's intra-op threads on the CPU (process-wide). None: 1 for models under 50M
+    # parameters, whose matmuls are too small to pay for a thread pool (and the pipeline's
+    # worker thread already runs beside the scheduler), else torch's default; 0: torch's default.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -48,6 +58,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
              f"got {self.max_model_len}")
         need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        need(self.cpu_threads is None or self.cpu_threads >= 0,
+             f"cpu_threads must be >= 0 or None, got {self.cpu_threads}")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
     @property
     def kv_capacity(self) -> int:

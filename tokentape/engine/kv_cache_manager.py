@@ -61,7 +61,9 @@ class KVCacheManager:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
-        for h in self._block_hashes(req, max_blocks):
+        # The chain may already be longer (a preempted request whose length is a multiple of
+        # the block size): never hit its last token's block, or nothing would be left to run.
+        for h in self._block_hashes(req, max_blocks)[:max_blocks]:
             block = self.cached.get(h)
             if block is None:
                 break

@@ -10,7 +10,7 @@ from tokentape.engine.llm_engine import LLMEngine, make_header
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
-from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import SamplingParams
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
@@ -23,6 +23,8 @@ LLM_CREATED_HOOKS: list[Callable[[LLM], None]] = []
 
 
 def make_runner(config: EngineConfig) -> ModelRunner:
+    """The oracle for 'oracle'/'oracle-random'; otherwise the real model: a built-in name
+    ('tiny', 'qwen3-0.6b', weights drawn from the engine seed) or a checkpoint folder."""
     if config.model in ("oracle", "oracle-random"):
         return OracleRunner(
             cyclic=config.model == "oracle",
@@ -30,9 +32,9 @@ def make_runner(config: EngineConfig) -> ModelRunner:
             prompt_lookup_max=config.prompt_lookup_max,
             prompt_lookup_min=config.prompt_lookup_min,
         )
-    raise ValueError(
-        f"unknown model {config.model!r}: this build serves 'oracle' and 'oracle-random'"
-    )
+    from tokentape.engine.runners.model_runner import build_model_runner
+
+    return build_model_runner(config)
 
 
 def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) -> TapeWriter:
@@ -56,10 +58,10 @@ class LLM:
     4
     """
 
-    def __init__(self, model: str = "oracle", *, tape: TapeSpec = None, **engine_args: object) -> None:
+    def __init__(self, model: str = "tiny", *, tape: TapeSpec = None, **engine_args: object) -> None:
         self.config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
         runner = make_runner(self.config)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer: Tokenizer = getattr(runner, "tokenizer", None) or ByteTokenizer()
         writer = open_tape_writer(tape, self.config, runner)
         self.engine = LLMEngine(self.config, runner, writer, self.tokenizer)
         self._next_id = 0
@@ -99,12 +101,14 @@ class LLM:
 
     def _run_to_completion(self, ids: list[str], prompts: Sequence[object]) -> list[RequestOutput]:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
+        logprobs: dict[str, list[float]] = {i: [] for i in ids}
         reasons: dict[str, str | None] = {}
         engine = self.engine
         while len(reasons) < len(ids) and engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id in tokens:
                     tokens[out.request_id].extend(out.outputs[0].token_ids)
+                    logprobs[out.request_id].extend(out.outputs[0].logprobs or ())
                     if out.finished:
                         reasons[out.request_id] = out.outputs[0].finish_reason
         engine.tape.flush()  # the run is complete in the tape file when generate returns
@@ -112,7 +116,8 @@ class LLM:
         for req_id, prompt in zip(ids, prompts):
             req = engine.state.requests[req_id]
             toks = tokens[req_id]
-            completion = CompletionOutput(0, self.tokenizer.decode(toks), toks, reasons.get(req_id))
+            lps = logprobs[req_id] if req.params.logprobs is not None else None
+            completion = CompletionOutput(0, self.tokenizer.decode(toks), toks, reasons.get(req_id), lps)
             results.append(RequestOutput(
                 req_id, req.prompt_token_ids, [completion], req_id in reasons,
                 prompt=prompt if isinstance(prompt, str) else None,

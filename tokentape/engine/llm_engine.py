@@ -21,7 +21,7 @@ from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.scheduler import Scheduler
-from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
@@ -54,7 +54,7 @@ class LLMEngine:
         config: EngineConfig,
         runner: ModelRunner,
         tape: TapeWriter,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -187,7 +187,8 @@ class LLMEngine:
             new_tokens = req.output_token_ids[req.num_emitted:]
             reason = req.finish_reason
             entries.append(ev.EmittedOutput(req_id, new_tokens, reason is not None, reason))
-            completion = CompletionOutput(0, None, new_tokens, reason, decode=decode)
+            logprobs = req.output_logprobs[req.num_emitted:] if req.params.logprobs is not None else None
+            completion = CompletionOutput(0, None, new_tokens, reason, logprobs, decode=decode)
             outputs.append(RequestOutput(req_id, req.prompt_token_ids, [completion], reason is not None))
         self._emit(ev.OutputsEmitted(state.step, entries))
         self._ready.extend(outputs)
@@ -244,6 +245,29 @@ class LLMEngine:
         if ok and not self.kv.reset_prefix_cache():
             raise RuntimeError("KV blocks still in use after every running request was preempted")
         return ok
+
+    def update_weights(self, weights: object) -> str:
+        """Load new weights (a state_dict or a checkpoint folder) into the runner, for RL loops.
+
+        Allowed only while generation is paused with nothing in flight (after
+        `pause_generation`); the runner validates every tensor before it changes anything, so a
+        refused update leaves the old weights serving. Recorded on the tape as WeightsUpdated
+        with the new weights' content hash, which it returns. K/V already cached were computed
+        with the old weights: pause with `clear_cache=True` to recompute them.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
+        if self.state.paused is None:
+            raise RuntimeError("update_weights: pause generation first (pause_generation(mode='keep'))")
+        if self._in_flight:
+            raise RuntimeError(f"update_weights: {len(self._in_flight)} step(s) still in flight")
+        update = getattr(self.runner, "update_weights", None)
+        if update is None:
+            raise RuntimeError(f"update_weights: model {self.runner.model_id!r} has no weights to update")
+        weights_id = update(weights)  # raises before any change on bad input; the engine lives on
+        with self._recorded():
+            self._emit(ev.WeightsUpdated(self.state.step, weights_id))
+        return weights_id
 
     def close(self) -> None:
         self.runner.close()

@@ -1,6 +1,15 @@
-"""The built-in byte-level tokenizer: token id = byte + 3, with three special tokens."""
+"""Tokenizers: the built-in byte-level one (token id = byte + 3, three special tokens) and a
+checkpoint's tokenizer.json."""
 
 from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -16,3 +25,19 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         data = bytes(t - self._OFFSET for t in token_ids if self._OFFSET <= t < self.vocab_size)
         return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer.json, through the `tokenizers` library."""
+
+    def __init__(self, file: str) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(file)
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)

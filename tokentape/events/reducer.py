@@ -196,6 +196,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         if entry.req_id not in pending:  # _mark_pending, inlined: this loop is the hot path
             req.num_emitted = len(output)
             pending[entry.req_id] = None
+        num_before = len(output)
         for tok in frame.token_ids:
             output.append(tok)
             if tok in req.stop_ids:
@@ -204,6 +205,8 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
             if len(output) >= req.max_output_tokens:
                 req.stop_reason = "length"
                 break
+        if frame.logprobs is not None:
+            req.output_logprobs += frame.logprobs[:len(output) - num_before]
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:

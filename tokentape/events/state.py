@@ -50,6 +50,7 @@ class RequestState:
     arrival_step: int
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # per output token, when asked
     num_computed_tokens: int = 0
     # vLLM's counter of output positions scheduled but not yet returned. Under the
     # historical policies it can drift from the truth; the in-flight counts are the truth.

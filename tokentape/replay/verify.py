@@ -140,6 +140,9 @@ class _StreamReplayRunner:
             raise self.stream.diverged(f"the replay applies the frame of step {step} here", None)
         return nxt[1].entries
 
+    def update_weights(self, weights_id: str) -> str:
+        return weights_id  # no weights here: the recorded content hash stands for them
+
     def close(self) -> None:
         pass
 
@@ -156,6 +159,8 @@ def _issue_command(engine: LLMEngine, event: ev.Event) -> None:
             engine.resume_generation()
         case ev.PrefixCacheReset(reset_running_requests=reset_running):
             engine.reset_prefix_cache(reset_running)
+        case ev.WeightsUpdated(weights_id=weights_id):
+            engine.update_weights(weights_id)
         case _:
             raise TypeError(f"cannot replay command {ev.kind_of(event)}")
 

@@ -1,0 +1,162 @@
+"""Hugging Face checkpoint folders: Llama, Qwen2 and Qwen3 written by the test itself, loaded
+through safetensors and tokenizers; bad folders fail with the file and tensor named; the
+logits match transformers on the same weights when transformers is installed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dense_reference import dense_greedy, dense_logits
+from safetensors.torch import save_file
+
+from tokentape import LLM, SamplingParams
+from tokentape.engine.model.config import CheckpointError, ModelConfig
+from tokentape.engine.model.decoder import CausalLM
+from tokentape.engine.model.loader import init_weights, load_checkpoint
+
+WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
+
+
+def small_config(model_type: str, tie: bool = False) -> ModelConfig:
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        bos_token_id=None,
+        eos_token_id=1,
+    )
+
+
+def write_checkpoint(path: Path, config: ModelConfig, seed: int = 1) -> CausalLM:
+    model = CausalLM(config)
+    init_weights(model, seed)
+    with torch.no_grad():  # non-zero biases and norms, so that a mix-up would show
+        for name, p in model.named_parameters():
+            if name.endswith((".bias", "norm.weight")):
+                p.add_(torch.linspace(-0.3, 0.3, p.numel()).view(p.shape))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(path / file))
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return model
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_checkpoint_generates_like_its_weights(tmp_path: Path, model_type: str, tie: bool) -> None:
+    config = small_config(model_type, tie)
+    model = write_checkpoint(tmp_path / "ckpt", config)
+    loaded_config, _ = load_checkpoint(tmp_path / "ckpt")
+    assert loaded_config == config
+    llm = LLM(device="cpu", model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=64)
+    assert llm.engine.runner.eos_token_id == 1
+    prompt = "w3 w17 w5 w5 w42"
+    assert llm.tokenizer.encode(prompt) == [5, 19, 7, 7, 44]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == dense_greedy(model, [5, 19, 7, 7, 44], 8)
+    assert out.outputs[0].text == " ".join(WORDS[t] for t in out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers(tmp_path: Path, model_type: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = small_config(model_type, tie=model_type == "qwen3")
+    model = write_checkpoint(tmp_path / "ckpt", config)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "ckpt"), dtype=torch.float32
+    )
+    tokens = [5, 19, 7, 7, 44, 2, 9, 30, 31, 12, 60]
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    assert torch.allclose(dense_logits(model, tokens), expected, atol=1e-4)
+    # and the engine's paged path, through its frame logprobs
+    llm = LLM(device="cpu", model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=64)
+    out = llm.generate(
+        [tokens], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    )[0]
+    seq = tokens + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0].log_softmax(-1)
+    want = [float(ref[len(tokens) - 1 + i, t]) for i, t in enumerate(out.outputs[0].token_ids)]
+    assert out.outputs[0].logprobs == pytest.approx(want, abs=1e-4)
+    assert out.outputs[0].token_ids == [int(ref[len(tokens) - 1 + i].argmax()) for i in range(4)]
+
+
+def test_bad_checkpoints_name_the_file_and_tensor(tmp_path: Path) -> None:
+    config = small_config("qwen3")
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        load_checkpoint(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, config)
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match=r"config\.json: model_type 'gpt2' is not supported"):
+        load_checkpoint(ckpt)
+    (ckpt / "config.json").write_text(json.dumps({**raw, "hidden_size": 32}))
+    with pytest.raises(
+        CheckpointError, match=r"model-0000\d-of-00002\.safetensors: tensor '\S+' has shape"
+    ):
+        load_checkpoint(ckpt)
+    (ckpt / "config.json").write_text(
+        json.dumps({k: v for k, v in raw.items() if k != "vocab_size"})
+    )
+    with pytest.raises(CheckpointError, match="missing required field 'vocab_size'"):
+        load_checkpoint(ckpt)
+    (ckpt / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 3}))
+    with pytest.raises(
+        CheckpointError, match=r"\*\.safetensors: missing tensor 'model\.layers\.2\."
+    ):
+        load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="missing tensor"):  # through the public API too
+        LLM(device="cpu", model=str(ckpt), tape=None)
+
+
+def test_builtin_config_round_trips_through_hf_json(tmp_path: Path) -> None:
+    from tokentape.engine.model.config import TINY, config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    assert config_from_hf(tmp_path) == dataclasses.replace(TINY)
+
+
+def test_frames_of_a_checkpoint_run_replay(tmp_path: Path) -> None:
+    from tokentape.replay import verify
+
+    write_checkpoint(tmp_path / "ckpt", small_config("llama"))
+    llm = LLM(
+        device="cpu",
+        model=str(tmp_path / "ckpt"),
+        tape=str(tmp_path / "run.tape"),
+        block_size=4,
+        num_kv_blocks=64,
+    )
+    llm.generate(["w1 w2 w3", "w9"], SamplingParams(max_tokens=5, temperature=1.0, seed=4))
+    llm.close()
+    result = verify(tmp_path / "run.tape")
+    assert result.ok and result.num_events > 10

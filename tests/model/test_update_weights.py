@@ -1,0 +1,127 @@
+"""Weight updates for RL: only while paused and drained, validated before anything changes,
+recorded with a content hash that replay accepts without the weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokentape import LLM, SamplingParams
+from tokentape.engine.model.loader import builtin_model
+from tokentape.events import schema as ev
+from tokentape.replay import fold, verify
+
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_update_weights_only_while_paused_and_drained() -> None:
+    llm = LLM(device="cpu", model="tiny", tape=None, pipeline_depth=2)
+    new = builtin_model("tiny", seed=1)[1].state_dict()
+    with pytest.raises(RuntimeError, match="pause generation first"):
+        llm.engine.update_weights(new)
+    llm.engine.add_request("r", [5, 6, 7], GREEDY)
+    llm.engine.step()
+    llm.engine.step()
+    assert llm.engine._in_flight  # a step is in flight while running
+    with pytest.raises(RuntimeError, match="pause generation first"):
+        llm.engine.update_weights(new)
+    llm.engine.pause_generation(mode="keep", clear_cache=True)
+    weights_id = llm.engine.update_weights(new)
+    assert weights_id.startswith("sha256:") and llm.engine.state.weights_id == weights_id
+
+
+def test_new_weights_change_the_tokens_and_match_a_fresh_model(tmp_path: Path) -> None:
+    old = (
+        LLM(device="cpu", model="tiny", tape=None)
+        .generate(["Hello"], GREEDY)[0]
+        .outputs[0]
+        .token_ids
+    )
+    fresh = (
+        LLM(device="cpu", model="tiny", tape=None, seed=1)
+        .generate(["Hello"], GREEDY)[0]
+        .outputs[0]
+        .token_ids
+    )
+    llm = LLM(device="cpu", model="tiny", tape=str(tmp_path / "rl.tape"))
+    assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids == old
+    llm.engine.pause_generation(mode="keep")
+    llm.engine.update_weights(builtin_model("tiny", seed=1)[1].state_dict())
+    llm.engine.resume_generation()
+    assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids == fresh != old
+    llm.close()
+    result = verify(tmp_path / "rl.tape")  # no weights needed: the recorded hash stands for them
+    assert result.ok, result.first_divergence
+    assert fold(tmp_path / "rl.tape").weights_id == llm.engine.runner.weights_id
+
+
+def test_a_bad_update_changes_nothing_and_the_engine_serves_on() -> None:
+    llm = LLM(device="cpu", model="tiny", tape=None)
+    before = llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
+    weights_id = llm.engine.runner.weights_id
+    llm.engine.pause_generation(mode="keep")
+    good = builtin_model("tiny", seed=1)[1].state_dict()
+    wrong_shape = dict(good)
+    wrong_shape["model.layers.3.mlp.down_proj.weight"] = torch.zeros(
+        256, 100
+    )  # the last one checked
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.3\.mlp\.down_proj\.weight' has shape \(256, 100\)"
+    ):
+        llm.engine.update_weights(wrong_shape)
+    with pytest.raises(ValueError, match="unknown tensor 'model.layers.9.mlp.up_proj.weight'"):
+        llm.engine.update_weights({**good, "model.layers.9.mlp.up_proj.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="not a floating-point tensor"):
+        llm.engine.update_weights({"model.norm.weight": torch.ones(256, dtype=torch.int64)})
+    assert llm.engine.runner.weights_id == weights_id
+    assert llm.engine.state.weights_id is None  # nothing recorded for the refused updates
+    llm.engine.resume_generation()
+    assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids == before
+
+
+def test_partial_update_from_a_checkpoint_folder(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    new = builtin_model("tiny", seed=1)[1].state_dict()
+    save_file({k: v.contiguous() for k, v in new.items()}, str(tmp_path / "model.safetensors"))
+    import json
+
+    from tokentape.engine.model.config import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    a = LLM(device="cpu", model="tiny", tape=None)
+    a.engine.pause_generation(mode="keep")
+    a.engine.update_weights(str(tmp_path))
+    b = LLM(device="cpu", model="tiny", tape=None, seed=1)
+    assert a.engine.runner.weights_id == b.engine.runner.weights_id
+
+
+@pytest.mark.parametrize("policy,rc", [("epoch", 0), ("flag", 1)])
+def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int) -> None:
+    args = [
+        sys.executable,
+        str(ROOT / "examples" / "rl_pause_resume.py"),
+        "--discard-policy",
+        policy,
+    ]
+    if policy == "flag":
+        args += ["--pipeline-depth", "1", "--pipeline-depth", "2"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    assert "pipeline_depth=1 discard_policy=" in proc.stdout
+    if policy == "flag":
+        assert "pipeline_depth=1 discard_policy=flag: check held" in proc.stdout
+        assert "pipeline_depth=2 discard_policy=flag: CHECK FAILED" in proc.stdout
+
+
+def test_weights_updated_is_on_the_tape() -> None:
+    llm = LLM(device="cpu", model="tiny", tape=None)
+    llm.engine.pause_generation(mode="keep")
+    wid = llm.engine.update_weights(builtin_model("tiny", seed=2)[1].state_dict())
+    events = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.WeightsUpdated)]
+    assert events == [ev.WeightsUpdated(0, wid)]

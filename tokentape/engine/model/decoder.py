@@ -1,0 +1,150 @@
+"""A Llama/Qwen2/Qwen3-style decoder over a paged KV cache.
+
+One forward pass takes a flattened ragged batch: the new tokens of every scheduled sequence,
+prefill chunks and decodes mixed, concatenated into one [T] tensor (as vLLM and nano-vllm do).
+Parameter names are Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...), so a
+checkpoint's state_dict loads as is and this model's state_dict loads into transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokentape import kernels
+from tokentape.engine.model.config import ModelConfig
+from tokentape.engine.model.layers import (
+    MLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    linear,
+)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where the batch's tokens sit in the paged KV cache (see tokentape.kernels)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset, -1 skips the write
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: the new tokens of sequence b are [cu[b], cu[b+1])
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        self.scale = d**-0.5
+        bias = config.attention_bias
+        self.q_proj = Linear(config.hidden_size, self.num_heads * d, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables,
+            scale=self.scale,
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.*`: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its LM head (tied to the embeddings when the config says so)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.pad_rows_to = 0  # batch-invariant row padding of the matmuls, 0: off
+        self.model = DecoderModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
+
+    def set_batch_invariant(self, pad_rows_to: int) -> None:
+        """Pad every matmul's rows to a multiple of `pad_rows_to` (0: off); see layers.py."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pad_rows_to = pad_rows_to
+        self.pad_rows_to = pad_rows_to
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        h = self.model.embed_tokens(input_ids)
+        rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
+        for layer, kv in zip(self.model.layers, kv_caches):
+            h = layer(h, rope, kv, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return linear(hidden, self.model.embed_tokens.weight, None, self.pad_rows_to)
+        return self.lm_head(hidden)

@@ -1,0 +1,141 @@
+"""The decoder's building blocks, computed as Hugging Face's Llama/Qwen modules compute them
+(same op order and dtype casts), so logits match transformers on the same weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# On the CPU a row of `x @ W.T` can come out differently depending on how many rows the
+# matmul has: BLAS picks other kernels for small M and handles the rows past the last full
+# micro-tile separately. Padding the rows to a multiple of the micro-tile keeps every row on
+# the same code path, so a sequence gets the same logits alone or batched with 31 others.
+# The multiple is measured on the machine (calibrate_batch_invariant_rows); 0 means off.
+ROW_MULTIPLES = (4, 8, 16, 32, 64)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pad_rows_to: int = 0
+) -> torch.Tensor:
+    """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0)."""
+    if pad_rows_to:
+        rows = x.shape[0]
+        pad = -rows % pad_rows_to
+        if pad:
+            return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:rows]
+    return F.linear(x, weight, bias)
+
+
+def calibrate_batch_invariant_rows(weights: list[torch.Tensor]) -> int | None:
+    """The smallest row multiple in ROW_MULTIPLES for which every row of a padded matmul with
+    these weights equals the same row computed among 64, 256 and 1024 rows; None if none does
+    (this BLAS is not batch-invariant even for large batches)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {tuple(w.shape): w for w in weights}
+    candidates = list(ROW_MULTIPLES)
+    for w in shapes.values():
+        x = torch.randn(1024, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
+        ref = F.linear(x, w)
+        if not all(torch.equal(F.linear(x[:m], w), ref[:m]) for m in (64, 256)):
+            return None
+        candidates = [
+            c
+            for c in candidates
+            if all(torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2))
+        ]
+        if not candidates:
+            return None
+    return candidates[0]
+
+
+class Linear(nn.Linear):
+    """nn.Linear with optional row padding for batch invariance (see above)."""
+
+    pad_rows_to: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.pad_rows_to)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (NeoX layout, as HF's rotate_half), cos/sin cached per position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_cached", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cached", torch.empty(0), persistent=False)
+        self.extend(max_positions)
+
+    def extend(self, num_positions: int) -> None:
+        """Cache cos/sin for positions [0, num_positions) (float32, as HF computes them)."""
+        if self.cos_cached.shape[0] >= num_positions:
+            return
+        inv_freq = self.inv_freq.float()
+        freqs = torch.outer(
+            torch.arange(num_positions, dtype=torch.float32, device=inv_freq.device), inv_freq
+        )
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cached, self.sin_cached = emb.cos(), emb.sin()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # Keep the tables in float32 when the model is cast (HF computes RoPE in float32).
+        cos, sin, inv = self.cos_cached, self.sin_cached, self.inv_freq
+        super()._apply(fn, recurse)
+        dev = self.cos_cached.device
+        self.cos_cached, self.sin_cached, self.inv_freq = cos.to(dev), sin.to(dev), inv.to(dev)
+        return self
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] at the positions, in `dtype`: once per forward pass."""
+        cos = self.cos_cached[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cached[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, k, *self.cos_sin(positions, q.dtype))
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

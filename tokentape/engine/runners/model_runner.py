@@ -1,0 +1,364 @@
+"""The model runner: runs the decoder over the paged KV cache and samples a frame per step.
+
+Like the oracle it keeps its own copy of every sequence (ahead of the scheduler by the steps
+in flight) and the block table the scheduler recorded for it. With a pipeline (depth > 1) the
+steps run on a worker thread, in submission order, while the engine plans the next one;
+torch releases the GIL inside its kernels, so the overlap is real. On CUDA the worker issues
+its work on its own stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.model.decoder import AttentionMetadata, CausalLM
+from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
+from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
+from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
+from tokentape.engine.ngram import propose_ngram_drafts
+from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.tokenizer import Tokenizer
+from tokentape.events.schema import FrameEntry, SamplingParams
+
+
+@dataclass(slots=True)
+class _Seq:
+    """The runner's copy of a sequence: its tokens, how many have K/V in the cache, its blocks."""
+
+    params: SamplingParams
+    seed: int
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int = 0
+
+
+@dataclass(slots=True)
+class _Failure:
+    error: BaseException
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One step's flattened inputs and, per sampling entry, where its logits rows are."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    cu_seqlens: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    # (req_id, seq, first logits row, drafts) for each entry that samples
+    samplers: list[tuple[str, _Seq, int, list[int]]] = field(default_factory=list)
+
+
+class TorchModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        model_id: str,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        overlap: bool = False,
+        batch_invariant: bool | None = None,
+        prompt_lookup: tuple[int, int] = (3, 1),
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        if batch_invariant is None:  # exact and cheap on the CPU in float32 (docs/benchmarks.md)
+            batch_invariant = self.device.type == "cpu" and dtype == torch.float32
+        self.pad_rows_to = 0
+        if batch_invariant:
+            weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
+            if model.config.tie_word_embeddings:
+                weights.append(self.model.model.embed_tokens.weight)
+            rows = calibrate_batch_invariant_rows([w.detach() for w in weights])
+            if rows is None:
+                raise RuntimeError(
+                    "batch_invariant: this machine's matmuls give different results for "
+                    "the same row in different batch sizes, whatever the padding; "
+                    "pass batch_invariant=False"
+                )
+            self.pad_rows_to = rows
+        self.model.set_batch_invariant(self.pad_rows_to)
+        self.config = model.config
+        self.model_id = model_id
+        self.vocab_size = self.config.vocab_size
+        self.eos_token_id = eos_token_id if eos_token_id is not None else self.config.eos_token_id
+        self.seed = seed
+        self.block_size = block_size
+        self.lookup = prompt_lookup
+        shape = (num_kv_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(self.config.num_hidden_layers)
+        ]
+        self.model.rope.extend(num_kv_blocks * block_size)
+        self.weights_id = weights_hash(self.model)
+        self.tokenizer: Tokenizer | None = None  # a checkpoint's own; None means the byte tokenizer
+        self._seqs: dict[str, _Seq] = {}
+        self._results: dict[int, list[FrameEntry] | _Failure] = {}
+        self._submitted: list[int] = []
+        self._worker: threading.Thread | None = None
+        self._stream = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+            # The weights and the zeroed caches were written on the default stream; the
+            # steps run on this one, so nothing may still be in flight there.
+            torch.cuda.synchronize(self.device)
+        if overlap:
+            self._inbox: queue.Queue[ScheduledBatch | None] = queue.Queue()
+            self._outbox: queue.Queue[tuple[int, list[FrameEntry] | _Failure]] = queue.Queue()
+            self._worker = threading.Thread(
+                target=self._work, name="tokentape-model-runner", daemon=True
+            )
+            self._worker.start()
+            # Stop the worker at interpreter exit too, before torch is torn down under it.
+            self._stop = weakref.finalize(self, _stop_worker, self._inbox, self._worker)
+
+    # -- the runner protocol -------------------------------------------------------------------
+
+    def submit(self, batch: ScheduledBatch) -> None:
+        self._submitted.append(batch.step)
+        if self._worker is not None:
+            self._inbox.put(batch)
+        else:
+            self._results[batch.step] = self._run_guarded(batch)
+
+    def collect(self, step: int) -> list[FrameEntry]:
+        if not self._submitted or self._submitted[0] != step:
+            raise RuntimeError(
+                f"collect({step}): the oldest step submitted is "
+                f"{self._submitted[0] if self._submitted else None}"
+            )
+        self._submitted.pop(0)
+        if self._worker is not None:
+            got, result = self._outbox.get()
+            assert got == step, f"the worker finished step {got} when {step} was expected"
+        else:
+            result = self._results.pop(step)
+        if isinstance(result, _Failure):
+            raise result.error
+        return result
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._stop()
+            self._worker = None
+        self._seqs.clear()
+        self._results.clear()
+
+    # -- weight updates ------------------------------------------------------------------------
+
+    def update_weights(self, weights: WeightsSource) -> str:
+        """Validate everything first, then load; returns the new weights' content hash.
+        The caller guarantees that no step is in flight."""
+        if self._submitted:
+            raise RuntimeError("update_weights: steps are still in flight in the runner")
+        tensors = prepare_update(self.model, weights)
+        apply_update(self.model, tensors)
+        if self.device.type == "cuda":  # the worker's stream must see the copies
+            torch.cuda.synchronize(self.device)
+        self.weights_id = weights_hash(self.model)
+        return self.weights_id
+
+    # -- execution -----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (batch := self._inbox.get()) is not None:
+            self._outbox.put((batch.step, self._run_guarded(batch)))
+
+    def _run_guarded(self, batch: ScheduledBatch) -> list[FrameEntry] | _Failure:
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    return self._run(batch)
+            return self._run(batch)
+        except BaseException as exc:  # noqa: BLE001 (the engine records and re-raises it)
+            return _Failure(exc)
+
+    def _request_seed(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's seed, or one derived from the engine seed and the prompt."""
+        if params.seed is not None:
+            return params.seed
+        data = self.seed.to_bytes(8, "little", signed=True) + b"".join(
+            t.to_bytes(4, "little") for t in prompt
+        )
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    def _plan(self, batch: ScheduledBatch) -> _Plan:
+        for req_id in batch.finished_req_ids:
+            self._seqs.pop(req_id, None)
+        plan = _Plan()
+        bs = self.block_size
+        for e in batch.entries:
+            req_id = e.req_id
+            known = batch.token_ids.get(req_id)
+            new = batch.new_requests.get(req_id)
+            if new is not None:  # (re)entering: rebuild the copy; its blocks are all in the entry
+                seq = self._seqs[req_id] = _Seq(
+                    new.params,
+                    self._request_seed(new.prompt_token_ids, new.params),
+                    list(known or ()),
+                    list(e.new_block_ids),
+                    e.num_computed_before,
+                )
+            else:
+                seq = self._seqs[req_id]
+                seq.block_ids += e.new_block_ids
+                if known:
+                    seq.tokens[e.num_computed_before :] = known
+                    seq.num_computed = e.num_computed_before
+            drafts: list[int] = []
+            if known:
+                inputs = known[e.num_computed_before :] if new is not None else known
+            else:  # a decode: its input is our own last sample, plus n-gram drafts
+                inputs = seq.tokens[seq.num_computed :]
+                if e.num_spec_tokens:
+                    drafts = propose_ngram_drafts(seq.tokens, e.num_spec_tokens, *self.lookup)
+                    inputs = inputs + drafts
+            if not inputs:
+                raise RuntimeError(
+                    f"step {batch.step}: request {req_id!r} was scheduled with no token to compute"
+                )
+            start = seq.num_computed
+            end = start + len(inputs)
+            plan.input_ids += inputs
+            plan.positions += range(start, end)
+            blocks = seq.block_ids
+            plan.slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            plan.cu_seqlens.append(len(plan.input_ids))
+            plan.seq_lens.append(end)
+            plan.tables.append(blocks)
+            # K/V are now cached up to the inputs before the drafts; accepted drafts add to it.
+            seq.num_computed = end - len(drafts)
+            if req_id in batch.partial_prefills:
+                continue
+            num_rows = 1 + len(drafts)  # logits of the last real input and of every draft
+            plan.samplers.append((req_id, seq, len(plan.sample_rows), drafts))
+            plan.sample_rows += range(len(plan.input_ids) - num_rows, len(plan.input_ids))
+        return plan
+
+    @torch.inference_mode()
+    def _run(self, batch: ScheduledBatch) -> list[FrameEntry]:
+        plan = self._plan(batch)
+        dev = self.device
+        width = max(len(t) for t in plan.tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in plan.tables], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(plan.slots, dtype=torch.int64).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(plan.cu_seqlens, dtype=torch.int32).to(
+                dev, non_blocking=True
+            ),
+            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+        )
+        input_ids = torch.tensor(plan.input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        positions = torch.tensor(plan.positions, dtype=torch.int64).to(dev, non_blocking=True)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not plan.samplers:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=dev)])
+        rows = SamplingRows([], [], [], [])
+        for _, seq, _, drafts in plan.samplers:
+            p = seq.params
+            for j in range(1 + len(drafts)):  # the token at position len(tokens) + j
+                rows.temperatures.append(p.temperature)
+                rows.top_ks.append(p.top_k)
+                rows.top_ps.append(p.top_p)
+                rows.keys.append(
+                    position_key(seq.seed, len(seq.tokens) + j) if p.temperature > 0 else (0, 0)
+                )
+        sampled_t = sample(logits, rows)
+        want_logprobs = any(seq.params.logprobs is not None for _, seq, _, _ in plan.samplers)
+        logprobs = token_logprobs(logits, sampled_t).tolist() if want_logprobs else None
+        sampled = sampled_t.tolist()
+        frame = []
+        for req_id, seq, row, drafts in plan.samplers:
+            out = []
+            for j, d in enumerate(drafts):  # accept the longest prefix matching our own samples
+                if d != sampled[row + j]:
+                    break
+                out.append(d)
+            out.append(sampled[row + len(out)])
+            seq.num_computed += len(out) - 1  # the accepted drafts' K/V are valid
+            seq.tokens += out
+            lp = (
+                logprobs[row : row + len(out)]
+                if logprobs is not None and seq.params.logprobs is not None
+                else None
+            )
+            frame.append(FrameEntry(req_id, out, drafts, lp))
+        return frame
+
+
+def _stop_worker(inbox: queue.Queue[ScheduledBatch | None], worker: threading.Thread) -> None:
+    inbox.put(None)
+    worker.join()
+
+
+SMALL_MODEL_PARAMS = 50_000_000
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model_runner(config: EngineConfig) -> TorchModelRunner:
+    """The runner for `config.model`: a built-in name or a Hugging Face checkpoint folder."""
+    from tokentape.engine.model.config import BUILTIN_CONFIGS
+    from tokentape.engine.model.loader import builtin_model, load_checkpoint, load_tokenizer
+
+    tokenizer = None
+    if config.model in BUILTIN_CONFIGS:
+        _, model = builtin_model(config.model, config.seed)
+        model_id = config.model
+    elif os.path.isdir(config.model):
+        _, model = load_checkpoint(config.model)
+        tokenizer = load_tokenizer(config.model)
+        model_id = os.path.abspath(config.model)
+    else:
+        raise ValueError(
+            f"unknown model {config.model!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
+            "'oracle-random' or a local Hugging Face checkpoint folder"
+        )
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        threads = config.cpu_threads
+        if threads is None:
+            threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else 0
+        if threads:
+            torch.set_num_threads(threads)
+    dtype_name = config.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
+    runner = TorchModelRunner(
+        model,
+        model_id,
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        seed=config.seed,
+        device=device,
+        dtype=_DTYPES[dtype_name],
+        overlap=config.effective_pipeline_depth > 1,
+        batch_invariant=config.batch_invariant,
+        prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
+    )
+    runner.tokenizer = tokenizer
+    return runner
