@@ -25,7 +25,7 @@ from tokentape.postmortem.findings import Report, Summary
 from tokentape.postmortem.frames import CountChecker, FrameChecker, HistoryChecker
 from tokentape.postmortem.kv import KVChecker
 from tokentape.postmortem.outputs import OutputChecker, ReferenceChecker
-from tokentape.postmortem.progress import StuckChecker
+from tokentape.postmortem.stuck import StuckChecker
 from tokentape.replay.tape import Tape, load_tape
 
 ORACLE_MODELS = ("oracle", "oracle-random")

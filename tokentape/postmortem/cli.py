@@ -7,15 +7,16 @@ opened at all (not a tape, a newer format version): the CLI's one-line error.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from typing import Any, TextIO
 
 import msgspec
 
+from tokentape.events.store import TapeError
 from tokentape.postmortem.findings import BUG_CLASSES, Report
+from tokentape.replay.render import progress
+from tokentape.replay.tape import Tape
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -62,13 +63,14 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
     from tokentape.replay.tape import load_tape
 
     tape = load_tape(args.tape)
-    with progress_bar(sys.stderr, tape) as progress:
-        report = postmortem(tape, reference=args.reference, progress=progress)
+    total = _length_or_none(tape)
+    with progress(total, "postmortem", minimum=0) as update:
+        report = postmortem(tape, reference=args.reference, progress=update)
     if args.html:
         from tokentape.postmortem.report_html import write_report
 
-        with progress_bar(sys.stderr, tape, "report") as progress:
-            write_report(report, tape, args.html, progress=progress)
+        with progress(total, "report", minimum=0) as update:
+            write_report(report, tape, args.html, progress=update)
     if args.json:
         print(json.dumps(msgspec.to_builtins(report)))
     else:
@@ -76,6 +78,13 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
         if args.html:
             print(f"report: {args.html}")
     return EXIT_OK if report.ok else EXIT_FINDINGS
+
+
+def _length_or_none(tape: Tape) -> int | None:
+    try:
+        return len(tape)
+    except TapeError:
+        return None  # a damaged tape: the pass itself reports where it breaks
 
 
 def print_report(report: Report, out: TextIO) -> None:
@@ -100,26 +109,3 @@ def print_report(report: Report, out: TextIO) -> None:
             out.write(f"  matches {f.bug_class}: {BUG_CLASSES.get(f.bug_class, '')}\n")
         for x in f.excerpt:
             out.write(f"    {x.seq:>8}  step {x.step:<6} {x.kind} {json.dumps(x.data)}\n")
-
-
-@contextlib.contextmanager
-def progress_bar(stream: TextIO, tape: Any, label: str = "postmortem") -> Iterator[Any]:
-    """A rich progress bar on a terminal; nothing otherwise."""
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    if not tty:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    try:
-        total = len(tape)
-    except Exception:  # a damaged tape: the pass reports where it breaks
-        total = None
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=Console(file=stream), transient=True) as bar:
-        task = bar.add_task("events", total=total)
-        yield lambda n: bar.update(task, completed=n)

@@ -130,12 +130,13 @@ class Output:
 
 
 @contextlib.contextmanager
-def progress(total: int, description: str, stream: TextIO | None = None,
+def progress(total: int | None, description: str, stream: TextIO | None = None,
              minimum: int = 200_000) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr for a long read (at least `minimum` events) on a terminal;
-    yields an `update(done)` callback, a no-op otherwise."""
+    """A progress bar on stderr for a long read (at least `minimum` events; `total` None when
+    the length is unknown, as in a damaged tape) on a terminal; yields an `update(done)`
+    callback, a no-op otherwise."""
     stream = stream if stream is not None else sys.stderr
-    if total < minimum or not is_terminal(stream):
+    if (total is not None and total < minimum) or not is_terminal(stream):
         yield lambda done: None
         return
     from rich.console import Console
