@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokentape.kernels.reference import check_attention_shapes
+from tokentape.kernels.triton_common import prepare_attention_inputs
 
 LOG2_E = 1.4426950408889634
 # KV tokens per inner iteration, and warps: K/V are upcast to fp32 in registers, and a 64-token
@@ -207,16 +207,14 @@ def paged_decode_triton(
     scale: float,
 ) -> torch.Tensor:
     """Paged attention when every sequence has exactly one new token (see ``paged_attention``)."""
-    check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    query, block_tables = prepare_attention_inputs(
+        query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
+    )
     if query.shape[0] != seq_lens.shape[0]:
         raise ValueError(
             f"decode needs one new token per sequence: {query.shape[0]} tokens for "
             f"{seq_lens.shape[0]} sequences"
         )
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
-    query = query if query.stride(2) == 1 else query.contiguous()
-    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

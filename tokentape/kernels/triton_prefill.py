@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokentape.kernels.reference import check_attention_shapes
+from tokentape.kernels.triton_common import prepare_attention_inputs
 
 LOG2_E = 1.4426950408889634
 BLOCK_M = 64  # query rows per program: BLOCK_M // GROUP tokens times GROUP heads
@@ -162,11 +162,9 @@ def paged_prefill_triton(
     scale: float,
 ) -> torch.Tensor:
     """Paged attention over a ragged mix of prefill chunks and decodes (see ``paged_attention``)."""
-    check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
-    query = query if query.stride(2) == 1 else query.contiguous()
-    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    query, block_tables = prepare_attention_inputs(
+        query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
+    )
     total_q, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
