@@ -147,7 +147,8 @@ class _StreamReplayRunner:
         pass
 
 
-def _issue_command(engine: LLMEngine, event: ev.Event) -> None:
+def issue_command(engine: LLMEngine, event: ev.Event) -> None:
+    """Make the client call that a recorded command event stands for."""
     match event:
         case ev.RequestAdded(req_id=req_id, prompt_token_ids=prompt, params=params):
             engine.add_request(req_id, prompt, params)
@@ -182,7 +183,7 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape) -> VerifyResult:
             before = stream.consumed
             try:
                 if kind in ev.COMMAND_KINDS:
-                    _issue_command(engine, event)
+                    issue_command(engine, event)
                 else:
                     engine.step()
             except _Diverged:

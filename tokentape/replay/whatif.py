@@ -30,6 +30,7 @@ from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape
 from tokentape.replay.diff import TapeDiff, TapeSource, diff
 from tokentape.replay.tape import Tape, load_tape
+from tokentape.replay.verify import issue_command
 
 RUNNERS = ("oracle", "model")
 ORACLE_MODELS = ("oracle", "oracle-random")
@@ -103,19 +104,10 @@ def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) ->
             "weights are not on the tape, so a run with the model cannot repeat the update "
             "(use --runner oracle)"
         )
-    match event:
-        case ev.RequestAdded(req_id=req_id, prompt_token_ids=prompt, params=params):
-            engine.add_request(req_id, list(prompt), params)
-        case ev.RequestAborted(req_id=req_id):
-            engine.abort_request(req_id)
-        case ev.GenerationPaused(mode=mode, clear_cache=clear_cache):
-            engine.pause_generation(mode, clear_cache)
-        case ev.GenerationResumed():
-            engine.resume_generation()
-        case ev.PrefixCacheReset(reset_running_requests=reset_running):
-            engine.reset_prefix_cache(reset_running)
-        case _:
-            raise WhatIfError(f"cannot replay command {ev.kind_of(event)}")
+    try:
+        issue_command(engine, event)
+    except TypeError as exc:
+        raise WhatIfError(str(exc)) from None
 
 
 def recorded_commands(tape: Tape) -> list[ev.Event]:
