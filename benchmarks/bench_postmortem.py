@@ -30,7 +30,7 @@ import _common as c
 
 from tokentape import LLM, SamplingParams
 from tokentape.postmortem import postmortem
-from tokentape.postmortem.cli import progress_bar
+from tokentape.replay.render import progress
 from tokentape.replay import load_tape
 
 TARGET_S = 30.0
@@ -98,8 +98,8 @@ def main() -> None:
             with c.gc_collected():
                 t0 = time.perf_counter()
                 loaded = load_tape(path)
-                with progress_bar(sys.stderr, loaded) as progress:
-                    report = postmortem(loaded, progress=progress)
+                with progress(len(loaded), "postmortem", sys.stderr, minimum=0) as update:
+                    report = postmortem(loaded, progress=update)
                 return time.perf_counter() - t0
 
         best = c.best_of({"read + decode": read_decode, "fold": fold, "postmortem": run_postmortem},
