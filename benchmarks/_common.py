@@ -95,6 +95,14 @@ class TempDir:
         self._td.cleanup()
 
 
+def cache_dir(arg: str | None = None) -> str:
+    """Where large recorded tapes are kept between runs (never committed)."""
+    base = arg or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                               "tokentape")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
 def remove_db(path: str) -> None:
     for p in (path, path + "-wal", path + "-shm"):
         try:

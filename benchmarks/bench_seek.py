@@ -43,13 +43,6 @@ TARGET_MS = 100.0
 TAPE_NAME = "bench-seek-1M-v1.tape"
 
 
-def cache_dir(arg: str | None) -> str:
-    base = arg or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                               "tokentape")
-    os.makedirs(base, exist_ok=True)
-    return base
-
-
 def record_tape(path: str) -> float:
     """Record batches of requests until the tape holds NUM_EVENTS events; returns seconds."""
     rng = random.Random(7)
@@ -88,7 +81,7 @@ def main() -> None:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args()
 
-    path = os.path.join(cache_dir(args.cache_dir), TAPE_NAME)
+    path = os.path.join(c.cache_dir(args.cache_dir), TAPE_NAME)
     record_s = None
     if not os.path.exists(path):
         print(f"recording {path} (once; a few minutes)...", flush=True)

@@ -26,7 +26,7 @@ import _common as c
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = ["bench_tape_append.py", "bench_fold.py", "bench_step_overhead.py", "bench_vs_vllm.py",
-              "bench_seek.py"]
+              "bench_seek.py", "bench_postmortem.py"]
 
 
 def source_digest() -> str:
