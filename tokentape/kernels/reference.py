@@ -77,6 +77,12 @@ def paged_attention_ref(
     k_rows = k_cache.flatten(1) if k_cache.is_contiguous() else k_cache
     v_rows = v_cache.flatten(1) if v_cache.is_contiguous() else v_cache
     same_dtype = k_cache.dtype == torch.float32
+    row = num_kv_heads * head_dim
+    k_strides, v_strides = (head_dim, 1, row), (head_dim, row, 1)
+    # Per-token views made in one call each when every sequence is a decode.
+    decode_only = total_q == len(lens)
+    q_rows = q_all.unbind(0) if decode_only else q_all
+    out_rows = out.unbind(0) if decode_only else out
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
@@ -93,15 +99,22 @@ def paged_attention_ref(
                 f"has {tables.shape[1]} columns"
             )
         blocks = tables[b, :num_blocks]
-        # [ctx, Hkv, D]. index_select (several times faster than advanced indexing on the
-        # CPU) makes a fresh copy, laid out the same whatever else is in the batch.
-        k = k_rows.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_rows.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        if not same_dtype:
-            k, v = k.to(torch.float32), v.to(torch.float32)
+        # index_select (several times faster than advanced indexing on the CPU) makes a fresh
+        # copy of the sequence's blocks, laid out the same whatever else is in the batch.
+        k_blocks = k_rows.index_select(0, blocks)
+        v_blocks = v_rows.index_select(0, blocks)
+        if q_len == 1 and same_dtype:
+            # A decode (the hot loop: as few torch calls as possible). The strided views are
+            # k.permute(1, 2, 0) and v.transpose(0, 1) of the first seq_len rows [ctx, Hkv, D].
+            k_t = k_blocks.as_strided((num_kv_heads, head_dim, seq_len), k_strides)
+            v_t = v_blocks.as_strided((num_kv_heads, seq_len, head_dim), v_strides)
+            scores = torch.bmm(q_rows[q_start], k_t)  # [Hkv, G, ctx]
+            torch.bmm(torch.softmax(scores, dim=-1), v_t, out=out_rows[q_start])
+            continue
+        k = k_blocks.view(-1, num_kv_heads, head_dim)[:seq_len].to(torch.float32)
+        v = v_blocks.view(-1, num_kv_heads, head_dim)[:seq_len].to(torch.float32)
         if q_len == 1:
-            # A decode (the hot loop: as few torch calls as possible).
-            scores = torch.bmm(q_all[q_start], k.permute(1, 2, 0))  # [Hkv, G, ctx]
+            scores = torch.bmm(q_all[q_start], k.permute(1, 2, 0))
             torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1), out=out[q_start])
         else:
             _attend_chunks(
