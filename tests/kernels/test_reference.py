@@ -72,6 +72,23 @@ def test_reference_is_batch_invariant() -> None:
         assert torch.equal(out, batched[cu[index] : cu[index + 1]]), index
 
 
+def test_reference_decode_batch_is_batch_invariant() -> None:
+    """A batch of decodes only (the engine's steady state, its fastest path): each sequence
+    alone, with GQA, odd lengths and contexts of one to several blocks, gives the same bits."""
+    decodes = [(n, 1) for n in (1, 3, 4, 5, 17, 31, 64, 9)]
+    case = make_case(decodes, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, seed=5)
+    batched = paged_attention_ref(
+        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+    )
+    torch.testing.assert_close(batched.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
+    for index in range(len(decodes)):
+        alone = case.select(index)
+        out = paged_attention_ref(
+            alone.query, alone.k_cache, alone.v_cache, **alone.attention_kwargs()
+        )
+        assert torch.equal(out[0], batched[index]), index
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seqs=st.lists(

@@ -61,13 +61,28 @@ def paged_attention_ref(
     its own. Returns [total_q, num_heads, head_dim] in ``query``'s dtype.
     """
     check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
-    _, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    total_q, num_heads, head_dim = query.shape
+    num_blocks_total, block_size, num_kv_heads = k_cache.shape[:3]
     group = num_heads // num_kv_heads
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.to(device=k_cache.device, dtype=torch.long)
-    out = torch.empty_like(query)
+    # Scaling is elementwise, so scaling every token at once gives each token the bits it
+    # gets alone; [total_q, Hkv, G, D]: query head h reads kv head h // G.
+    q_all = (query.to(torch.float32) * scale).view(total_q, num_kv_heads, group, head_dim)
+    out = torch.empty(
+        (total_q, num_kv_heads, group, head_dim), dtype=torch.float32, device=query.device
+    )
+    # One row per block (when the cache is contiguous): a flat gather is the cheapest.
+    k_rows = k_cache.flatten(1) if k_cache.is_contiguous() else k_cache
+    v_rows = v_cache.flatten(1) if v_cache.is_contiguous() else v_cache
+    same_dtype = k_cache.dtype == torch.float32
+    row = num_kv_heads * head_dim
+    k_strides, v_strides = (head_dim, 1, row), (head_dim, row, 1)
+    # Per-token views made in one call each when every sequence is a decode.
+    decode_only = total_q == len(lens)
+    q_rows = q_all.unbind(0) if decode_only else q_all
+    out_rows = out.unbind(0) if decode_only else out
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
@@ -84,21 +99,32 @@ def paged_attention_ref(
                 f"has {tables.shape[1]} columns"
             )
         blocks = tables[b, :num_blocks]
-        # [ctx, Hkv, D] float32. index_select (several times faster than advanced indexing on
-        # the CPU) makes a fresh copy, laid out the same whatever else is in the batch.
-        k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        k, v = k.to(torch.float32), v.to(torch.float32)
-        # Scaling makes a fresh copy too, whatever the slice's offset in the batch.
-        q = query[q_start:q_end].to(torch.float32) * scale
+        # index_select (several times faster than advanced indexing on the CPU) makes a fresh
+        # copy of the sequence's blocks, laid out the same whatever else is in the batch.
+        k_blocks = k_rows.index_select(0, blocks)
+        v_blocks = v_rows.index_select(0, blocks)
+        if q_len == 1 and same_dtype:
+            # A decode (the hot loop: as few torch calls as possible). The strided views are
+            # k.permute(1, 2, 0) and v.transpose(0, 1) of the first seq_len rows [ctx, Hkv, D].
+            k_t = k_blocks.as_strided((num_kv_heads, head_dim, seq_len), k_strides)
+            v_t = v_blocks.as_strided((num_kv_heads, seq_len, head_dim), v_strides)
+            scores = torch.bmm(q_rows[q_start], k_t)  # [Hkv, G, ctx]
+            torch.bmm(torch.softmax(scores, dim=-1), v_t, out=out_rows[q_start])
+            continue
+        k = k_blocks.view(-1, num_kv_heads, head_dim)[:seq_len].to(torch.float32)
+        v = v_blocks.view(-1, num_kv_heads, head_dim)[:seq_len].to(torch.float32)
         if q_len == 1:
-            # A decode: [H, D] -> [Hkv, G, D]; query head h reads kv head h // G.
-            scores = torch.bmm(q.view(num_kv_heads, group, head_dim), k.permute(1, 2, 0))
-            o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [Hkv, G, D]
-            out[q_start] = o.view(num_heads, head_dim)
+            scores = torch.bmm(q_all[q_start], k.permute(1, 2, 0))
+            torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1), out=out[q_start])
         else:
-            _attend_chunks(q, k, v, out[q_start:q_end], seq_len)
-    return out
+            _attend_chunks(
+                q_all[q_start:q_end].view(q_len, num_heads, head_dim),
+                k,
+                v,
+                out[q_start:q_end].view(q_len, num_heads, head_dim),
+                seq_len,
+            )
+    return out.view(total_q, num_heads, head_dim).to(query.dtype)
 
 
 def _attend_chunks(
