@@ -123,3 +123,25 @@ def test_export_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and capsys.readouterr().out.startswith("step,seq,")
     rc = cli.main(["export", str(path), "--format", "xml"])
     assert rc == 2 and "invalid choice: 'xml'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["csv", "perfetto"])
+def test_export_of_an_inconsistent_tape_is_one_line_and_leaves_no_file(
+    fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokentape.events.sqlite_store import SQLiteTape
+
+    recorded = load_tape(pause_resume("epoch"))
+    bad = tmp_path / "bad.tape"
+    writer = SQLiteTape(bad, recorded.header)
+    for _, event in recorded.events():
+        writer.append(event)
+        if isinstance(event, ev.StepScheduled):  # a frame for a request the tape never added
+            writer.append(ev.FrameProduced(event.step, [ev.FrameEntry("zz", [5])]))
+            break
+    writer.close()
+    out = tmp_path / f"bad.{fmt}"
+    rc = cli.main(["export", str(bad), "--format", fmt, "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert not out.exists()

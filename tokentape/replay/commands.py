@@ -178,8 +178,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.output is None:
             export(tape, args.format, sys.stdout, update)
         else:
-            with open(args.output, "x", encoding="utf-8", newline="") as f:
-                export(tape, args.format, f, update)
+            try:
+                with open(args.output, "x", encoding="utf-8", newline="") as f:
+                    export(tape, args.format, f, update)
+            except BaseException:
+                os.remove(args.output)  # no partial export left behind to block the rerun
+                raise
             print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

@@ -153,7 +153,9 @@ def write_csv(tape: Tape, out: TextIO, progress: Callable[[int], None] | None = 
             continue
         dropped_before = 0
         if type(event) is ev.FrameProduced:
-            dropped_before = sum(state.requests[e.req_id].num_frames_dropped for e in event.entries)
+            # An unknown request is left to evolve, which refuses the frame with a clear error.
+            dropped_before = sum(r.num_frames_dropped for e in event.entries
+                                 if (r := state.requests.get(e.req_id)) is not None)
         evolve(state, event)
         if row is None:  # before the first step: only commands
             carried_adds += type(event) is ev.RequestAdded
