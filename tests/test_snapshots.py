@@ -72,7 +72,16 @@ def test_the_index_reads_only_as_far_as_asked_and_knows_every_step() -> None:
     steps = [(seq, e.step) for seq, e in tape.events() if isinstance(e, ev.StepScheduled)]
     assert [index.seq_of_step(step) for _, step in steps] == [seq for seq, _ in steps]
     assert index.seq_of_step(len(steps)) is None
+    assert index.seq_of_step(-1) is None  # not the last step, as a list index would give
     assert index.positions == list(range(0, len(tape) + 1, 8))
+
+
+def test_a_negative_step_is_the_state_before_step_0() -> None:
+    tape = load_tape(busy())
+    before_step_0 = fold_to_step(tape, -1)
+    assert not before_step_0.in_flight_steps
+    for step in (-1, -2):
+        assert tape.at(step) == before_step_0
 
 
 def test_settled_requests_never_change_again() -> None:

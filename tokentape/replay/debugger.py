@@ -267,21 +267,16 @@ class TapeDebugger(cmd.Cmd):
         return f"event {seq} is out of range: the tape has events 0..{self.num_events - 1}"
 
     def _step_out_of_range(self, step: int) -> str:
+        self._index_to(self.num_events)  # the last step is known once the whole tape is indexed
         last = len(self.tape.snapshots.step_seqs) - 1
         return f"step {step} is out of range: the tape schedules steps 0..{last}"
 
     def _seq_of_step(self, step: int) -> int | None:
         """The position of StepScheduled(step), indexing on (with a progress bar) to find it."""
         index = self.tape.snapshots
-        if step < 0:
-            return None
-        if step >= len(index.step_seqs):
-            with progress(self.num_events - index.indexed_to, "indexing the tape") as update:
-                start = index.indexed_to
-                while len(index.step_seqs) <= step and index.indexed_to < index.num_events:
-                    index.extend_to(index.indexed_to + 65536)
-                    update(index.indexed_to - start)
-        return index.seq_of_step(step)
+        start = index.indexed_to
+        with progress(self.num_events - start, "indexing the tape") as update:
+            return index.seq_of_step(step, lambda done: update(done - start))
 
     def _seek(self, pos: int) -> None:
         if not 0 <= pos <= self.num_events:

@@ -233,14 +233,18 @@ class SnapshotIndex:
             fold_events(self.events_from(start), state, seq)
         return state
 
-    def seq_of_step(self, step: int) -> int | None:
-        """The position of `StepScheduled(step)`, or None when the tape never schedules it."""
+    def seq_of_step(self, step: int, progress: Callable[[int], None] | None = None) -> int | None:
+        """The position of `StepScheduled(step)`, or None when the tape never schedules it
+        (a negative step included). `progress` is passed on to `extend_to`."""
+        if step < 0:
+            return None
         while len(self.step_seqs) <= step and self._frontier_seq < self.num_events:
             # Index on in chunks until the step is found or the tape ends.
-            self.extend_to(self._frontier_seq + self.interval)
+            self.extend_to(self._frontier_seq + self.interval, progress)
         return self.step_seqs[step] if step < len(self.step_seqs) else None
 
     def state_at_step(self, step: int) -> EngineState:
-        """As `Tape.at(step)`: after step `step` was scheduled, before step `step + 1` was."""
-        nxt = self.seq_of_step(step + 1)
+        """As `Tape.at(step)`: after step `step` was scheduled, before step `step + 1` was
+        (a negative step: before step 0)."""
+        nxt = self.seq_of_step(max(step + 1, 0))
         return self.state_at(self.num_events if nxt is None else nxt)
