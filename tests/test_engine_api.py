@@ -215,6 +215,8 @@ def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> None:
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="seed must be a 64-bit signed integer"):
+        SamplingParams(seed=2**70)  # would not fit on the tape, killing the engine mid-step
     with pytest.raises(ValueError, match="outside the vocabulary"):
         e.add_request("oov", [5, 100000], SamplingParams())
     with pytest.raises(ValueError, match="empty"):

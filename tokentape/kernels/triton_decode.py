@@ -6,8 +6,10 @@ read once per group (GQA). Each program keeps a flash-attention style running ma
 weighted value, written as partials. Stage 2 merges the splits of each (sequence, head); when
 the block table is short enough for a single split, stage 1 writes the output itself.
 
-The split length depends only on the block table's width, never on the other sequences, so a
-sequence's result is the same whatever batch it is in.
+The split length depends only on the block table's width. The engine pads every table to the
+batch's widest, and a mixed batch sends its decodes through the prefill kernel, so on CUDA a
+sequence's bits can depend on its batch past 16,384 tokens of table or in a mixed step: the
+model runner refuses `batch_invariant=True` there; the CPU reference is the invariant path.
 """
 
 from __future__ import annotations

@@ -27,10 +27,23 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+# The answer depends on the BLAS and the shapes, not on the weights' values: measured once per
+# process for each set of shapes, dtype and device.
+_calibrated: dict[tuple[object, ...], int | None] = {}
+
+
 def calibrate_batch_invariant_rows(weights: list[torch.Tensor]) -> int | None:
     """The smallest row multiple in ROW_MULTIPLES for which every row of a padded matmul with
-    these weights equals the same row computed among 64, 256 and 1024 rows; None if none does
-    (this BLAS is not batch-invariant even for large batches)."""
+    these weights' shapes equals the same row computed among 64, 256 and 1024 rows; None if
+    none does (this BLAS is not batch-invariant even for large batches)."""
+    key = (tuple(tuple(w.shape) for w in weights),
+           tuple(sorted({str(w.dtype) for w in weights})), tuple(sorted({str(w.device) for w in weights})))
+    if key not in _calibrated:
+        _calibrated[key] = _measure_row_multiple(weights)
+    return _calibrated[key]
+
+
+def _measure_row_multiple(weights: list[torch.Tensor]) -> int | None:
     gen = torch.Generator().manual_seed(0)
     shapes = {tuple(w.shape): w for w in weights}
     candidates = list(ROW_MULTIPLES)

@@ -9,7 +9,6 @@ its work on its own stream.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import threading
@@ -24,7 +23,7 @@ from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 
@@ -81,6 +80,10 @@ class TorchModelRunner:
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if batch_invariant is None:  # exact and cheap on the CPU in float32 (docs/benchmarks.md)
             batch_invariant = self.device.type == "cpu" and dtype == torch.float32
+        if batch_invariant and self.device.type != "cpu":
+            # Padded matmuls alone would not do: the Triton attention path is not batch-invariant
+            # (see tokentape/kernels/triton_decode.py).
+            raise ValueError("batch_invariant=True is supported on the CPU only")
         self.pad_rows_to = 0
         if batch_invariant:
             weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
@@ -111,7 +114,7 @@ class TorchModelRunner:
             for _ in range(self.config.num_hidden_layers)
         ]
         self.model.rope.extend(num_kv_blocks * block_size)
-        self.weights_id = weights_hash(self.model)
+        self._weights_id: str | None = None  # hashed on first use: a pass over every weight
         self.tokenizer: Tokenizer | None = None  # a checkpoint's own; None means the byte tokenizer
         self._seqs: dict[str, _Seq] = {}
         self._results: dict[int, list[FrameEntry] | _Failure] = {}
@@ -176,8 +179,15 @@ class TorchModelRunner:
         apply_update(self.model, tensors)
         if self.device.type == "cuda":  # the worker's stream must see the copies
             torch.cuda.synchronize(self.device)
-        self.weights_id = weights_hash(self.model)
-        return self.weights_id
+        self._weights_id = weights_hash(self.model)
+        return self._weights_id
+
+    @property
+    def weights_id(self) -> str:
+        """The content hash of the weights being served (as recorded by WeightsUpdated)."""
+        if self._weights_id is None:
+            self._weights_id = weights_hash(self.model)
+        return self._weights_id
 
     # -- execution -----------------------------------------------------------------------------
 
@@ -196,12 +206,7 @@ class TorchModelRunner:
 
     def _request_seed(self, prompt: list[int], params: SamplingParams) -> int:
         """The request's seed, or one derived from the engine seed and the prompt."""
-        if params.seed is not None:
-            return params.seed
-        data = self.seed.to_bytes(8, "little", signed=True) + b"".join(
-            t.to_bytes(4, "little") for t in prompt
-        )
-        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        return params.seed if params.seed is not None else prompt_seed(self.seed, prompt)
 
     def _plan(self, batch: ScheduledBatch) -> _Plan:
         for req_id in batch.finished_req_ids:
@@ -275,7 +280,8 @@ class TorchModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not plan.samplers:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=dev)])
+        # float32 once here: the sampler and the logprobs both read it.
+        logits = self.model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=dev)]).float()
         rows = SamplingRows([], [], [], [])
         for _, seq, _, drafts in plan.samplers:
             p = seq.params

@@ -11,11 +11,10 @@ deviations, so n-gram drafts are sometimes accepted and sometimes rejected.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 
@@ -63,12 +62,7 @@ class OracleRunner:
     # -- the pure function ---------------------------------------------------------------------
 
     def request_key(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        seed = self.seed if params.seed is None else params.seed
-        digest = hashlib.blake2b(
-            seed.to_bytes(8, "little", signed=True) + b"".join(t.to_bytes(4, "little") for t in prompt_token_ids),
-            digest_size=8,
-        ).digest()
-        return int.from_bytes(digest, "little")
+        return prompt_seed(self.seed if params.seed is None else params.seed, prompt_token_ids)
 
     def token_at(self, key: int, position: int) -> int:
         span = _NUM_TOKENS
