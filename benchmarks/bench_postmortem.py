@@ -77,7 +77,10 @@ def main() -> None:
         record_s = 0.0
         if not os.path.exists(path):
             t0 = time.perf_counter()
-            record_tape(path, args.events)
+            partial = path + ".partial"  # an interrupted recording is never taken for the tape
+            c.remove_db(partial)
+            record_tape(partial, args.events)
+            os.replace(partial, path)
             record_s = time.perf_counter() - t0
         tape = load_tape(path)
         n = len(tape)

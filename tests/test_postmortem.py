@@ -8,6 +8,7 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -526,3 +527,13 @@ def test_html_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     assert 'data-timeline="drawn ' in proc.stdout  # the page's script measured the laid-out SVG
     spans = int(proc.stdout.split('data-timeline="drawn ')[1].split()[0])
     assert spans > 3
+
+
+def test_html_first_error_links_to_that_finding_when_a_warning_comes_first() -> None:
+    tape = load_tape(TAPES / "flag_42043.tape")
+    report = postmortem(tape)
+    warning = next(f for f in report.findings if f.severity == "warning")
+    errors = [f for f in report.findings if f.severity == "error"]
+    reordered = msgspec.structs.replace(report, findings=[warning, *errors])
+    page = render_report(reordered, tape)
+    assert f'First error: <a href="#finding-1">{errors[0].kind}</a>' in page

@@ -7,6 +7,7 @@ from typing import Any, Literal
 import msgspec
 
 from tokentape.events import schema as ev
+from tokentape.replay.export import to_builtin
 
 Severity = Literal["error", "warning"]
 
@@ -80,22 +81,12 @@ def excerpt_of(items: list[tuple[int, ev.Event]], request_ids: set[str] | frozen
 
 
 def _cut(event: ev.Event, request_ids: set[str] | frozenset[str]) -> dict[str, Any]:
-    data = {name: getattr(event, name) for name in event.__struct_fields__ if name != "step"}
+    data: dict[str, Any] = to_builtin(event)
+    del data["step"]  # the excerpt line shows it
     entries = data.get("entries")
     if entries is not None:
-        kept = [e for e in entries if e.req_id in request_ids]
+        kept = [x for x in entries if x["req_id"] in request_ids]
         data["entries"] = kept
         if len(kept) < len(entries):
             data["other_entries"] = len(entries) - len(kept)
-    return _plain(data)  # type: ignore[no-any-return]
-
-
-def _plain(value: Any) -> Any:
-    """Builtins with field names (the tape's structs are array-like: lists without names)."""
-    if isinstance(value, msgspec.Struct):
-        return {name: _plain(getattr(value, name)) for name in value.__struct_fields__}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+    return data

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 
 import msgspec
 
+from tokentape.engine.llm import make_runner
+from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
 from tokentape.events.state import RequestState
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context
+from tokentape.replay.tape import Tape
 
 _MAX_SHIFT = 4  # tokens a stream may be duplicated or shifted by and still be classified
 _LOOKAHEAD = 8  # extra reference tokens, so that a shifted stream can be matched at its end
@@ -105,13 +108,8 @@ class ReferenceChecker(Checker):
         self.diverged: dict[str, _Divergence] = {}
         self.oracle = None
         if reference is None:
-            from tokentape.engine.runners.oracle import OracleRunner
-
-            c = ctx.tape.config
-            self.oracle = OracleRunner(ctx.tape.header.model_id == "oracle", ctx.tape.header.seed,
-                                       prompt_lookup_max=c.prompt_lookup_max,
-                                       prompt_lookup_min=c.prompt_lookup_min)
-            self.max_model_len = c.effective_max_model_len
+            self.oracle = oracle_of(ctx.tape)
+            self.max_model_len = ctx.tape.config.effective_max_model_len
 
     def after(self) -> dict[type, Hook]:
         return {ev.RequestAdded: self._added, ev.FrameProduced: self._frame,
@@ -218,3 +216,12 @@ class ReferenceChecker(Checker):
                 f"request {req_id!r} differs from the {self.source} stream at {where}: got "
                 f"{got}{whose}, expected {expected}{after}",
                 excerpt, bug, d.seq)
+
+
+def oracle_of(tape: Tape) -> OracleRunner:
+    """The oracle a tape was recorded with, built as the engine built it (model and seed come
+    from the tape's config), for its expected streams."""
+    runner = make_runner(tape.config)
+    if not isinstance(runner, OracleRunner):
+        raise ValueError(f"the tape was recorded with {tape.config.model!r}, not the oracle")
+    return runner

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from tokentape.events import schema as ev
 from tokentape.events.state import EngineState
 from tokentape.postmortem.findings import BUG_CLASSES, Finding, Report
+from tokentape.postmortem.outputs import oracle_of
 from tokentape.replay.tape import Tape
 from tokentape.replay.timeline import Marker, Span, Timeline, timeline_from_events
 
@@ -104,11 +105,8 @@ def _expected_streams(tape: Tape, report: Report, watch: set[str], state: Engine
     ref = report.summary.reference
     out: dict[str, list[int]] = {}
     if ref == "oracle":
-        from tokentape.engine.runners.oracle import OracleRunner
-
         c = tape.config
-        oracle = OracleRunner(tape.header.model_id == "oracle", tape.header.seed,
-                              prompt_lookup_max=c.prompt_lookup_max, prompt_lookup_min=c.prompt_lookup_min)
+        oracle = oracle_of(tape)
         for r in watch:
             req = state.requests.get(r)
             if req is not None:
@@ -140,11 +138,13 @@ def _summary(report: Report) -> str:
     s = report.summary
     verdict = (f'<p class="verdict bad">{s.errors} error(s), {s.warnings} warning(s)</p>' if s.errors
                else f'<p class="verdict ok">no errors, {s.warnings} warning(s)</p>')
-    first = next((f for f in report.findings if f.severity == "error"), None)
+    # Findings are numbered by their place in the list (see _findings), warnings included.
+    i, first = next(((i, f) for i, f in enumerate(report.findings) if f.severity == "error"), (0, None))
     cause = ""
     if first is not None:
         bug = f" ({e(BUG_CLASSES.get(first.bug_class, first.bug_class))})" if first.bug_class else ""
-        cause = f'<p class="cause">First error: <a href="#finding-0">{e(first.kind)}</a>: {e(first.message)}{bug}</p>'
+        cause = (f'<p class="cause">First error: <a href="#finding-{i}">{e(first.kind)}</a>: '
+                 f'{e(first.message)}{bug}</p>')
     rows = {
         "tape": s.tape, "events analysed": f"{s.num_events}" + ("" if s.complete else " (stopped early)"),
         "steps": s.num_steps, "requests": s.num_requests, "discard policy": s.discard_policy,
