@@ -92,12 +92,8 @@ def copy_state(state: EngineState) -> EngineState:
     """An independent copy of the engine state: folding more events into either leaves the
     other unchanged. Settled requests are shared (nothing changes them); in-flight steps point
     at the copied requests."""
-    pending = state.pending_output
     return _with_requests(state, {
-        req_id: r if (r.finish_reason is not None and not r.num_stale_in_flight
-                      and not r.num_fresh_in_flight and not r.num_partial_in_flight
-                      and req_id not in pending) else copy_request(r)
-        for req_id, r in state.requests.items()
+        req_id: r if is_settled(state, r) else copy_request(r) for req_id, r in state.requests.items()
     })
 
 
@@ -113,7 +109,8 @@ class Snapshot:
         self.num_requests = len(state.requests)
         self.live = {req_id: copy_request(r) for req_id, r in state.requests.items()
                      if not is_settled(state, r)}
-        self.engine = _with_requests(state, {**state.requests, **self.live})
+        # Every request of an in-flight step has something in flight, so it is live.
+        self.engine = _with_requests(state, self.live)
         self.engine.requests = {}  # the requests are rebuilt on restore
 
     def restore(self, arrivals: list[RequestState]) -> EngineState:
