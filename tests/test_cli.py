@@ -419,7 +419,7 @@ def test_inspect_generated_output_matches(
 
 def test_inspect_rich_tables_on_a_terminal(busy_tape: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "_use_rich", lambda stream: True)
+    monkeypatch.setattr(cli, "is_terminal", lambda stream: True)
     rc, out, _ = run(capsys, "inspect", str(busy_tape))
     assert rc == 0
     assert "discard policy" in out and "requests (8)" in out

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TextIO
 
+from tokentape.replay.render import is_terminal
+
 EXIT_OK = 0
 EXIT_DIVERGED = 1
 EXIT_ERROR = 2
@@ -459,13 +461,6 @@ def _request_detail(state: Any, req: Any) -> dict[str, Any]:
     }
 
 
-def _use_rich(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
 class _PlainView:
     def __init__(self, out: TextIO) -> None:
         self.out = out
@@ -580,7 +575,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"tape": tape.path, "step": args.step, "request": detail}))
             return EXIT_OK
-        view = _RichView(sys.stdout) if _use_rich(sys.stdout) else _PlainView(sys.stdout)
+        view = _RichView(sys.stdout) if is_terminal(sys.stdout) else _PlainView(sys.stdout)
         view.section(f"request {req.req_id!r} {where}", detail)
         return EXIT_OK
 
@@ -609,7 +604,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(record))
         return EXIT_OK
 
-    view = _RichView(sys.stdout) if _use_rich(sys.stdout) else _PlainView(sys.stdout)
+    view = _RichView(sys.stdout) if is_terminal(sys.stdout) else _PlainView(sys.stdout)
     view.section("tape", _header_summary(tape, num_events))
     view.section(f"engine state {where}", _engine_summary(state))
     view.table(f"requests ({len(state.requests)})", _REQUEST_COLUMNS,

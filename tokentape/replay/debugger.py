@@ -33,7 +33,7 @@ from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState
 from tokentape.events.store import TapeError
 from tokentape.replay.conditions import ALL_NAMES, ExpressionError, StateExpression
-from tokentape.replay.render import Output, describe_event, event_requests, progress
+from tokentape.replay.render import Output, describe_event, event_requests, is_terminal, progress
 from tokentape.replay.tape import Tape
 
 KINDS = sorted(ev.EVENT_KINDS)
@@ -159,7 +159,7 @@ class TapeDebugger(cmd.Cmd):
         super().__init__(stdin=stdin, stdout=stdout)
         self.tape = tape
         self.out = Output(stdout, rich)
-        self.interactive = _isatty(stdin) and _isatty(stdout)
+        self.interactive = is_terminal(stdin) and is_terminal(stdout)
         self.use_rawinput = self.interactive
         self.prompt = "(tokentape) " if self.interactive else ""
         self.num_events = len(tape)
@@ -699,12 +699,6 @@ def _int(text: str, what: str) -> int:
     except ValueError:
         raise DebuggerError(f"expected {what}, got {text.strip()!r}") from None
 
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def _format_value(value: Any) -> str:

@@ -17,6 +17,7 @@ recorded on its own tape, and `diff` compares its client-visible output with the
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,8 +80,9 @@ def _make_runner(config: EngineConfig, runner: str) -> ModelRunner:
                           f"({exc})") from None
 
 
-def _advance_to(engine: LLMEngine, step: int, limit: int) -> None:
-    """Step the engine until it is about to schedule `step`, or can do nothing more."""
+def _advance_to(engine: LLMEngine, step: int, limit: int, goal: str | None = None) -> None:
+    """Step the engine until it is about to schedule `step`, or can do nothing more (left
+    paused, or every request finished)."""
     state = engine.state
     for _ in range(limit):
         if state.step >= step or not engine.has_unfinished_requests():
@@ -89,7 +91,7 @@ def _advance_to(engine: LLMEngine, step: int, limit: int) -> None:
         engine.step()
         if state.num_events == before:  # paused, or nothing schedulable: waiting cannot help
             return
-    raise WhatIfError(f"the what-if run did not reach step {step} within {limit} engine steps")
+    raise WhatIfError(f"the what-if run did not {goal or f'reach step {step}'} within {limit} engine steps")
 
 
 def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) -> None:
@@ -158,15 +160,7 @@ def whatif(
         for command in recorded_commands(original):
             _advance_to(engine, command.step, limit)
             _issue(engine, command, runner, notes)
-        for _ in range(limit):
-            if not engine.has_unfinished_requests():
-                break
-            before = engine.state.num_events
-            engine.step()
-            if engine.state.num_events == before:
-                break  # left paused by the recording: nothing more runs
-        else:
-            raise WhatIfError(f"the what-if run did not finish within {limit} engine steps")
+        _advance_to(engine, sys.maxsize, limit, "finish")
         engine.tape.flush()
     finally:
         engine.close()
