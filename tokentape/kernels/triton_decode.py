@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokentape.kernels.triton_common import prepare_attention_inputs
+from tokentape.kernels.triton_common import LOG2_E, dot_precision, prepare_attention_inputs
 
-LOG2_E = 1.4426950408889634
 # KV tokens per inner iteration, and warps: K/V are upcast to fp32 in registers, and a 64-token
 # tile at 4 warps spills on sm_90 (checked with `gpu_check.py --compile-only`), 32 does not.
 TILE_N = 32
@@ -178,8 +177,7 @@ def split_kernel_meta(
         "BLOCK_G": max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "TILE": TILE_N,
-        # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
-        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "PRECISION": dot_precision(dtype),
         "num_warps": NUM_WARPS,
     }
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tokentape.kernels.reference import check_kv_write_shapes
+from tokentape.kernels.triton_common import check_cache_strides
 
 
 @triton.jit
@@ -77,8 +78,7 @@ def write_kv_cache_triton(
 ) -> None:
     """Triton version of :func:`tokentape.kernels.reference.write_kv_cache_ref`."""
     check_kv_write_shapes(key, value, k_cache, v_cache, slot_mapping)
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
+    check_cache_strides(k_cache, v_cache)
     # The kernel indexes head_dim with unit stride.
     key = key if key.stride(2) == 1 else key.contiguous()
     value = value if value.stride(2) == 1 else value.contiguous()

@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokentape.kernels.triton_common import prepare_attention_inputs
+from tokentape.kernels.triton_common import LOG2_E, dot_precision, prepare_attention_inputs
 
-LOG2_E = 1.4426950408889634
 BLOCK_M = 64  # query rows per program: BLOCK_M // GROUP tokens times GROUP heads
 # KV tokens per inner iteration, and warps: with Q, the accumulator and K/V tiles in fp32,
 # 64-token tiles or 4 warps spill registers on sm_90 (`gpu_check.py --compile-only`).
@@ -145,8 +144,7 @@ def prefill_kernel_meta(
         "BLOCK_M": block_m,
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "TILE": TILE_N,
-        # bf16/fp16 values are exact in tf32; fp32 inputs keep full fp32 products.
-        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "PRECISION": dot_precision(dtype),
         "num_warps": NUM_WARPS,
     }
 
