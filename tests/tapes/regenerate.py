@@ -12,7 +12,6 @@ what each bug does, not taken from the postmortem's output.
 from __future__ import annotations
 
 import json
-import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 from tokentape import LLM, SamplingParams
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.events import schema as ev
+from tokentape.events.sqlite_store import make_self_contained, remove_tape_files
 
 HERE = Path(__file__).resolve().parent
 PROMPT = list(range(10, 30))
@@ -235,13 +235,9 @@ def regenerate(names: list[str] | None = None) -> None:
         if names and name not in names:
             continue
         tape = HERE / f"{name}.tape"
-        for stale in (tape, Path(f"{tape}-wal"), Path(f"{tape}-shm")):
-            stale.unlink(missing_ok=True)
+        remove_tape_files(tape)
         scenario(tape)
-        # A rollback-journal file reads back read-only without -wal/-shm files beside it.
-        conn = sqlite3.connect(tape)
-        conn.execute("PRAGMA journal_mode=DELETE")
-        conn.close()
+        make_self_contained(tape)  # committed: one file that reads back without -wal/-shm
         doc = {"description": " ".join((scenario.__doc__ or "").split()), "findings": expected}
         (HERE / f"{name}.expected.json").write_text(json.dumps(doc, indent=2) + "\n")
         print(f"{tape.name}: {tape.stat().st_size} bytes")

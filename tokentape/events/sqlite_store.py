@@ -147,6 +147,25 @@ def _shut(stop: threading.Event, checkpointer: threading.Thread, conn: sqlite3.C
         conn.close()
 
 
+def remove_tape_files(path: str | os.PathLike[str]) -> None:
+    """Delete a tape file and the -wal / -shm files SQLite may keep beside it."""
+    for p in (os.fspath(path), f"{os.fspath(path)}-wal", f"{os.fspath(path)}-shm"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+def make_self_contained(path: str | os.PathLike[str]) -> None:
+    """Switch a closed tape from WAL to a rollback journal: one file, readable read-only with
+    no -wal / -shm beside it (for tapes that are kept or committed)."""
+    conn = sqlite3.connect(os.fspath(path))
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        conn.close()
+
+
 class SQLiteTapeReader:
     """Reads a tape file, streaming events in batches. Safe while another process writes."""
 

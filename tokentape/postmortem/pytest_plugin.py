@@ -110,17 +110,12 @@ def _has_tape(llm: LLM) -> bool:
     return isinstance(writer, (MemoryTape, SQLiteTape))
 
 
-def _remove(path: Path) -> None:
-    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-        p.unlink(missing_ok=True)
-
-
 def _save_tape(llm: LLM, dest: Path) -> None:
-    from tokentape.events.sqlite_store import SQLiteTape
+    from tokentape.events.sqlite_store import SQLiteTape, make_self_contained, remove_tape_files
     from tokentape.events.store import MemoryTape
 
     writer = llm.engine.tape
-    _remove(dest)  # a tape kept by an earlier run of the same test
+    remove_tape_files(dest)  # a tape kept by an earlier run of the same test
     if isinstance(writer, MemoryTape):
         out = SQLiteTape(dest, writer.header)
         try:
@@ -128,23 +123,18 @@ def _save_tape(llm: LLM, dest: Path) -> None:
                 out.append(event)
         finally:
             out.close()
-        conn = sqlite3.connect(dest)
-        try:
-            conn.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
-        finally:
-            conn.close()
+        make_self_contained(dest)
         return
     assert isinstance(writer, SQLiteTape) and writer.path is not None
-    if writer._finalizer.alive:
-        writer.flush()  # everything the engine recorded is in the file (or its WAL)
+    writer.flush()  # everything the engine recorded is in the file (or its WAL); a no-op once closed
     src = sqlite3.connect(f"file:{writer.path}?mode=ro", uri=True)
     dst = sqlite3.connect(dest)
     try:
         src.backup(dst)  # a consistent copy, even of a tape still open for writing
-        dst.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
     finally:
         src.close()
         dst.close()
+    make_self_contained(dest)
 
 
 def _write_postmortem(tape: Path, report_path: Path) -> None:
