@@ -160,3 +160,17 @@ def test_frames_of_a_checkpoint_run_replay(tmp_path: Path) -> None:
     llm.close()
     result = verify(tmp_path / "run.tape")
     assert result.ok and result.num_events > 10
+
+
+def test_an_integer_tensor_in_a_checkpoint_is_refused_not_cast(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, small_config("llama"))
+    shard = ckpt / "model-00001-of-00002.safetensors"
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(shard))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{name}' is torch.int32, not floating point"):
+        load_checkpoint(ckpt)

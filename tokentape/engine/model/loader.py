@@ -101,6 +101,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, CausalLM
                 f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)}, "
                 f"config.json implies {shapes[name]}"
             )
+        if not t.is_floating_point():  # as update_weights refuses it: a cast would hide the error
+            raise CheckpointError(f"{origin[name]}: tensor {name!r} is {t.dtype}, not floating point")
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name].to(torch.float32))
