@@ -32,15 +32,12 @@ class KVChecker(Checker):
         self._reset: tuple[int, ev.PrefixCacheReset] | None = None  # a reset whose preemptions follow
 
     def before(self) -> dict[type, Hook]:
-        hooks: dict[type, Hook] = {t: self._check_reset_done for t in ev.EVENT_TYPES
-                                   if t is not ev.RequestPreempted}
-        hooks.update({ev.StepScheduled: self._scheduled, ev.RequestPreempted: self._preempted,
-                      ev.RequestFinished: self._released, ev.RequestAborted: self._released,
-                      ev.PrefixCacheReset: self._prefix_cache_reset})
-        return hooks
+        return {ev.StepScheduled: self._scheduled, ev.RequestPreempted: self._preempted,
+                ev.RequestFinished: self._released, ev.RequestAborted: self._released,
+                ev.PrefixCacheReset: self._prefix_cache_reset}
 
     def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
-        self._check_reset_done(seq, e)
+        self._settle_reset()
         requests, refs, holder, bs = self.state.requests, self.refs, self.holder, self.block_size
         for entry in e.entries:
             if not entry.new_block_ids:
@@ -84,10 +81,12 @@ class KVChecker(Checker):
                                 "more often than it was taken", [(seq, e)], None, seq)
 
     def _released(self, seq: int, e: ev.RequestFinished | ev.RequestAborted) -> None:
-        self._check_reset_done(seq, e)
+        self._settle_reset()
         self._release(seq, e, e.req_id)
 
     def _preempted(self, seq: int, e: ev.RequestPreempted) -> None:
+        if e.reason != "reset_prefix_cache":  # a reset's own preemptions come right after it
+            self._settle_reset()
         if e.reason == "kv_pressure":
             # Before the failed allocation the step can only have taken blocks for its running
             # entries (each within the token budget, which a dropped entry gives back, plus
@@ -104,17 +103,18 @@ class KVChecker(Checker):
         self._release(seq, e, e.req_id)
 
     def _prefix_cache_reset(self, seq: int, e: ev.PrefixCacheReset) -> None:
-        self._check_reset_done(seq, e)
+        self._settle_reset()
         if not e.ok:
             return
-        if e.reset_running_requests:
-            self._reset = (seq, e)  # its preemptions follow; check once they are done
-        else:
-            self._reset = (seq, e)
-            self._check_reset_done(seq, e)
+        self._reset = (seq, e)
+        if not e.reset_running_requests:
+            self._settle_reset()
+        # Otherwise its preemptions follow: the blocks are counted once they are given back,
+        # at the next event that changes them (the others leave the count as it is).
 
-    def _check_reset_done(self, seq: int, e: ev.Event) -> None:
-        if self._reset is None or (seq == self._reset[0] and self._reset[1].reset_running_requests):
+    def _settle_reset(self) -> None:
+        """Check a successful reset once its own preemptions are done: no block may be in use."""
+        if self._reset is None:
             return
         reset_seq, reset = self._reset
         self._reset = None
@@ -126,5 +126,4 @@ class KVChecker(Checker):
                 [(reset_seq, reset)], None, reset_seq)
 
     def finish(self) -> None:
-        if self._reset is not None:
-            self._check_reset_done(self._reset[0] + 1, self._reset[1])
+        self._settle_reset()
