@@ -50,7 +50,9 @@ class KVCacheManager:
             for i in range(0, len(tokens), bs):
                 parent = hash((parent, tuple(tokens[i:i + bs])))
                 hashes.append(parent)
-        return hashes
+        # The chain may already be longer (a preempted request whose length is a multiple of
+        # the block size): callers get exactly the blocks they asked for.
+        return hashes if len(hashes) <= num_full_blocks else hashes[:num_full_blocks]
 
     def get_computed_blocks(self, req: RequestState) -> list[int]:
         """Cached blocks holding a prefix of the request's confirmed tokens.
@@ -61,9 +63,8 @@ class KVCacheManager:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
-        # The chain may already be longer (a preempted request whose length is a multiple of
-        # the block size): never hit its last token's block, or nothing would be left to run.
-        for h in self._block_hashes(req, max_blocks)[:max_blocks]:
+        # Never hit the last token's block, or nothing would be left to run.
+        for h in self._block_hashes(req, max_blocks):
             block = self.cached.get(h)
             if block is None:
                 break

@@ -164,6 +164,7 @@ class TapeDebugger(cmd.Cmd):
         self.prompt = "(tokentape) " if self.interactive else ""
         self.num_events = len(tape)
         self.pos = 0
+        self._last_applied: tuple[int, ev.Event] | None = None
         self.state = tape.state_at(0)
         self.breakpoints: list[Breakpoint] = []
         self.watches: list[_Watch] = []
@@ -302,6 +303,7 @@ class TapeDebugger(cmd.Cmd):
                     raise ReducerError(f"event {seq} ({ev.kind_of(event)}) cannot be applied to "
                                        f"the state before it: {exc}") from None
                 self.pos = seq + 1
+                self._last_applied = (seq, event)
                 reason = stop(seq, event, state)
                 if reason is not None:
                     return reason
@@ -501,6 +503,9 @@ class TapeDebugger(cmd.Cmd):
     def _current_event(self) -> tuple[int, ev.Event] | None:
         if self.pos == 0:
             return None
+        last = self._last_applied  # the event a forward move just applied: no second read
+        if last is not None and last[0] == self.pos - 1:
+            return last
         return next(self.tape.events(self.pos - 1), None)
 
     def _show_position(self) -> None:
