@@ -160,6 +160,14 @@ def _attend_chunks(
         out[j0:j1] = o.reshape(n, num_heads, head_dim)
 
 
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
 def check_kv_write_shapes(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -168,11 +176,7 @@ def check_kv_write_shapes(
     slot_mapping: torch.Tensor,
 ) -> None:
     """One-line ValueErrors for inputs that do not fit the cache layout."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    _check_cache_pair(k_cache, v_cache)
     if slot_mapping.is_floating_point() or slot_mapping.is_complex():
         raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
     expected = (slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3])
@@ -192,11 +196,7 @@ def check_attention_shapes(
     block_tables: torch.Tensor,
 ) -> None:
     """One-line ValueErrors for inputs that do not fit together (no device sync needed)."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    _check_cache_pair(k_cache, v_cache)
     if query.dim() != 3 or query.shape[2] != k_cache.shape[3]:
         raise ValueError(
             f"query must be [total_q, num_heads, head_dim={k_cache.shape[3]}], "
