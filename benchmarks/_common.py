@@ -198,6 +198,9 @@ def time_decode_steps(
     assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in state.requests.values()), \
         "a prefill is still pending"
     step_before = state.step
+    # An SQLite tape's writer process starts alongside the engine (tens of ms): the window
+    # begins once it runs and has caught up; the flush after the window counts any backlog.
+    engine.tape.flush()
     start, stop = hooks or (_noop, _noop)
     with gc_collected():
         start()

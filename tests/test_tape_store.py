@@ -185,13 +185,19 @@ def test_uncommitted_events_are_invisible_to_readers(tmp_path: Path) -> None:
     for e in events[:3]:
         tape.append(e)
     assert len(SQLiteTapeReader(path)) == 0
-    tape.commit()
+    tape.commit()  # hands the transaction to the writer process
+    tape.flush()  # returns once the writer has it in the file
     assert [e for _, e in read_all(path)] == events[:3]
     tape.commit()  # nothing buffered: a no-op
     for e in events[3:]:
         tape.append(e)
-    tape.close()  # close commits what is buffered
+    assert [e for _, e in read_all(path)] == events[:3]  # not committed: still in this process
+    tape.close()  # close commits what is buffered and waits for the writer
     assert [e for _, e in read_all(path)] == events
+    tape.flush()  # closed, nothing pending: a no-op
+    tape.append(events[0])
+    with pytest.raises(TapeError, match="the tape is closed"):
+        tape.commit()
 
 
 def test_header_round_trip(tmp_path: Path) -> None:
@@ -601,6 +607,12 @@ def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert committed > 0
+    # The engine's tape writer process outlives it: it commits everything the engine handed
+    # over, checkpoints, and exits, which removes the -wal file.
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"{path}-wal") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"{path}-wal"), "the tape writer did not finish after the engine died"
     tape = load_tape(path)
     assert len(tape) >= committed
     state = tape.fold()
@@ -611,6 +623,25 @@ def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
     assert result.num_events == len(tape)
     kinds = {ev.kind_of(e) for _, e in tape.events()}
     assert "RequestPreempted" in kinds and "RequestFinished" in kinds
+
+
+def test_a_dead_writer_process_is_reported_and_stops_the_engine(tmp_path: Path) -> None:
+    path = tmp_path / "dead-writer.tape"
+    llm = LLM(model="oracle", tape=path)
+    engine = llm.engine
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    engine.tape.flush()
+    os.kill(engine.tape.writer_pid, signal.SIGKILL)
+    with pytest.raises(TapeError, match=r"dead-writer\.tape: the tape writer process stopped \(exit code -9"):
+        for _ in range(200):  # the kill lands asynchronously; the next write after it fails
+            engine.step()
+            time.sleep(0.01)
+    with pytest.raises(EngineDeadError, match="tape writer process stopped"):
+        engine.step()
+    llm.close()  # the failure was reported once; closing does not raise it again
+    result = verify(path)  # what the writer committed before it died is a valid tape
+    assert result.ok and result.num_events >= 2  # the request and the first step, flushed
 
 
 # -- engine failures -------------------------------------------------------------------------

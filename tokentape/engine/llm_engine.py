@@ -88,13 +88,14 @@ class LLMEngine:
         try:
             yield
             self._flush_outputs()  # whatever the operation finished or produced, deliver it
+            # A tape that cannot be written ends the run too: the state would outgrow its record.
+            self.tape.commit()
         except BaseException as exc:
             self._dead = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
                 self.tape.append(ev.EngineError(self.state.step, type(exc).__name__, str(exc)))
                 self.tape.flush()  # in the file before the exception propagates
             raise
-        self.tape.commit()
 
     # -- requests ------------------------------------------------------------------------------
 

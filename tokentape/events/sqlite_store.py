@@ -3,29 +3,31 @@
 Layout (see docs/tape-format.md):
 - `meta(key, value)`: `format_version` (integer) and `header` (msgpack TapeHeader);
 - `events(seq, step, kind, data)`: one row per event, `data` is the msgpack event.
-Triggers refuse UPDATE and DELETE on both tables, and inserts that would replace a row. Rows
-are buffered and written with one `executemany` per commit; the engine commits at every step
-boundary, so a killed process leaves a tape that reads back up to its last completed step.
-WAL lets another process read while the engine writes; checkpoints run on a background
-thread (see SQLiteTape).
+Triggers refuse UPDATE and DELETE on both tables, and inserts that would replace a row.
+`SQLiteTape` creates the file, then hands each step's rows to a writer process
+(tokentape/events/sqlite_writer.py) that commits them as one transaction, so the SQLite work
+runs on another core instead of inside the engine's step. WAL lets any other process read
+while the tape is written.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
-import threading
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
+from typing import NoReturn
 
 import msgspec
 import sqlite_utils
 
 from tokentape.events import schema as ev
+from tokentape.events import sqlite_writer
 from tokentape.events.store import TapeError, check_format_version, decode_at
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-_INSERT_EVENT = "INSERT INTO events(seq, step, kind, data) VALUES (?, ?, ?, ?)"
 _encode = msgspec.msgpack.Encoder().encode
 _READ_BATCH = 4096
 
@@ -51,100 +53,122 @@ BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
 }
 
 
+def _create_tape_file(path: str, header: ev.TapeHeader) -> None:
+    """The empty tape: WAL mode, both tables with their triggers, and the header."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        db = sqlite_utils.Database(conn)
+        db.enable_wal()
+        db.table("meta").create({"key": str, "value": bytes}, pk="key")
+        db.table("events").create({"seq": int, "step": int, "kind": str, "data": bytes}, pk="seq")
+        for table in ("meta", "events"):
+            conn.executescript(_APPEND_ONLY_TRIGGERS.format(table=table))
+            conn.executescript(_APPEND_ONLY_INSERT[table])
+        conn.execute("BEGIN")
+        conn.executemany(
+            "INSERT INTO meta(key, value) VALUES (?, ?)",
+            [("format_version", ev.FORMAT_VERSION), ("header", ev.encode_header(header))],
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 class SQLiteTape:
-    """Writes a new tape file. Refuses to overwrite an existing one."""
+    """Writes a new tape file. Refuses to overwrite an existing one.
+
+    `append` encodes an event into the current transaction; `commit` (a step boundary) hands
+    the transaction to the writer process and returns without waiting for SQLite. The writer
+    commits each transaction whole and in order. What `commit` has handed over survives the
+    engine's own death, even by SIGKILL: the writer drains its pipe, commits and exits.
+    `flush` returns once everything committed is in the file, for readers in this process.
+    If the writer process fails, the next `commit` or `flush` raises TapeError with its error.
+    """
 
     def __init__(self, path: str | os.PathLike[str], header: ev.TapeHeader) -> None:
         self.path = os.fspath(path)
         self.header = header
         if os.path.exists(self.path):
             raise FileExistsError(f"{self.path}: a tape already exists here; choose a new path")
-        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        db = sqlite_utils.Database(self._conn)
-        db.enable_wal()
-        self._conn.execute("PRAGMA synchronous=NORMAL")  # durable across a process crash
-        db["meta"].create({"key": str, "value": bytes}, pk="key")
-        db["events"].create({"seq": int, "step": int, "kind": str, "data": bytes}, pk="seq")
-        for table in ("meta", "events"):
-            self._conn.executescript(_APPEND_ONLY_TRIGGERS.format(table=table))
-            self._conn.executescript(_APPEND_ONLY_INSERT[table])
-        self._conn.execute("BEGIN")
-        self._conn.executemany(
-            "INSERT INTO meta(key, value) VALUES (?, ?)",
-            [("format_version", ev.FORMAT_VERSION), ("header", ev.encode_header(header))],
+        _create_tape_file(self.path, header)
+        self._writer = subprocess.Popen(
+            [sys.executable, "-I", sqlite_writer.__file__, self.path],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
         )
-        self._conn.execute("COMMIT")
+        assert self._writer.stdin is not None and self._writer.stdout is not None
+        self._to_writer = self._writer.stdin.fileno()
+        self._from_writer = self._writer.stdout
         self._buffer: list[tuple[int, int, str, bytes]] = []
         self._next_seq = 0
-        # Checkpoints (copying the WAL into the file) run on their own connection in a
-        # background thread, not inside the engine's step: sqlite3 releases the GIL while
-        # it copies, and a passive checkpoint never blocks the writer.
-        self._conn.execute("PRAGMA wal_autocheckpoint=0")
-        stop = threading.Event()
-        checkpointer = threading.Thread(
-            target=_checkpoint_periodically, args=(self.path, stop),
-            name="tape-checkpointer", daemon=True,
-        )
-        checkpointer.start()
-        # Stops the checkpointer and closes the file when the tape is closed, dropped, or the
-        # interpreter exits.
-        self._finalizer = weakref.finalize(self, _shut, stop, checkpointer, self._conn)
+        self._failure: str | None = None
+        # Ends the writer (it commits what it was sent, then exits) when the tape is closed,
+        # dropped, or the interpreter exits.
+        self._finalizer = weakref.finalize(self, _stop_writer, self._writer)
 
     def append(self, event: ev.Event) -> None:
         self._buffer.append((self._next_seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event)))
         self._next_seq += 1
 
     def commit(self) -> None:
-        """End a transaction (a step boundary): the rows appended since are written."""
+        """End a transaction (a step boundary): the rows appended since go to the writer."""
         if not self._buffer:
             return
-        conn = self._conn
-        conn.execute("BEGIN")
-        try:
-            conn.executemany(_INSERT_EVENT, self._buffer)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+        self._send(sqlite_writer.frame_rows(self._buffer))
         self._buffer.clear()
 
     def flush(self) -> None:
-        self.commit()  # a commit is in the file (its WAL) when it returns
+        """Commit, and return once the writer has every committed row in the file."""
+        if not self._finalizer.alive and not self._buffer and self._failure is None:
+            return  # closed: everything is in the file already
+        self.commit()
+        self._send(sqlite_writer.FLUSH_REQUEST)
+        if self._from_writer.read(1) != sqlite_writer.FLUSH_DONE:
+            self._writer_failed()
+
+    def _send(self, data: bytes) -> None:
+        if self._failure is not None or not self._finalizer.alive:
+            raise TapeError(self.path, self._failure or "the tape is closed")
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._to_writer, view):]
+        except BrokenPipeError:
+            self._writer_failed()
+
+    def _writer_failed(self) -> NoReturn:
+        code, message = self._finalizer() or (None, "")
+        self._failure = (
+            f"the tape writer process stopped (exit code {code}: {message or 'no message'}); "
+            f"events from {self._next_seq - len(self._buffer)} on may be missing from the tape"
+        )
+        raise TapeError(self.path, self._failure)
+
+    @property
+    def writer_pid(self) -> int:
+        """The process id of the writer process (it outlives the engine until it has drained)."""
+        return self._writer.pid
 
     def __len__(self) -> int:
         return self._next_seq
 
     def close(self) -> None:
-        if self._finalizer.alive:
-            try:
-                self.commit()
-            finally:
-                self._finalizer()
+        """Commit what is left, wait for the writer to finish, and report its failure."""
+        if not self._finalizer.alive:
+            return  # closed already, or the writer failed and that was reported
+        try:
+            self.commit()
+        finally:
+            stopped = self._finalizer()  # None when a failed commit has already stopped it
+        if stopped is not None and stopped[0] != 0:
+            code, message = stopped
+            self._failure = f"the tape writer process failed (exit code {code}): {message or 'no message'}"
+            raise TapeError(self.path, self._failure)
 
 
-_CHECKPOINT_INTERVAL_S = 0.25
-
-
-def _checkpoint_periodically(path: str, stop: threading.Event) -> None:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    try:
-        while not stop.wait(_CHECKPOINT_INTERVAL_S):
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-    except sqlite3.Error:
-        pass  # a checkpoint is an optimisation; the WAL keeps every committed event
-    finally:
-        conn.close()
-
-
-def _shut(stop: threading.Event, checkpointer: threading.Thread, conn: sqlite3.Connection) -> None:
-    stop.set()
-    checkpointer.join()
-    try:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # leave one self-contained file
-    except sqlite3.Error:
-        pass  # the WAL still holds every committed event; the next reader recovers it
-    finally:
-        conn.close()
+def _stop_writer(writer: subprocess.Popen[bytes]) -> tuple[int, str]:
+    """Close the writer's input (it commits everything sent, then exits) and wait for it."""
+    _, err = writer.communicate()
+    return writer.returncode, err.decode(errors="replace").strip()
 
 
 def remove_tape_files(path: str | os.PathLike[str]) -> None:
