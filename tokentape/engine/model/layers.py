@@ -3,9 +3,36 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# Float32 matmuls on the CPU go through oneDNN where torch has it: torch's default path (MKL
+# sgemm) runs AVX2 code on AMD CPUs, while oneDNN uses AVX-512 where the CPU has it (on this
+# project's Zen 5 machines ~105 GFLOP/s against ~230 on one core; docs/benchmarks.md).
+# Both are exact float32. TOKENTAPE_CPU_MATMUL=torch keeps torch's own.
+_USE_ONEDNN = (
+    os.environ.get("TOKENTAPE_CPU_MATMUL", "onednn") != "torch"
+    and torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
+
+
+def _linear_fn(x: torch.Tensor) -> LinearFn:
+    if _USE_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return _onednn_linear
+    return F.linear
+
 
 # On the CPU a row of `x @ W.T` can come out differently depending on how many rows the
 # matmul has: BLAS picks other kernels for small M and handles the rows past the last full
@@ -19,12 +46,13 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pad_rows_to: int = 0
 ) -> torch.Tensor:
     """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0)."""
+    matmul = _linear_fn(x)
     if pad_rows_to:
         rows = x.shape[0]
         pad = -rows % pad_rows_to
         if pad:
-            return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:rows]
-    return F.linear(x, weight, bias)
+            return matmul(F.pad(x, (0, 0, 0, pad)), weight, bias)[:rows]
+    return matmul(x, weight, bias)
 
 
 # The answer depends on the BLAS and the shapes, not on the weights' values: measured once per
@@ -49,8 +77,8 @@ def _measure_row_multiple(weights: list[torch.Tensor]) -> int | None:
     candidates = list(ROW_MULTIPLES)
     for w in shapes.values():
         x = torch.randn(1024, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
-        ref = F.linear(x, w)
-        if not all(torch.equal(F.linear(x[:m], w), ref[:m]) for m in (64, 256)):
+        ref = linear(x, w)
+        if not all(torch.equal(linear(x[:m], w), ref[:m]) for m in (64, 256)):
             return None
         candidates = [
             c
