@@ -625,6 +625,14 @@ def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
     assert "RequestPreempted" in kinds and "RequestFinished" in kinds
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
+def test_the_writer_process_never_preempts_the_engine(tmp_path: Path) -> None:
+    tape = SQLiteTape(tmp_path / "batch.tape", make_test_header())
+    tape.flush()  # the writer is up and has set its policy
+    assert os.sched_getscheduler(tape.writer_pid) == os.SCHED_BATCH
+    tape.close()
+
+
 def test_a_dead_writer_process_is_reported_and_stops_the_engine(tmp_path: Path) -> None:
     path = tmp_path / "dead-writer.tape"
     llm = LLM(model="oracle", tape=path)
