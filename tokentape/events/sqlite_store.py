@@ -139,7 +139,7 @@ class SQLiteTape:
         code, message = self._finalizer() or (None, "")
         self._failure = (
             f"the tape writer process stopped (exit code {code}: {message or 'no message'}); "
-            f"events from {self._next_seq - len(self._buffer)} on may be missing from the tape"
+            f"the tape ends at its last commit, of the {self._next_seq} events appended"
         )
         raise TapeError(self.path, self._failure)
 
