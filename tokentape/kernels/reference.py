@@ -77,9 +77,12 @@ def paged_attention_ref(
     k_rows = k_cache.flatten(1) if k_cache.is_contiguous() else k_cache
     v_rows = v_cache.flatten(1) if v_cache.is_contiguous() else v_cache
     same_dtype = k_cache.dtype == torch.float32
-    if same_dtype and starts == list(range(len(lens) + 1)):  # one new token per sequence
-        _decode_batch(q_all, out, k_rows, v_rows, tables, lens, block_size)
-        return out.view(total_q, num_heads, head_dim).to(query.dtype)
+    row = num_kv_heads * head_dim
+    k_strides, v_strides = (head_dim, 1, row), (head_dim, row, 1)
+    # Per-token views made in one call each when every sequence is a decode.
+    decode_only = total_q == len(lens)
+    q_rows = q_all.unbind(0) if decode_only else q_all
+    out_rows = out.unbind(0) if decode_only else out
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
@@ -96,13 +99,18 @@ def paged_attention_ref(
                 f"has {tables.shape[1]} columns"
             )
         blocks = tables[b, :num_blocks]
-        if q_len == 1 and same_dtype:
-            _decode(q_all[q_start], k_rows, v_rows, blocks, seq_len, out[q_start])
-            continue
         # index_select (several times faster than advanced indexing on the CPU) makes a fresh
         # copy of the sequence's blocks, laid out the same whatever else is in the batch.
         k_blocks = k_rows.index_select(0, blocks)
         v_blocks = v_rows.index_select(0, blocks)
+        if q_len == 1 and same_dtype:
+            # A decode (the hot loop: as few torch calls as possible). The strided views are
+            # k.permute(1, 2, 0) and v.transpose(0, 1) of the first seq_len rows [ctx, Hkv, D].
+            k_t = k_blocks.as_strided((num_kv_heads, head_dim, seq_len), k_strides)
+            v_t = v_blocks.as_strided((num_kv_heads, seq_len, head_dim), v_strides)
+            scores = torch.bmm(q_rows[q_start], k_t)  # [Hkv, G, ctx]
+            torch.bmm(torch.softmax(scores, dim=-1), v_t, out=out_rows[q_start])
+            continue
         k = k_blocks.view(-1, num_kv_heads, head_dim)[:seq_len].to(torch.float32)
         v = v_blocks.view(-1, num_kv_heads, head_dim)[:seq_len].to(torch.float32)
         if q_len == 1:
@@ -117,53 +125,6 @@ def paged_attention_ref(
                 seq_len,
             )
     return out.view(total_q, num_heads, head_dim).to(query.dtype)
-
-
-def _decode_batch(
-    q_all: torch.Tensor,
-    out: torch.Tensor,
-    k_rows: torch.Tensor,
-    v_rows: torch.Tensor,
-    tables: torch.Tensor,
-    lens: list[int],
-    block_size: int,
-) -> None:
-    """Every sequence has one new token: decoding's hot loop (q_all, out: [B, Hkv, G, D])."""
-    num_blocks = [-(-seq_len // block_size) for seq_len in lens]
-    for b, (seq_len, n) in enumerate(zip(lens, num_blocks)):
-        if seq_len < 1:
-            raise ValueError(f"sequence {b}: 1 new token but seq_len is only {seq_len}")
-        if n > tables.shape[1]:
-            raise ValueError(
-                f"sequence {b}: seq_len {seq_len} needs {n} blocks but block_tables "
-                f"has {tables.shape[1]} columns"
-            )
-    # Every sequence's block ids as a view of its own, made in a few calls for the batch.
-    columns = torch.arange(tables.shape[1], device=tables.device)
-    used = columns[None, :] < torch.tensor(num_blocks, device=tables.device)[:, None]
-    per_sequence_blocks = tables[: len(lens)][used].split(num_blocks)
-    for q, o, blocks, seq_len in zip(q_all.unbind(0), out.unbind(0), per_sequence_blocks, lens):
-        _decode(q, k_rows, v_rows, blocks, seq_len, o)
-
-
-def _decode(
-    q: torch.Tensor,
-    k_rows: torch.Tensor,
-    v_rows: torch.Tensor,
-    blocks: torch.Tensor,
-    seq_len: int,
-    out: torch.Tensor,
-) -> None:
-    """One decode token (q, out: [Hkv, G, D]) over its sequence's float32 blocks, in as few
-    torch calls as there can be."""
-    num_kv_heads, _, head_dim = q.shape
-    row = num_kv_heads * head_dim
-    # index_select (several times faster than advanced indexing on the CPU) makes a fresh copy
-    # of the sequence's blocks [ctx, Hkv, D], laid out the same whatever else is in the batch;
-    # the strided views are k.permute(1, 2, 0) and v.transpose(0, 1) of its first seq_len rows.
-    k_t = k_rows.index_select(0, blocks).as_strided((num_kv_heads, head_dim, seq_len), (head_dim, 1, row))
-    v_t = v_rows.index_select(0, blocks).as_strided((num_kv_heads, seq_len, head_dim), (head_dim, row, 1))
-    torch.bmm(torch.softmax(torch.bmm(q, k_t), dim=-1), v_t, out=out)  # scores [Hkv, G, ctx]
 
 
 def _attend_chunks(
