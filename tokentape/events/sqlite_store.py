@@ -135,8 +135,9 @@ class SQLiteTape:
         except BrokenPipeError:
             self._writer_failed()
 
-    def _writer_failed(self) -> NoReturn:
-        code, message = self._finalizer() or (None, "")
+    def _writer_failed(self, stopped: tuple[int, str] | None = None) -> NoReturn:
+        """Record and raise the writer's failure (stopping it first, unless the caller did)."""
+        code, message = stopped or self._finalizer() or (None, "")
         self._failure = (
             f"the tape writer process stopped (exit code {code}: {message or 'no message'}); "
             f"the tape ends at its last commit, of the {self._next_seq} events appended"
@@ -160,9 +161,7 @@ class SQLiteTape:
         finally:
             stopped = self._finalizer()  # None when a failed commit has already stopped it
         if stopped is not None and stopped[0] != 0:
-            code, message = stopped
-            self._failure = f"the tape writer process failed (exit code {code}): {message or 'no message'}"
-            raise TapeError(self.path, self._failure)
+            self._writer_failed(stopped)
 
 
 def _stop_writer(writer: subprocess.Popen[bytes]) -> tuple[int, str]:
