@@ -95,8 +95,10 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # The residual adds go into the sublayers' fresh outputs (a sum is the same either way
+        # round), saving two [T, hidden] tensors per layer.
+        h = self.self_attn(self.input_layernorm(h), rope, kv_cache, meta).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class DecoderModel(nn.Module):

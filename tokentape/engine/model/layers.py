@@ -108,8 +108,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        inv_rms = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        # HF's `weight * (x * inv_rms).to(dtype)`, multiplied in place into the one fresh
+        # tensor (a product is the same either way round).
+        y = (x * inv_rms).to(dtype)
+        return y.mul_(self.weight) if y.dtype == self.weight.dtype else self.weight * y
 
 
 class RotaryEmbedding(nn.Module):
@@ -161,12 +164,24 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin`, with the products and sum made in place."""
+    return (x * cos).add_(_rotate_half(x).mul_(sin))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# On the CPU, prefill-sized batches go through the MLP in chunks of rows: each chunk's
+# [rows, intermediate] activations stay in cache, where the whole batch's would be fresh
+# multi-MB allocations whose pages fault in on first touch. A multiple of every row padding
+# in ROW_MULTIPLES, so each row's result is the one it gets unchunked.
+MLP_ROW_CHUNK = 1024
 
 
 class MLP(nn.Module):
@@ -179,4 +194,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if x.shape[0] <= MLP_ROW_CHUNK or x.device.type != "cpu":
+            return self._swiglu(x)
+        return torch.cat([self._swiglu(rows) for rows in x.split(MLP_ROW_CHUNK)])
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        act = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(act.mul_(self.up_proj(x)))
