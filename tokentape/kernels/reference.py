@@ -13,6 +13,8 @@ batched matmuls.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 # Upper bound on one score matrix (new tokens x heads x context), in elements (16 MiB fp32).
@@ -62,11 +64,12 @@ def paged_attention_ref(
     """
     check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     total_q, num_heads, head_dim = query.shape
-    num_blocks_total, block_size, num_kv_heads = k_cache.shape[:3]
+    block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
-    tables = block_tables.to(device=k_cache.device, dtype=torch.long)
+    q_lens = [end - start for start, end in pairwise(starts)]
+    blocks_of = _context_blocks(block_tables.to(k_cache.device), q_lens, lens, block_size)
     # Scaling is elementwise, so scaling every token at once gives each token the bits it
     # gets alone; [total_q, Hkv, G, D]: query head h reads kv head h // G.
     q_all = (query.to(torch.float32) * scale).view(total_q, num_kv_heads, group, head_dim)
@@ -83,22 +86,10 @@ def paged_attention_ref(
     decode_only = total_q == len(lens)
     q_rows = q_all.unbind(0) if decode_only else q_all
     out_rows = out.unbind(0) if decode_only else out
-    for b, seq_len in enumerate(lens):
-        q_start, q_end = starts[b], starts[b + 1]
-        q_len = q_end - q_start
+    for b, (seq_len, q_len, blocks) in enumerate(zip(lens, q_lens, blocks_of)):
         if q_len == 0:
             continue
-        if q_len > seq_len:
-            raise ValueError(
-                f"sequence {b}: {q_len} new tokens but seq_len is only {seq_len}"
-            )
-        num_blocks = -(-seq_len // block_size)
-        if num_blocks > tables.shape[1]:
-            raise ValueError(
-                f"sequence {b}: seq_len {seq_len} needs {num_blocks} blocks but block_tables "
-                f"has {tables.shape[1]} columns"
-            )
-        blocks = tables[b, :num_blocks]
+        q_start, q_end = starts[b], starts[b + 1]
         # index_select (several times faster than advanced indexing on the CPU) makes a fresh
         # copy of the sequence's blocks, laid out the same whatever else is in the batch.
         k_blocks = k_rows.index_select(0, blocks)
@@ -125,6 +116,27 @@ def paged_attention_ref(
                 seq_len,
             )
     return out.view(total_q, num_heads, head_dim).to(query.dtype)
+
+
+def _context_blocks(
+    block_tables: torch.Tensor, q_lens: list[int], seq_lens: list[int], block_size: int
+) -> list[torch.Tensor]:
+    """The int64 block ids of each sequence's context (none for a sequence without new
+    tokens), cut from the block table in one masked select rather than a slice per sequence."""
+    counts = []
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b}: {q_len} new tokens but seq_len is only {seq_len}")
+        count = -(-seq_len // block_size) if q_len else 0
+        if count > block_tables.shape[1]:
+            raise ValueError(
+                f"sequence {b}: seq_len {seq_len} needs {count} blocks but block_tables "
+                f"has {block_tables.shape[1]} columns"
+            )
+        counts.append(count)
+    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = columns < torch.tensor(counts, dtype=torch.long, device=block_tables.device)[:, None]
+    return list(block_tables[used].to(torch.long).split(counts))
 
 
 def _attend_chunks(
