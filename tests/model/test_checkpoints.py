@@ -17,6 +17,7 @@ from tokentape import LLM, SamplingParams
 from tokentape.engine.model.config import CheckpointError, ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import init_weights, load_checkpoint
+from tokentape.replay import verify
 
 WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
 
@@ -82,6 +83,52 @@ def test_checkpoint_generates_like_its_weights(tmp_path: Path, model_type: str, 
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == dense_greedy(model, [5, 19, 7, 7, 44], 8)
     assert out.outputs[0].text == " ".join(WORDS[t] for t in out.outputs[0].token_ids)
+
+
+def test_every_eos_id_of_the_checkpoint_stops_a_request(tmp_path: Path) -> None:
+    """Llama 3 lists several EOS ids in config.json and generation_config.json. As in vLLM,
+    the first is the EOS and the others join each request's stop_token_ids unless
+    ignore_eos; recorded so, the tape verifies without the model."""
+    config = small_config("llama")
+    model = write_checkpoint(tmp_path / "ckpt", config)
+    prompt = [5, 19, 7, 7, 44]
+    stream = dense_greedy(model, prompt, 12)
+    # Two ids the greedy stream reaches, first at positions i < j (and not the EOS, 1).
+    firsts = [i for i, t in enumerate(stream) if t != 1 and t not in stream[:i]]
+    i, j = firsts[1], firsts[2]
+    raw = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(
+        json.dumps({**raw, "eos_token_id": [1, stream[j]]})
+    )
+    (tmp_path / "ckpt" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [stream[i], 1, stream[j]]})
+    )
+    loaded, _ = load_checkpoint(tmp_path / "ckpt")
+    assert (loaded.eos_token_id, loaded.extra_eos_token_ids) == (1, (stream[j], stream[i]))
+    tape = tmp_path / "eos.tape"
+    llm = LLM(device="cpu", model=str(tmp_path / "ckpt"), tape=str(tape), block_size=4, num_kv_blocks=64)
+    stopped, ignored = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(max_tokens=12, temperature=0.0),
+         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)],
+    )
+    llm.close()
+    assert stopped.outputs[0].token_ids == stream[: i + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert ignored.outputs[0].token_ids == stream and ignored.outputs[0].finish_reason == "length"
+    result = verify(tape)
+    assert result.ok, result.first_divergence and result.first_divergence.format()
+
+
+def test_a_bad_eos_id_names_the_file(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, small_config("qwen3"))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id must be"):
+        load_checkpoint(ckpt)
+    (ckpt / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: not valid JSON"):
+        load_checkpoint(ckpt)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])

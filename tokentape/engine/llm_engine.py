@@ -104,8 +104,17 @@ class LLMEngine:
     ) -> None:
         params = params if params is not None else SamplingParams()
         self._check_new_request(request_id, prompt_token_ids, params)
+        params = self._with_extra_eos(params)
         with self._recorded():
             self._emit(ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params))
+
+    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """The model's other EOS ids join the request's stop_token_ids (unless ignore_eos), as
+        vLLM adds a generation config's; recorded so, the tape replays without the model."""
+        extra = [i for i in self.runner.extra_eos_token_ids if i not in params.stop_token_ids]
+        if params.ignore_eos or not extra:
+            return params
+        return msgspec.structs.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
     def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:

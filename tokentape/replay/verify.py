@@ -129,6 +129,8 @@ class _StreamReplayRunner:
         self.stream = stream
         self.model_id = header.model_id
         self.eos_token_id = header.eos_token_id
+        # Other EOS ids are already in each recorded request's stop_token_ids.
+        self.extra_eos_token_ids: tuple[int, ...] = ()
         self.vocab_size = header.vocab_size
 
     def submit(self, batch: ScheduledBatch) -> None:

@@ -43,6 +43,9 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # A checkpoint's other end-of-sequence ids (Llama 3 lists three). As vLLM does with a
+    # generation config's EOS ids, the engine stops requests on them as stop_token_ids.
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -60,6 +63,9 @@ class ModelConfig:
         """The equivalent Hugging Face config.json contents."""
         d = asdict(self)
         d.pop("qk_norm")
+        extra = d.pop("extra_eos_token_ids")
+        if extra:
+            d["eos_token_id"] = [self.eos_token_id, *extra]
         d["architectures"] = [SUPPORTED_MODEL_TYPES[self.model_type]]
         d["hidden_act"] = "silu"
         d["torch_dtype"] = "float32"
@@ -139,9 +145,7 @@ def config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        eos = raw.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos_ids = _checkpoint_eos_token_ids(path, raw, file)
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -158,9 +162,38 @@ def config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos,
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            extra_eos_token_ids=tuple(eos_ids[1:]),
         )
     except KeyError as exc:
         raise CheckpointError(f"{file}: missing required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{file}: {exc}") from None
+
+
+def _checkpoint_eos_token_ids(
+    path: str | os.PathLike[str], raw: dict[str, Any], file: str
+) -> list[int]:
+    """The end-of-sequence ids of config.json, then those only generation_config.json adds
+    (vLLM reads both; Llama 3 lists several ids in each)."""
+    ids = _eos_ids(raw.get("eos_token_id"), file)
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_file):
+        try:
+            with open(gen_file, encoding="utf-8") as f:
+                gen = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{gen_file}: not valid JSON ({exc})") from None
+        if isinstance(gen, dict):
+            ids += [i for i in _eos_ids(gen.get("eos_token_id"), gen_file) if i not in ids]
+    return ids
+
+
+def _eos_ids(value: object, file: str) -> list[int]:
+    """`eos_token_id` as config files write it: absent, one id or a list of ids."""
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(dict.fromkeys(ids))

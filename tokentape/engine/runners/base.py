@@ -43,6 +43,7 @@ class ScheduledBatch:
 class ModelRunner(Protocol):
     model_id: str
     eos_token_id: int | None
+    extra_eos_token_ids: tuple[int, ...]  # stop requests as stop_token_ids do
     vocab_size: int
 
     def submit(self, batch: ScheduledBatch) -> None:

@@ -102,6 +102,9 @@ class TorchModelRunner:
         self.model_id = model_id
         self.vocab_size = self.config.vocab_size
         self.eos_token_id = eos_token_id if eos_token_id is not None else self.config.eos_token_id
+        self.extra_eos_token_ids = tuple(
+            i for i in self.config.extra_eos_token_ids if i != self.eos_token_id
+        )
         self.seed = seed
         self.block_size = block_size
         self.lookup = prompt_lookup

@@ -42,6 +42,7 @@ class _DeviceSeq:
 
 class OracleRunner:
     eos_token_id: int | None = None
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     def __init__(
         self,
