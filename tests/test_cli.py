@@ -309,7 +309,8 @@ def test_tape_with_a_missing_event(busy_tape: Path, tmp_path: Path,
     for argv in (["inspect", str(bad)], ["inspect", str(bad), "--json"],
                  ["inspect", str(bad), "--step", "5"]):
         rc, stdout, err = run(capsys, *argv)
-        assert_one_line_error(rc, err, str(bad), "inconsistent at event")
+        assert_one_line_error(rc, err, str(bad), "the tape is inconsistent: event")
+        assert " of step 3) cannot be applied to the state before it: " in err
         assert stdout == ""
     rc, stdout, err = run(capsys, "replay", "verify", str(bad))
     assert rc == 1 and "first divergence at event" in stdout and "Traceback" not in err

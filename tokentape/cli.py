@@ -532,29 +532,27 @@ class _RichView:
 
 def _locate_fold_failure(tape: Any, exc: BaseException) -> str:
     """Fold again, event by event, to name the event the reducer refused."""
-    from tokentape.events import schema as ev
-    from tokentape.events.errors import ReducerError
+    from tokentape.events.errors import FOLD_ERRORS, event_refused
     from tokentape.events.reducer import evolve
 
     state = tape.initial_state()
     for seq, event in tape.events():
         try:
             evolve(state, event)
-        except (ReducerError, ValueError, KeyError, IndexError) as inner:  # now with its position
-            return (f"{tape.path}: the tape is inconsistent at event {seq} "
-                    f"({ev.kind_of(event)} of step {event.step}): {_one_line(inner)}")
+        except FOLD_ERRORS as inner:  # now with its position
+            return f"{tape.path}: the tape is inconsistent: {event_refused(seq, event, inner)}"
     return f"{tape.path}: the tape is inconsistent: {_one_line(exc)}"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from tokentape.events.errors import ReducerError
+    from tokentape.events.errors import FOLD_ERRORS
     from tokentape.replay import load_tape
 
     tape = load_tape(args.tape)
     num_events = len(tape)
     try:
         state = tape.fold() if args.step is None else tape.at(args.step)
-    except (ReducerError, ValueError, KeyError, IndexError) as exc:
+    except FOLD_ERRORS as exc:
         # The events cannot follow each other (a damaged or hand-edited tape).
         raise CLIError(_locate_fold_failure(tape, exc)) from None
     if args.step is not None and state.step <= args.step:
@@ -643,10 +641,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    if isinstance(exc, KeyError) and exc.args:
-        text = str(exc.args[0])
-    return " ".join(text.split())
+    from tokentape.events.errors import one_line
+
+    return one_line(exc)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import ReducerError
+from tokentape.events.errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
 from tokentape.postmortem.base import Checker, Hook
@@ -118,11 +117,10 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress |
                 hook(seq, event)
             try:
                 evolve(state, event)
-            except (ReducerError, KeyError, ValueError, IndexError) as exc:
+            except FOLD_ERRORS as exc:
                 # The event cannot follow the ones before it (a damaged or hand-edited tape).
                 ctx.report("tape_inconsistent", "error", [], event.step,
-                           f"event {seq} ({ev.kind_of(event)} of step {event.step}) cannot follow the "
-                           f"ones before it: {_one_line(exc)}; the {seq} events before it were analysed",
+                           f"{event_refused(seq, event, exc)}; the {seq} events before it were analysed",
                            [(seq, event)], None, seq)
                 return False
             for hook in after[t]:
@@ -150,9 +148,4 @@ def _reason(exc: TapeError) -> str:
     text = text.removeprefix(prefix)
     if exc.position is not None:
         text = text.removesuffix(f" at event {exc.position}")
-    return _one_line(text)
-
-
-def _one_line(exc: Any) -> str:
-    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     return " ".join(text.split()) or type(exc).__name__

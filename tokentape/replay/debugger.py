@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import ReducerError
+from tokentape.events.errors import FOLD_ERRORS, ReducerError, event_refused
 from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState
 from tokentape.events.store import TapeError
@@ -299,9 +299,8 @@ class TapeDebugger(cmd.Cmd):
             for n, (seq, event) in enumerate(self.tape.events(self.pos), 1):
                 try:
                     evolve(state, event)
-                except (ReducerError, ValueError, KeyError, IndexError, TypeError) as exc:
-                    raise ReducerError(f"event {seq} ({ev.kind_of(event)}) cannot be applied to "
-                                       f"the state before it: {exc}") from None
+                except FOLD_ERRORS as exc:
+                    raise event_refused(seq, event, exc) from None
                 self.pos = seq + 1
                 self._last_applied = (seq, event)
                 reason = stop(seq, event, state)

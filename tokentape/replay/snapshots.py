@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import ReducerError
+from tokentape.events.errors import FOLD_ERRORS, ReducerError, event_refused, one_line
 from tokentape.events.reducer import evolve, fold_events
 from tokentape.events.state import EngineState, InFlightStep, RequestState
 
@@ -172,8 +172,11 @@ class SnapshotIndex:
             self._frontier_events = self.events_from(self._frontier_seq)
         state, step_seqs, interval = self._frontier, self.step_seqs, self.interval
         n = self._frontier_seq
+        s = -1
+        event_in_hand: ev.Event | None = None
         try:
             for s, event in self._frontier_events:
+                event_in_hand = event
                 if s != n:
                     raise ValueError(f"the tape skips from event {n} to {s}")
                 evolve(state, event)
@@ -190,8 +193,11 @@ class SnapshotIndex:
                         progress(n)
                 if n >= seq:
                     break
-        except (ReducerError, ValueError, KeyError, IndexError, TypeError) as exc:
-            self._cut_at(n, exc)
+        except FOLD_ERRORS as exc:
+            if s >= n and event_in_hand is not None:  # the event in hand was refused
+                self._cut_at(n, event_refused(s, event_in_hand, exc))
+            else:  # event n - 1 was applied; reading the next one failed
+                self._cut_at(n, exc)
         self._frontier_seq = n
         if n < seq:  # the tape is shorter than its count said (it is still being written)
             self.num_events = n
@@ -200,7 +206,9 @@ class SnapshotIndex:
         """The event at position `n` cannot follow the ones before it (a damaged or
         hand-edited tape): the index ends before it, with a clean state, and says why."""
         self.num_events = n
-        self.error = f"event {n} cannot be applied to the state before it: {exc}"
+        self.error = str(exc) if isinstance(exc, ReducerError) else (
+            f"event {n} cannot be read: {one_line(exc)}"
+        )
         self._frontier_events = None
         i = bisect.bisect_right(self.positions, n) - 1
         state = self.snapshots[i].restore(self.arrivals)
