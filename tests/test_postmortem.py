@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -435,6 +436,19 @@ def test_inconsistent_tape(tmp_path: Path) -> None:
     report = postmortem(bad)
     assert [f.kind for f in report.findings] == ["tape_inconsistent"]
     assert report.findings[0].seq == 30 and "'nobody'" in report.findings[0].message
+    # The page draws the 30 events the analysis could fold, in one pass that stops there.
+    tape, read = load_tape(bad), []
+    events = tape.events
+
+    def counted(start: int = 0) -> Iterator[tuple[int, ev.Event]]:
+        for seq, event in events(start):
+            read.append(seq)
+            yield seq, event
+
+    tape.events = counted  # type: ignore[method-assign]
+    page = render_report(report, tape)
+    assert "tape_inconsistent" in page and "<svg" in page
+    assert read == list(range(30))
 
 
 def test_newer_format_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

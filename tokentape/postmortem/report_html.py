@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import html
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -44,16 +45,18 @@ class _Tokens:
     step_seq: dict[int, int]  # step -> position of its StepScheduled
 
 
-def _watched_pass(tape: Tape, watch: set[str],
+def _watched_pass(tape: Tape, watch: set[str], num_events: int,
                   progress: Callable[[int], None] | None = None) -> tuple[Timeline, EngineState, _Tokens]:
-    """Build the timeline and, in the same pass, the step of every token of `watch`."""
+    """Build the timeline and, in the same pass, the step of every token of `watch`, over the
+    first `num_events` events."""
     state = tape.initial_state()
     steps: dict[str, list[int]] = {r: [] for r in watch}
     step_seq: dict[int, int] = {}
 
     def events() -> Iterator[tuple[int, ev.Event]]:
         last: ev.Event | None = None
-        for item in tape.events():
+        # islice stops before asking for the event past the readable prefix.
+        for item in itertools.islice(tape.events(), num_events):
             _record(last, state, steps)  # the builder has applied `last` by now
             last = item[1]
             if type(last) is ev.StepScheduled:
@@ -61,23 +64,8 @@ def _watched_pass(tape: Tape, watch: set[str],
             yield item
         _record(last, state, steps)
 
-    try:
-        timeline = timeline_from_events(events(), state, progress)
-    except Exception:  # a damaged tape: draw what reads (the findings name the break)
-        timeline = timeline_from_events(_readable_prefix(tape), tape.initial_state())
+    timeline = timeline_from_events(events(), state, progress)
     return timeline, state, _Tokens(steps, step_seq)
-
-
-def _readable_prefix(tape: Tape) -> Iterator[tuple[int, ev.Event]]:
-    from tokentape.events.reducer import evolve
-
-    probe = tape.initial_state()
-    try:
-        for seq, event in tape.events():
-            evolve(probe, event)
-            yield seq, event
-    except Exception:
-        return
 
 
 def _record(event: ev.Event | None, state: EngineState, steps: dict[str, list[int]]) -> None:
@@ -122,7 +110,8 @@ def render_report(report: Report, tape: Tape, expected: dict[str, list[int]] | N
         for r in f.request_ids:
             if r not in watch:
                 watch.append(r)
-    timeline, state, tokens = _watched_pass(tape, set(watch), progress)
+    # The events the report analysed: on a damaged tape, those before the damage.
+    timeline, state, tokens = _watched_pass(tape, set(watch), report.summary.num_events, progress)
     if expected is None:
         expected = _expected_streams(tape, report, set(watch[:MAX_TABLE_REQUESTS]), state)
     parts = [_HEAD.replace("{title}", e(f"tokentape postmortem: {report.summary.tape}"))]
