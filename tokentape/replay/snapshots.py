@@ -173,10 +173,9 @@ class SnapshotIndex:
         state, step_seqs, interval = self._frontier, self.step_seqs, self.interval
         n = self._frontier_seq
         s = -1
-        event_in_hand: ev.Event | None = None
+        event: ev.Event | None = None
         try:
             for s, event in self._frontier_events:
-                event_in_hand = event
                 if s != n:
                     raise ValueError(f"the tape skips from event {n} to {s}")
                 evolve(state, event)
@@ -194,8 +193,8 @@ class SnapshotIndex:
                 if n >= seq:
                     break
         except FOLD_ERRORS as exc:
-            if s >= n and event_in_hand is not None:  # the event in hand was refused
-                self._cut_at(n, event_refused(s, event_in_hand, exc))
+            if s >= n and event is not None:  # the event in hand was refused
+                self._cut_at(n, event_refused(s, event, exc))
             else:  # event n - 1 was applied; reading the next one failed
                 self._cut_at(n, exc)
         self._frontier_seq = n
