@@ -3,6 +3,9 @@ tokens and logprobs of a plain dense forward pass, and the same tokens whatever 
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
 import random
 import threading
 import time
@@ -221,6 +224,29 @@ def test_stress_preempt_abort_pause_reset_and_verify(policy: str, depth: int, sp
     assert all(r.is_finished for r in engine.state.requests.values())
     result = verify(engine.tape)
     assert result.ok, result.first_divergence and result.first_divergence.format()
+
+
+def test_the_worker_thread_runs_on_the_engines_cpu_threads() -> None:
+    """OpenMP's thread count is per thread: the runner's worker must apply the engine's
+    (cpu_threads: 1 for the tiny model) or oneDNN's matmuls there run on every core."""
+    libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
+    if not libs:
+        pytest.skip("this torch build does not ship GNU OpenMP")
+    omp_max_threads = ctypes.CDLL(libs[0]).omp_get_max_threads
+    llm = tiny_llm(pipeline_depth=2)
+    runner = llm.engine.runner
+    seen: list[tuple[str, int]] = []
+    forward = runner.model.forward
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append((threading.current_thread().name, omp_max_threads()))
+        return forward(*args, **kwargs)
+
+    runner.model.forward = spy  # type: ignore[method-assign]
+    llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))
+    llm.close()
+    assert torch.get_num_threads() == 1
+    assert seen and set(seen) == {("tokentape-model-runner", 1)}
 
 
 def test_pipelined_steps_run_on_the_worker_thread_in_order() -> None:

@@ -195,6 +195,10 @@ class TorchModelRunner:
     # -- execution -----------------------------------------------------------------------------
 
     def _work(self) -> None:
+        # OpenMP keeps its thread count per thread, and a new thread starts with one per core:
+        # without this, oneDNN's matmuls here would ignore the count the engine set
+        # (cpu_threads) and spin up threads that fight the engine's own for the cores.
+        torch.set_num_threads(torch.get_num_threads())
         while (batch := self._inbox.get()) is not None:
             self._outbox.put((batch.step, self._run_guarded(batch)))
 
