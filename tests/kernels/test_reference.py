@@ -89,6 +89,22 @@ def test_reference_decode_batch_is_batch_invariant() -> None:
         assert torch.equal(out[0], batched[index]), index
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scripted_decode_loop_gives_the_python_functions_bits(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The decode loop runs as TorchScript; run as plain Python it gives the same bits."""
+    from tokentape.kernels import reference
+
+    decodes = [(n, 1) for n in (1, 3, 4, 5, 17, 31)]
+    case = make_case(decodes, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype)
+    scripted = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+    assert isinstance(reference._decode_loop(), torch.jit.ScriptFunction)
+    monkeypatch.setattr(reference, "_decode_loop", lambda: reference._attend_decodes)
+    plain = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+    assert torch.equal(scripted, plain)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seqs=st.lists(
