@@ -105,6 +105,25 @@ def test_scripted_decode_loop_gives_the_python_functions_bits(
     assert torch.equal(scripted, plain)
 
 
+def test_a_torch_that_cannot_script_the_loop_runs_it_as_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokentape.kernels import reference
+
+    def refuse(fn: object) -> None:
+        raise RuntimeError("torch.jit.script is gone")
+
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    reference._decode_loop.cache_clear()
+    try:
+        assert reference._decode_loop() is reference._attend_decodes
+        case = make_case([(5, 1), (9, 1)], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+        out = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+        torch.testing.assert_close(out.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
+    finally:
+        reference._decode_loop.cache_clear()  # the next caller scripts it again
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seqs=st.lists(
