@@ -72,7 +72,9 @@ def paged_attention_ref(
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [end - start for start, end in pairwise(starts)]
-    blocks_of = _context_blocks(block_tables.to(k_cache.device), q_lens, lens, block_size)
+    block_ids, block_counts = _context_blocks(
+        block_tables.to(k_cache.device), q_lens, lens, block_size
+    )
     # Scaling is elementwise, so scaling every token at once gives each token the bits it
     # gets alone; [total_q, Hkv, G, D]: query head h reads kv head h // G.
     q_all = (query.to(torch.float32) * scale).view(total_q, num_kv_heads, group, head_dim)
@@ -83,11 +85,13 @@ def paged_attention_ref(
     k_rows = k_cache.flatten(1) if k_cache.is_contiguous() else k_cache
     v_rows = v_cache.flatten(1) if v_cache.is_contiguous() else v_cache
     decodes: list[int] = []
-    for b, (seq_len, q_len, blocks) in enumerate(zip(lens, q_lens, blocks_of)):
+    first_block = 0
+    for b, (seq_len, q_len, count) in enumerate(zip(lens, q_lens, block_counts)):
         if q_len == 1:
             decodes.append(b)
         elif q_len > 1:
             q_start, q_end = starts[b], starts[b + 1]
+            blocks = block_ids[first_block : first_block + count]
             k = k_rows.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
             v = v_rows.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
             _attend_chunks(
@@ -97,16 +101,11 @@ def paged_attention_ref(
                 out[q_start:q_end].view(q_len, num_heads, head_dim),
                 seq_len,
             )
+        first_block += count
     if decodes:
         with torch.jit.optimized_execution(False):  # run the ops as written, nothing fused
             _decode_loop()(
-                q_all,
-                k_rows,
-                v_rows,
-                out,
-                [starts[b] for b in decodes],
-                [blocks_of[b] for b in decodes],
-                [lens[b] for b in decodes],
+                q_all, k_rows, v_rows, out, block_ids, block_counts, starts, lens, decodes
             )
     return out.view(total_q, num_heads, head_dim).to(query.dtype)
 
@@ -116,38 +115,46 @@ def _attend_decodes(
     k_rows: torch.Tensor,
     v_rows: torch.Tensor,
     out: torch.Tensor,
-    rows: list[int],
-    blocks: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    block_counts: list[int],
+    starts: list[int],
     seq_lens: list[int],
+    decodes: list[int],
 ) -> None:
-    """Attention of decodes (one new token each) into ``out`` [total_q, Hkv, G, D].
+    """Attention of the decodes (one new token each) into ``out`` [total_q, Hkv, G, D].
 
-    Decode i's query is ``q[rows[i]]`` [Hkv, G, D] (pre-scaled, float32); its context is the
-    first seq_lens[i] tokens of the cache blocks ``blocks[i]``, gathered from ``k_rows`` /
-    ``v_rows`` (the caches with the block as first dimension). This is the hot loop of a
-    decode step: it runs as TorchScript (see _decode_loop), a few torch calls per decode.
+    Sequence b's query is ``q[starts[b]]`` [Hkv, G, D] (pre-scaled, float32); its context is
+    the first seq_lens[b] tokens of its cache blocks, the b-th run of ``block_counts`` ids in
+    ``block_ids``, gathered from ``k_rows`` / ``v_rows`` (the caches with the block as first
+    dimension). This is the hot loop of a decode step: it runs as TorchScript (see
+    _decode_loop), a few torch calls per decode.
     """
     num_kv_heads, head_dim = q.shape[1], q.shape[3]
     row = num_kv_heads * head_dim
-    for i in range(len(rows)):
-        seq_len = seq_lens[i]
+    # Split here, not in Python: tensors made in the interpreter have no Python object, and
+    # handling ones that do takes the GIL back (see _decode_loop).
+    blocks = block_ids.split(block_counts)
+    for b in decodes:
+        seq_len = seq_lens[b]
         # index_select (several times faster than advanced indexing on the CPU) makes a fresh
         # copy of the sequence's blocks, laid out the same whatever else is in the batch.
-        k = k_rows.index_select(0, blocks[i]).to(torch.float32)
-        v = v_rows.index_select(0, blocks[i]).to(torch.float32)
+        k = k_rows.index_select(0, blocks[b]).to(torch.float32)
+        v = v_rows.index_select(0, blocks[b]).to(torch.float32)
         # k.permute(1, 2, 0) and v.transpose(0, 1) of the first seq_len tokens [ctx, Hkv, D].
         k_t = k.as_strided([num_kv_heads, head_dim, seq_len], [head_dim, 1, row])
         v_t = v.as_strided([num_kv_heads, seq_len, head_dim], [head_dim, row, 1])
-        scores = torch.bmm(q[rows[i]], k_t)  # [Hkv, G, ctx]
-        torch.bmm(torch.softmax(scores, dim=-1), v_t, out=out[rows[i]])
+        scores = torch.bmm(q[starts[b]], k_t)  # [Hkv, G, ctx]
+        torch.bmm(torch.softmax(scores, dim=-1), v_t, out=out[starts[b]])
 
 
 @functools.cache
 def _decode_loop() -> Callable[..., None]:
-    """_attend_decodes compiled with TorchScript on first use: its interpreter runs the loop
-    with the GIL released and at a fraction of Python's cost per torch call (at 256 decodes
-    of a few hundred tokens, a layer's attention takes ~8% less; docs/benchmarks.md). The
-    ops, and so the bits, are those of the function itself.
+    """_attend_decodes compiled with TorchScript on first use: its interpreter makes the
+    torch calls at a fraction of Python's cost per call (at 256 decodes of a few hundred
+    tokens, a layer's attention takes ~8% less; docs/benchmarks.md) and runs with the GIL
+    released, so the engine thread can schedule meanwhile. It takes the GIL back to handle a
+    tensor that has a Python object, hence the split inside the loop. The ops, and so the
+    bits, are those of the function itself.
 
     torch.jit.script is deprecated in favour of torch.compile, which cannot take this loop:
     it would unroll it into a graph per batch composition. Where a torch no longer scripts
@@ -162,9 +169,10 @@ def _decode_loop() -> Callable[..., None]:
 
 def _context_blocks(
     block_tables: torch.Tensor, q_lens: list[int], seq_lens: list[int], block_size: int
-) -> list[torch.Tensor]:
-    """The int64 block ids of each sequence's context (none for a sequence without new
-    tokens), cut from the block table in one masked select rather than a slice per sequence."""
+) -> tuple[torch.Tensor, list[int]]:
+    """The int64 block ids of every sequence's context, one run after another, and each run's
+    length (0 for a sequence without new tokens): cut from the block table in one masked
+    select rather than a slice per sequence."""
     counts = []
     for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         if q_len > seq_len:
@@ -178,7 +186,7 @@ def _context_blocks(
         counts.append(count)
     columns = torch.arange(block_tables.shape[1], device=block_tables.device)
     used = columns < torch.tensor(counts, dtype=torch.long, device=block_tables.device)[:, None]
-    return list(block_tables[used].to(torch.long).split(counts))
+    return block_tables[used].to(torch.long), counts
 
 
 def _attend_chunks(
