@@ -173,3 +173,22 @@ def weights_hash(model: CausalLM) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return "sha256:" + h.hexdigest()
+
+
+def save_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> str:
+    """Write `model` as a Hugging Face checkpoint folder (config.json, model.safetensors) that
+    this loader, transformers and vLLM all read; returns the folder's path. Tied embeddings
+    are written once, as Hugging Face does."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    config = model.config
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config.to_hf_dict(), f, indent=2)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return os.fspath(path)
