@@ -6,6 +6,12 @@ hit); allocation evicts from the front, least recently freed first. Only full bl
 *confirmed* tokens (prompt and delivered output, never placeholders) are hashed, as a chain:
 each block's hash covers its parent's hash and its own tokens.
 
+A hit is trusted on the hash alone, so the hash is SHA-256, as vLLM's after CVE-2025-25183:
+with a 64-bit hash (Python's `hash()`), prompts can be crafted whose blocks collide, and one
+request would read another's K/V. A block's hash is
+`sha256(parent hash || its tokens as little-endian int64)`, the first block's parent being 32
+zero bytes; it is computed once per full block and kept with the request.
+
 This is resource bookkeeping on the decide side. Which blocks a request holds is request
 state and lives in the reducer (`RequestState.block_ids`); the scheduler records every
 allocation on the tape.
@@ -13,9 +19,13 @@ allocation on the tape.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 from tokentape.events.state import RequestState
+
+ROOT_BLOCK_HASH = bytes(32)  # the parent of every request's first block
 
 
 class KVCacheManager:
@@ -24,10 +34,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._req_hashes: dict[str, list[int]] = {}  # hash chain over each request's full blocks
+        self._req_hashes: dict[str, list[bytes]] = {}  # hash chain over each request's full blocks
+        self._pack_block = struct.Struct(f"<{block_size}q").pack  # a full block's tokens, fixed width
         self._num_cached: dict[str, int] = {}  # how many of a request's held blocks are hashed
 
     @property
@@ -40,15 +51,17 @@ class KVCacheManager:
 
     # -- prefix cache ------------------------------------------------------------------------
 
-    def _block_hashes(self, req: RequestState, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, req: RequestState, num_full_blocks: int) -> list[bytes]:
         hashes = self._req_hashes.setdefault(req.req_id, [])
         if len(hashes) < num_full_blocks:
             bs = self.block_size
             start = len(hashes) * bs  # only the blocks not hashed yet
             tokens = req.token_ids_between(start, num_full_blocks * bs)
-            parent = hashes[-1] if hashes else 0  # ints hash the same in every process
+            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            pack = self._pack_block
             for i in range(0, len(tokens), bs):
-                parent = hash((parent, tuple(tokens[i:i + bs])))
+                # Fixed-width fields: the bytes hashed determine the parent and the tokens.
+                parent = hashlib.sha256(parent + pack(*tokens[i:i + bs])).digest()
                 hashes.append(parent)
         # The chain may already be longer (a preempted request whose length is a multiple of
         # the block size): callers get exactly the blocks they asked for.
