@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kernel_cases import PAD_BLOCK, make_case, naive_attention
 
 from tokentape.kernels import (
+    cpu_native,
     paged_attention,
     resolve_backend,
     triton_available,
@@ -166,6 +167,7 @@ def test_write_kv_cache_ref_skips_negative_slots() -> None:
 
 def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TOKENTAPE_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_native, "load", lambda: None)  # no compiled kernel: the reference
     assert resolve_backend(torch.device("cpu")) == "torch"
     if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
         assert resolve_backend(torch.device("cpu"), "triton") == "triton"  # interpreter is on

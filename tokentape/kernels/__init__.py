@@ -1,12 +1,16 @@
-"""Paged-attention and KV-cache kernels: Triton on CUDA, torch references everywhere else.
+"""Paged-attention and KV-cache kernels: Triton on CUDA, a compiled C kernel on the CPU, and
+the torch references (the oracle every kernel is tested against).
 
 Cache layout (vLLM / nano-vllm), per layer: ``k_cache``/``v_cache`` are
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block_id * block_size + offset.
 
-Dispatch: tensors on CUDA use the Triton kernels when triton imports, anything else uses the
-torch reference in :mod:`tokentape.kernels.reference`. ``backend=`` on a call, or the
-``TOKENTAPE_KERNELS`` environment variable (``auto``, ``torch``, ``triton``), overrides it;
-``triton`` on CPU tensors only works under the interpreter (``TRITON_INTERPRET=1``).
+Dispatch (``auto``): tensors on CUDA use the Triton kernels when triton imports; float32
+tensors on the CPU use the compiled kernel of :mod:`tokentape.kernels.cpu_native` when a C
+compiler is there to build it; anything else uses the torch reference in
+:mod:`tokentape.kernels.reference`. ``backend=`` on a call, or the ``TOKENTAPE_KERNELS``
+environment variable (``auto``, ``torch``, ``cpu``, ``triton``), overrides it; ``triton`` on
+CPU tensors only works under the interpreter (``TRITON_INTERPRET=1``). The KV-cache write
+has no compiled CPU kernel: ``cpu`` writes through the reference.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from typing import Literal
 
 import torch
 
+from tokentape.kernels import cpu_native
 from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
-Backend = Literal["auto", "torch", "triton"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+Backend = Literal["auto", "torch", "cpu", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
 BACKEND_ENV = "TOKENTAPE_KERNELS"
 
 __all__ = [
@@ -45,13 +50,23 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_backend(device: torch.device, backend: Backend | None = None) -> str:
-    """``torch`` or ``triton`` for tensors on ``device`` (argument, then env var, then auto)."""
+def resolve_backend(
+    device: torch.device, backend: Backend | None = None, dtype: torch.dtype = torch.float32
+) -> str:
+    """``torch``, ``cpu`` or ``triton`` for tensors of ``dtype`` on ``device`` (argument, then
+    env var, then auto)."""
     choice = backend or os.environ.get(BACKEND_ENV, "auto") or "auto"
     if choice not in BACKENDS:
         raise ValueError(f"unknown kernel backend {choice!r}; expected one of {BACKENDS}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        native = device.type == "cpu" and dtype == torch.float32 and cpu_native.load() is not None
+        return "cpu" if native else "torch"
+    if choice == "cpu" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"kernel backend 'cpu' takes float32 CPU tensors, got {dtype} on {device.type}")
+    if choice == "cpu" and cpu_native.load() is None:
+        raise ValueError(f"kernel backend 'cpu' is not available: {cpu_native.load_error()}")
     if choice == "triton" and not triton_available():
         raise ValueError("kernel backend 'triton' requested but triton is not installed")
     if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -99,7 +114,10 @@ def paged_attention(
     least one new token. Returns [total_q, num_heads, head_dim] in query's dtype (fp32 math).
     """
     kwargs = {"cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens, "block_tables": block_tables}
-    if resolve_backend(query.device, backend) == "triton":
+    chosen = resolve_backend(query.device, backend, query.dtype)
+    if chosen == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous():
+        return cpu_native.paged_attention_cpu(query, k_cache, v_cache, scale=scale, **kwargs)
+    if chosen == "triton":
         if query.shape[0] == seq_lens.shape[0]:
             # One new token per sequence (each has at least one): the split-KV decode kernel.
             from tokentape.kernels.triton_decode import paged_decode_triton

@@ -1,0 +1,151 @@
+"""The compiled CPU paged attention (`cpu/paged_attention.c`): built at first use, called
+through ctypes.
+
+The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for
+this CPU (`-march=native`) and cached under `$TOKENTAPE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/tokentape`, else `~/.cache/tokentape`, keyed by the source, the flags, the
+compiler and the CPU; a build takes about a second. It links OpenMP by its soname, so in a
+process that has imported torch it shares torch's own OpenMP runtime and thread pool. ctypes
+releases the GIL for the call. Where no compiler works, `load()` returns None (with the reason
+in `load_error()`) and the engine keeps the torch reference, which is also the kernel's oracle
+in the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+
+# The kernel's return codes (TT_* in the C source).
+_ERRORS = {
+    1: "has more new tokens than its seq_len (or a negative count)",
+    2: "needs more blocks than block_tables has columns",
+    3: "has a block id outside the cache",
+}
+_NO_MEMORY = 4
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TOKENTAPE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "tokentape"
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent first uses each get a whole library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return None, f"no C compiler ({compiler!r} not found)"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"the CPU kernel could not be built: {exc}"
+    fn = lib.tt_paged_attention_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.POINTER(i64)]
+    fn.restype = ctypes.c_int
+    return lib, ""
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None where it cannot be built."""
+    return _library()[0]
+
+
+def load_error() -> str:
+    return _library()[1]
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the compiled kernel takes these tensors: float32 on the CPU, caches contiguous."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and load() is not None
+    )
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention_ref's contract, computed by the compiled kernel on
+    `torch.get_num_threads()` threads (the calling thread's count)."""
+    lib = load()
+    assert lib is not None, load_error()
+    query = query.contiguous()
+    v_cache = v_cache.contiguous()
+    cu = cu_seqlens_q.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    bad = ctypes.c_int64(-1)
+    code = lib.tt_paged_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        cu.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+        lens.shape[0], tables.shape[1], num_blocks, query.shape[1], num_kv_heads, head_dim,
+        block_size, scale, torch.get_num_threads(), ctypes.byref(bad),
+    )
+    if code == _NO_MEMORY:
+        raise MemoryError("paged attention: no working memory for the score buffers")
+    if code:
+        raise ValueError(f"paged attention: sequence {bad.value} {_ERRORS[code]}")
+    return out
