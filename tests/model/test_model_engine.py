@@ -245,8 +245,35 @@ def test_the_worker_thread_runs_on_the_engines_cpu_threads() -> None:
     runner.model.forward = spy  # type: ignore[method-assign]
     llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))
     llm.close()
-    assert torch.get_num_threads() == 1
     assert seen and set(seen) == {("tokentape-model-runner", 1)}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_building_an_engine_leaves_the_callers_thread_count_alone(depth: int) -> None:
+    """The engine's cpu_threads apply to its worker thread only: the caller's count, and the
+    count a thread started later begins with, stay what they were (transformers, or anything
+    else in the process, runs on its own settings)."""
+    if os.cpu_count() == 1:
+        pytest.skip("one CPU: every count is 1")
+    before = torch.get_num_threads()
+    seen_in_worker: list[int] = []
+    llm = tiny_llm(pipeline_depth=depth, cpu_threads=1)
+    forward = llm.engine.runner.model.forward
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen_in_worker.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    llm.engine.runner.model.forward = spy  # type: ignore[method-assign]
+    llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))
+    in_a_new_thread: list[int] = []
+    t = threading.Thread(target=lambda: in_a_new_thread.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    llm.close()
+    assert before > 1 and seen_in_worker and set(seen_in_worker) == {1}
+    assert torch.get_num_threads() == before
+    assert in_a_new_thread == [before]
 
 
 def test_pipelined_steps_run_on_the_worker_thread_in_order() -> None:
@@ -262,9 +289,9 @@ def test_pipelined_steps_run_on_the_worker_thread_in_order() -> None:
         threads.add(threading.current_thread().name)
         if len(overlapped) < 3:  # hold the first steps until the engine submits the next one
             deadline = time.monotonic() + 10
-            while runner._inbox.empty() and time.monotonic() < deadline:
+            while not runner._worker.num_pending and time.monotonic() < deadline:
                 time.sleep(0.001)
-            overlapped.append(not runner._inbox.empty())  # step N + 1 queued behind us
+            overlapped.append(runner._worker.num_pending > 0)  # step N + 1 queued behind us
         return forward(*args, **kwargs)
 
     runner.model.forward = forward_that_waits_for_the_next_step  # type: ignore[method-assign]

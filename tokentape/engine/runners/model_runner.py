@@ -1,18 +1,16 @@
 """The model runner: runs the decoder over the paged KV cache and samples a frame per step.
 
 Like the oracle it keeps its own copy of every sequence (ahead of the scheduler by the steps
-in flight) and the block table the scheduler recorded for it. With a pipeline (depth > 1) the
-steps run on a worker thread, in submission order, while the engine plans the next one;
-torch releases the GIL inside its kernels, so the overlap is real. On CUDA the worker issues
-its work on its own stream.
+in flight) and the block table the scheduler recorded for it. The steps run on a worker thread
+(runners/worker.py), in submission order, on the engine's CPU thread count; with a pipeline
+(depth > 1) the engine plans the next step meanwhile (torch and the compiled attention release
+the GIL inside their kernels, so the overlap is real). On CUDA the worker issues its work on
+its own stream.
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +22,7 @@ from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_u
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
+from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 
@@ -37,11 +36,6 @@ class _Seq:
     tokens: list[int]
     block_ids: list[int]
     num_computed: int = 0
-
-
-@dataclass(slots=True)
-class _Failure:
-    error: BaseException
 
 
 @dataclass(slots=True)
@@ -70,7 +64,7 @@ class TorchModelRunner:
         seed: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        overlap: bool = False,
+        num_threads: int | None = None,
         batch_invariant: bool | None = None,
         prompt_lookup: tuple[int, int] = (3, 1),
         eos_token_id: int | None = None,
@@ -84,12 +78,16 @@ class TorchModelRunner:
             # Padded matmuls alone would not do: the Triton attention path is not batch-invariant
             # (see tokentape/kernels/triton_decode.py).
             raise ValueError("batch_invariant=True is supported on the CPU only")
+        self._worker = ModelWorker(num_threads if self.device.type == "cpu" else None)
         self.pad_rows_to = 0
         if batch_invariant:
             weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
             if model.config.tie_word_embeddings:
                 weights.append(self.model.model.embed_tokens.weight)
-            rows = calibrate_batch_invariant_rows([w.detach() for w in weights])
+            # Measured where the steps run: the answer depends on the thread count.
+            rows = self._worker.run(
+                lambda: calibrate_batch_invariant_rows([w.detach() for w in weights])
+            )
             if rows is None:
                 raise RuntimeError(
                     "batch_invariant: this machine's matmuls give different results for "
@@ -120,33 +118,19 @@ class TorchModelRunner:
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
         self.tokenizer: Tokenizer | None = None  # a checkpoint's own; None means the byte tokenizer
         self._seqs: dict[str, _Seq] = {}
-        self._results: dict[int, list[FrameEntry] | _Failure] = {}
         self._submitted: list[int] = []
-        self._worker: threading.Thread | None = None
         self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
             # The weights and the zeroed caches were written on the default stream; the
             # steps run on this one, so nothing may still be in flight there.
             torch.cuda.synchronize(self.device)
-        if overlap:
-            self._inbox: queue.Queue[ScheduledBatch | None] = queue.Queue()
-            self._outbox: queue.Queue[tuple[int, list[FrameEntry] | _Failure]] = queue.Queue()
-            self._worker = threading.Thread(
-                target=self._work, name="tokentape-model-runner", daemon=True
-            )
-            self._worker.start()
-            # Stop the worker at interpreter exit too, before torch is torn down under it.
-            self._stop = weakref.finalize(self, _stop_worker, self._inbox, self._worker)
 
     # -- the runner protocol -------------------------------------------------------------------
 
     def submit(self, batch: ScheduledBatch) -> None:
         self._submitted.append(batch.step)
-        if self._worker is not None:
-            self._inbox.put(batch)
-        else:
-            self._results[batch.step] = self._run_guarded(batch)
+        self._worker.submit(lambda: self._run_on_stream(batch))
 
     def collect(self, step: int) -> list[FrameEntry]:
         if not self._submitted or self._submitted[0] != step:
@@ -155,21 +139,11 @@ class TorchModelRunner:
                 f"{self._submitted[0] if self._submitted else None}"
             )
         self._submitted.pop(0)
-        if self._worker is not None:
-            got, result = self._outbox.get()
-            assert got == step, f"the worker finished step {got} when {step} was expected"
-        else:
-            result = self._results.pop(step)
-        if isinstance(result, _Failure):
-            raise result.error
-        return result
+        return self._worker.result()  # the worker runs the steps in submission order
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._stop()
-            self._worker = None
+        self._worker.close()
         self._seqs.clear()
-        self._results.clear()
 
     # -- weight updates ------------------------------------------------------------------------
 
@@ -194,22 +168,11 @@ class TorchModelRunner:
 
     # -- execution -----------------------------------------------------------------------------
 
-    def _work(self) -> None:
-        # OpenMP keeps its thread count per thread, and a new thread starts with one per core:
-        # without this, oneDNN's matmuls here would ignore the count the engine set
-        # (cpu_threads) and spin up threads that fight the engine's own for the cores.
-        torch.set_num_threads(torch.get_num_threads())
-        while (batch := self._inbox.get()) is not None:
-            self._outbox.put((batch.step, self._run_guarded(batch)))
-
-    def _run_guarded(self, batch: ScheduledBatch) -> list[FrameEntry] | _Failure:
-        try:
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    return self._run(batch)
-            return self._run(batch)
-        except BaseException as exc:  # noqa: BLE001 (the engine records and re-raises it)
-            return _Failure(exc)
+    def _run_on_stream(self, batch: ScheduledBatch) -> list[FrameEntry]:
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                return self._run(batch)
+        return self._run(batch)
 
     def _request_seed(self, prompt: list[int], params: SamplingParams) -> int:
         """The request's seed, or one derived from the engine seed and the prompt."""
@@ -322,11 +285,6 @@ class TorchModelRunner:
         return frame
 
 
-def _stop_worker(inbox: queue.Queue[ScheduledBatch | None], worker: threading.Thread) -> None:
-    inbox.put(None)
-    worker.join()
-
-
 SMALL_MODEL_PARAMS = 50_000_000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -352,12 +310,9 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        threads = config.cpu_threads
-        if threads is None:
-            threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else 0
-        if threads:
-            torch.set_num_threads(threads)
+    threads = config.cpu_threads
+    if device == "cpu" and threads is None:
+        threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else 0
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
@@ -369,7 +324,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         seed=config.seed,
         device=device,
         dtype=_DTYPES[dtype_name],
-        overlap=config.effective_pipeline_depth > 1,
+        num_threads=threads or None,
         batch_invariant=config.batch_invariant,
         prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
     )

@@ -1,0 +1,91 @@
+"""The model runner's worker thread: runs jobs (forward passes) in order, on the engine's own
+CPU thread count.
+
+Every forward pass runs here, with the pipeline (depth > 1) or without it. That scopes the
+engine's thread count to this thread: OpenMP (and with it torch's intra-op threads and
+oneDNN's) keeps its count per thread, so the count set here leaves the caller's
+`torch.get_num_threads()` as it was. torch also keeps a process-wide count that threads started
+later begin with; setting it here changes that too, so the worker puts it back.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class _Failure:
+    error: BaseException
+
+
+class ModelWorker:
+    """A thread that runs submitted jobs one at a time, in order; `result()` returns (or
+    raises) the oldest job's outcome. `num_threads` None keeps torch's default count."""
+
+    def __init__(self, num_threads: int | None, name: str = "tokentape-model-runner") -> None:
+        self._inbox: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self._outbox: queue.Queue[Any] = queue.Queue()
+        callers = torch.get_num_threads()  # settles the caller's own count before ours is set
+        self._thread = threading.Thread(
+            target=self._serve, args=(num_threads,), name=name, daemon=True
+        )
+        self._thread.start()
+        # Stop the thread at interpreter exit too, before torch is torn down under it.
+        self._stop = weakref.finalize(self, _stop_worker, self._inbox, self._thread)
+        self.run(lambda: None)  # the count is set once this returns
+        if num_threads:
+            _set_count_for_new_threads(callers)
+
+    @property
+    def num_pending(self) -> int:
+        """Jobs submitted and not started yet."""
+        return self._inbox.qsize()
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        self._inbox.put(job)
+
+    def result(self) -> Any:
+        outcome = self._outbox.get()
+        if isinstance(outcome, _Failure):
+            raise outcome.error
+        return outcome
+
+    def run(self, job: Callable[[], Any]) -> Any:
+        """Run one job on the worker and wait for it (nothing else may be pending)."""
+        self.submit(job)
+        return self.result()
+
+    def close(self) -> None:
+        self._stop()
+
+    def _serve(self, num_threads: int | None) -> None:
+        # torch settles a thread's count lazily, on its first parallel op, from the process-wide
+        # count; settle it first, or the count put back for new threads would replace ours.
+        torch.get_num_threads()
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        while (job := self._inbox.get()) is not None:
+            try:
+                self._outbox.put(job())
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller of result())
+                self._outbox.put(_Failure(exc))
+
+
+def _set_count_for_new_threads(count: int) -> None:
+    """torch.set_num_threads also sets the count every thread started later begins with; set
+    that back from a short-lived thread, so only that thread's own count changes."""
+    t = threading.Thread(target=torch.set_num_threads, args=(count,), name="tokentape-threads")
+    t.start()
+    t.join()
+
+
+def _stop_worker(inbox: queue.Queue[Callable[[], Any] | None], thread: threading.Thread) -> None:
+    inbox.put(None)
+    thread.join()
