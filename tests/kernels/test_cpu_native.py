@@ -1,6 +1,7 @@
-"""The compiled CPU paged attention against its oracle, the torch reference: the same results
-to float32 rounding, bit-identical for a sequence whatever its batch and thread count, and
-the same errors for inputs that do not fit."""
+"""The compiled CPU paged attention (decodes in C, prompts and chunks through the reference's
+matmuls) against its oracle, the torch reference: the same results to float32 rounding,
+bit-identical for a sequence whatever its batch and thread count, and clear errors for
+inputs that do not fit."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.skipif(
     cpu_native.load() is None, reason=f"no compiled CPU kernel here: {cpu_native.load_error()}"
 )
 
-# (seq_len, q_len): decodes, whole prompts, chunks after a cached prefix, one-token contexts,
-# and tiles of new tokens that do not divide evenly.
+# (seq_len, q_len): decodes (one of a one-token context, one of several blocks), whole prompts
+# and chunks after a cached prefix, mixed in one batch.
 MIXED = [(11, 1), (6, 6), (13, 5), (1, 1), (9, 3), (150, 70), (600, 1), (40, 33)]
 
 

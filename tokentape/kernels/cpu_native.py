@@ -1,5 +1,5 @@
-"""The compiled CPU paged attention (`cpu/paged_attention.c`): built at first use, called
-through ctypes.
+"""The compiled CPU paged attention of decodes (`cpu/paged_attention.c`): built at first use,
+called through ctypes.
 
 The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for
 this CPU (`-march=native`) and cached under `$TOKENTAPE_CACHE_DIR`, else
@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from tokentape.kernels.reference import prefill_attention_ref
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -90,7 +92,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"the CPU kernel could not be built: {exc}"
-    fn = lib.tt_paged_attention_f32
+    fn = lib.tt_paged_decode_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.POINTER(i64)]
     fn.restype = ctypes.c_int
@@ -126,8 +128,9 @@ def paged_attention_cpu(
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """paged_attention_ref's contract, computed by the compiled kernel on
-    `torch.get_num_threads()` threads (the calling thread's count)."""
+    """paged_attention_ref's contract: the decodes computed by the compiled kernel on
+    `torch.get_num_threads()` threads (the calling thread's count), whole prompts and prefill
+    chunks by the reference's matmuls (`prefill_attention_ref`), which are faster for them."""
     lib = load()
     assert lib is not None, load_error()
     query = query.contiguous()
@@ -137,8 +140,9 @@ def paged_attention_cpu(
     tables = block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(query)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    prefills = query.shape[0] > lens.shape[0]  # some sequence has more than one new token
     bad = ctypes.c_int64(-1)
-    code = lib.tt_paged_attention_f32(
+    code = lib.tt_paged_decode_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         cu.data_ptr(), lens.data_ptr(), tables.data_ptr(),
         lens.shape[0], tables.shape[1], num_blocks, query.shape[1], num_kv_heads, head_dim,
@@ -148,4 +152,7 @@ def paged_attention_cpu(
         raise MemoryError("paged attention: no working memory for the score buffers")
     if code:
         raise ValueError(f"paged attention: sequence {bad.value} {_ERRORS[code]}")
+    if prefills:
+        prefill_attention_ref(query, k_cache, v_cache, out, cu_seqlens_q=cu, seq_lens=lens,
+                              block_tables=tables, scale=scale)
     return out

@@ -67,6 +67,44 @@ def paged_attention_ref(
     """
     check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     total_q, num_heads, head_dim = query.shape
+    out = torch.empty((total_q, num_heads, head_dim), dtype=torch.float32, device=query.device)
+    _attend(query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale,
+            decodes_too=True)
+    return out.to(query.dtype)
+
+
+def prefill_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> None:
+    """paged_attention_ref for the sequences with more than one new token only, written into
+    their rows of ``out`` (float32, [total_q, num_heads, head_dim]); the other rows are left as
+    they are. The compiled CPU kernel takes the decodes and leaves whole prompts and chunks
+    here, where they go through a few large matmuls."""
+    check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    _attend(query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale,
+            decodes_too=False)
+
+
+def _attend(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    decodes_too: bool,
+) -> None:
+    total_q, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     starts = cu_seqlens_q.tolist()
@@ -78,9 +116,7 @@ def paged_attention_ref(
     # Scaling is elementwise, so scaling every token at once gives each token the bits it
     # gets alone; [total_q, Hkv, G, D]: query head h reads kv head h // G.
     q_all = (query.to(torch.float32) * scale).view(total_q, num_kv_heads, group, head_dim)
-    out = torch.empty(
-        (total_q, num_kv_heads, group, head_dim), dtype=torch.float32, device=query.device
-    )
+    out = out.view(total_q, num_kv_heads, group, head_dim)
     # One row per block (when the cache is contiguous): a flat gather is the cheapest.
     k_rows = k_cache.flatten(1) if k_cache.is_contiguous() else k_cache
     v_rows = v_cache.flatten(1) if v_cache.is_contiguous() else v_cache
@@ -102,12 +138,11 @@ def paged_attention_ref(
                 seq_len,
             )
         first_block += count
-    if decodes:
+    if decodes and decodes_too:
         with torch.jit.optimized_execution(False):  # run the ops as written, nothing fused
             _decode_loop()(
                 q_all, k_rows, v_rows, out, block_ids, block_counts, starts, lens, decodes
             )
-    return out.view(total_q, num_heads, head_dim).to(query.dtype)
 
 
 def _attend_decodes(
