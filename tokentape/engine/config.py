@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from tokentape.events.discard import DISCARD_POLICIES
+from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_str
 
 MAX_PIPELINE_DEPTH = 4
 
@@ -38,30 +39,42 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        # Types first (a bool is not an int here; the seed goes into the tape header and the
+        # runners' 64-bit seed hashing), then the relations between fields.
+        for name in ("model", "discard_policy", "device", "dtype"):
+            check_str(name, getattr(self, name))
+        for name in ("async_scheduling", "enable_prefix_caching"):
+            check_bool(name, getattr(self, name))
+        check_bool("batch_invariant", self.batch_invariant, optional=True)
+        check_int("pipeline_depth", self.pipeline_depth, 1, MAX_PIPELINE_DEPTH)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        check_int("block_size", self.block_size, 1)
+        check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_model_len", self.max_model_len, 2, optional=True)
+        check_int("seed", self.seed)
+        check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        check_int("cpu_threads", self.cpu_threads, 0, optional=True)
+
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
-        need(1 <= self.pipeline_depth <= MAX_PIPELINE_DEPTH,
-             f"pipeline_depth must be in 1..{MAX_PIPELINE_DEPTH}, got {self.pipeline_depth}")
-        need(self.num_speculative_tokens >= 0,
-             f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         need(self.discard_policy in DISCARD_POLICIES,
              f"discard_policy must be one of {sorted(DISCARD_POLICIES)}, got {self.discard_policy!r}")
-        need(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        need(self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens >= 1 + self.num_speculative_tokens,
-             "max_num_batched_tokens must leave room for one decode with its speculative tokens")
-        need(self.max_model_len is None or 2 <= self.max_model_len <= self.kv_capacity,
-             f"max_model_len must be in 2..{self.kv_capacity} (the KV capacity), "
-             f"got {self.max_model_len}")
-        need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-             "need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        need(self.cpu_threads is None or self.cpu_threads >= 0,
-             f"cpu_threads must be >= 0 or None, got {self.cpu_threads}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        need(self.kv_capacity <= INT64_MAX,
+             f"num_kv_blocks * block_size must be < 2**63, got {self.kv_capacity}")
+        need(self.max_num_batched_tokens >= 1 + self.num_speculative_tokens,
+             "max_num_batched_tokens must leave room for one decode with its speculative tokens")
+        need(self.max_model_len is None or self.max_model_len <= self.kv_capacity,
+             f"max_model_len must be in 2..{self.kv_capacity} (the KV capacity), "
+             f"got {self.max_model_len}")
+        need(self.prompt_lookup_min <= self.prompt_lookup_max,
+             "need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
     @property
     def kv_capacity(self) -> int:

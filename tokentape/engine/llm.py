@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 from collections.abc import Callable, Sequence
 
 from tokentape.engine.config import EngineConfig
@@ -14,6 +16,7 @@ from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import SamplingParams
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
+from tokentape.events.validation import check_str, short_repr, shown
 
 TapeSpec = str | os.PathLike[str] | None | bool
 
@@ -37,16 +40,50 @@ def make_runner(config: EngineConfig) -> ModelRunner:
     return build_model_runner(config)
 
 
+def check_tape_path(tape: TapeSpec) -> None:
+    """Refuse a tape path that cannot be created, naming it and why: cheap, so it runs before
+    the model is built. (SQLiteTape checks again when it creates the file.)"""
+    if tape is None or tape is False:
+        return
+    if tape is True:
+        raise ValueError("tape=True is ambiguous: pass a file path, None (memory) or False (off)")
+    if not isinstance(tape, (str, os.PathLike)):
+        raise TypeError(f"tape must be a file path, None (memory) or False (off), got {shown(tape)}")
+    path = os.fspath(tape)
+    if not isinstance(path, str):
+        raise TypeError(f"tape must be a str path, got {shown(path)}")
+    if not path or "\0" in path:
+        raise ValueError(f"tape must be a file path, got {short_repr(path)}")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"tape path {short_repr(path)} cannot be encoded for the file system: {exc.reason}") from None
+    what = f"{path}: cannot create the tape"
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{what}: it is a directory; pass a file path inside it")
+    if os.path.lexists(path):
+        raise FileExistsError(f"{path}: a tape already exists here; choose a new path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise FileNotFoundError(f"{what}: directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"{what}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what}: directory {parent} is not writable")
+
+
 def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) -> TapeWriter:
     """A path means an SQLite tape file, None an in-memory tape, False no tape at all."""
+    check_tape_path(tape)
     header = make_header(config, runner)
     if tape is None:
         return MemoryTape(header)
     if tape is False:
         return NullTape(header)
-    if tape is True:
-        raise ValueError("tape=True is ambiguous: pass a file path, None (memory) or False (off)")
-    return SQLiteTape(tape, header)
+    try:
+        return SQLiteTape(tape, header)  # type: ignore[arg-type]
+    except sqlite3.Error as exc:  # a path the checks above passed but SQLite could not open
+        raise OSError(f"{os.fspath(tape)}: cannot create the tape: {exc}") from exc
 
 
 class LLM:
@@ -60,10 +97,24 @@ class LLM:
 
     def __init__(self, model: str = "tiny", *, tape: TapeSpec = None, **engine_args: object) -> None:
         self.config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
+        check_tape_path(tape)  # before the model is built: a bad path fails in milliseconds
         runner = make_runner(self.config)
         self.tokenizer: Tokenizer = getattr(runner, "tokenizer", None) or ByteTokenizer()
-        writer = open_tape_writer(tape, self.config, runner)
-        self.engine = LLMEngine(self.config, runner, writer, self.tokenizer)
+        try:
+            writer = open_tape_writer(tape, self.config, runner)
+        except BaseException:
+            runner.close()
+            raise
+        try:
+            self.engine = LLMEngine(self.config, runner, writer, self.tokenizer)
+        except BaseException:
+            # Leave nothing behind: no writer process, no tape holding a header and no run.
+            runner.close()
+            writer.close()
+            if writer.path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(writer.path)
+            raise
         self._next_id = 0
         for hook in LLM_CREATED_HOOKS:
             hook(self)
@@ -90,14 +141,37 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
                 )
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        ids = []
-        for tokens, params in zip(token_lists, params_list):
-            req_id = str(self._next_id)
-            self._next_id += 1
+        # Every request is checked before the first is added: a bad prompt adds none of them.
+        requests = []
+        first_id = self._next_id
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                tokens = self._prompt_token_ids(i, prompt)
+                req_id = self._new_request_id()
+                self.engine.check_request(req_id, tokens, params)
+                requests.append((req_id, tokens, params))
+        except BaseException:
+            self._next_id = first_id  # nothing was added: the ids are still free
+            raise
+        for req_id, tokens, params in requests:
             self.engine.add_request(req_id, tokens, params)
-            ids.append(req_id)
-        return self._run_to_completion(ids, prompts)
+        return self._run_to_completion([r[0] for r in requests], prompts)
+
+    def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            check_str(f"prompts[{index}]", prompt)  # a lone surrogate, before any tokenizer sees it
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise TypeError(f"prompts[{index}] must be a string or a list of token ids, got {shown(prompt)}")
+        return list(prompt)
+
+    def _new_request_id(self) -> str:
+        """The next number not already used on this engine (the engine API may have used some)."""
+        requests = self.engine.state.requests
+        while str(self._next_id) in requests:
+            self._next_id += 1
+        self._next_id += 1
+        return str(self._next_id - 1)
 
     def _run_to_completion(self, ids: list[str], prompts: Sequence[object]) -> list[RequestOutput]:
         tokens: dict[str, list[int]] = {i: [] for i in ids}

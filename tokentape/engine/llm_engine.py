@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -26,6 +26,7 @@ from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
+from tokentape.events.validation import check_int, check_str, shown
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -100,10 +101,10 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
     ) -> None:
         params = params if params is not None else SamplingParams()
-        self._check_new_request(request_id, prompt_token_ids, params)
+        self.check_request(request_id, prompt_token_ids, params)
         params = self._with_extra_eos(params)
         with self._recorded():
             self._emit(ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params))
@@ -116,19 +117,32 @@ class LLMEngine:
             return params
         return msgspec.structs.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
-    def _check_new_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+    def check_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Refuse a request the engine could not serve or the tape could not hold, before
+        anything is recorded (SamplingParams checked its own fields when it was built)."""
+        check_str("request_id", request_id)
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string, got ''")
         if request_id in self.state.requests:
             raise ValueError(f"request id {request_id!r} is already in use on this engine")
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"request {request_id!r}: params must be a SamplingParams, got {shown(params)}")
+        prompt = prompt_token_ids
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)):
+            raise TypeError(
+                f"request {request_id!r}: prompt_token_ids must be a list of token ids, got {shown(prompt)}"
+                + (" (encode text with the tokenizer first)" if isinstance(prompt, str) else "")
+            )
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         vocab = self.runner.vocab_size
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"request {request_id!r}: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        # One pass at C speed for the usual good prompt; the slow search only names a bad token.
+        if not (all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) < vocab):
+            for i, t in enumerate(prompt):
+                name = f"request {request_id!r}: prompt_token_ids[{i}]"
+                check_int(name, t, 0)  # the type (a bool is not a token id), then the vocabulary
+                if t >= vocab:
+                    raise ValueError(f"{name} must be a token id in the vocabulary [0, {vocab}), got {t!r}")
         max_len = self.config.effective_max_model_len
         if len(prompt) >= max_len:
             raise ValueError(

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import msgspec
 import msgspec.structs
 
+from tokentape.events.validation import check_bool, check_int, check_number, shown
+
 FORMAT_VERSION = 1
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
@@ -32,23 +34,23 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        # Normalise so that a params object equals its decoded copy from the tape.
-        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
-        # A 64-bit signed integer: what the tape and the runners' seed hashing can hold.
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
-            raise ValueError(f"seed must be a 64-bit signed integer or None, got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs!r}")
+        # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is
+        # not an int) and fit in 64 bits; a refused value raises here, before any recording.
+        check_int("max_tokens", self.max_tokens, 1)
+        # Normalised to float, so that a params object equals its decoded copy from the tape.
+        set_field = msgspec.structs.force_setattr
+        set_field(self, "temperature", check_number("temperature", self.temperature, 0))
+        set_field(self, "top_p", check_number("top_p", self.top_p, 0, 1, lo_open=True))
+        check_int("top_k", self.top_k, 0)
+        check_int("seed", self.seed, optional=True)
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {shown(stop)}")
+        set_field(self, "stop_token_ids", tuple(stop))
+        for i, token in enumerate(self.stop_token_ids):
+            check_int(f"stop_token_ids[{i}]", token, 0)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_int("logprobs", self.logprobs, 0, optional=True)
 
 
 class TapeHeader(msgspec.Struct, frozen=True):
