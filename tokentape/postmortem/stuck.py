@@ -1,15 +1,27 @@
-"""request_stuck: an unfinished request that made no progress for many steps that had room
-for it (token budget, a sequence slot and enough free KV blocks), while generation ran."""
+"""request_stuck: an unfinished request that made no progress for many steps in which the
+scheduler had to make progress with it.
+
+The scheduler is first come, first served, as vLLM's: running requests first, then the
+waiting queue from its head, and a head that does not fit stops admission (nobody behind it
+jumps the queue). So a step *had room* for a request only when every rule says it must have
+been scheduled:
+- a running request with nothing in flight, in a step that left token budget unused (the
+  budget reached it: the scheduler only skips a running request whose steps in flight already
+  produce every token it may have);
+- the head of the waiting queue, in a step that left token budget and a sequence slot, that
+  preempted nobody for KV pressure (such a step admits nobody), while generation was not
+  paused, with enough free KV blocks for all its tokens (counting blocks shared through the
+  prefix cache once per holder, so never more free blocks than the pool has).
+Requests queued behind the head are never stuck: they wait for it.
+"""
 
 from __future__ import annotations
 
 from tokentape.events import schema as ev
-from tokentape.events.state import RequestStatus
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context
 
 STUCK_AFTER_STEPS = 200  # steps with room for the request but no progress
-_SCAN_EVERY = 16  # steps between scans of the unfinished requests
 
 
 class StuckChecker(Checker):
@@ -23,11 +35,17 @@ class StuckChecker(Checker):
         self.idle: dict[str, int] = {}  # request -> steps with room but without progress
         self.since: dict[str, int] = {}  # request -> the step its idle stretch started
         self.reported: set[str] = set()
-        self._room_steps = 0  # of the last scan period: steps with spare tokens and slots
-        self._tokens_used = 0
+        self._pressure_step = -1  # the latest step that preempted for KV pressure
+
+    def before(self) -> dict[type, Hook]:
+        return {ev.RequestPreempted: self._preempted}
 
     def after(self) -> dict[type, Hook]:
         return {ev.StepScheduled: self._scheduled}
+
+    def _preempted(self, seq: int, e: ev.RequestPreempted) -> None:
+        if e.reason == "kv_pressure":
+            self._pressure_step = e.step
 
     def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
         idle = self.idle
@@ -36,34 +54,35 @@ class StuckChecker(Checker):
             tokens += entry.num_new_tokens
             if entry.req_id in idle:
                 del idle[entry.req_id]
-        if tokens < self.budget and len(e.entries) < self.max_seqs and self.state.paused is None:
-            self._room_steps += 1
-        if e.step % _SCAN_EVERY == _SCAN_EVERY - 1:
-            self._scan(seq, e)
+                del self.since[entry.req_id]
+        if tokens >= self.budget:
+            return  # the budget ran out: nobody left out of this step had room
+        state = self.state
+        requests, running = state.requests, state.running
+        if len(e.entries) < len(running):
+            scheduled = {entry.req_id for entry in e.entries}
+            for req_id in running:
+                if req_id not in scheduled and not requests[req_id].num_in_flight:
+                    self._no_progress(req_id, seq, e)
+        if (state.waiting and state.paused is None and self._pressure_step != e.step
+                and len(running) < self.max_seqs):
+            head = requests[state.waiting[0]]
+            if -(-head.num_tokens // self.block_size) <= self._free_blocks():
+                self._no_progress(head.req_id, seq, e)
 
-    def _scan(self, seq: int, e: ev.StepScheduled) -> None:
-        room, self._room_steps = self._room_steps, 0
-        if not room:
-            return
-        state, bs = self.state, self.block_size
-        used = sum(len(state.requests[r].block_ids) for r in state.running)  # shared blocks overcount
-        free = self.num_blocks - used
-        idle, since, requests = self.idle, self.since, state.requests
-        for req_id in (*state.waiting, *state.running):
-            req = requests[req_id]
-            if req.status is not RequestStatus.RUNNING and -(-req.num_tokens // bs) > free:
-                continue  # no KV room for it: waiting is right
-            if req.status is RequestStatus.RUNNING and req.num_in_flight:
-                continue  # its output is on the way
-            if req_id not in idle:
-                idle[req_id] = 0
-                since[req_id] = e.step
-            idle[req_id] += room
-            if idle[req_id] >= STUCK_AFTER_STEPS and req_id not in self.reported:
-                self.reported.add(req_id)
-                self.ctx.report(
-                    "request_stuck", "warning", [req_id], since[req_id],
-                    f"request {req_id!r} ({req.status.value}) made no progress for {idle[req_id]} steps "
-                    f"(steps {since[req_id]}-{e.step}) that had token budget, a sequence slot and free "
-                    "KV blocks for it",
-                    [(seq, e)], None, seq, last_step=e.step)
+    def _free_blocks(self) -> int:
+        requests = self.state.requests
+        return self.num_blocks - sum(len(requests[r].block_ids) for r in self.state.running)
+
+    def _no_progress(self, req_id: str, seq: int, e: ev.StepScheduled) -> None:
+        n = self.idle[req_id] = self.idle.get(req_id, 0) + 1
+        since = self.since.setdefault(req_id, e.step)
+        if n >= STUCK_AFTER_STEPS and req_id not in self.reported:
+            self.reported.add(req_id)
+            req = self.state.requests[req_id]
+            self.ctx.report(
+                "request_stuck", "warning", [req_id], since,
+                f"request {req_id!r} ({req.status.value}) made no progress for {n} steps "
+                f"(steps {since}-{e.step}) that had token budget, a sequence slot and free "
+                "KV blocks for it",
+                [(seq, e)], None, seq, last_step=e.step)
