@@ -15,7 +15,7 @@ from kernel_cases import make_case, naive_attention
 
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.kernels import cpu_native, paged_attention, resolve_backend
-from tokentape.kernels.reference import paged_attention_ref
+from tokentape.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 pytestmark = pytest.mark.skipif(
     cpu_native.load() is None, reason=f"no compiled CPU kernel here: {cpu_native.load_error()}"
@@ -106,3 +106,18 @@ def test_without_a_compiler_the_engine_keeps_the_reference(tmp_path: object) -> 
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "no C compiler ('no-such-compiler' not found)" in done.stdout
+
+
+def test_the_kv_write_matches_the_reference_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(1)
+    key, value = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
+    slots = torch.tensor([9, -1, 0, 6, 15])  # -1: not cached
+    caches = [torch.randn(4, 4, 2, 8, generator=gen) for _ in range(2)]
+    ours = [c.clone() for c in caches]
+    write_kv_cache_ref(key, value, *caches, slots)
+    cpu_native.write_kv_cache_cpu(key, value, *ours, slots)
+    assert torch.equal(ours[0], caches[0]) and torch.equal(ours[1], caches[1])
+    before = [c.clone() for c in ours]
+    with pytest.raises(ValueError, match="token 1's slot 16 is outside the cache"):
+        cpu_native.write_kv_cache_cpu(key[:2], value[:2], *ours, torch.tensor([3, 16]))
+    assert torch.equal(ours[0], before[0]) and torch.equal(ours[1], before[1])  # nothing written

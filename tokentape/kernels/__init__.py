@@ -9,8 +9,7 @@ tensors on the CPU use the compiled kernel of :mod:`tokentape.kernels.cpu_native
 compiler is there to build it; anything else uses the torch reference in
 :mod:`tokentape.kernels.reference`. ``backend=`` on a call, or the ``TOKENTAPE_KERNELS``
 environment variable (``auto``, ``torch``, ``cpu``, ``triton``), overrides it; ``triton`` on
-CPU tensors only works under the interpreter (``TRITON_INTERPRET=1``). The KV-cache write
-has no compiled CPU kernel: ``cpu`` writes through the reference.
+CPU tensors only works under the interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -87,10 +86,14 @@ def write_kv_cache(
     backend: Backend | None = None,
 ) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at ``slot_mapping`` (-1: skip)."""
-    if resolve_backend(k_cache.device, backend) == "triton":
+    chosen = resolve_backend(k_cache.device, backend, k_cache.dtype)
+    if chosen == "triton":
         from tokentape.kernels.triton_kv_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif chosen == "cpu" and key.dtype == value.dtype == torch.float32 and k_cache.is_contiguous() \
+            and v_cache.is_contiguous():
+        cpu_native.write_kv_cache_cpu(key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tokentape.kernels.reference import prefill_attention_ref
+from tokentape.kernels.reference import check_kv_write_shapes, prefill_attention_ref
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -96,6 +96,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.POINTER(i64)]
     fn.restype = ctypes.c_int
+    write = lib.tt_write_kv_f32
+    write.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.POINTER(i64)]
+    write.restype = ctypes.c_int
     return lib, ""
 
 
@@ -156,3 +159,30 @@ def paged_attention_cpu(
         prefill_attention_ref(query, k_cache, v_cache, out, cu_seqlens_q=cu, seq_lens=lens,
                               block_tables=tables, scale=scale)
     return out
+
+
+def write_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """write_kv_cache_ref's contract (a slot of -1 is skipped), as row copies in C."""
+    lib = load()
+    assert lib is not None, load_error()
+    check_kv_write_shapes(key, value, k_cache, v_cache, slot_mapping)
+    key, value = key.contiguous(), value.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_blocks, block_size = k_cache.shape[:2]
+    bad = ctypes.c_int64(-1)
+    code = lib.tt_write_kv_f32(
+        key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.data_ptr(), slots.shape[0], k_cache[0, 0].numel(), num_blocks * block_size,
+        ctypes.byref(bad),
+    )
+    if code:
+        raise ValueError(
+            f"KV write: token {bad.value}'s slot {slots[bad.value].item()} is outside the cache "
+            f"(0..{num_blocks * block_size - 1}, or -1 to skip)"
+        )

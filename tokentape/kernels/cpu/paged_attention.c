@@ -151,3 +151,24 @@ int tt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
     }
     return failed ? TT_NO_MEMORY : TT_OK;
 }
+
+/* The KV-cache write: key/value rows [num_tokens, row] (row = num_kv_heads * head_dim) into
+ * their slots of the caches (slot = block_id * block_size + offset); a slot of -1 is skipped.
+ * Returns 0, or TT_BAD_BLOCK_ID with *bad_token set if a slot is outside the cache (nothing
+ * written). */
+int tt_write_kv_f32(const float *key, const float *value, float *k_cache, float *v_cache,
+                    const int64_t *slots, int64_t num_tokens, int64_t row, int64_t num_slots,
+                    int64_t *bad_token) {
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] < -1 || slots[i] >= num_slots) {
+            *bad_token = i;
+            return TT_BAD_BLOCK_ID;
+        }
+    }
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] < 0) continue;
+        memcpy(k_cache + slots[i] * row, key + i * row, (size_t)row * sizeof(float));
+        memcpy(v_cache + slots[i] * row, value + i * row, (size_t)row * sizeof(float));
+    }
+    return TT_OK;
+}
