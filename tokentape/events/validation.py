@@ -37,7 +37,7 @@ def check_int(name: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX
         elif hi == INT64_MAX:
             wanted = f"an integer >= {lo} (and < 2**63)"
         else:
-            wanted = f"an integer in {lo}..{hi}"
+            wanted = f"in {lo}..{hi}"
         raise ValueError(f"{name} must be {wanted}{' or None' if optional else ''}, got {short_repr(value)}")
 
 
