@@ -65,7 +65,12 @@ def check_format_version(version: int, path: str | None) -> None:
         )
 
 
-def decode_at(data: bytes, seq: int, path: str | None) -> ev.Event:
+def decode_at(data: object, seq: int, path: str | None) -> ev.Event:
+    """The event stored at `seq`, or a TapeError naming it: `data` comes from a file that may
+    have been damaged or edited, so it may be NULL, text or a number instead of a blob."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        what = "NULL" if data is None else f"{type(data).__name__} {str(data)[:40]!r}"
+        raise TapeError(path, f"event data is {what}, not an encoded event", seq)
     try:
         return ev.decode(data)
     except msgspec.DecodeError as exc:
