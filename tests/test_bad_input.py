@@ -219,6 +219,12 @@ def try_every_bad_input(llm: LLM) -> None:
         with pytest.raises((TypeError, ValueError)) as info:
             engine.add_request(req_id, prompt, params)
         assert text in str(info.value)
+    # Engine commands whose flags go on the tape as booleans.
+    for command, name in ((lambda: engine.reset_prefix_cache(reset_running_requests=1), "reset_running_requests"),
+                          (lambda: engine.pause_generation("keep", clear_cache=1), "clear_cache"),
+                          (lambda: engine.pause_generation("nap"), "mode")):
+        with pytest.raises((TypeError, ValueError), match=name):
+            command()
     # LLM.generate checks every prompt before adding any: the good ones first are not added.
     for prompts in (["fine", "\ud800"], [[5, 6], [5, True]], [[5, 6], [2**64]], [[5, 6], 7.5]):
         with pytest.raises((TypeError, ValueError), match=r"prompt"):

@@ -26,7 +26,7 @@ from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
-from tokentape.events.validation import check_int, check_str, shown
+from tokentape.events.validation import check_bool, check_int, check_str, shown
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -232,8 +232,9 @@ class LLMEngine:
         """
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_bool("clear_cache", clear_cache)
         with self._recorded():
-            self._emit(ev.GenerationPaused(self.state.step, mode, bool(clear_cache)))  # type: ignore[arg-type]
+            self._emit(ev.GenerationPaused(self.state.step, mode, clear_cache))  # type: ignore[arg-type]
             if mode == "abort":
                 for req in self.state.unfinished:
                     self.scheduler.finish(req, "abort")
@@ -255,6 +256,7 @@ class LLMEngine:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache. Fails (False) while blocks are in use, unless running
         requests are reset, in which case every running request is preempted first."""
+        check_bool("reset_running_requests", reset_running_requests)  # a bool on the tape, not 1
         with self._recorded():
             return self._reset_prefix_cache(reset_running_requests)
 
