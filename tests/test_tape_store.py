@@ -24,7 +24,7 @@ from tokentape.engine.config import EngineConfig
 from tokentape.engine.llm_engine import EngineDeadError, make_header
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
-from tokentape.events import sqlite_store
+from tokentape.events import sqlite_reader, sqlite_store
 from tokentape.events.errors import ReducerError
 from tokentape.events.sqlite_store import SQLiteTape, SQLiteTapeReader
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
@@ -103,7 +103,7 @@ def write_big_tape(path: Path) -> int:
     llm.generate([f"prompt {i}" for i in range(48)], SamplingParams(max_tokens=150))
     llm.close()
     n = len(load_tape(path))
-    assert n > sqlite_store._READ_BATCH  # the reader must cross batch boundaries
+    assert n > sqlite_reader._READ_BATCH  # the reader must cross batch boundaries
     return n
 
 
@@ -141,7 +141,7 @@ def test_sqlite_round_trip_in_order(tmp_path: Path) -> None:
     assert [seq for seq, _ in pairs] == list(range(len(events)))
     assert [e for _, e in pairs] == events
     # from the middle, across a batch boundary
-    start = sqlite_store._READ_BATCH - 3
+    start = sqlite_reader._READ_BATCH - 3
     assert [e for _, e in reader.iter_events(start)] == events[start:]
     assert list(reader.iter_events(len(events))) == []
     reader.close()
@@ -151,7 +151,7 @@ def test_sqlite_reader_streams_in_batches(tmp_path: Path, monkeypatch: pytest.Mo
     path = tmp_path / "batches.tape"
     events = synthetic_events(1_000)
     write_tape(path, events, make_test_header())
-    monkeypatch.setattr(sqlite_store, "_READ_BATCH", 64)
+    monkeypatch.setattr(sqlite_reader, "_READ_BATCH", 64)
     reader = SQLiteTapeReader(path)
 
     class CountingConnection:

@@ -1,13 +1,13 @@
-"""The SQLite tape: an append-only event table in WAL mode, created through sqlite-utils.
+"""The SQLite tape: an append-only event table, created through sqlite-utils.
 
 Layout (see docs/tape-format.md):
 - `meta(key, value)`: `format_version` (integer) and `header` (msgpack TapeHeader);
 - `events(seq, step, kind, data)`: one row per event, `data` is the msgpack event.
 Triggers refuse UPDATE and DELETE on both tables, and inserts that would replace a row.
 `SQLiteTape` creates the file, then hands each step's rows to a writer process
-(tokentape/events/sqlite_writer.py) that commits them as one transaction, so the SQLite work
-runs on another core instead of inside the engine's step. WAL lets any other process read
-while the tape is written.
+(tokentape/events/sqlite_writer.py) that commits them, so the SQLite work runs on another
+core instead of inside the engine's step. While it is written the tape is in WAL mode, so any
+other process may read it; the writer leaves it as one file in rollback-journal mode.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import os
 import sqlite3
 import subprocess
 import sys
+import tempfile
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections import deque
 from typing import NoReturn
 
 import msgspec
@@ -25,11 +27,17 @@ import sqlite_utils
 
 from tokentape.events import schema as ev
 from tokentape.events import sqlite_writer
-from tokentape.events.store import TapeError, check_format_version, decode_at
+from tokentape.events.sqlite_reader import SQLiteTapeReader, TapeFileStatus, tape_file_status
+from tokentape.events.sqlite_repair import TapeWriterError, account_for_loss, repair_tape
+from tokentape.events.store import TapeError
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
+__all__ = [
+    "SQLiteTape", "SQLiteTapeReader", "TapeFileStatus", "TapeWarning", "TapeWriterError",
+    "copy_tape", "make_self_contained", "remove_tape_files", "repair_tape", "tape_file_status",
+]
+
 _encode = msgspec.msgpack.Encoder().encode
-_READ_BATCH = 4096
+_TRIM_EVERY = 1024  # commits between two looks at what the writer has confirmed
 
 _APPEND_ONLY_TRIGGERS = """
 CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}
@@ -53,12 +61,16 @@ BEGIN SELECT RAISE(ABORT, 'the tape is append-only'); END;
 }
 
 
+class TapeWarning(UserWarning):
+    """The tape is complete but not one file: a reader held the WAL when it was closed."""
+
+
 def _create_tape_file(path: str, header: ev.TapeHeader) -> None:
-    """The empty tape: WAL mode, both tables with their triggers, and the header."""
+    """The empty tape, in rollback-journal mode (the writer switches it to WAL, so a WAL-mode
+    file with no -wal beside it is never a live tape): both tables, triggers, the header."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         db = sqlite_utils.Database(conn)
-        db.enable_wal()
         db.table("meta").create({"key": str, "value": bytes}, pk="key")
         db.table("events").create({"seq": int, "step": int, "kind": str, "data": bytes}, pk="seq")
         for table in ("meta", "events"):
@@ -74,15 +86,32 @@ def _create_tape_file(path: str, header: ev.TapeHeader) -> None:
         conn.close()
 
 
+def _shared_ack_fd() -> int:
+    """A file descriptor of 8 zeroed bytes to share with the writer (memory, not disk, where
+    the platform allows)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("tokentape-ack", os.MFD_CLOEXEC)
+    else:
+        fd, name = tempfile.mkstemp(prefix="tokentape-ack-")
+        os.unlink(name)
+    os.ftruncate(fd, 8)
+    return fd
+
+
 class SQLiteTape:
     """Writes a new tape file. Refuses to overwrite an existing one.
 
     `append` encodes an event into the current transaction; `commit` (a step boundary) hands
     the transaction to the writer process and returns without waiting for SQLite. The writer
-    commits each transaction whole and in order. What `commit` has handed over survives the
-    engine's own death, even by SIGKILL: the writer drains its pipe, commits and exits.
-    `flush` returns once everything committed is in the file, for readers in this process.
-    If the writer process fails, the next `commit` or `flush` raises TapeError with its error.
+    commits the transactions in order, never splitting one. What `commit` has handed over
+    survives the engine's own death, even by SIGKILL: the writer drains its pipe, commits and
+    exits, leaving one self-contained file. `flush` returns once everything committed is in
+    the file, for readers in this process.
+
+    If the writer process fails or is killed, the next `commit`, `flush` or `close` raises
+    TapeWriterError, naming the events (and steps) handed over but never committed; the file
+    is repaired into one file that ends at the writer's last commit, followed, when events
+    were lost, by an EngineError that says so.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: ev.TapeHeader) -> None:
@@ -91,16 +120,26 @@ class SQLiteTape:
         if os.path.exists(self.path):
             raise FileExistsError(f"{self.path}: a tape already exists here; choose a new path")
         _create_tape_file(self.path, header)
-        self._writer = subprocess.Popen(
-            [sys.executable, "-I", sqlite_writer.__file__, self.path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
-        )
+        ack_fd = _shared_ack_fd()
+        try:
+            self._ack = sqlite_writer.map_ack(ack_fd)
+            self._writer = subprocess.Popen(
+                [sys.executable, "-I", sqlite_writer.__file__, self.path, str(ack_fd)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                pass_fds=(ack_fd,),
+            )
+        finally:
+            os.close(ack_fd)  # the mapping keeps its own reference
         assert self._writer.stdin is not None and self._writer.stdout is not None
         self._to_writer = self._writer.stdin.fileno()
         self._from_writer = self._writer.stdout
         self._buffer: list[tuple[int, int, str, bytes]] = []
         self._next_seq = 0
-        self._failure: str | None = None
+        # (end seq, message) of each commit the writer has not confirmed yet: what a failure
+        # report needs, trimmed against the writer's acknowledgement every _TRIM_EVERY commits.
+        self._unconfirmed: deque[tuple[int, bytes]] = deque()
+        self._trim_at = _TRIM_EVERY
+        self._failure: TapeWriterError | None = None
         # Ends the writer (it commits what it was sent, then exits) when the tape is closed,
         # dropped, or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop_writer, self._writer)
@@ -113,7 +152,11 @@ class SQLiteTape:
         """End a transaction (a step boundary): the rows appended since go to the writer."""
         if not self._buffer:
             return
-        self._send(sqlite_writer.frame_rows(self._buffer))
+        message = sqlite_writer.frame_rows(self._buffer)
+        self._unconfirmed.append((self._next_seq, message))
+        if len(self._unconfirmed) >= self._trim_at:
+            self._trim_confirmed()
+        self._send(message)
         self._buffer.clear()
 
     def flush(self) -> None:
@@ -124,10 +167,20 @@ class SQLiteTape:
         self._send(sqlite_writer.FLUSH_REQUEST)
         if self._from_writer.read(1) != sqlite_writer.FLUSH_DONE:
             self._writer_failed()
+        self._unconfirmed.clear()
+
+    def _trim_confirmed(self) -> None:
+        confirmed = sqlite_writer.read_ack(self._ack)
+        while self._unconfirmed and self._unconfirmed[0][0] <= confirmed:
+            self._unconfirmed.popleft()
+        self._trim_at = len(self._unconfirmed) + _TRIM_EVERY
 
     def _send(self, data: bytes) -> None:
-        if self._failure is not None or not self._finalizer.alive:
-            raise TapeError(self.path, self._failure or "the tape is closed")
+        if self._failure is not None:
+            f = self._failure
+            raise TapeWriterError(self.path, f.message, f.committed, f.lost, f.lost_steps)
+        if not self._finalizer.alive:
+            raise TapeError(self.path, "the tape is closed")
         view = memoryview(data)
         try:
             while view:
@@ -136,13 +189,13 @@ class SQLiteTape:
             self._writer_failed()
 
     def _writer_failed(self, stopped: tuple[int, str] | None = None) -> NoReturn:
-        """Record and raise the writer's failure (stopping it first, unless the caller did)."""
+        """Stop the writer (unless the caller did), repair the file, and raise what was lost."""
         code, message = stopped or self._finalizer() or (None, "")
-        self._failure = (
-            f"the tape writer process stopped (exit code {code}: {message or 'no message'}); "
-            f"the tape ends at its last commit, of the {self._next_seq} events appended"
-        )
-        raise TapeError(self.path, self._failure)
+        cause = f"the tape writer process stopped (exit code {code}: {message or 'no message'})"
+        self._failure = account_for_loss(self.path, cause, self._next_seq,
+                                         self._unconfirmed, self._buffer)
+        self._unconfirmed.clear()
+        raise self._failure
 
     @property
     def writer_pid(self) -> int:
@@ -160,8 +213,16 @@ class SQLiteTape:
             self.commit()
         finally:
             stopped = self._finalizer()  # None when a failed commit has already stopped it
-        if stopped is not None and stopped[0] != 0:
+        if stopped is None:
+            return
+        if stopped[0] == sqlite_writer.EXIT_WAL_KEPT:
+            warnings.warn(TapeWarning(
+                f"{self.path}: {stopped[1]}; the tape is complete only with that file beside it "
+                f"(copy it with `tokentape export {self.path} --format sqlite -o COPY.tape`)"
+            ), stacklevel=2)
+        elif stopped[0] != 0:
             self._writer_failed(stopped)
+        self._unconfirmed.clear()
 
 
 def _stop_writer(writer: subprocess.Popen[bytes]) -> tuple[int, str]:
@@ -181,7 +242,7 @@ def remove_tape_files(path: str | os.PathLike[str]) -> None:
 
 def make_self_contained(path: str | os.PathLike[str]) -> None:
     """Switch a closed tape from WAL to a rollback journal: one file, readable read-only with
-    no -wal / -shm beside it (for tapes that are kept or committed)."""
+    no -wal / -shm beside it (the writer does this itself when it finishes)."""
     conn = sqlite3.connect(os.fspath(path))
     try:
         conn.execute("PRAGMA journal_mode=DELETE")
@@ -189,81 +250,27 @@ def make_self_contained(path: str | os.PathLike[str]) -> None:
         conn.close()
 
 
-class SQLiteTapeReader:
-    """Reads a tape file, streaming events in batches. Safe while another process writes."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        if not os.path.isfile(self.path):
-            raise TapeError(self.path, "no such tape file")
-        with open(self.path, "rb") as f:
-            if f.read(16) != _SQLITE_MAGIC:
-                raise TapeError(self.path, "not a tokentape tape (not an SQLite file)")
-        self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+def copy_tape(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> int:
+    """Copy a tape into a new single file `dst`, even while it is being written: a consistent
+    snapshot (SQLite's VACUUM INTO, in one read transaction, so it ends on a commit, a step
+    boundary), with the tables, triggers and header, in rollback-journal mode. Refuses an
+    existing `dst`. Returns the number of events copied."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    reader = SQLiteTapeReader(src)  # refuses what is not a tape, before dst is created
+    try:
+        # O_EXCL claims the name, so nothing is ever overwritten; VACUUM INTO fills an empty file.
+        os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         try:
-            rows = dict(self._conn.execute("SELECT key, value FROM meta").fetchall())
-        except sqlite3.DatabaseError as exc:
-            # A truncated file (its header counts more pages than the file holds) is refused
-            # whole by SQLite; writable_schema skips that check (the connection stays
-            # read-only), so the intact prefix reads and iter_events names where it stops.
+            reader.vacuum_into(dst)
+            with open(dst, "rb+") as f:
+                os.fsync(f.fileno())  # VACUUM INTO does not sync the file it writes
+            copy = SQLiteTapeReader(dst)
             try:
-                self._conn.execute("PRAGMA writable_schema=ON")
-                rows = dict(self._conn.execute("SELECT key, value FROM meta").fetchall())
-            except sqlite3.DatabaseError:
-                self._conn.close()
-                raise TapeError(self.path, f"not a tokentape tape or damaged header ({exc})") from None
-        if "format_version" not in rows or "header" not in rows:
-            self._conn.close()
-            raise TapeError(self.path, "not a tokentape tape (no format version in its header)")
-        check_format_version(int(rows["format_version"]), self.path)
-        try:
-            self.header = ev.decode_header(rows["header"])
-        except Exception as exc:  # msgspec.DecodeError or a type mismatch
-            self._conn.close()
-            raise TapeError(self.path, f"the tape header cannot be decoded ({exc})") from None
-
-    def __len__(self) -> int:
-        try:
-            (n,) = self._conn.execute("SELECT COUNT(*) FROM events").fetchone()
-        except sqlite3.DatabaseError as exc:
-            raise TapeError(self.path, f"the tape is damaged ({exc})") from None
-        return n
-
-    def iter_events(self, start: int = 0) -> Iterator[tuple[int, ev.Event]]:
-        next_seq = start
-        while True:
-            damage: sqlite3.DatabaseError | None = None
-            try:
-                rows = self._conn.execute(
-                    "SELECT seq, data FROM events WHERE seq >= ? ORDER BY seq LIMIT ?",
-                    (next_seq, _READ_BATCH),
-                ).fetchall()
-            except sqlite3.DatabaseError as exc:
-                # A page of this batch is lost: read on row by row, so that every event before
-                # the break is returned and the error names the first one that is not.
-                rows, damage = self._rows_until_damage(next_seq)
-                damage = damage or exc
-            if not rows and damage is None:
-                return
-            for seq, data in rows:
-                if seq != next_seq:
-                    raise TapeError(self.path, f"events are missing (next is {seq})", next_seq)
-                yield seq, decode_at(data, seq, self.path)
-                next_seq += 1
-            if damage is not None:
-                raise TapeError(self.path, f"the tape is truncated or damaged ({damage})", next_seq)
-
-    def _rows_until_damage(self, start: int) -> tuple[list[tuple[int, bytes]], sqlite3.DatabaseError | None]:
-        rows: list[tuple[int, bytes]] = []
-        for seq in range(start, start + _READ_BATCH):
-            try:
-                row = self._conn.execute("SELECT seq, data FROM events WHERE seq = ?", (seq,)).fetchone()
-            except sqlite3.DatabaseError as exc:
-                return rows, exc
-            if row is None:
-                break
-            rows.append(row)
-        return rows, None
-
-    def close(self) -> None:
-        self._conn.close()
+                return len(copy)
+            finally:
+                copy.close()
+        except BaseException:
+            remove_tape_files(dst)
+            raise
+    finally:
+        reader.close()
