@@ -1,9 +1,13 @@
-"""What the client gets back, in vLLM's shape."""
+"""What the client gets back, in vLLM's shape, and how a request's output kind shapes it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from tokentape.events.schema import RequestOutputKind
+
+__all__ = ["CompletionOutput", "RequestOutput", "RequestOutputKind", "build_request_output"]
 
 
 class CompletionOutput:
@@ -59,3 +63,27 @@ class RequestOutput:
     finished: bool
     prompt: str | None = None
     metrics: dict[str, int] = field(default_factory=dict)
+
+
+def build_request_output(
+    kind: RequestOutputKind,
+    request_id: str,
+    prompt_token_ids: list[int],
+    token_ids: list[int],
+    num_new: int,
+    logprobs: list[float] | None,
+    finish_reason: str | None,
+    decode: Callable[[list[int]], str] | None = None,
+    prompt: str | None = None,
+) -> RequestOutput | None:
+    """The output a client of this kind gets when `num_new` tokens (the tail of `token_ids`,
+    every token delivered so far) arrive, or the request finishes: all of them (CUMULATIVE),
+    the new ones (DELTA), or nothing until the end and then all of them (FINAL_ONLY)."""
+    finished = finish_reason is not None
+    if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        return None
+    start = len(token_ids) - num_new if kind == RequestOutputKind.DELTA else 0
+    tokens = token_ids[start:]  # a copy: the caller's list keeps growing
+    lps = logprobs[start:] if logprobs is not None else None
+    completion = CompletionOutput(0, None, tokens, finish_reason, lps, decode=decode)
+    return RequestOutput(request_id, prompt_token_ids, [completion], finished, prompt)

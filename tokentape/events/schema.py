@@ -7,6 +7,7 @@ frozen and array-encoded (positional), so the tape stays small and decoding stay
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal
 
 import msgspec
@@ -21,6 +22,14 @@ PauseMode = Literal["abort", "wait", "keep"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each output of a request holds."""
+
+    CUMULATIVE = 0  # every token so far (the default)
+    DELTA = 1  # only the tokens new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes, with every token
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """vLLM's SamplingParams, reduced to what this engine honours. Validated on creation."""
 
@@ -32,6 +41,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Last, with a default: a tape written before it decodes with CUMULATIVE.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is
@@ -51,6 +62,12 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
             check_int(f"stop_token_ids[{i}]", token, 0)
         check_bool("ignore_eos", self.ignore_eos)
         check_int("logprobs", self.logprobs, 0, optional=True)
+        kind = self.output_kind
+        if type(kind) is not RequestOutputKind:
+            check_int("output_kind", kind)
+            if kind not in RequestOutputKind._value2member_map_:
+                raise ValueError(f"output_kind must be a RequestOutputKind (0, 1 or 2), got {kind!r}")
+            set_field(self, "output_kind", RequestOutputKind(kind))
 
 
 class TapeHeader(msgspec.Struct, frozen=True):

@@ -1,0 +1,48 @@
+"""RequestOutputKind: in SamplingParams (recorded on the tape), and how it shapes outputs."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tokentape import RequestOutputKind, SamplingParams
+from tokentape.engine.outputs import build_request_output
+from tokentape.events import schema as ev
+
+
+def test_output_kind_is_last_defaults_to_cumulative_and_round_trips() -> None:
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert list(SamplingParams.__struct_fields__)[-1] == "output_kind"
+    p = SamplingParams(max_tokens=3, output_kind=1)  # an int is taken and normalised
+    assert p.output_kind is RequestOutputKind.DELTA
+    event = ev.RequestAdded(0, "a", [5], p)
+    assert ev.decode(ev.encode(event)) == event
+
+
+def test_a_tape_written_before_output_kind_still_decodes() -> None:
+    old = msgspec.msgpack.encode(["RequestAdded", 0, "a", [5], [16, 1.0, 1.0, 0, None, [], False, None]])
+    assert ev.decode(old).params == SamplingParams()
+
+
+@pytest.mark.parametrize(("bad", "error"), [(True, TypeError), ("delta", TypeError), (3, ValueError), (-1, ValueError)])
+def test_a_bad_output_kind_is_refused(bad: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="output_kind"):
+        SamplingParams(output_kind=bad)  # type: ignore[arg-type]
+
+
+def test_build_request_output_by_kind() -> None:
+    tokens, lps = [7, 8, 9], [-0.1, -0.2, -0.3]
+
+    def build(kind: RequestOutputKind, reason: str | None) -> object:
+        return build_request_output(kind, "r", [1], tokens, 2, lps, reason, decode=lambda t: str(t))
+
+    cum = build(RequestOutputKind.CUMULATIVE, None)
+    assert cum.outputs[0].token_ids == [7, 8, 9] and cum.outputs[0].logprobs == lps and not cum.finished
+    assert cum.outputs[0].token_ids is not tokens  # a copy: the engine's list keeps growing
+    delta = build(RequestOutputKind.DELTA, None)
+    assert delta.outputs[0].token_ids == [8, 9] and delta.outputs[0].logprobs == [-0.2, -0.3]
+    assert delta.outputs[0].text == "[8, 9]"
+    assert build(RequestOutputKind.FINAL_ONLY, None) is None
+    final = build(RequestOutputKind.FINAL_ONLY, "length")
+    assert final.finished and final.outputs[0].token_ids == [7, 8, 9]
+    assert final.outputs[0].finish_reason == "length"
