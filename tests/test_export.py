@@ -145,3 +145,38 @@ def test_export_of_an_inconsistent_tape_is_one_line_and_leaves_no_file(
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_export_sqlite_cli_copies_a_tape_into_one_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokentape.events.sqlite_store import tape_file_status
+    from tokentape.replay import verify
+
+    path = tmp_path / "flag.tape"
+    pause_resume("flag", path)
+    out = tmp_path / "out"
+    out.mkdir()
+    copy = out / "copy.tape"
+    rc = cli.main(["export", str(path), "--format", "sqlite", "-o", str(copy)])
+    n = len(load_tape(path))
+    assert rc == 0 and f"wrote {copy} ({n} events)" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["copy.tape"] and tape_file_status(copy).finished
+    assert [ev.encode(e) for _, e in load_tape(copy).events()] == [ev.encode(e) for _, e in load_tape(path).events()]
+    assert verify(copy).ok
+    rc = cli.main(["export", str(path), "--format", "sqlite", "-o", str(copy)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "the file exists" in err
+    rc = cli.main(["export", str(path), "--format", "sqlite"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "--output" in err
+    (tmp_path / "junk.tape").write_bytes(b"junk" * 100)
+    rc = cli.main(["export", str(tmp_path / "junk.tape"), "--format", "sqlite", "-o", str(out / "j.tape")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["copy.tape"]
+
+
+def test_export_to_a_stream_refuses_sqlite() -> None:
+    with pytest.raises(ValueError, match="writes a file"):
+        export(load_tape(busy()), "sqlite", io.StringIO())

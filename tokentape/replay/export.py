@@ -1,4 +1,4 @@
-"""export: a tape as Perfetto (Chrome trace-event JSON), JSON lines, or CSV.
+"""export: a tape as Perfetto (Chrome trace-event JSON), JSON lines, CSV, or a single file.
 
 - `perfetto`: the trace-event format's JSON object form, which the Perfetto UI
   (ui.perfetto.dev) and chrome://tracing open. One process for the tape, one track (thread)
@@ -10,12 +10,16 @@
 - `jsonl`: one event per line, `{"seq": ..., "kind": ..., <fields>}`, for jq.
 - `csv`: one row per engine step: what was scheduled, what came back, what the client got,
   and the queues at the end of the step (the state `Tape.at(step)` gives).
+- `sqlite`: a copy of the tape itself as one self-contained file, taken as one consistent
+  snapshot even while the tape is written (`export_sqlite`, through
+  `tokentape.events.sqlite_store.copy_tape`). It writes a file, not a text stream.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -23,10 +27,12 @@ import msgspec
 
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve
+from tokentape.events.sqlite_store import copy_tape
 from tokentape.replay.tape import Tape
 from tokentape.replay.timeline import Timeline, build_timeline
 
-FORMATS = ("perfetto", "jsonl", "csv")
+TEXT_FORMATS = ("perfetto", "jsonl", "csv")
+FORMATS = (*TEXT_FORMATS, "sqlite")
 _PID = 1
 _ENGINE_TID = 0
 
@@ -188,8 +194,16 @@ WRITERS: dict[str, Callable[[Tape, TextIO, Callable[[int], None] | None], None]]
 
 def export(tape: Tape, fmt: str, out: TextIO, progress: Callable[[int], None] | None = None) -> None:
     """Write the tape in `fmt` (perfetto, jsonl or csv) to `out`."""
+    if fmt == "sqlite":
+        raise ValueError("the sqlite export writes a file, not a stream: use export_sqlite(tape, path)")
     try:
         writer = WRITERS[fmt]
     except KeyError:
         raise ValueError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}") from None
     writer(tape, out, progress)
+
+
+def export_sqlite(tape: str | os.PathLike[str], path: str | os.PathLike[str]) -> int:
+    """Copy the tape file `tape` into a new single-file tape at `path` (never overwritten),
+    consistent even while `tape` is being written. Returns the number of events copied."""
+    return copy_tape(tape, path)
