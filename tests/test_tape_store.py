@@ -24,9 +24,9 @@ from tokentape.engine.config import EngineConfig
 from tokentape.engine.llm_engine import EngineDeadError, make_header
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
-from tokentape.events import sqlite_reader, sqlite_store
+from tokentape.events import sqlite_reader
 from tokentape.events.errors import ReducerError
-from tokentape.events.sqlite_store import SQLiteTape, SQLiteTapeReader
+from tokentape.events.sqlite_store import SQLiteTape, SQLiteTapeReader, tape_file_status
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
 from tokentape.replay import fold, load_tape, verify
 
@@ -613,6 +613,7 @@ def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
     while os.path.exists(f"{path}-wal") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(f"{path}-wal"), "the tape writer did not finish after the engine died"
+    assert not os.path.exists(f"{path}-shm") and tape_file_status(path).finished  # one file
     tape = load_tape(path)
     assert len(tape) >= committed
     state = tape.fold()
