@@ -105,6 +105,31 @@ def test_batch_size_1_and_32_give_identical_tokens_and_logprobs() -> None:
     assert [o.outputs[0].logprobs for o in batched] == [o.outputs[0].logprobs for o in alone]
 
 
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_sharing_a_step_over_lanes_gives_the_same_bits(lanes: int) -> None:
+    """cpu_threads > 1 shares each step's sequences out over that many threads: prefill chunks,
+    decodes with speculative tokens and samples all keep their bits, logprobs included."""
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(24)] + ["abcabcabcabc"] * 4
+    params = [msgspec.structs.replace(MIXED[i % len(MIXED)], logprobs=0) for i in range(28)]
+    kwargs = {"num_kv_blocks": 512, "max_num_batched_tokens": 64, "num_speculative_tokens": 2}
+    one = tiny_llm(cpu_threads=1, **kwargs).generate(prompts, params)
+    llm = tiny_llm(cpu_threads=lanes, **kwargs)
+    runner = llm.engine.runner
+    threads: set[str] = set()
+    logits = runner._logits
+
+    def spy(entries: list[object]) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        return logits(entries)  # type: ignore[arg-type]
+
+    runner._logits = spy  # type: ignore[method-assign]
+    shared = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in one]
+    assert [o.outputs[0].logprobs for o in shared] == [o.outputs[0].logprobs for o in one]
+    expected = {"tokentape-model-runner"} | {f"tokentape-model-lane-{i}" for i in range(1, lanes)}
+    assert threads == expected
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_preemptions_and_pipelining_do_not_change_tokens(depth: int) -> None:
     prompts = [f"request {i}: " + "xyz" * i for i in range(12)]

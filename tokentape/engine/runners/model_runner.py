@@ -11,46 +11,25 @@ its own stream.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import torch
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.model.decoder import AttentionMetadata, CausalLM
+from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
+from tokentape.engine.runners.input_batch import (
+    EntryInputs,
+    SeqState,
+    build_forward_batch,
+    split_over_lanes,
+)
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
-
-
-@dataclass(slots=True)
-class _Seq:
-    """The runner's copy of a sequence: its tokens, how many have K/V in the cache, its blocks."""
-
-    params: SamplingParams
-    seed: int
-    tokens: list[int]
-    block_ids: list[int]
-    num_computed: int = 0
-
-
-@dataclass(slots=True)
-class _Plan:
-    """One step's flattened inputs and, per sampling entry, where its logits rows are."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    cu_seqlens: list[int] = field(default_factory=lambda: [0])
-    seq_lens: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    # (req_id, seq, first logits row, drafts) for each entry that samples
-    samplers: list[tuple[str, _Seq, int, list[int]]] = field(default_factory=list)
 
 
 class TorchModelRunner:
@@ -78,7 +57,13 @@ class TorchModelRunner:
             # Padded matmuls alone would not do: the Triton attention path is not batch-invariant
             # (see tokentape/kernels/triton_decode.py).
             raise ValueError("batch_invariant=True is supported on the CPU only")
-        self._worker = ModelWorker(num_threads if self.device.type == "cpu" else None)
+        # On the CPU, `num_threads` lanes of one thread each share out every step's sequences
+        # (input_batch.split_over_lanes): a decode step's attention is bound by memory and its
+        # matmuls by compute, and lanes in different phases overlap them, where one pool of
+        # threads would run each phase in turn. The worker is the first lane.
+        lanes = (num_threads or 1) if self.device.type == "cpu" else 1
+        self._worker = ModelWorker(1 if self.device.type == "cpu" else None)
+        self._lanes = [ModelWorker(1, f"tokentape-model-lane-{i}") for i in range(1, lanes)]
         self.pad_rows_to = 0
         if batch_invariant:
             weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
@@ -117,7 +102,12 @@ class TorchModelRunner:
         self.model.rope.extend(num_kv_blocks * block_size)
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
         self.tokenizer: Tokenizer | None = None  # a checkpoint's own; None means the byte tokenizer
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, SeqState] = {}
+        cfg = self.config
+        # Per token of context, in bytes: K and V of every layer (for balancing the lanes).
+        self._kv_bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+                                    * cfg.head_dim * torch.finfo(dtype).bits // 8)
+        self._flops_per_token = 2 * sum(p.numel() for p in self.model.parameters())
         self._submitted: list[int] = []
         self._stream = None
         if self.device.type == "cuda":
@@ -143,6 +133,8 @@ class TorchModelRunner:
 
     def close(self) -> None:
         self._worker.close()
+        for lane in self._lanes:
+            lane.close()
         self._seqs.clear()
 
     # -- weight updates ------------------------------------------------------------------------
@@ -178,17 +170,17 @@ class TorchModelRunner:
         """The request's seed, or one derived from the engine seed and the prompt."""
         return params.seed if params.seed is not None else prompt_seed(self.seed, prompt)
 
-    def _plan(self, batch: ScheduledBatch) -> _Plan:
+    def _plan(self, batch: ScheduledBatch) -> list[EntryInputs]:
+        """What each entry computes; advances the runner's copies of the sequences."""
         for req_id in batch.finished_req_ids:
             self._seqs.pop(req_id, None)
-        plan = _Plan()
-        bs = self.block_size
+        plan = []
         for e in batch.entries:
             req_id = e.req_id
             known = batch.token_ids.get(req_id)
             new = batch.new_requests.get(req_id)
             if new is not None:  # (re)entering: rebuild the copy; its blocks are all in the entry
-                seq = self._seqs[req_id] = _Seq(
+                seq = self._seqs[req_id] = SeqState(
                     new.params,
                     self._request_seed(new.prompt_token_ids, new.params),
                     list(known or ()),
@@ -214,48 +206,40 @@ class TorchModelRunner:
                     f"step {batch.step}: request {req_id!r} was scheduled with no token to compute"
                 )
             start = seq.num_computed
-            end = start + len(inputs)
-            plan.input_ids += inputs
-            plan.positions += range(start, end)
-            blocks = seq.block_ids
-            plan.slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            plan.cu_seqlens.append(len(plan.input_ids))
-            plan.seq_lens.append(end)
-            plan.tables.append(blocks)
+            plan.append(EntryInputs(req_id, seq, inputs, start, drafts,
+                                    samples=req_id not in batch.partial_prefills,
+                                    entering=new is not None))
             # K/V are now cached up to the inputs before the drafts; accepted drafts add to it.
-            seq.num_computed = end - len(drafts)
-            if req_id in batch.partial_prefills:
-                continue
-            num_rows = 1 + len(drafts)  # logits of the last real input and of every draft
-            plan.samplers.append((req_id, seq, len(plan.sample_rows), drafts))
-            plan.sample_rows += range(len(plan.input_ids) - num_rows, len(plan.input_ids))
+            seq.num_computed = start + len(inputs) - len(drafts)
         return plan
+
+    @torch.inference_mode()
+    def _logits(self, entries: list[EntryInputs]) -> torch.Tensor:
+        """One forward pass over `entries`: float32 logits of their sample rows, in order."""
+        batch = build_forward_batch(entries, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sample_rows.numel():  # prefill chunks short of the end sample nothing
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        # float32 once here: the sampler and the logprobs both read it.
+        return self.model.compute_logits(hidden[batch.sample_rows]).float()
 
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> list[FrameEntry]:
         plan = self._plan(batch)
-        dev = self.device
-        width = max(len(t) for t in plan.tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in plan.tables], dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(plan.slots, dtype=torch.int64).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(plan.cu_seqlens, dtype=torch.int32).to(
-                dev, non_blocking=True
-            ),
-            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-        )
-        input_ids = torch.tensor(plan.input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        positions = torch.tensor(plan.positions, dtype=torch.int64).to(dev, non_blocking=True)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not plan.samplers:
+        shares = split_over_lanes(plan, 1 + len(self._lanes), self.block_size,
+                                  self._flops_per_token, self._kv_bytes_per_token)
+        for lane, share in zip(self._lanes, shares[1:]):
+            lane.submit(lambda share=share: self._logits(share))
+        parts = [self._logits(shares[0])]
+        parts += [lane.result() for lane in self._lanes[: len(shares) - 1]]
+        samplers = [e for share in shares for e in share if e.samples]
+        if not samplers:
             return []
-        # float32 once here: the sampler and the logprobs both read it.
-        logits = self.model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=dev)]).float()
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         rows = SamplingRows([], [], [], [])
-        for _, seq, _, drafts in plan.samplers:
-            p = seq.params
-            for j in range(1 + len(drafts)):  # the token at position len(tokens) + j
+        for e in samplers:
+            p, seq = e.seq.params, e.seq
+            for j in range(1 + len(e.drafts)):  # the token at position len(tokens) + j
                 rows.temperatures.append(p.temperature)
                 rows.top_ks.append(p.top_k)
                 rows.top_ps.append(p.top_p)
@@ -263,11 +247,13 @@ class TorchModelRunner:
                     position_key(seq.seed, len(seq.tokens) + j) if p.temperature > 0 else (0, 0)
                 )
         sampled_t = sample(logits, rows)
-        want_logprobs = any(seq.params.logprobs is not None for _, seq, _, _ in plan.samplers)
+        want_logprobs = any(e.seq.params.logprobs is not None for e in samplers)
         logprobs = token_logprobs(logits, sampled_t).tolist() if want_logprobs else None
         sampled = sampled_t.tolist()
-        frame = []
-        for req_id, seq, row, drafts in plan.samplers:
+        frames: dict[str, FrameEntry] = {}
+        row = 0
+        for e in samplers:
+            seq, drafts = e.seq, e.drafts
             out = []
             for j, d in enumerate(drafts):  # accept the longest prefix matching our own samples
                 if d != sampled[row + j]:
@@ -281,8 +267,9 @@ class TorchModelRunner:
                 if logprobs is not None and seq.params.logprobs is not None
                 else None
             )
-            frame.append(FrameEntry(req_id, out, drafts, lp))
-        return frame
+            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp)
+            row += 1 + len(drafts)
+        return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 
 
 SMALL_MODEL_PARAMS = 50_000_000

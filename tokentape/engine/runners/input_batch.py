@@ -1,0 +1,166 @@
+"""A step's inputs for the model: what each scheduled entry computes, the tensors of one
+forward pass over some of them, and the split of a step over the CPU lanes.
+
+The runner turns every scheduled entry into an `EntryInputs` (its tokens, their positions,
+its draft tokens, whether it samples). A forward pass takes any subset of them: on the CPU a
+step is shared out over lanes, threads that each run a forward pass over their share of the
+sequences (data parallelism over the batch; see `split_over_lanes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokentape.engine.model.decoder import AttentionMetadata
+from tokentape.events.schema import SamplingParams
+
+# What a CPU core does per byte it reads from memory, in float32 flops: about 100 GFLOP/s of
+# matmul against about 12 GB/s. Only used to balance the lanes' shares of a step.
+FLOPS_PER_BYTE = 8
+
+
+@dataclass(slots=True)
+class SeqState:
+    """The runner's copy of a sequence: its tokens, how many have K/V in the cache, its blocks."""
+
+    params: SamplingParams
+    seed: int
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int = 0
+
+
+@dataclass(slots=True)
+class EntryInputs:
+    """One scheduled entry's share of a step."""
+
+    req_id: str
+    seq: SeqState
+    inputs: list[int]  # token ids to compute, drafts included
+    start: int  # the position of inputs[0]
+    drafts: list[int]  # n-gram draft tokens at the end of inputs
+    samples: bool  # False for a prefill chunk short of the sequence's end
+    entering: bool = False  # it (re)enters the batch: its cached prefix may be shared blocks
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows it needs: the last real input's and every draft's."""
+        return 1 + len(self.drafts) if self.samples else 0
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """The tensors of one forward pass over some entries, in their order."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the hidden states whose logits are sampled
+
+
+def build_forward_batch(
+    entries: list[EntryInputs], block_size: int, device: torch.device
+) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_seqlens = [0]
+    seq_lens: list[int] = []
+    sample_rows: list[int] = []
+    width = max(len(e.seq.block_ids) for e in entries)
+    tables: list[int] = []
+    for e in entries:
+        blocks = e.seq.block_ids
+        end = e.start + len(e.inputs)
+        input_ids += e.inputs
+        positions += range(e.start, end)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(e.start, end)]
+        cu_seqlens.append(len(input_ids))
+        seq_lens.append(end)
+        tables += blocks
+        tables += [0] * (width - len(blocks))
+        sample_rows += range(len(input_ids) - e.num_sample_rows, len(input_ids))
+
+    def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        meta=AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(tables, torch.int32).view(len(entries), width),
+        ),
+        sample_rows=tensor(sample_rows, torch.int64),
+    )
+
+
+def split_over_lanes(
+    entries: list[EntryInputs],
+    num_lanes: int,
+    block_size: int,
+    flops_per_token: int,
+    kv_bytes_per_token: int,
+) -> list[list[EntryInputs]]:
+    """The entries shared out over at most `num_lanes` lanes of about equal work, each share
+    in the step's order; every share holds at least one entry.
+
+    An entry's work is its tokens' matmuls plus the K/V it reads (its whole context), weighed
+    by FLOPS_PER_BYTE. Any split gives every sequence the same bits: a sequence's attention
+    reads only its own context, and the matmuls are batch-invariant on the CPU. The one
+    dependency between sequences is a prefix-cache hit on blocks another entry computes in
+    this same step: the reader goes in the writer's lane, where every layer writes the
+    step's K/V before it attends.
+    """
+    bundles = _bundles(entries, block_size)
+    num_lanes = min(num_lanes, len(bundles))
+    if num_lanes <= 1:
+        return [entries]
+    lane_of: dict[int, int] = {}
+    work = [0] * num_lanes
+    for bundle in bundles:
+        lane = work.index(min(work))
+        for i in bundle:
+            e = entries[i]
+            lane_of[i] = lane
+            work[lane] += (len(e.inputs) * flops_per_token
+                           + (e.start + len(e.inputs)) * kv_bytes_per_token * FLOPS_PER_BYTE)
+    shares: list[list[EntryInputs]] = [[] for _ in range(num_lanes)]
+    for i, e in enumerate(entries):
+        shares[lane_of[i]].append(e)
+    return shares
+
+
+def _bundles(entries: list[EntryInputs], block_size: int) -> list[list[int]]:
+    """Indices of the entries in groups that must share a lane (most groups are one entry):
+    an entering entry whose cached prefix holds a block that another entry writes in this
+    step joins that entry's group."""
+    group = list(range(len(entries)))
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    entering = [i for i, e in enumerate(entries) if e.entering and e.start >= block_size]
+    if entering:
+        writer: dict[int, int] = {}
+        for i, e in enumerate(entries):
+            first, last = e.start // block_size, (e.start + len(e.inputs) - 1) // block_size
+            for block in e.seq.block_ids[first : last + 1]:
+                writer[block] = i
+        for i in entering:
+            e = entries[i]
+            for block in e.seq.block_ids[: e.start // block_size]:
+                w = writer.get(block)
+                if w is not None and w != i:
+                    group[root(i)] = root(w)
+    bundles: dict[int, list[int]] = {}
+    for i in range(len(entries)):
+        bundles.setdefault(root(i), []).append(i)
+    return list(bundles.values())
