@@ -18,6 +18,9 @@ BUG_CLASSES: dict[str, str] = {
                             "that has not drained, so a stale token slips through",
     "vllm#42117-spec-units": "vLLM #42117 follow-up (#46066): the discard counter is set in tokens "
                              "but drained per frame, so with speculative decoding fresh frames are dropped",
+    "vllm#42043-one-frame": "vLLM before #42117: a reset sets one boolean flag, which drops one "
+                            "frame, so with several steps in flight (pipeline depth 3 or more) the "
+                            "other stale frames are applied; #42117's counter replaced the flag",
     "vllm#47900": "vLLM #47900: output placeholders go negative after a KV-pressure preemption "
                   "with output in flight",
     "vllm#26400": "vLLM #26400/#29987: an abort during the final step is reported as a normal finish",

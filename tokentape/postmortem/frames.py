@@ -143,11 +143,7 @@ class FrameChecker(Checker):
 
     def _stale_applied(self, seq: int, e: ev.FrameProduced, req: RequestState,
                        scheduled: tuple[int, ev.Event] | None, p: Preemption | None) -> None:
-        bug = None
-        if p is not None and p.counter_left > 0:
-            bug = "vllm#42117-overwrite"
-        elif p is not None and p.event.reason == "kv_pressure":
-            bug = "vllm#47900"
+        bug = stale_bug_class(p, self.ctx.tape.header.discard_policy)
         extra = ""
         if p is not None and bug == "vllm#42117-overwrite":
             extra = (f"; its preemption in step {p.event.step} overwrote a discard counter of "
@@ -157,6 +153,19 @@ class FrameChecker(Checker):
             f"a stale frame of request {req.req_id!r} (scheduled in step {e.step} before a preemption) "
             f"was applied: its token is delivered and computed again{extra}",
             [scheduled, cite(p), (seq, e)], bug, seq)
+
+
+def stale_bug_class(p: Preemption | None, policy: str) -> str | None:
+    """The upstream bug that a stale frame getting through after preemption `p` matches."""
+    if p is None:
+        return None
+    if p.counter_left > 0:
+        return "vllm#42117-overwrite"
+    if p.event.reason == "kv_pressure":
+        return "vllm#47900"
+    if policy == "flag":  # one flag for a reset that left several stale frames in flight
+        return "vllm#42043-one-frame"
+    return None
 
 
 _COUNTS = ("num_output_placeholders", "async_tokens_to_discard", "num_stale_in_flight",
@@ -208,11 +217,8 @@ class CountChecker(Checker):
     def _negative(self, seq: int, e: ev.Event, req: RequestState, name: str, value: int) -> None:
         p = self.ctx.preemptions.get(req.req_id)
         bug = None
-        if name == "num_output_placeholders" and p is not None:
-            if p.counter_left > 0:
-                bug = "vllm#42117-overwrite"
-            elif p.event.reason == "kv_pressure":
-                bug = "vllm#47900"
+        if name == "num_output_placeholders":  # a stale frame got through: it was counted once more
+            bug = stale_bug_class(p, self.ctx.tape.header.discard_policy)
         self.ctx.report(
             "negative_count", "error", [req.req_id], e.step,
             f"{name} of request {req.req_id!r} went negative ({value}) at step {e.step}",
