@@ -182,13 +182,14 @@ def test_whatif_skips_a_weight_update_under_the_oracle() -> None:
     recording = load_tape(pause_resume("epoch"))
     with_update = MemoryTape(recording.header)
     for _, event in recording.events():
-        with_update.append(event)
-        if isinstance(event, ev.PrefixCacheReset):
+        if isinstance(event, ev.GenerationResumed):  # paused and drained: where RL loads weights
             with_update.append(ev.WeightsUpdated(event.step, "sha256:abc"))
+        with_update.append(event)
     assert load_tape(with_update).fold().weights_id == "sha256:abc"
+    assert verify(with_update).ok  # as the engine records it
     result = whatif(with_update)
     assert result.diff.identical
-    step = next(e.step for _, e in recording.events() if isinstance(e, ev.PrefixCacheReset))
+    step = next(e.step for _, e in recording.events() if isinstance(e, ev.GenerationResumed))
     note = f"weight update to 'sha256:abc' at step {step} skipped: the oracle's tokens do not depend on weights"
     assert result.notes == [note]
     assert [ev.kind_of(e) for e in recorded_commands(load_tape(with_update))].count("WeightsUpdated") == 1

@@ -7,7 +7,8 @@ A) with the events around it in both tapes. Two tapes of the same requests may c
 two runs: sync against async, flag against epoch, CI against a laptop.
 
 Tapes of different requests (a request only on one side, or with another prompt) cannot be
-aligned: `AlignmentError`.
+aligned: `AlignmentError`. A tape that fails verify's consistency checks is refused before
+anything is compared: `TapeInconsistentError`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape
 from tokentape.replay.render import describe_event, event_requests
 from tokentape.replay.tape import Tape, load_tape
+from tokentape.replay.verify import check_consistent
 
 _BEFORE = 6  # events shown before the divergence, among those naming the request or engine-wide
 _AFTER = 2
@@ -221,13 +223,24 @@ def _context(tape: Tape, req_id: str, seq: int) -> list[tuple[int, ev.Event]]:
 
 
 def diff(a: TapeSource, b: TapeSource, progress: Callable[[int], None] | None = None) -> TapeDiff:
-    """Compare the client-visible output of two tapes of the same requests. `progress`, if
-    given, is called with the number of events read so far (both tapes together)."""
+    """Compare the client-visible output of two tapes of the same requests, once each passes
+    verify's consistency checks (TapeInconsistentError otherwise: a tape whose events cannot
+    follow each other may still hold the same outputs). `progress`, if given, is called with
+    the number of events read so far: each tape is read twice, A then B, so 2 * (len(A) +
+    len(B)) in all."""
     ta, tb = load_tape(a), load_tape(b)
     a_name, b_name = ta.path or "<memory tape A>", tb.path or "<memory tape B>"
-    sa = client_streams(ta, progress)
-    offset = len(ta)
-    sb = client_streams(tb, None if progress is None else (lambda n: progress(offset + n)))
+    done = 0
+
+    def passing(n_events: int) -> Callable[[int], None] | None:
+        nonlocal done
+        offset, done = done, done + n_events
+        return None if progress is None else (lambda n: progress(offset + n))
+
+    check_consistent(ta, passing(len(ta)))
+    check_consistent(tb, passing(len(tb)))
+    sa = client_streams(ta, passing(len(ta)))
+    sb = client_streams(tb, passing(len(tb)))
     _align(sa, sb, a_name, b_name)
     divergences = [d for r in sa if (d := _compare(sa[r], sb[r])) is not None]
     divergences.sort(key=lambda d: (d.a_seq, d.b_seq))

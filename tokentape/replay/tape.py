@@ -10,8 +10,10 @@ from tokentape.events import schema as ev
 from tokentape.events.reducer import fold_events, initial_state
 from tokentape.events.sqlite_store import SQLiteTapeReader
 from tokentape.events.state import EngineState
-from tokentape.events.store import MemoryTape, TapeError, TapeReader
+from tokentape.events.store import MemoryTape, TapeError, TapeReader, check_format_version
 from tokentape.replay.snapshots import DEFAULT_INTERVAL, SnapshotIndex
+
+MAX_KV_BLOCKS = 1 << 22  # 4M blocks (64M tokens of 16): a header claiming more is damaged
 
 
 class Tape:
@@ -23,10 +25,16 @@ class Tape:
         self._snapshots: SnapshotIndex | None = None
         self.path = reader.path
         self.header = reader.header
+        check_format_version(self.header.format_version, self.path)  # the header's own, too
         try:
             self.config = EngineConfig(**self.header.config)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise TapeError(self.path, f"the engine config in the header is invalid ({exc})") from None
+        # Readers size tables by the KV pool (the postmortem's block counts, verify's engine);
+        # no engine that recorded a tape held more blocks than this.
+        if self.config.num_kv_blocks > MAX_KV_BLOCKS:
+            raise TapeError(self.path, f"the engine config in the header is invalid (num_kv_blocks "
+                            f"{self.config.num_kv_blocks} is more than {MAX_KV_BLOCKS})")
 
     def __len__(self) -> int:
         return len(self.reader)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tokentape.engine.llm_engine import LLMEngine
@@ -24,15 +24,24 @@ _CONTEXT = 4
 
 @dataclass(slots=True)
 class Divergence:
-    seq: int  # position on the recorded tape
+    seq: int  # position on the recorded tape (0 for the header)
     message: str
     expected: ev.Event | None
     actual: ev.Event | None
     before: list[tuple[int, ev.Event]] = field(default_factory=list)
     after: list[tuple[int, ev.Event]] = field(default_factory=list)
+    in_header: bool = False  # the header contradicts itself: no event was replayed
+
+    def summary(self) -> str:
+        """One line: where the tape stops reproducing and why."""
+        if self.in_header:
+            return f"the tape's header is inconsistent: {self.message}"
+        return f"first divergence at event {self.seq}: {self.message}"
 
     def format(self) -> str:
-        lines = [f"first divergence at event {self.seq}: {self.message}"]
+        lines = [self.summary()]
+        if self.in_header:
+            return lines[0]
         for seq, event in self.before:
             lines.append(f"    {seq:>8}  {event!r}")
         lines.append(f"  > {self.seq:>8}  recorded: {self.expected!r}")
@@ -62,11 +71,14 @@ class _Diverged(Exception):
 class _RecordedStream:
     """The recorded events with one event of look-ahead and a little history for context."""
 
-    def __init__(self, events: Iterator[tuple[int, ev.Event]]) -> None:
+    def __init__(self, events: Iterator[tuple[int, ev.Event]],
+                 progress: Callable[[int], None] | None = None) -> None:
         self._events = events
         self._next: tuple[int, ev.Event] | None = next(events, None)
+        self._ahead: deque[tuple[int, ev.Event]] = deque()  # read for context, not yet taken
         self.history: deque[tuple[int, ev.Event]] = deque(maxlen=_CONTEXT)
         self.consumed = 0
+        self._progress = progress
 
     def peek(self) -> tuple[int, ev.Event] | None:
         return self._next
@@ -75,15 +87,21 @@ class _RecordedStream:
         item = self._next
         assert item is not None
         self.history.append(item)
-        self._next = next(self._events, None)
+        self._next = self._ahead.popleft() if self._ahead else next(self._events, None)
         self.consumed += 1
+        if self._progress is not None and not self.consumed & 0xFFFF:
+            self._progress(self.consumed)
         return item
 
     def lookahead(self, n: int = _CONTEXT) -> list[tuple[int, ev.Event]]:
+        ahead = self._ahead
+        try:
+            while len(ahead) < n - 1 and (item := next(self._events, None)) is not None:
+                ahead.append(item)
+        except TapeError:
+            pass  # context only: the divergence comes before the damage
         out = [self._next] if self._next is not None else []
-        while len(out) < n and (item := next(self._events, None)) is not None:
-            out.append(item)
-        return out
+        return out + list(ahead)[:n - len(out)]
 
     def diverged(self, message: str, actual: ev.Event | None) -> _Diverged:
         if self._next is None:
@@ -168,10 +186,47 @@ def issue_command(engine: LLMEngine, event: ev.Event) -> None:
             raise TypeError(f"cannot replay command {ev.kind_of(event)}")
 
 
-def verify(source: str | os.PathLike[str] | MemoryTape | Tape) -> VerifyResult:
-    """Re-run the scheduler over the tape's frames; ok when every recorded event reproduces."""
+class TapeInconsistentError(ValueError):
+    """A tape that fails verify's consistency checks, given to a reader that needs a consistent
+    one (diff): it would draw conclusions from events that cannot follow each other."""
+
+
+def check_consistent(source: str | os.PathLike[str] | MemoryTape | Tape,
+                     progress: Callable[[int], None] | None = None) -> Tape:
+    """The tape, once `verify` passes on it; TapeInconsistentError naming where it fails."""
     tape = load_tape(source)
-    stream = _RecordedStream(tape.events())
+    result = verify(tape, progress)
+    if not result.ok:
+        where = result.first_divergence.summary() if result.first_divergence else "it does not replay"
+        raise TapeInconsistentError(
+            f"{tape.path or '<memory tape>'} is not internally consistent ({where}); "
+            "'tokentape replay verify' shows the events around it")
+    return tape
+
+
+def header_divergence(tape: Tape) -> Divergence | None:
+    """What the header says twice must agree: the discard policy and seed of the header and of
+    its engine config (the fold reads the first, the replayed engine the second)."""
+    h, c = tape.header, tape.config
+    for name, said, configured in (("discard policy", h.discard_policy, c.discard_policy),
+                                   ("seed", h.seed, c.seed)):
+        if said != configured:
+            return Divergence(0, f"its {name} is {said!r} but its engine config's is {configured!r}",
+                              None, None, in_header=True)
+    return None
+
+
+def verify(source: str | os.PathLike[str] | MemoryTape | Tape,
+           progress: Callable[[int], None] | None = None) -> VerifyResult:
+    """Re-run the scheduler over the tape's frames; ok when every recorded event reproduces.
+    These are the tape's consistency checks: `diff` and `postmortem` run them too. A tape that
+    cannot be read raises TapeError. `progress`, if given, is called with the number of events
+    checked, every 65536 events."""
+    tape = load_tape(source)
+    bad_header = header_divergence(tape)
+    if bad_header is not None:
+        return VerifyResult(False, 0, bad_header)
+    stream = _RecordedStream(tape.events(), progress)
     engine = LLMEngine(
         tape.config, _StreamReplayRunner(stream, tape.header), _CheckingTape(stream, tape.header)
     )
@@ -180,8 +235,7 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape) -> VerifyResult:
             event = nxt[1]
             kind = ev.kind_of(event)
             if isinstance(event, ev.EngineError):
-                stream.take()
-                return VerifyResult(True, stream.consumed, None, f"{event.error_type}: {event.message}")
+                return _ended_with_error(stream)
             before = stream.consumed
             try:
                 if kind in ev.COMMAND_KINDS:
@@ -201,7 +255,17 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape) -> VerifyResult:
         if nxt is not None and isinstance(nxt[1], ev.EngineError):
             # The recorded run failed at this point (inside a step: a runner failure the
             # replay runner cannot repeat); everything before it reproduced.
-            stream.take()
-            return VerifyResult(True, stream.consumed, None, f"{nxt[1].error_type}: {nxt[1].message}")
+            return _ended_with_error(stream)
         return VerifyResult(False, stream.consumed, d.divergence)
     return VerifyResult(True, stream.consumed)
+
+
+def _ended_with_error(stream: _RecordedStream) -> VerifyResult:
+    """The recorded run stopped on an EngineError (next on the stream): a failed engine records
+    nothing more, so it must be the last event."""
+    _, error = stream.take()
+    assert isinstance(error, ev.EngineError)
+    if stream.peek() is not None:
+        d = stream.diverged("an event follows the EngineError that ended the recorded run", None)
+        return VerifyResult(False, stream.consumed, d.divergence)
+    return VerifyResult(True, stream.consumed, None, f"{error.error_type}: {error.message}")
