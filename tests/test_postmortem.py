@@ -317,8 +317,39 @@ def test_stuck_request_is_found(tmp_path: Path) -> None:
         llm.engine.step()
     llm.close()
     report = postmortem(tmp_path / "run.tape")
-    assert found(report) == [("request_stuck", "warning", ("x",), None)]
-    assert report.ok  # a warning does not fail the job
+    assert found(report) == [("replay_diverged", "error", ("long", "x"), None),
+                             ("request_stuck", "warning", ("x",), None),
+                             ("tape_truncated", "warning", ("x",), None)]
+    by_kind = {f.kind: f for f in report.findings}
+    # The faulty scheduler's first decision is where the tape stops replaying: x not admitted.
+    assert by_kind["replay_diverged"].steps == (0, 0)
+    assert "x: +2@0" in by_kind["replay_diverged"].message
+    assert "made no progress for 200 steps" in by_kind["request_stuck"].message
+    # The run was closed with x unfinished: the tape says where it ends.
+    assert "1 request(s) unfinished" in by_kind["tape_truncated"].message
+
+
+def test_requests_queued_behind_a_head_that_does_not_fit_are_not_stuck() -> None:
+    """First come, first served: a long request holds most of the KV cache, the head of the
+    queue needs more than is left, and the small requests behind it wait for hundreds of steps
+    although they would fit. They are not stuck (vLLM's scheduler does the same)."""
+    llm = LLM(model="oracle", tape=None, pipeline_depth=2, block_size=4, num_kv_blocks=80,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    engine = llm.engine
+    # 60 + 240 tokens: 15 to 75 of the 80 blocks while it runs.
+    engine.add_request("long", [3 + i % 200 for i in range(60)], SamplingParams(max_tokens=240, ignore_eos=True))
+    engine.step()
+    # 270 tokens: 68 blocks, never free while the long request runs.
+    engine.add_request("head", [10 + i % 200 for i in range(270)], SamplingParams(max_tokens=4, ignore_eos=True))
+    for i in range(3):
+        engine.add_request(f"small{i}", [5 + i, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    waited = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        waited += "small0" in engine.state.waiting
+    assert waited > 200  # queued behind the head for the whole of the long request
+    report = postmortem(engine.tape)
+    assert report.findings == []
 
 
 class FailingRunner:
@@ -418,9 +449,12 @@ def test_damaged_tape_still_gets_a_report(tmp_path: Path, capsys: pytest.Capture
     bad = tmp_path / "corrupt.tape"
     copy_with(TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 50", b"\x00\x01")
     page = tmp_path / "r.html"
-    assert main(["postmortem", str(bad), "--html", str(page)]) == 1
-    out = capsys.readouterr().out
-    assert "[error] tape_damaged" in out and "event 50" in out
+    # Exit 2 (the tape cannot be read to its end), after the report of the readable part.
+    assert main(["postmortem", str(bad), "--html", str(page)]) == 2
+    captured = capsys.readouterr()
+    assert "[error] tape_damaged" in captured.out and "event 50" in captured.out
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"error: {bad}: the tape cannot be read from event 50 on")
     assert "tape_damaged" in page.read_text() and "<svg" in page.read_text()
 
 

@@ -19,13 +19,15 @@ from tokentape.events.errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
 from tokentape.postmortem.base import Checker, Hook
-from tokentape.postmortem.context import Context
+from tokentape.postmortem.context import Context, Item
 from tokentape.postmortem.findings import Report, Summary
 from tokentape.postmortem.frames import CountChecker, FrameChecker, HistoryChecker
 from tokentape.postmortem.kv import KVChecker
 from tokentape.postmortem.outputs import OutputChecker, ReferenceChecker
 from tokentape.postmortem.stuck import StuckChecker
+from tokentape.replay.render import describe_event, event_requests
 from tokentape.replay.tape import Tape, load_tape
+from tokentape.replay.verify import verify
 
 ORACLE_MODELS = ("oracle", "oracle-random")
 PROGRESS_EVERY = 1 << 14  # events between progress callbacks
@@ -78,9 +80,12 @@ def postmortem(
     elif tape.header.model_id in ORACLE_MODELS:
         ref_name = "oracle"
         checkers.append(ReferenceChecker(ctx, None, "oracle's expected"))
-    complete = _run(tape, ctx, checkers, progress)
+    complete, last = _run(tape, ctx, checkers, progress)
     for checker in checkers:
         checker.finish()
+    if complete:
+        _check_end(ctx, last)
+    _check_replay(tape, ctx, None if complete else ctx.state.num_events, progress)
     findings = ctx.findings()
     state = ctx.state
     counts: dict[str, int] = {}
@@ -104,11 +109,13 @@ def postmortem(
     return Report(findings, summary)
 
 
-def _run(tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress | None) -> bool:
-    """The pass itself; False when it stopped before the end of the tape."""
+def _run(tape: Tape, ctx: Context, checkers: list[Checker],
+         progress: Progress | None) -> tuple[bool, Item | None]:
+    """The pass itself: whether it read the tape to its end, and the last event it analysed."""
     before, after = _dispatch(checkers, "before"), _dispatch(checkers, "after")
     state = ctx.state
     seq = -1
+    event: ev.Event | None = None
     next_progress = PROGRESS_EVERY
     try:
         for seq, event in tape.events():
@@ -122,7 +129,7 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress |
                 ctx.report("tape_inconsistent", "error", [], event.step,
                            f"{event_refused(seq, event, exc)}; the {seq} events before it were analysed",
                            [(seq, event)], None, seq)
-                return False
+                return False, None
             for hook in after[t]:
                 hook(seq, event)
             if progress is not None and seq >= next_progress:
@@ -135,11 +142,69 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress |
         ctx.report("tape_damaged", "error", [], state.step,
                    f"the tape cannot be read from event {where} on ({_reason(exc)}); "
                    f"the {where} events before it were analysed", [], None, where)
-        return False
+        return False, None
     finally:
         if progress is not None:
             progress(seq + 1)
-    return True
+    return True, (seq, event) if event is not None else None
+
+
+def _check_end(ctx: Context, last: Item | None) -> None:
+    """A tape read to its end that stops mid-run, without the EngineError a failing engine
+    records: say where it ends and why (a killed engine or tape writer leaves exactly this)."""
+    state = ctx.state
+    if state.error is not None or last is None:
+        return  # an engine_error finding says why it ended
+    unfinished = [r.req_id for r in state.unfinished]
+    in_flight = [s.step for s in state.in_flight_steps]
+    if not unfinished and not in_flight and not state.pending_output:
+        return  # every request finished and was delivered: a complete run
+    seq, event = last
+    parts = [f"{len(unfinished)} request(s) unfinished" if unfinished else "every request finished"]
+    if in_flight:
+        parts.append(f"the frames of step(s) {', '.join(map(str, in_flight))} never recorded")
+    if state.pending_output:
+        parts.append(f"output of {len(state.pending_output)} request(s) never delivered")
+    paused = f", generation paused ({state.paused})" if state.paused is not None else ""
+    ctx.report(
+        "tape_truncated", "warning", unfinished, max(state.step - 1, 0),
+        f"the tape ends at event {seq} ({ev.kind_of(event)} of step {event.step}) after step "
+        f"{state.step - 1} was scheduled, with {'; '.join(parts)}{paused}, and no EngineError: "
+        "the recording stopped mid-run (the engine process or its tape writer was killed, or the "
+        "engine was closed before its requests finished)",
+        [last], None, seq, per_request=False)
+
+
+def _check_replay(tape: Tape, ctx: Context, stopped_at: int | None, progress: Progress | None) -> None:
+    """Run verify's consistency checks: a tape whose events are not what the scheduler decides
+    from the ones before them (an edited entry, swapped or missing events, a header that
+    contradicts itself) gets a finding, unless the pass already reported that very event or
+    stopped before it."""
+    done = ctx.state.num_events
+    try:
+        result = verify(tape, None if progress is None else (lambda n: progress(done + n)))
+    except TapeError:
+        return  # unreadable: the pass reported where (tape_damaged)
+    d = result.first_divergence
+    if result.ok or d is None:
+        return
+    if (stopped_at is not None and d.seq >= stopped_at) or ctx.has_error_at(d.seq):
+        return  # the same cause, already a finding
+    if d.in_header:
+        message, step, excerpt = f"the tape does not replay: {d.summary()}", 0, []
+    else:
+        event = d.expected
+        step = event.step if event is not None else ctx.state.step
+        recorded = describe_event(event) if event is not None else "nothing"
+        replayed = describe_event(d.actual) if d.actual is not None else "nothing"
+        message = (f"the tape does not replay: at event {d.seq} the scheduler, re-run against the "
+                   f"recorded frames, {d.message.removeprefix('the replay ')} (recorded: {recorded}; "
+                   f"replayed: {replayed}); the tape was edited or damaged, or recorded by an engine "
+                   "that decides otherwise")
+        excerpt = [*d.before[-2:], (d.seq, event)] if event is not None else d.before[-3:]
+    names = list(dict.fromkeys(r for x in (d.expected, d.actual) if x is not None for r in event_requests(x)))
+    ctx.report("replay_diverged", "error", names[:16], step, " ".join(message.split()),
+               list(excerpt), None, d.seq, per_request=False)
 
 
 def _reason(exc: TapeError) -> str:

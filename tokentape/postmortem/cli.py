@@ -1,7 +1,9 @@
 """`tokentape postmortem TAPE`: run the checkers over a tape and print (or write) the report.
 
 Exit status: 0 when no finding has error severity, 1 when one has, 2 when the tape cannot be
-opened at all (not a tape, a newer format version): the CLI's one-line error.
+opened at all (not a tape, a newer format version) or cannot be read to its end (a damaged
+event, a truncated file): the CLI's one-line error on stderr, after the report of the part
+that could be read. So CI tells an unreadable tape (2) from a run with findings (1).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import msgspec
 
 from tokentape.events.store import TapeError
 from tokentape.postmortem.findings import BUG_CLASSES, Report
-from tokentape.replay.render import progress
+from tokentape.replay.render import SafeWriter, progress, safe_text
 from tokentape.replay.tape import Tape
 
 EXIT_OK = 0
@@ -38,7 +40,9 @@ def add_parser(sub: Any) -> None:
             "to where it breaks.\n"
             "\n"
             "exit status: 0 when no finding is an error, 1 when one is, 2 when the tape\n"
-            "cannot be opened (not a tape, or a newer format version)."
+            "cannot be opened (not a tape, or a newer format version) or cannot be read to\n"
+            "its end (the report then covers the part before the damage, and one line on\n"
+            "stderr says where reading stopped)."
         ),
         epilog=(
             "examples:\n"
@@ -76,7 +80,12 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
     else:
         print_report(report, sys.stdout)
         if args.html:
-            print(f"report: {args.html}")
+            print(safe_text(f"report: {args.html}"))
+    damaged = next((f for f in report.findings if f.kind == "tape_damaged"), None)
+    if damaged is not None:
+        from tokentape.cli import CLIError
+
+        raise CLIError(f"{report.summary.tape}: {damaged.message}")
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
 
@@ -87,7 +96,9 @@ def _length_or_none(tape: Tape) -> int | None:
         return None  # a damaged tape: the pass itself reports where it breaks
 
 
-def print_report(report: Report, out: TextIO) -> None:
+def print_report(report: Report, stream: TextIO) -> None:
+    """The report as text (everything from the tape made safe for a terminal)."""
+    out = SafeWriter(stream)
     s = report.summary
     state = "complete" if s.complete else "stopped early"
     out.write(f"{s.tape}: {s.num_events} events ({state}), {s.num_steps} steps, "

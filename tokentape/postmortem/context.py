@@ -93,6 +93,10 @@ class Context:
                                     step if last_step is None else last_step, message,
                                     items, bug_class, seq)
 
+    def has_error_at(self, seq: int) -> bool:
+        """Whether an error finding so far shows at tape position `seq`."""
+        return any(d.severity == "error" and d.seq == seq for d in self._drafts.values())
+
     def bug_class_of(self, req_id: str) -> str | None:
         """The bug class of the first finding so far that names the request and has one: the
         cause a later symptom (a shifted stream, a leftover count) follows from."""
