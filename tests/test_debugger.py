@@ -23,11 +23,18 @@ def flag_tape(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def session(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tape: Path,
-            script: str, *options: str) -> list[str]:
+            script: str, *options: str, failed: int = 0) -> list[str]:
+    """The transcript of a scripted session; `failed` commands must have failed, and then the
+    session exits 2 with one line on stderr naming the first failure."""
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
     rc = cli.main(["debug", str(tape), *options])
     captured = capsys.readouterr()
-    assert rc == 0 and captured.err == ""
+    if not failed:
+        assert rc == 0 and captured.err == ""
+    else:
+        assert rc == 2, captured
+        (line,) = captured.err.splitlines()
+        assert line.startswith(f"error: {failed} debugger command(s) failed; the first: "), line
     return captured.out.splitlines()
 
 
@@ -144,7 +151,9 @@ def test_bad_input_is_one_line_and_the_debugger_stays_open(monkeypatch, capsys, 
         "frobnicate", "goto 9999", "goto @-1", "goto @99999", "print req nope", "break req=nope",
         "break", "back", "step -2", "next Nope", "break discard >", "break __import__('os')",
         "watch nosuch", "events 10-5", "diff", "goto end", "step", "where", "print 1 / 0",
-    ))
+        "print 'a' * 100000000000", "print [0] * 70000", "print '%0999999999d' % 1",
+        "print " + " * ".join(["99999999999999999999"] * 30), "print " + "1 + " * 600 + "1",
+    ), failed=21)
     expected = {
         "frobnicate": "error: unknown command 'frobnicate' (type help for the commands)",
         "goto 9999": "error: step 9999 is out of range: the tape schedules steps 0..",
@@ -162,6 +171,13 @@ def test_bad_input_is_one_line_and_the_debugger_stays_open(monkeypatch, capsys, 
         "diff": "error: at the start of the tape: no event applied yet",
         "step": f"error: at the end of the tape ({n} events)",
         "print 1 / 0": "error: '1 / 0' failed: ZeroDivisionError: division by zero",
+        # What an expression may build is bounded: an error line, not a MemoryError.
+        "print 'a' * 100000000000": "error: repeating a sequence 100000000000 times: an expression "
+                                    "may build at most 65536 elements",
+        "print [0] * 70000": "error: repeating a sequence 70000 times",
+        "print '%0999999999d' % 1": "error: string formatting with % is not allowed",
+        "print " + " * ".join(["99999999999999999999"] * 30): "error: a product this large",
+        "print " + "1 + " * 600 + "1": "error: the expression is 2401 characters long; at most 1000",
     }
     for command, message in expected.items():
         out = after(lines, command)

@@ -1,7 +1,8 @@
 """Expressions over the derived state, for the debugger's `break`, `watch` and `print`.
 
 A small, safe subset of Python: names, constants, comparisons, `and`/`or`/`not`, arithmetic
-and `in` over tuples or lists; no calls, attributes or subscripts. Names are either
+and `in` over tuples or lists; no calls, attributes or subscripts. What an expression may
+build is bounded (MAX_TEXT, MAX_LENGTH, MAX_INT_BITS), so it cannot exhaust memory or time. Names are either
 engine-level (one value) or request-level; an expression that names a request-level field is
 evaluated once per request, and as a condition it holds when it holds for any request.
 
@@ -65,8 +66,64 @@ _ALLOWED = (
 )
 
 
+# What an expression may build: its own text is bounded, and every arithmetic operation is
+# checked before it runs (an expression has no loops, so these also bound its time).
+MAX_TEXT = 1000  # characters
+MAX_LENGTH = 1 << 16  # elements of a string, list or tuple
+MAX_INT_BITS = 1024
+
+
 class ExpressionError(ValueError):
     """An expression that cannot be parsed, uses a construct or name it may not, or fails."""
+
+
+def _size(value: Any) -> int | None:
+    """The length of a sequence an operation may grow, or None for a number."""
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else None
+
+
+def _too_big(what: str) -> ExpressionError:
+    return ExpressionError(f"{what}: an expression may build at most {MAX_LENGTH} elements and "
+                           f"integers of at most {MAX_INT_BITS} bits")
+
+
+def _mult(a: Any, b: Any) -> Any:
+    sa, sb = _size(a), _size(b)
+    if sa is not None or sb is not None:  # repetition: the result's length is known up front
+        n = b if sa is not None else a
+        if isinstance(n, int) and (sa if sa is not None else sb or 0) * max(n, 0) > MAX_LENGTH:
+            raise _too_big(f"repeating a sequence {n} times")
+    elif isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS:
+        raise _too_big("a product this large")
+    return a * b
+
+
+def _add(a: Any, b: Any) -> Any:
+    sa, sb = _size(a), _size(b)
+    if sa is not None and sb is not None and sa + sb > MAX_LENGTH:
+        raise _too_big("joining these sequences")
+    return a + b
+
+
+def _mod(a: Any, b: Any) -> Any:
+    if isinstance(a, (str, bytes)):  # '%0999999999d' % 1 builds a gigabyte
+        raise ExpressionError("string formatting with % is not allowed in an expression")
+    return a % b
+
+
+# BinOp nodes become calls of these checked operations; the others cannot grow a value.
+_CHECKED = {ast.Mult: "__mult__", ast.Add: "__add__", ast.Mod: "__mod__"}
+_GLOBALS: dict[str, Any] = {"__builtins__": {}, "__mult__": _mult, "__add__": _add, "__mod__": _mod}
+
+
+class _Checked(ast.NodeTransformer):
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        name = _CHECKED.get(type(node.op))
+        if name is None:
+            return node
+        return ast.copy_location(
+            ast.Call(ast.Name(name, ast.Load()), [node.left, node.right], []), node)
 
 
 class StateExpression:
@@ -76,6 +133,9 @@ class StateExpression:
         self.text = text.strip()
         if not self.text:
             raise ExpressionError("empty expression")
+        if len(self.text) > MAX_TEXT:
+            raise ExpressionError(f"the expression is {len(self.text)} characters long; at most "
+                                  f"{MAX_TEXT} are allowed")
         try:
             tree = ast.parse(self.text, mode="eval")
         except SyntaxError as exc:
@@ -94,15 +154,18 @@ class StateExpression:
                         f"{', '.join(n for n in ALL_NAMES if n not in ('True', 'False', 'None'))})"
                     )
                 names.add(node.id)
-        self._code = compile(tree, "<expression>", "eval")
+        checked = ast.fix_missing_locations(_Checked().visit(tree))
+        self._code = compile(checked, "<expression>", "eval")
         self.request_names = sorted(names & REQUEST_NAMES.keys())
         self.engine_names = sorted(names & ENGINE_NAMES.keys())
         self.per_request = bool(self.request_names)
 
     def _eval(self, scope: dict[str, Any]) -> Any:
         try:
-            return eval(self._code, {"__builtins__": {}}, scope)
-        except (TypeError, ValueError, ArithmeticError) as exc:  # e.g. None > 0, 1 / 0
+            return eval(self._code, _GLOBALS, scope)
+        except ExpressionError:
+            raise
+        except (TypeError, ValueError, ArithmeticError, MemoryError, RecursionError) as exc:  # e.g. None > 0, 1 / 0
             raise ExpressionError(f"{self.text!r} failed: {type(exc).__name__}: {exc}") from None
 
     def _engine_scope(self, state: EngineState) -> dict[str, Any]:

@@ -163,6 +163,7 @@ class TapeDebugger(cmd.Cmd):
         self.use_rawinput = self.interactive
         self.prompt = "(tokentape) " if self.interactive else ""
         self.num_events = len(tape)
+        self.errors: list[str] = []  # of the commands that failed: a scripted session fails too
         self.pos = 0
         self._last_applied: tuple[int, ev.Event] | None = None
         self.state = tape.state_at(0)
@@ -199,16 +200,21 @@ class TapeDebugger(cmd.Cmd):
         try:
             return super().onecmd(line)
         except ReducerError as exc:  # a damaged tape: the debugger works up to the damage
-            self.out.error(str(exc))
+            self._error(str(exc))
             self._after_damage()
             return False
         except (DebuggerError, ExpressionError, TapeError, ValueError, IndexError) as exc:
-            self.out.error(str(exc))
+            self._error(str(exc))
             return False
         except KeyboardInterrupt:  # a long continue or next: stop where it got to
             self.out.line("interrupted")
             self._show_position()
             return False
+
+    def _error(self, message: str) -> None:
+        """Print a command's error; the session then ends with exit status 2."""
+        self.errors.append(" ".join(message.split()))
+        self.out.error(message)
 
     def emptyline(self) -> bool:
         return super().emptyline() if self.interactive else False
@@ -424,7 +430,10 @@ class TapeDebugger(cmd.Cmd):
         for seq, event in self.tape.events(start):
             if seq >= end:
                 break
-            evolve(state, event)
+            try:
+                evolve(state, event)
+            except FOLD_ERRORS as exc:
+                raise event_refused(seq, event, exc) from None
             bp = scanner.check(event, state)
             if bp is not None:
                 last = (seq + 1, bp)
@@ -711,5 +720,8 @@ def _format_value(value: Any) -> str:
     return repr(value)
 
 
-def run_debugger(tape: Tape, stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
-    TapeDebugger(tape, stdin, stdout).run()
+def run_debugger(tape: Tape, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
+    """Run a session to its end; returns the errors of the commands that failed."""
+    debugger = TapeDebugger(tape, stdin, stdout)
+    debugger.run()
+    return debugger.errors
