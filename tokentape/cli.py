@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TextIO
 
-from tokentape.replay.render import is_terminal
+from tokentape.replay.render import is_terminal, safe_text
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1
@@ -333,13 +333,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
         else:
-            out.write(
+            out.write(safe_text(
                 f"request {o.request_id}: finish_reason={c.finish_reason} "
                 f"num_tokens={len(c.token_ids)}\n"
                 f"  prompt:    {o.prompt!r}\n"
                 f"  token_ids: {c.token_ids}\n"
                 f"  text:      {c.text!r}\n"
-            )
+            ))
     out.flush()
     if path:
         print(f"tape: {path}", file=sys.stderr)
@@ -359,11 +359,11 @@ def cmd_replay_verify(args: argparse.Namespace) -> int:
         line = f"ok: {result.num_events} events reproduced"
         if result.ended_with_error:
             line += f" (the recorded run stopped on an engine error: {result.ended_with_error})"
-        print(line)
+        print(safe_text(line))
         return EXIT_OK
-    print(f"FAILED: {args.tape} does not reproduce ({result.num_events} events reproduced)")
+    print(safe_text(f"FAILED: {args.tape} does not reproduce ({result.num_events} events reproduced)"))
     if result.first_divergence is not None:
-        print(result.first_divergence.format())
+        print(safe_text(result.first_divergence.format()))
     return EXIT_DIVERGED
 
 
@@ -466,15 +466,15 @@ class _PlainView:
         self.out = out
 
     def section(self, title: str, pairs: dict[str, Any]) -> None:
-        self.out.write(f"{title}\n")
+        self.out.write(f"{safe_text(title)}\n")
         width = max((len(k) for k in pairs), default=0)
         for key, value in pairs.items():
-            self.out.write(f"  {key:<{width}}  {value}\n")
+            self.out.write(f"  {key:<{width}}  {safe_text(str(value))}\n")
         self.out.write("\n")
 
     def table(self, title: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-        self.out.write(f"{title}\n")
-        cells = [list(columns)] + [[str(v) for v in row] for row in rows]
+        self.out.write(f"{safe_text(title)}\n")
+        cells = [list(columns)] + [[safe_text(str(v)) for v in row] for row in rows]
         widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
         for r in cells:
             line = "  ".join(
@@ -501,21 +501,23 @@ class _RichView:
 
     def section(self, title: str, pairs: dict[str, Any]) -> None:
         from rich.table import Table
+        from rich.text import Text
 
-        self.console.print(title, style="bold", markup=False)
+        self.console.print(safe_text(title), style="bold", markup=False)
         table = Table(show_header=False, box=None, padding=(0, 2))
         table.add_column(style="cyan", no_wrap=True)
         table.add_column(overflow="fold")
         for key, value in pairs.items():
-            table.add_row(key, str(value))
+            table.add_row(key, Text(safe_text(str(value))))
         self.console.print(table)
         self.console.print()
 
     def table(self, title: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
         from rich import box
         from rich.table import Table
+        from rich.text import Text
 
-        self.console.print(title, style="bold", markup=False)
+        self.console.print(safe_text(title), style="bold", markup=False)
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                       caption=self._CAPTION, caption_justify="left")
         for i, name in enumerate(columns):
@@ -526,7 +528,7 @@ class _RichView:
         for row in rows:
             # The finish column says why a request finished; "finished" is enough here.
             status = "finished" if str(row[1]).startswith("finished") else row[1]
-            table.add_row(*(str(v) for v in (row[0], status, *row[2:])))
+            table.add_row(*(Text(safe_text(str(v))) for v in (row[0], status, *row[2:])))
         self.console.print(table)
 
 
@@ -633,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pass
         return EXIT_OK
     except _expected_errors() as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {safe_text(_one_line(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

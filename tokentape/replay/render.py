@@ -2,11 +2,18 @@
 
 The debugger, `diff` and `replay whatif` print through `Output`: tables and colour with rich
 when the stream is a terminal, plain text (what tests assert on) when it is piped.
+
+Everything a tape holds (request ids, error messages, paths) is data from a file that may
+have been crafted: `safe_text` is applied to all text on its way to a terminal or a plain-text
+stream, by every renderer (Output, inspect's views, the postmortem's report, the CLI's error
+line), so an escape sequence in a request id cannot drive the terminal. JSON output is not
+passed through it: JSON escapes control characters itself and must stay exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
@@ -14,12 +21,37 @@ from typing import Any, TextIO
 from tokentape.events import schema as ev
 
 _MAX_TOKENS_SHOWN = 8
+# C0 controls but tab and newline (ESC starts every terminal escape sequence), DEL, C1 controls
+# (CSI and OSC have one-byte forms there), and invisible or direction-changing format
+# characters (zero-width, bidirectional overrides and isolates, BOM) that make text read
+# other than it is.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
+def safe_text(text: str) -> str:
+    """`text` with every character that could control a terminal written as its escape
+    (ESC as \\x1b, U+202E as \\u202e); tabs and newlines are kept."""
+    return _UNSAFE.sub(_escaped, text)
 
 
 def _tokens(ids: Sequence[int]) -> str:
     if len(ids) <= _MAX_TOKENS_SHOWN:
         return "[" + ", ".join(map(str, ids)) + "]"
     return "[" + ", ".join(map(str, ids[:_MAX_TOKENS_SHOWN])) + f", ... {len(ids)} tokens]"
+
+
+class SafeWriter:
+    """A text stream's `write`, through safe_text: for renderers that write piece by piece."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(safe_text(text))
 
 
 def describe_event(event: ev.Event) -> str:
@@ -92,6 +124,7 @@ class Output:
             self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
 
     def line(self, text: str = "", style: str | None = None) -> None:
+        text = safe_text(text)
         if self._console is not None:
             self._console.print(text, style=style, markup=False)
         else:
@@ -103,7 +136,9 @@ class Output:
     def table(self, columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None,
               numeric_from: int = 1) -> None:
         """A table; columns from `numeric_from` on are right-aligned when their cells are numbers."""
-        cells = [[str(v) for v in row] for row in rows]
+        cells = [[safe_text(str(v)) for v in row] for row in rows]
+        columns = [safe_text(c) for c in columns]
+        title = safe_text(title) if title is not None else None
         if self._console is not None:
             from rich import box
             from rich.table import Table
