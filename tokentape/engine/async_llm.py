@@ -1,0 +1,290 @@
+"""AsyncLLM: vLLM V1's asyncio API. The engine core (engine, scheduler, runner, tape) runs in
+a background process by default; this frontend sends it requests and turns the token deltas
+it gets back into each request's outputs, by the request's output kind.
+
+    engine = AsyncLLM(model="oracle", tape="run.tape")
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "r1"):
+        print(out.outputs[0].text)
+    engine.shutdown()
+
+Cancelling a consumer (or leaving its loop) aborts its request, and the abort is on the tape.
+`multiprocess_mode=False` steps the same engine core inside the event loop (for debugging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from typing import Any
+
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.client import CoreClient, InprocClient, MPClient
+from tokentape.engine.core.messages import CoreDead, CoreMessage, CoreOutput, CoreOutputs, SchedulerStats, AddRequest, rebuild_error
+from tokentape.engine.llm import TapeSpec, check_tape_path
+from tokentape.engine.llm_engine import PAUSE_MODES, EngineDeadError
+from tokentape.engine.outputs import RequestOutput, build_request_output
+from tokentape.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from tokentape.events.schema import SamplingParams
+from tokentape.events.validation import check_str, shown
+
+PromptType = str | Sequence[int] | Mapping[str, Any]
+
+
+def frontend_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer the engine uses, without loading the model: a checkpoint folder's
+    tokenizer.json, else the byte tokenizer (the built-in models and the oracle)."""
+    file = os.path.join(model, "tokenizer.json")
+    if os.path.isdir(model) and os.path.exists(file):
+        return HFTokenizer(file)
+    return ByteTokenizer()
+
+
+class RequestOutputCollector:
+    """A request's deltas not yet taken by its consumer, merged: a slow consumer gets one
+    output with everything new instead of a queue of them (as vLLM's collector)."""
+
+    __slots__ = ("tokens", "logprobs", "finish_reason", "error", "_ready")
+
+    def __init__(self, with_logprobs: bool) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = [] if with_logprobs else None
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: CoreOutput) -> None:
+        if out.error is not None:
+            self.error = rebuild_error(out.error)
+        self.tokens += out.new_token_ids
+        if self.logprobs is not None and out.new_logprobs:
+            self.logprobs += out.new_logprobs
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        self._ready.set()
+
+    def fail(self, exc: Exception) -> None:
+        self.error = exc
+        self._ready.set()
+
+    async def get(self) -> tuple[list[int], list[float] | None, str | None]:
+        await self._ready.wait()
+        self._ready.clear()
+        if self.error is not None:
+            raise self.error
+        got = self.tokens, self.logprobs, self.finish_reason
+        self.tokens = []
+        self.logprobs = [] if self.logprobs is not None else None
+        return got
+
+
+class AsyncLLM:
+    """vLLM's AsyncLLM over tokentape's engine. Takes LLM's engine arguments."""
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        tape: TapeSpec = None,
+        multiprocess_mode: bool = True,
+        **engine_args: Any,
+    ) -> None:
+        EngineConfig(model=model, **engine_args)  # a bad argument fails here, before any process
+        check_tape_path(tape)
+        self.model = model
+        self.tokenizer = frontend_tokenizer(model)
+        client_cls = MPClient if multiprocess_mode else InprocClient
+        self.engine_core: CoreClient = client_cls(model, tape, dict(engine_args))
+        info = self.engine_core.info
+        self.model_id, self.vocab_size, self.max_model_len = info.model_id, info.vocab_size, info.max_model_len
+        self.tape_path: str | None = info.tape_path
+        self.stats = SchedulerStats()
+        self._streams: dict[str, RequestOutputCollector] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = None
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine cannot serve any more: {self._dead}")
+
+    def _ensure_started(self) -> None:
+        """Bind to the running event loop on first use (a closed earlier loop is replaced)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("this AsyncLLM is in use by another running event loop")
+        self._loop = loop
+        self.engine_core.start(self._dispatch)
+
+    def _dispatch(self, msg: CoreMessage) -> None:
+        if isinstance(msg, CoreOutputs):
+            self.stats = msg.stats
+            streams = self._streams
+            for out in msg.outputs:
+                collector = streams.get(out.request_id)
+                if collector is not None:
+                    collector.put(out)
+            if msg.utility is not None:
+                self.engine_core.resolve(msg.utility.call_id, msg.utility.result, msg.utility.error)
+        elif isinstance(msg, CoreDead):
+            self._fail_all(msg.message)
+
+    def _fail_all(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        exc = EngineDeadError(f"the engine cannot serve any more: {reason}")
+        for collector in self._streams.values():
+            collector.fail(exc)
+        self.engine_core.fail_calls(exc)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _prompt_token_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            check_str("prompt", prompt)
+            return self.tokenizer.encode(prompt), prompt
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise TypeError(f"prompt must be a string or a list of token ids, got {shown(prompt)}")
+        return list(prompt), None
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs; the last has `finished=True`. The engine checks the
+        request before recording anything: a refused one raises here (ValueError, TypeError)."""
+        self._ensure_started()
+        self._check_alive()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {shown(params)}")
+        check_str("request_id", request_id)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use on this engine")
+        tokens, text = self._prompt_token_ids(prompt)
+        collector = self._streams[request_id] = RequestOutputCollector(params.logprobs is not None)
+        kind, decode = params.output_kind, self.tokenizer.decode
+        all_tokens: list[int] = []
+        all_logprobs: list[float] | None = [] if params.logprobs is not None else None
+        finished = False
+        try:
+            self.engine_core.add_request(AddRequest(request_id, tokens, params))
+            while not finished:
+                try:
+                    new, logprobs, reason = await collector.get()
+                except (ValueError, TypeError, KeyError, EngineDeadError):
+                    finished = True  # refused (nothing recorded), or the engine is gone
+                    raise
+                all_tokens += new
+                if all_logprobs is not None and logprobs:
+                    all_logprobs += logprobs
+                finished = reason is not None
+                out = build_request_output(kind, request_id, tokens, all_tokens, len(new), all_logprobs,
+                                           reason, decode, text)
+                if out is not None:
+                    yield out
+        finally:
+            del self._streams[request_id]
+            if not finished and self._dead is None:  # cancelled, or the consumer left
+                self.engine_core.abort([request_id])
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (on the tape); their streams end with finish_reason 'abort'.
+        Unknown or finished ids are ignored."""
+        self._ensure_started()
+        self._check_alive()
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for i in ids:
+            check_str("request_id", i)
+        self.engine_core.abort(ids)
+
+    # -- engine calls ---------------------------------------------------------------------------
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        self._ensure_started()
+        self._check_alive()
+        return await self.engine_core.call(method, *args)
+
+    async def pause_generation(self, *, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Pause as vLLM does ("abort", "wait" or "keep"); returns once the engine has
+        drained, with the drained tokens already handed to their streams."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._call("pause_generation", mode, bool(clear_cache))
+
+    async def resume_generation(self) -> None:
+        await self._call("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return bool(await self._call("is_paused"))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self._call("reset_prefix_cache", bool(reset_running_requests)))
+
+    async def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> str:
+        """Load new weights (a state_dict or a checkpoint folder) while paused; returns their
+        content hash, which goes on the tape. Refused without any change on a bad update."""
+        if isinstance(weights, (str, os.PathLike)):
+            arg: Any = os.fspath(weights)
+        elif isinstance(weights, Mapping):
+            arg = weights if isinstance(self.engine_core, InprocClient) else _state_dict_bytes(weights)
+        else:
+            raise TypeError(f"update_weights takes a state_dict or a checkpoint folder, got {shown(weights)}")
+        return str(await self._call("update_weights", arg))
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Abort what is left, close the tape (in the core) and stop the core. Idempotent."""
+        self.engine_core.shutdown()
+        self._fail_all("the engine was shut down")
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _state_dict_bytes(weights: Mapping[str, Any]) -> bytes:
+    """A state_dict as safetensors bytes, to cross the process boundary (tied tensors are
+    copied apart: safetensors refuses shared storage)."""
+    import torch
+    from safetensors.torch import save
+
+    tensors = {}
+    for name, t in weights.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"update_weights: {name!r} is not a tensor ({shown(t)}); nothing was changed")
+        tensors[name] = t.detach().to("cpu").contiguous().clone()
+    return save(tensors)

@@ -1,0 +1,184 @@
+"""EngineCore: the engine behind AsyncLLM, as vLLM V1's EngineCore. It owns the LLMEngine and
+its tape, takes requests, aborts and calls, steps, and hands back token deltas.
+
+The same class runs in the background process (`tokentape.engine.core.proc`) and in the
+frontend's own event loop (the in-process mode, for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from tokentape.engine.core.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    CoreInfo,
+    CoreMessage,
+    CoreOutput,
+    CoreOutputs,
+    CoreRequest,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+    error_of,
+)
+from tokentape.engine.llm import LLM, TapeSpec
+from tokentape.engine.llm_engine import EngineDeadError
+
+SHUTDOWN = "shutdown"  # the call that ends the core
+
+# What a refused request or call raises before anything is recorded: reported to the caller,
+# and the core keeps serving. Anything else ends the engine (it is on the tape).
+REFUSALS = (ValueError, TypeError, KeyError, RuntimeError, OSError)
+
+
+def load_weights_arg(arg: object) -> object:
+    """update_weights's argument as it travels: a folder path, or safetensors bytes."""
+    if isinstance(arg, bytes):
+        from safetensors.torch import load
+
+        return load(arg)
+    return arg
+
+
+class EngineCore:
+    def __init__(self, model: str, tape: TapeSpec, engine_args: dict[str, Any]) -> None:
+        self.llm = LLM(model, tape=tape, **engine_args)
+        self.engine = self.llm.engine
+        self._sent: dict[str, int] = {}  # tokens handed out so far, per unfinished request
+        self._closed = False
+        self._calls: dict[str, Callable[..., Any]] = {
+            "pause_generation": self.engine.pause_generation,
+            "resume_generation": self.engine.resume_generation,
+            "is_paused": self.engine.is_paused,
+            "reset_prefix_cache": self.engine.reset_prefix_cache,
+            "update_weights": lambda w: self.engine.update_weights(load_weights_arg(w)),
+        }
+
+    def info(self) -> CoreInfo:
+        e = self.engine
+        return CoreInfo(e.runner.model_id, e.runner.vocab_size, e.config.effective_max_model_len,
+                        e.runner.eos_token_id, e.tape.path, os.getpid())
+
+    def stats(self) -> SchedulerStats:
+        s = self.engine.state
+        return SchedulerStats(len(s.running), len(s.waiting), s.paused is not None, s.step)
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.is_paused()
+
+    def has_work(self) -> bool:
+        """Whether stepping can make progress (a paused engine schedules nothing)."""
+        return self.engine.has_unfinished_requests() and not self.engine.is_paused()
+
+    def add_request(self, req: AddRequest) -> CoreOutput | None:
+        """Add a request; a refused one (checked before anything is recorded) comes back as
+        an error output."""
+        try:
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+        except EngineDeadError:
+            raise
+        except REFUSALS as exc:
+            return CoreOutput(req.request_id, [], error=error_of(exc))
+        self._sent[req.request_id] = 0
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        requests = self.engine.state.requests
+        for req_id in request_ids:
+            req = requests.get(req_id)
+            if req is not None and not req.is_finished:  # unknown or done: nothing to abort
+                self.engine.abort_request(req_id)
+
+    def call(self, method: str, args: list[Any]) -> Any:
+        fn = self._calls.get(method)
+        if fn is None:
+            raise ValueError(f"unknown engine call {method!r}")
+        return fn(*args)
+
+    def run_once(self, requests: list[CoreRequest]) -> tuple[list[CoreMessage], bool]:
+        """Handle the requests that arrived, in order, then step if there is work: the
+        messages for the frontend, and whether the core is done (shut down or dead)."""
+        messages: list[CoreMessage] = []
+        pending: list[CoreOutput] = []
+        try:
+            for msg in requests:
+                if isinstance(msg, AddRequest):
+                    refused = self.add_request(msg)
+                    if refused is not None:
+                        pending.append(refused)
+                elif isinstance(msg, AbortRequests):
+                    self.abort(msg.request_ids)
+                elif isinstance(msg, UtilityCall):
+                    if msg.method == SHUTDOWN:
+                        self.shutdown()
+                        messages.append(CoreOutputs(pending, self.stats(), UtilityResult(msg.call_id, True)))
+                        return messages, True
+                    result = self._call(msg)
+                    # What the call produced (a pause's drained tokens) goes before its answer.
+                    if self.is_paused:
+                        pending += self.step()
+                    messages.append(CoreOutputs(pending, self.stats(), result))
+                    pending = []
+            if self.has_work() or requests:
+                pending += self.step()
+        except Exception as exc:  # the engine failed: it is on the tape; nothing more comes
+            text = str(exc) if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
+            messages.append(CoreDead(text))
+            return messages, True
+        if pending:
+            messages.append(CoreOutputs(pending, self.stats()))
+        return messages, False
+
+    def _call(self, msg: UtilityCall) -> UtilityResult:
+        try:
+            return UtilityResult(msg.call_id, self.call(msg.method, msg.args))
+        except EngineDeadError:
+            raise
+        except REFUSALS as exc:  # refused before any change: the engine serves on
+            return UtilityResult(msg.call_id, None, error_of(exc))
+
+    def step(self) -> list[CoreOutput]:
+        """One engine step; the token deltas of every request that got output."""
+        outs = self.engine.step()
+        if not outs:
+            return []
+        requests = self.engine.state.requests
+        deltas = []
+        for out in outs:
+            req = requests[out.request_id]
+            # Read from the state, whatever the request's output kind: after a step every
+            # token the reducer appended has been emitted (OutputsEmitted is on the tape).
+            sent = self._sent.get(out.request_id, 0)
+            tokens = req.output_token_ids
+            lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
+            reason = out.outputs[0].finish_reason
+            deltas.append(CoreOutput(out.request_id, tokens[sent:], lps, reason))
+            if reason is None:
+                self._sent[out.request_id] = len(tokens)
+            else:
+                self._sent.pop(out.request_id, None)
+        return deltas
+
+    def shutdown(self) -> None:
+        """Abort what is left (on the tape), apply the frames still in flight, close the tape.
+        Idempotent; a dead engine's tape is closed as it stands."""
+        if self._closed:
+            return
+        self._closed = True
+        engine = self.engine
+        try:
+            if engine.has_unfinished_requests():
+                self.abort([r.req_id for r in engine.state.unfinished])
+                for _ in range(engine.depth + 2):  # the in-flight steps, then nothing
+                    if not engine.has_unfinished_requests():
+                        break
+                    engine.step()
+        except EngineDeadError:
+            pass  # the failure is on the tape already
+        finally:
+            self.llm.close()

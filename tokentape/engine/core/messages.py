@@ -1,0 +1,139 @@
+"""The messages between AsyncLLM (the frontend) and its engine core: msgspec structs, msgpack
+on the wire (ZMQ in the background-process mode; passed as they are in the in-process mode).
+
+Frontend to core: `AddRequest`, `AbortRequests`, `UtilityCall`. Core to frontend: `CoreReady`
+once (or `CoreFailed` when the engine cannot be built), then `CoreOutputs` after every step or
+command, and `CoreDead` if the engine fails. Token outputs are always deltas: the frontend
+applies each request's output kind (CUMULATIVE, DELTA, FINAL_ONLY) itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tokentape.events.schema import SamplingParams
+
+# -- frontend to core -------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="call", array_like=True):
+    """A call of an engine method by name (pause_generation, update_weights, ...); the core
+    answers with a UtilityResult of the same call_id."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+CoreRequest = AddRequest | AbortRequests | UtilityCall
+
+# -- core to frontend -------------------------------------------------------------------------
+
+
+class CoreOutput(msgspec.Struct, array_like=True, gc=False):
+    """New tokens of one request. `error` set: the request was refused before anything was
+    recorded (`error_type: message`), and nothing else will come for it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    error: tuple[str, str] | None = None
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: Any = None
+    error: tuple[str, str] | None = None  # (exception type name, message)
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    is_paused: bool = False
+    step: int = 0
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[CoreOutput]
+    stats: SchedulerStats
+    utility: UtilityResult | None = None
+
+
+class CoreInfo(msgspec.Struct, array_like=True):
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    tape_path: str | None
+    pid: int
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    info: CoreInfo
+
+
+class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
+    """The engine could not be built (a bad model path, a tape that cannot be created)."""
+
+    error_type: str
+    message: str
+
+
+class CoreDead(msgspec.Struct, tag="dead", array_like=True):
+    """The engine failed while serving; the failure is on the tape. Nothing more will come."""
+
+    message: str
+
+
+CoreMessage = CoreReady | CoreFailed | CoreOutputs | CoreDead
+
+# -- setup of a core process (on its stdin) ---------------------------------------------------
+
+
+class CoreSetup(msgspec.Struct, array_like=True):
+    input_address: str  # the core pulls requests from here
+    output_address: str  # and pushes its messages here
+    model: str
+    tape: str | bool | None
+    engine_args: dict[str, Any]
+
+
+request_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(CoreRequest)
+message_decoder = msgspec.msgpack.Decoder(CoreMessage)
+setup_decoder = msgspec.msgpack.Decoder(CoreSetup)
+
+# Errors the frontend raises again by type; any other becomes a RuntimeError naming it.
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    t.__name__: t
+    for t in (ValueError, TypeError, KeyError, RuntimeError, FileNotFoundError, FileExistsError,
+              IsADirectoryError, NotADirectoryError, PermissionError, OSError)
+}
+
+
+def error_of(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+def rebuild_error(error: tuple[str, str]) -> Exception:
+    """The frontend's exception for an error the core reported."""
+    name, message = error
+    if name == "EngineDeadError":
+        from tokentape.engine.llm_engine import EngineDeadError
+
+        return EngineDeadError(message)
+    cls = _ERROR_TYPES.get(name)
+    return cls(message) if cls is not None else RuntimeError(f"{name}: {message}")

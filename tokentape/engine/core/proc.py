@@ -1,0 +1,86 @@
+"""The engine-core process: `python -m tokentape.engine.core.proc`, started by AsyncLLM.
+
+It reads its CoreSetup (msgpack, length-prefixed) from stdin, builds the engine and its tape,
+and serves over two ZMQ sockets: requests in (PULL), messages out (PUSH). Its stdin stays
+open for its whole life: end of file means the frontend is gone (even killed), and the core
+closes the tape and exits. It runs in its own session, so a Ctrl-C or SIGTERM meant for the
+frontend's process group does not reach it: the frontend decides when it stops.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import msgspec
+import zmq
+
+from tokentape.engine.core.messages import CoreFailed, CoreReady, error_of, request_decoder, setup_decoder
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _read_setup() -> bytes:
+    stdin = sys.stdin.buffer
+    size = int.from_bytes(stdin.read(4), "little")
+    data = stdin.read(size)
+    if len(data) != size:
+        raise EOFError("the frontend closed stdin before the setup was complete")
+    return data
+
+
+def serve(core: object, pull: zmq.Socket, push: zmq.Socket, stdin_fd: int) -> None:
+    """The loop: take every message that has arrived, step while there is work, send."""
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    poller.register(stdin_fd, zmq.POLLIN)
+    decode, send = request_decoder.decode, push.send
+    while True:
+        events = dict(poller.poll(0 if core.has_work() else None))  # type: ignore[attr-defined]
+        if stdin_fd in events and not os.read(stdin_fd, 4096):
+            return  # the frontend is gone
+        requests = []
+        while True:
+            try:
+                requests.append(decode(pull.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        messages, done = core.run_once(requests)  # type: ignore[attr-defined]
+        for msg in messages:
+            send(_encode(msg))
+        if done:
+            return
+
+
+def main() -> int:
+    setup = setup_decoder.decode(_read_setup())
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 10_000)  # the last messages reach the frontend before exit
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(setup.output_address)
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(setup.input_address)
+    try:
+        from tokentape.engine.core.engine_core import EngineCore
+
+        core = EngineCore(setup.model, setup.tape, setup.engine_args)
+    except Exception as exc:
+        push.send(_encode(CoreFailed(*error_of(exc))))
+        push.close()
+        ctx.term()
+        return 1
+    push.send(_encode(CoreReady(core.info())))
+    try:
+        serve(core, pull, push, sys.stdin.fileno())
+    finally:
+        core.shutdown()  # idempotent: after a shutdown call, or when the frontend is gone
+        pull.close(0)
+        push.close()
+        ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

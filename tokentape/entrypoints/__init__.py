@@ -1,0 +1,1 @@
+"""Entry points over AsyncLLM: `tokentape serve`, the OpenAI-compatible HTTP server."""

@@ -1,0 +1,173 @@
+"""The OpenAI-compatible request and response bodies (msgspec structs, JSON on the wire),
+with vLLM's extra request fields (top_k, stop_token_ids, ignore_eos, return_token_ids).
+
+Unknown request fields are ignored, as the OpenAI clients send some this server does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM: the token ids go into each choice
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # A string, a list of token ids, or a list of either (one choice per prompt). msgspec
+    # takes one array type in a union, so the items are checked in serving_completion.
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class UpdateWeightsRequest(msgspec.Struct):
+    path: str  # a checkpoint folder on the server's machine
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    text_offset: list[int]
+    top_logprobs: list[dict[str, float]] | None = None
+
+
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ChatLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]] = []
+
+
+class ChatChoiceLogprobs(msgspec.Struct):
+    content: list[ChatLogprob]
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str
+    content: str | None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, omit_defaults=True):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: ChatChoiceLogprobs | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+    logprobs: ChatChoiceLogprobs | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    owned_by: str = "tokentape"
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+encode_json = msgspec.json.Encoder().encode

@@ -1,0 +1,202 @@
+"""`tokentape serve`: the OpenAI-compatible server, with the engine core in a background
+process writing the tape.
+
+    tokentape serve --model tiny --tape run.tape --host 127.0.0.1 --port 8000
+    python -m tokentape.entrypoints.serve --model oracle --port 0   # any free port
+
+Once listening it prints `serving on http://HOST:PORT` on stderr. SIGTERM or Ctrl-C stops
+new work, lets what is in flight finish for --drain-timeout seconds, aborts the rest (on the
+tape) and closes the tape, which then verifies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_ERROR = 2
+
+
+def _int_at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `serve` on the CLI's subparsers."""
+    from tokentape.events.discard import DISCARD_POLICIES
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API (and vLLM's pause/resume endpoints), recording a tape",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Serve the engine over HTTP: /v1/completions (a string or token-id prompt; SSE with\n"
+            "stream), /v1/chat/completions (the checkpoint's chat template; a simple built-in one\n"
+            "for the built-in models and the oracle), /v1/models, /health, /metrics (Prometheus),\n"
+            "and vLLM's RL endpoints: POST /pause?mode=abort|wait|keep&clear_cache=true|false,\n"
+            "POST /resume, GET /is_paused, POST /reset_prefix_cache, POST /update_weights\n"
+            '(JSON {"path": CHECKPOINT_FOLDER}). The engine core runs in a background process\n'
+            "and records every request, abort and pause on the tape. Prints 'serving on\n"
+            "http://HOST:PORT' on stderr once listening. SIGTERM or Ctrl-C: stop taking requests,\n"
+            "let those in flight finish for --drain-timeout seconds, abort the rest (on the tape),\n"
+            "close the tape."
+        ),
+        epilog=(
+            "examples:\n"
+            "  tokentape serve --model tiny --tape run.tape --port 8000\n"
+            "  tokentape serve --model oracle --port 0 --no-tape\n"
+            "  curl -X POST 'localhost:8000/pause?mode=keep&clear_cache=true'"
+        ),
+    )
+    srv.add_argument("--model", default="tiny",
+                     help="'tiny' (default), 'qwen3-0.6b', a Hugging Face checkpoint folder, "
+                     "'oracle' or 'oracle-random'")
+    srv.add_argument("--served-model-name", default=None, metavar="NAME",
+                     help="the model name clients use (default: --model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    srv.add_argument("--port", type=_int_at_least(0), default=8000,
+                     help="port to bind; 0 picks a free one (default: 8000)")
+    tape = srv.add_mutually_exclusive_group()
+    tape.add_argument("--tape", metavar="PATH", default=None,
+                      help="tape file to create; never overwritten "
+                      "(default: tokentape-serve-<UTC timestamp>.tape in the current directory)")
+    tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
+    srv.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
+    pipe = srv.add_mutually_exclusive_group()
+    pipe.add_argument("--sync", action="store_true", help="synchronous scheduling")
+    pipe.add_argument("--pipeline-depth", type=_int_at_least(1), default=None, metavar="N",
+                      help="steps in flight with async scheduling (engine default: 2)")
+    srv.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=None, metavar="K")
+    srv.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
+                     help="epoch (default, exact); counter and flag reproduce vLLM's historical bugs")
+    for flag, what in (("--num-kv-blocks", "KV cache blocks (engine default: 2048)"),
+                       ("--block-size", "tokens per KV block (engine default: 16)"),
+                       ("--max-num-seqs", "most requests running at once (engine default: 256)"),
+                       ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
+                       ("--max-model-len", "longest sequence (default: the KV capacity)")):
+        srv.add_argument(flag, type=_int_at_least(1), default=None, metavar="N", help=what)
+    srv.add_argument("--drain-timeout", type=_seconds, default=10.0, metavar="S",
+                     help="on SIGTERM, seconds to let requests in flight finish before they are "
+                     "aborted (default: 10)")
+    srv.add_argument("--in-process", action="store_true",
+                     help="step the engine inside the server's event loop instead of a background "
+                     "process (for debugging)")
+    srv.add_argument("--log-level", default="warning",
+                     choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's log level (default: warning)")
+    srv.set_defaults(func=cmd_serve)
+    return srv
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"seed": args.seed}
+    if args.sync:
+        kwargs["async_scheduling"] = False
+    for name in ("pipeline_depth", "num_speculative_tokens", "discard_policy", "num_kv_blocks",
+                 "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
+def _default_tape_path() -> str:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path, n = f"tokentape-serve-{stamp}.tape", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"tokentape-serve-{stamp}-{n}.tape"
+    return path
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokentape.engine.async_llm import AsyncLLM
+    from tokentape.entrypoints.api_server import build_app
+
+    tape: str | None = None if args.no_tape else (args.tape or _default_tape_path())
+    engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process, **engine_args(args))
+
+    def close_engine() -> None:
+        engine.shutdown()  # aborts what is left (on the tape), closes the tape
+        if engine.tape_path:
+            print(f"tape: {engine.tape_path}", file=sys.stderr, flush=True)
+
+    try:
+        app = build_app(engine, args.served_model_name)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.drain_timeout, lifespan="off")
+        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, so the engine closes inside
+        # its shutdown, after the connections are drained (or cancelled: their requests abort).
+        asyncio.run(_make_server(config, close_engine).serve())
+    finally:
+        engine.shutdown()  # a no-op when the server closed it
+    return EXIT_OK
+
+
+def _make_server(config: Any, on_shutdown: Any) -> Any:
+    """uvicorn's Server, announcing the bound address (a --port 0 server's real port) and
+    closing the engine when it shuts down; uvicorn is imported here, not with the CLI."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and self.servers and self.servers[0].sockets:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"serving on http://{host}:{port}", file=sys.stderr, flush=True)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            try:
+                await super().shutdown(sockets)
+            finally:
+                on_shutdown()
+
+    return Server(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokentape")
+    sub = parser.add_subparsers(dest="command")
+    srv = add_parser(sub)
+    try:
+        args = srv.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    try:
+        return cmd_serve(args)
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
