@@ -1,0 +1,60 @@
+"""A `tokentape serve` process for tests: started on 127.0.0.1 on a free port (the server
+picks it: --port 0) and always stopped, by SIGTERM to its own pid."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+_SERVING = re.compile(r"serving on (http://[0-9.]+:[0-9]+)")
+
+
+class ServerProcess:
+    def __init__(self, *args: str, startup_timeout_s: float = 120.0) -> None:
+        cmd = [sys.executable, "-m", "tokentape.entrypoints.serve", "--host", "127.0.0.1", "--port", "0", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._url = threading.Event()
+        self.url = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._url.wait(startup_timeout_s):
+            self.stop(timeout_s=10)
+            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = _SERVING.search(line)
+            if m:
+                self.url = m.group(1)
+                self._url.set()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then wait; a server that does not stop in time is killed (and that fails)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"the server did not stop within {timeout_s} s:\n{self.stderr}") from None
+        self._reader.join(10)  # every line it wrote is read
+        return code
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,276 @@
+"""AsyncLLM: output kinds, abort on cancel (on the tape), refusals that record nothing, the
+engine core in its process and in-process, and the RL seed flow of vLLM #42043 at depths 1-3."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from tokentape import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from tokentape.engine.core.client import MPClient
+from tokentape.engine.llm_engine import EngineDeadError
+from tokentape.engine.runners.oracle import OracleRunner
+from tokentape.events import schema as ev
+from tokentape.postmortem import postmortem
+from tokentape.replay import load_tape, verify
+
+ORACLE = dict(block_size=4, num_kv_blocks=512)
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def events_of(path: str, kind: type) -> list[Any]:
+    return [e for _, e in load_tape(path).events() if isinstance(e, kind)]
+
+
+async def collect(engine: AsyncLLM, prompt: Any, params: SamplingParams, req_id: str) -> list[Any]:
+    return [out async for out in engine.generate(prompt, params, req_id)]
+
+
+@pytest.mark.parametrize("multiprocess", [True, False], ids=["process", "inproc"])
+def test_output_kinds_give_the_oracle_stream(tmp_path: Any, multiprocess: bool) -> None:
+    tape = str(tmp_path / "run.tape")
+    engine = AsyncLLM("oracle", tape=tape, multiprocess_mode=multiprocess, **ORACLE)
+    oracle = OracleRunner()
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(9)]
+
+    async def main() -> list[list[Any]]:
+        return await asyncio.gather(*(
+            collect(engine, prompts[i], SamplingParams(max_tokens=12 + i, output_kind=RequestOutputKind(i % 3)), f"r{i}")
+            for i in range(len(prompts))
+        ))
+
+    try:
+        results = run(main())
+    finally:
+        engine.shutdown()
+    for i, outs in enumerate(results):
+        expected = oracle.expected_stream(prompts[i], SamplingParams(max_tokens=12 + i))
+        kind = RequestOutputKind(i % 3)
+        assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert all(o.prompt_token_ids == prompts[i] for o in outs)
+        if kind == RequestOutputKind.DELTA:
+            assert [t for o in outs for t in o.outputs[0].token_ids] == expected
+        elif kind == RequestOutputKind.CUMULATIVE:
+            streams = [o.outputs[0].token_ids for o in outs]
+            assert streams[-1] == expected and all(expected[:len(s)] == s for s in streams)
+            assert [len(s) for s in streams] == sorted({len(s) for s in streams})  # grows each time
+        else:
+            assert len(outs) == 1 and outs[0].outputs[0].token_ids == expected
+        assert outs[-1].outputs[0].text == engine.tokenizer.decode(outs[-1].outputs[0].token_ids) or kind == 1
+    assert verify(tape).ok
+
+
+def test_text_and_dict_prompts() -> None:
+    engine = AsyncLLM("oracle", tape=False, multiprocess_mode=False, **ORACLE)
+    params = SamplingParams(max_tokens=5)
+    outs = run(collect(engine, {"prompt": "Hello"}, params, "a"))
+    by_ids = run(collect(engine, {"prompt_token_ids": engine.tokenizer.encode("Hello")}, params, "b"))
+    engine.shutdown()
+    assert outs[-1].prompt == "Hello" and outs[-1].prompt_token_ids == engine.tokenizer.encode("Hello")
+    assert by_ids[-1].prompt is None and by_ids[-1].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+
+
+def test_cancelling_the_consumer_aborts_the_request_on_the_tape(tmp_path: Any) -> None:
+    tape = str(tmp_path / "run.tape")
+    engine = AsyncLLM("oracle", tape=tape)  # the core in its process
+    endless = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
+
+    async def main() -> list[Any]:
+        got: list[Any] = []
+
+        async def consume(req_id: str) -> None:
+            async for out in engine.generate([5, 6, 7], endless, req_id):
+                got.append(out)
+
+        task = asyncio.create_task(consume("cancelled"))
+        while not got:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Leaving the loop early aborts too; and an abort by id ends a stream with "abort".
+        async for _ in engine.generate([8, 9], endless, "left"):
+            break
+        outs: list[Any] = []
+
+        async def aborted() -> None:
+            async for out in engine.generate([10, 11], endless, "by-id"):
+                outs.append(out)
+                if len(outs) == 1:
+                    await engine.abort("by-id")
+
+        await asyncio.wait_for(aborted(), 30)
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        return got
+
+    try:
+        run(main())
+    finally:
+        engine.shutdown()
+    assert {e.req_id for e in events_of(tape, ev.RequestAborted)} == {"cancelled", "left", "by-id"}
+    assert verify(tape).ok
+
+
+def test_refusals_record_nothing_and_the_engine_serves_on(tmp_path: Any) -> None:
+    tape = str(tmp_path / "run.tape")
+    engine = AsyncLLM("oracle", tape=tape, **ORACLE)
+    params = SamplingParams(max_tokens=4)
+
+    async def main() -> None:
+        await collect(engine, [5, 6], params, "ok")
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(engine, [5, 6], params, "ok")
+        with pytest.raises(ValueError, match="vocabulary"):
+            await collect(engine, [5, 6, 10**6], params, "bad-token")
+        with pytest.raises(ValueError, match="empty"):
+            await collect(engine, [], params, "empty")
+        with pytest.raises(TypeError, match="prompt"):
+            await collect(engine, 3.5, params, "float")
+        with pytest.raises(ValueError, match="mode"):
+            await engine.pause_generation(mode="nap")
+        with pytest.raises(RuntimeError, match="pause generation first"):
+            await engine.update_weights(str(tmp_path))
+        await engine.pause_generation(mode="keep")
+        with pytest.raises(RuntimeError, match="no weights"):
+            await engine.update_weights(str(tmp_path))
+        assert await engine.is_paused()
+        await engine.resume_generation()
+        assert not await engine.is_paused()
+        assert await engine.reset_prefix_cache() is True
+        outs = await collect(engine, [5, 6], params, "after")
+        assert outs[-1].outputs[0].token_ids == OracleRunner().expected_stream([5, 6], params)
+
+    try:
+        run(main())
+    finally:
+        engine.shutdown()
+    added = [e.req_id for e in events_of(tape, ev.RequestAdded)]
+    assert added == ["ok", "after"]
+    assert verify(tape).ok
+
+
+def test_bad_engine_arguments_fail_before_any_process() -> None:
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        AsyncLLM("oracle", pipeline_depth=9)
+    with pytest.raises(ValueError, match="unknown model"):
+        AsyncLLM("no-such-model", tape=False)  # the core reports why it could not start
+
+
+def test_a_dead_core_fails_the_streams_instead_of_hanging() -> None:
+    engine = AsyncLLM("oracle", tape=False)
+    assert isinstance(engine.engine_core, MPClient)
+    endless = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
+
+    async def main() -> None:
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate([5, 6], endless, "x"):
+                os.kill(engine.engine_core.proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        with pytest.raises(EngineDeadError):
+            await engine.is_paused()
+
+    try:
+        run(asyncio.wait_for(main(), 30))
+    finally:
+        engine.shutdown()
+
+
+# -- the seed flow: concurrent streams, pause(keep, clear_cache), update_weights, resume -------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
+MAX_TOKENS = 20
+TOKENS_BEFORE_PAUSE = 5
+
+
+def seed_params(i: int) -> SamplingParams:
+    # Seeded and greedy mixed: a seeded draw is keyed by (seed, position), so a plain run
+    # continuing from the same prefix draws the same tokens.
+    if i % 2:
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=100 + i, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+@pytest.fixture(scope="module")
+def new_weights() -> dict[str, Any]:
+    from tokentape.engine.model.loader import builtin_model
+
+    return builtin_model("tiny", seed=1)[1].state_dict()
+
+
+def seed_flow(depth: int, policy: str, tape: str, weights: dict[str, Any]) -> tuple[list[list[int]], list[int]]:
+    """The RL round through AsyncLLM; each stream's tokens, and how many came before the pause."""
+    engine = AsyncLLM("tiny", tape=tape, pipeline_depth=depth, discard_policy=policy, device="cpu")
+
+    async def main() -> tuple[list[list[int]], list[int]]:
+        tokens: list[list[int]] = [[] for _ in PROMPTS]
+
+        async def stream(i: int) -> None:
+            async for out in engine.generate(PROMPTS[i], seed_params(i), str(i)):
+                tokens[i] += out.outputs[0].token_ids
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
+        while min(map(len, tokens)) < TOKENS_BEFORE_PAUSE:
+            await asyncio.sleep(0.001)
+        await engine.pause_generation(mode="keep", clear_cache=True)
+        for _ in range(20):  # the drained tokens are with the streams: let them take them
+            await asyncio.sleep(0)
+        before = [len(t) for t in tokens]
+        await engine.update_weights(weights)
+        assert [len(t) for t in tokens] == before  # paused: nothing new
+        await engine.resume_generation()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return tokens, before
+
+    try:
+        return run(main())
+    finally:
+        engine.shutdown()
+
+
+def plain_runs(weights: dict[str, Any], streams: list[list[int]], before: list[int]) -> list[list[int]]:
+    """What a plain run gives: the old weights up to the pause, then the new weights
+    continuing from the same prefix (a fresh engine, nothing in flight, no pause)."""
+    old = LLM("tiny", tape=None, pipeline_depth=1, device="cpu")
+    new = LLM("tiny", tape=None, pipeline_depth=1, device="cpu")
+    new.engine.pause_generation(mode="keep", clear_cache=False)
+    new.engine.update_weights(weights)
+    new.engine.resume_generation()
+    expected = []
+    for i, text in enumerate(PROMPTS):
+        p = seed_params(i)
+        prompt = old.tokenizer.encode(text)
+        prefix = old.generate([prompt], p)[0].outputs[0].token_ids[:before[i]]
+        rest = SamplingParams(max_tokens=MAX_TOKENS - len(prefix), temperature=p.temperature, top_p=p.top_p,
+                              seed=p.seed, ignore_eos=True)
+        expected.append(prefix + new.generate([prompt + prefix], rest)[0].outputs[0].token_ids)
+    old.close()
+    new.close()
+    return expected
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_seed_flow_through_async_llm_loses_no_token(tmp_path: Any, depth: int, new_weights: dict[str, Any]) -> None:
+    tape = str(tmp_path / "run.tape")
+    streams, before = seed_flow(depth, "epoch", tape, new_weights)
+    assert all(0 < b < MAX_TOKENS for b in before)
+    assert streams == plain_runs(new_weights, streams, before)
+    assert events_of(tape, ev.WeightsUpdated) and events_of(tape, ev.GenerationPaused)
+    assert verify(tape).ok
+    assert postmortem(tape).ok
+
+
+def test_seed_flow_under_the_flag_policy_is_named_42043(tmp_path: Any, new_weights: dict[str, Any]) -> None:
+    tape = str(tmp_path / "flag.tape")
+    streams, before = seed_flow(2, "flag", tape, new_weights)
+    assert streams != plain_runs(new_weights, streams, before)  # the first token after resume is lost
+    report = postmortem(tape)
+    assert "vllm#42043" in {f.bug_class for f in report.findings}
