@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 _SERVING = re.compile(r"serving on (http://[0-9.]+:[0-9]+)")
@@ -39,6 +40,23 @@ class ServerProcess:
     @property
     def stderr(self) -> str:
         return "".join(self.lines)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the engine runs nothing and nothing waits (read from /metrics): a client that
+        left has had its request aborted by then, before any shutdown."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = httpx.get(f"{self.url}/metrics").text
+            busy = [line for line in text.splitlines()
+                    if line.startswith(("tokentape:num_requests_running", "tokentape:num_requests_waiting"))
+                    and not line.endswith(" 0.0")]
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the engine is still busy: {busy}")
+            time.sleep(0.05)
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, then wait; a server that does not stop in time is killed (and that fails)."""

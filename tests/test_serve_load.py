@@ -1,0 +1,74 @@
+"""Load: 256 concurrent streaming clients against a live `tokentape serve` (the oracle), each
+stream equal to the oracle's, while some other clients disconnect mid-stream: their aborts
+are on the tape, which verifies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from serve_process import ServerProcess
+from tokentape import SamplingParams
+from tokentape.engine.runners.oracle import OracleRunner
+from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.events import schema as ev
+from tokentape.replay import load_tape, verify
+
+NUM_CLIENTS = 256
+NUM_LEAVERS = 16
+MAX_TOKENS = 24
+
+
+async def stream(http: httpx.AsyncClient, i: int) -> tuple[list[int], str, str | None]:
+    body = {"model": "oracle", "prompt": f"client {i} says", "max_tokens": MAX_TOKENS, "stream": True,
+            "return_token_ids": True}
+    tokens: list[int] = []
+    text, reason = "", None
+    async with http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"c{i}"}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                tokens += choice["token_ids"]
+                text += choice["text"]
+                reason = choice["finish_reason"]
+    return tokens, text, reason
+
+
+async def leave(http: httpx.AsyncClient, i: int) -> None:
+    body = {"model": "oracle", "prompt": f"leaver {i}", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"leaver{i}"}) as r:
+        seen = 0
+        async for line in r.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break  # and the connection closes with the stream
+
+
+def test_256_streaming_clients_and_disconnects(tmp_path: Any) -> None:
+    tape = str(tmp_path / "load.tape")
+    tok, oracle = ByteTokenizer(), OracleRunner()
+    with ServerProcess("--model", "oracle", "--tape", tape, "--drain-timeout", "1") as server:
+
+        async def main() -> list[Any]:
+            limits = httpx.Limits(max_connections=NUM_CLIENTS + NUM_LEAVERS, max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
+                return await asyncio.gather(
+                    *(stream(http, i) for i in range(NUM_CLIENTS)), *(leave(http, i) for i in range(NUM_LEAVERS)))
+
+        start = time.perf_counter()
+        results = asyncio.run(main())[:NUM_CLIENTS]
+        elapsed = time.perf_counter() - start
+        server.wait_idle()  # the leavers' endless requests were aborted when they left
+    for i, (tokens, text, reason) in enumerate(results):
+        want = oracle.expected_stream(tok.encode(f"client {i} says"), SamplingParams(max_tokens=MAX_TOKENS))
+        assert tokens == want, f"client {i}"
+        assert text == tok.decode(want) and reason == "length"
+    assert verify(tape).ok
+    aborted = {e.req_id for _, e in load_tape(tape).events() if isinstance(e, ev.RequestAborted)}
+    assert aborted == {f"leaver{i}-0" for i in range(NUM_LEAVERS)}
+    assert elapsed < 120
