@@ -154,7 +154,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=args.drain_timeout, lifespan="off")
         # uvicorn re-raises SIGTERM/SIGINT once it has shut down, so the engine closes inside
         # its shutdown, after the connections are drained (or cancelled: their requests abort).
-        asyncio.run(_make_server(config, close_engine).serve())
+        # uvicorn's own loop (uvloop when installed); its run() would also bind the socket.
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            runner.run(_make_server(config, close_engine).serve())
     finally:
         engine.shutdown()  # a no-op when the server closed it
     return EXIT_OK

@@ -42,22 +42,26 @@ class ClientGone(Exception):
 
 
 class IncrementalDetokenizer:
-    """Text deltas of a growing token list; a byte sequence cut inside a UTF-8 character is
-    held back until the character is complete (or the stream ends)."""
+    """Text deltas of a growing token list, decoding only a short window (as vLLM does): the
+    tokens since the last emitted text, after those before it (so a tokenizer that joins
+    pieces with spaces decodes them in context). A byte sequence cut inside a UTF-8 character
+    is held back until the character is complete, or the stream ends."""
 
-    __slots__ = ("decode", "tokens", "text")
+    __slots__ = ("decode", "tokens", "text", "prefix_offset", "read_offset")
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode, self.tokens, self.text = decode, [], ""
+        self.prefix_offset = self.read_offset = 0
 
     def add(self, new_tokens: list[int], final: bool) -> str:
-        self.tokens += new_tokens
-        full = self.decode(self.tokens)
-        if not final:
-            full = full.rstrip("\ufffd")
-        if len(full) <= len(self.text):
+        tokens = self.tokens
+        tokens += new_tokens
+        prefix = self.decode(tokens[self.prefix_offset:self.read_offset]) if self.read_offset > self.prefix_offset else ""
+        full = self.decode(tokens[self.prefix_offset:])
+        if len(full) <= len(prefix) or (not final and full.endswith("\ufffd")):
             return ""
-        delta = full[len(self.text):]
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
         self.text += delta
         return delta
 
