@@ -50,7 +50,13 @@ async def read_body(request: Request, body_type: type[T]) -> T:
 def _param_of(message: str) -> str | None:
     """msgspec names the bad field as `$.field`; OpenAI's `param` is the field's name."""
     at = message.rfind("`$.")
-    return message[at + 3:message.index("`", at + 1)].split("[")[0] if at >= 0 else None
+    if at >= 0:
+        return message[at + 3:message.index("`", at + 1)].split("[")[0].split(".")[0]
+    missing = message.find("missing required field `")
+    if missing >= 0:
+        start = missing + len("missing required field `")
+        return message[start:message.index("`", start)]
+    return None
 
 
 def build_app(engine: AsyncLLM, model_name: str | None = None, chat_template: ChatTemplate | None = None) -> FastAPI:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -155,6 +156,8 @@ class MPClient(CoreClient):
             [sys.executable, "-m", "tokentape.engine.core.proc"],
             stdin=subprocess.PIPE, env=env, start_new_session=True,
         )
+        # Forgotten without shutdown(): end the core's stdin (it closes its tape and exits).
+        self._finalizer = weakref.finalize(self, _abandon, self.proc, self._dir)
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write(len(setup).to_bytes(4, "little") + setup)
@@ -240,3 +243,11 @@ class MPClient(CoreClient):
         self._push.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+        self._finalizer.detach()
+
+
+def _abandon(proc: subprocess.Popen[bytes], folder: str) -> None:
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    shutil.rmtree(folder, ignore_errors=True)

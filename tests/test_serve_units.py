@@ -1,0 +1,56 @@
+"""The server's parts without a server: chat templates, incremental detokenization, the
+OpenAI error shape of a bad body."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.entrypoints.api_server import _param_of
+from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
+from tokentape.entrypoints.serving import IncrementalDetokenizer
+
+
+def test_builtin_chat_template() -> None:
+    t = ChatTemplate.for_model("tiny")
+    msgs = [message_text("system", "Be brief."), message_text("user", [{"type": "text", "text": "Hi"}])]
+    assert t.render(msgs) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    with pytest.raises(ChatTemplateError, match="text content"):
+        message_text("user", [{"type": "image_url", "image_url": "x"}])
+
+
+def test_a_checkpoint_template_and_a_checkpoint_without_one(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}" \
+               "{% if add_generation_prompt %}assistant:{% endif %}"
+    (tmp_path / "a" / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "default", "template": template}], "bos_token": {"content": "<s>"}}))
+    t = ChatTemplate.for_model(str(tmp_path / "a"))
+    assert t.render([{"role": "user", "content": "Hi"}]) == "<s>user: Hi;assistant:"
+    bare = ChatTemplate.for_model(str(tmp_path / "b"))
+    assert not bare.available
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        bare.render([{"role": "user", "content": "Hi"}])
+    (tmp_path / "b" / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+    with pytest.raises(ChatTemplateError, match="no system role"):
+        ChatTemplate.for_model(str(tmp_path / "b")).render([{"role": "system", "content": "x"}])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_incremental_detokenizer_holds_back_a_cut_character(chunk: int) -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo wörld ✓ — done")
+    d = IncrementalDetokenizer(tok.decode)
+    deltas = [d.add(ids[i:i + chunk], i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
+    assert "".join(deltas) == tok.decode(ids) and "\ufffd" not in "".join(deltas)
+
+
+def test_the_bad_field_of_a_body_is_named() -> None:
+    assert _param_of("Expected `int`, got `str` - at `$.max_tokens`") == "max_tokens"
+    assert _param_of("Expected `str`, got `int` - at `$.messages[0].content`") == "messages"
+    assert _param_of("Object missing required field `prompt`") == "prompt"
+    assert _param_of("something else") is None
