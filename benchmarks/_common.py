@@ -1,8 +1,9 @@
 """Shared helpers for the benchmark scripts (not a benchmark itself).
 
-Every benchmark measures its candidate and its baseline in the same process, in alternation
-(ABAB...), after a warm-up, and keeps the best of N repeats (`time.perf_counter`). Results are
-printed as a markdown table; `--json PATH` also writes them for `run_all.py`.
+Every benchmark measures its candidate and its baseline in the same run, in alternation
+(ABAB...), after a warm-up, and keeps the best of N repeats (`time.perf_counter`): in the same
+process, or for vLLM and transformers in a side process started once (benchmarks/baselines).
+Results are printed as a markdown table; `--json PATH` also writes them for `run_all.py`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from baselines import procstat
 from tokentape.events.sqlite_store import remove_tape_files
+
+T = TypeVar("T")
 
 
 def parse_args(description: str, default_repeats: int) -> argparse.Namespace:
@@ -64,20 +69,26 @@ def gc_collected():
 
 
 def best_of(
-    variants: dict[str, Callable[[], float]], repeats: int, warmup: int = 1
-) -> dict[str, float]:
+    variants: dict[str, Callable[[], T]],
+    repeats: int,
+    warmup: int = 1,
+    key: Callable[[T], float] = float,  # type: ignore[assignment]
+) -> dict[str, T]:
     """Run each variant `warmup` times untimed, then `repeats` times in alternation.
 
     Each callable returns the elapsed seconds of its own timed region (so that setup, such
-    as creating a fresh file, stays outside the timing). Returns the best time per variant.
+    as creating a fresh file, stays outside the timing), or a result that `key` maps to
+    them. Returns the best (lowest `key`) result per variant.
     """
     for _ in range(warmup):
         for fn in variants.values():
             fn()
-    best = {name: float("inf") for name in variants}
+    best: dict[str, T] = {}
     for _ in range(repeats):
         for name, fn in variants.items():
-            best[name] = min(best[name], fn())
+            result = fn()
+            if name not in best or key(result) < key(best[name]):
+                best[name] = result
     return best
 
 
@@ -103,6 +114,23 @@ def cache_dir(arg: str | None = None) -> str:
                                "tokentape")
     os.makedirs(base, exist_ok=True)
     return base
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies over all CPUs, from /proc/stat (Linux); (0, 0) elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    db, dt = after[0] - before[0], after[1] - before[1]
+    return None if dt <= 0 else db / dt * (os.cpu_count() or 1)
 
 
 remove_db = remove_tape_files  # the benchmarks' name for it
@@ -168,20 +196,47 @@ def make_prompts(num_requests: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 259) for _ in range(PROMPT_LEN)] for _ in range(num_requests)]
 
 
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """Per decode step: wall seconds, and CPU seconds of each process that worked for it."""
+
+    wall_s: float
+    engine_cpu_s: float  # the engine's process, every thread of it (`time.process_time`)
+    writer_cpu_s: float  # the SQLite tape's writer process (0 without one)
+
+    @property
+    def wall_plus_writer_s(self) -> float:
+        """The engine's wall time plus the writer's CPU time: what a step costs the machine
+        beyond one busy core (the writer runs on another core, off the engine's path)."""
+        return self.wall_s + self.writer_cpu_s
+
+
 def time_decode_steps(
     num_requests: int,
     async_scheduling: bool,
     tape: str | bool | None,
     hooks: tuple[Callable[[], object], Callable[[], object]] | None = None,
 ) -> float:
-    """Seconds per `engine.step()` over WINDOW_CALLS steps in which every request decodes.
+    """Wall seconds per `engine.step()`: `measure_decode_steps(...).wall_s`."""
+    return measure_decode_steps(num_requests, async_scheduling, tape, hooks).wall_s
+
+
+def measure_decode_steps(
+    num_requests: int,
+    async_scheduling: bool,
+    tape: str | bool | None,
+    hooks: tuple[Callable[[], object], Callable[[], object]] | None = None,
+) -> StepTimes:
+    """Wall and CPU seconds per `engine.step()` over WINDOW_CALLS steps in which every request
+    decodes.
 
     Builds a fresh engine (tape: an SQLite file path, None for the in-memory tape, or False
-    for the NullTape), adds the
-    requests, runs SKIP_CALLS untimed steps (all prefills happen in the first), checks that
-    every request is in decode, times the window, then checks that nothing was preempted or
-    finished inside it, and runs the engine to completion untimed. `hooks` (start, stop) are
-    called around the timed window, e.g. to profile it.
+    for the NullTape), adds the requests, runs SKIP_CALLS untimed steps (all prefills happen
+    in the first), checks that every request is in decode, times the window, then checks that
+    nothing was preempted or finished inside it, and runs the engine to completion untimed.
+    CPU time: this process (`time.process_time`, every thread) and the tape's writer process
+    (its CPU clock, by pid), over the same window. `hooks` (start, stop) are called around
+    the timed window, e.g. to profile it.
     """
     from tokentape import LLM, SamplingParams
 
@@ -198,17 +253,22 @@ def time_decode_steps(
     assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in state.requests.values()), \
         "a prefill is still pending"
     step_before = state.step
+    writer_pid: int | None = getattr(engine.tape, "writer_pid", None)
     # An SQLite tape's writer process starts alongside the engine (tens of ms): the window
     # begins once it runs and has caught up; the flush after the window counts any backlog.
     engine.tape.flush()
     start, stop = hooks or (_noop, _noop)
     with gc_collected():
         start()
+        w0 = procstat.cpu_seconds(writer_pid) if writer_pid else 0.0
+        c0 = time.process_time()
         t0 = time.perf_counter()
         for _ in range(WINDOW_CALLS):
             step()
         engine.tape.flush()  # the tape's background writer has finished the window's steps
         elapsed = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        writer_cpu = procstat.cpu_seconds(writer_pid) - w0 if writer_pid else 0.0
         stop()
     assert state.step - step_before == WINDOW_CALLS, "a step scheduled nothing"
     assert all(r.num_preemptions == 0 and not r.is_finished for r in state.requests.values()), \
@@ -217,4 +277,4 @@ def time_decode_steps(
         step()
     assert all(len(r.output_token_ids) == MAX_TOKENS for r in state.requests.values())
     llm.close()
-    return elapsed / WINDOW_CALLS
+    return StepTimes(elapsed / WINDOW_CALLS, cpu / WINDOW_CALLS, writer_cpu / WINDOW_CALLS)
