@@ -1,46 +1,76 @@
-"""End-to-end generation throughput: tokentape's `LLM.generate` against Hugging Face
-transformers' `generate` on the same config and the same weights, in the same run.
+"""End-to-end generation throughput: tokentape's `LLM.generate` against vLLM's CPU engine and
+Hugging Face transformers, on the same weights and the same prompts, in the same run.
 
-Workload: N prompts (default 256) of random token ids, 32 to 256 tokens long, each asking for
-64 to 256 output tokens with ignore_eos and greedy sampling (seeded, so every variant runs the
-same work). Figures:
+Workloads (random token ids, seeded, greedy, ignore_eos, so every engine does the same work):
+- `tiny` (default): N prompts (default 256), 32 to 256 tokens long, each asking for 64 to 256
+  output tokens;
+- `qwen3-0.6b` (Qwen3-0.6B's shapes, float32, seeded weights): N prompts (default 64) of 128
+  tokens, 128 output tokens each.
 
-- tokentape (async, depth 2, SQLite tape on) output tokens/s vs transformers' output tokens/s
-  (batched `generate` with left padding, `--hf-batch-size` prompts per call, each call running
-  to its longest request; only the requested tokens count); target >= 3x;
-- tape on / tape off (tokentape alone); target: the tape costs <= 5%;
-- async (depth 2) / sync throughput;
-- on CUDA: the decode step time at batch 1 and at full batch against the memory-bandwidth
-  floor (weight bytes / 4.8 TB/s, an H200's HBM3e).
+Variants, each run once per round (`--repeats N` rounds, interleaved so that machine drift
+falls on all alike; the best of each is kept):
+- tokentape: async depth 2 with an SQLite tape (the figure compared), async without a tape,
+  sync with a tape; a fresh `LLM` each time, a warm-up `generate` of two prompts first;
+- vLLM's CPU engine (benchmarks/baselines/vllm_generate.py, in vLLM's own Python): the
+  built-in model written as a Hugging Face folder (`save_checkpoint`), prompts as token ids,
+  every setting at vLLM's default (one `LLM` for every round, warmed up);
+- transformers (benchmarks/baselines/hf_generate.py, its own process, so it runs on torch's
+  default thread count whatever tokentape does): the same folder, batches sorted by output
+  length, the best of `--hf-batch-sizes` (all of them in the first round, the best one after).
 
-    python benchmarks/bench_generate.py                         # CPU, tiny, float32, 256 prompts
-    python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --config qwen3-0.6b
-    python benchmarks/bench_generate.py --num-prompts 32 --skip-hf   # a quick look
+Beside wall time, the CPU time of every process over the same `generate`: tokentape's own
+(all threads) and its tape writer's; vLLM's front end, engine core and worker; transformers'.
+Checks printed every run: the tokentape variants agree, and how many greedy streams equal
+vLLM's and transformers' token for token.
+
+Targets (tokentape async with the tape on): tiny >= 1.5x vLLM CPU's output tok/s;
+qwen3-0.6b >= 1.0x. Without vLLM or transformers the script says so and leaves that column
+out. On CUDA it also times the decode step at batch 1 and 64 against the memory-bandwidth
+floor (weight bytes / 4.8 TB/s, an H200's HBM3e).
+
+    python benchmarks/bench_generate.py --repeats 2            # tiny, 256 prompts, CPU
+    python benchmarks/bench_generate.py --config qwen3-0.6b --repeats 2
+    python benchmarks/bench_generate.py --num-prompts 16       # a quick look
+    python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --config qwen3-0.6b \
+        --skip-vllm
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 
+import _common as c
+import _generate_baselines as gb
+from baselines import procstat
+from baselines.client import SideError
+from baselines.locate import find_transformers, find_vllm
 from tokentape import LLM, SamplingParams
 from tokentape.engine.model.config import BUILTIN_CONFIGS
 from tokentape.engine.model.decoder import CausalLM
-from tokentape.engine.model.loader import builtin_model
+from tokentape.engine.model.loader import builtin_model, save_checkpoint
 
 HBM_BYTES_PER_S = 4.8e12
+TARGETS = {"tiny": 1.5, "qwen3-0.6b": 1.0}  # tokentape / vLLM CPU, output tok/s
+DEFAULT_PROMPTS = {"tiny": 256, "qwen3-0.6b": 64}
+TT_VARIANTS = {  # name: (pipeline depth, tape on)
+    "tokentape async (depth 2), SQLite tape": (2, True),
+    "tokentape async, no tape": (2, False),
+    "tokentape sync, SQLite tape": (1, True),
+}
+MAIN = "tokentape async (depth 2), SQLite tape"
 
 
-def workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+def workload(config: str, n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
+    if config == "qwen3-0.6b":
+        return [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(n)], [128] * n
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
     outputs = [rng.randint(64, 256) for _ in range(n)]
     return prompts, outputs
@@ -51,126 +81,56 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_tokentape(
-    args: argparse.Namespace,
-    prompts: list[list[int]],
-    outputs: list[int],
-    *,
-    depth: int,
-    tape: bool,
-) -> dict[str, Any]:
+def run_tokentape(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
+                  tmp: c.TempDir, *, depth: int, tape: bool) -> dict[str, Any]:
     max_len = max(len(p) + o for p, o in zip(prompts, outputs))
     blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs)) + len(prompts)
-    with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(
-            model=args.config,
-            tape=os.path.join(tmp, "bench.tape") if tape else False,
-            device=args.device,
-            dtype=args.dtype,
-            pipeline_depth=depth,
-            async_scheduling=depth > 1,
-            num_kv_blocks=blocks,
-            block_size=16,
-            max_num_seqs=256,
-            max_model_len=max_len + 1,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            seed=args.seed,
-            cpu_threads=args.cpu_threads,
-        )
-        params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
-        llm.generate(prompts[:2], params[:2])  # warm-up
-        sync_device(args.device)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        sync_device(args.device)
-        elapsed = time.perf_counter() - t
-        llm.close()
+    path = tmp.new("bench") if tape else False
+    llm = LLM(
+        model=args.config, tape=path, device=args.device, dtype=args.dtype,
+        pipeline_depth=depth, async_scheduling=depth > 1, num_kv_blocks=blocks, block_size=16,
+        max_num_seqs=256, max_model_len=max_len + 1,
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        cpu_threads=args.cpu_threads,
+    )
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
+    llm.generate(prompts[:2], params[:2])  # warm-up
+    writer = getattr(llm.engine.tape, "writer_pid", None)
+    sync_device(args.device)
+    w0 = procstat.cpu_seconds(writer) if writer else 0.0
+    c0, t = time.process_time(), time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync_device(args.device)
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - c0
+    helpers = {"tape writer": procstat.cpu_seconds(writer) - w0} if writer else {}
+    llm.close()
+    if tape:
+        c.remove_db(path)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), "every request must produce its requested tokens"
-    return {
-        "seconds": elapsed,
-        "output_tokens": n_out,
-        "tok_s": n_out / elapsed,
-        "tokens": [o.outputs[0].token_ids for o in outs],
-    }
+    return {"seconds": elapsed, "output_tokens": n_out, "cpu_main_s": cpu,
+            "cpu_helpers_s": helpers, "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
-def hf_model(args: argparse.Namespace) -> Any:
-    import transformers
-
-    config, model = builtin_model(args.config, args.seed)
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
-    if config.tie_word_embeddings:
-        hf.tie_weights()
-    return hf.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
-
-
-def run_hf(
-    args: argparse.Namespace, hf: Any, prompts: list[list[int]], outputs: list[int]
-) -> dict[str, Any]:
-    pad = 2
-    dev = args.device
-    tokens: list[list[int]] = []
-
-    def batch_generate(batch: range) -> None:
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.tensor(
-            [[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=dev
-        )
-        mask = torch.tensor(
-            [[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch], device=dev
-        )
-        new = max(outputs[i] for i in batch)
-        with torch.inference_mode():
-            out = hf.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=None,
-            )
-        for row, i in enumerate(batch):
-            tokens.append(out[row, width : width + outputs[i]].tolist())
-
-    batch_generate(range(2))  # warm-up
-    tokens.clear()
-    sync_device(dev)
-    t = time.perf_counter()
-    for start in range(0, len(prompts), args.hf_batch_size):
-        batch_generate(range(start, min(start + args.hf_batch_size, len(prompts))))
-    sync_device(dev)
-    elapsed = time.perf_counter() - t
-    n_out = sum(outputs)
-    return {"seconds": elapsed, "output_tokens": n_out, "tok_s": n_out / elapsed, "tokens": tokens}
+def from_side(reply: dict[str, Any], main: str) -> dict[str, Any]:
+    cpu = dict(reply["cpu_s"])
+    return {"seconds": reply["seconds"], "output_tokens": reply["output_tokens"],
+            "cpu_main_s": cpu.pop(main), "cpu_helpers_s": cpu, "tokens": reply.get("tokens")}
 
 
 def decode_step_time(args: argparse.Namespace, batch: int) -> float:
     """Seconds per decode step with `batch` sequences (32-token prompts, 128 outputs each)."""
-    llm = LLM(
-        model=args.config,
-        tape=False,
-        device=args.device,
-        dtype=args.dtype,
-        pipeline_depth=2,
-        num_kv_blocks=max(64, batch * 14),
-        block_size=16,
-        max_num_seqs=max(batch, 1),
-        seed=args.seed,
-    )
+    llm = LLM(model=args.config, tape=False, device=args.device, dtype=args.dtype,
+              pipeline_depth=2, num_kv_blocks=max(64, batch * 14), block_size=16,
+              max_num_seqs=max(batch, 1), seed=args.seed)
     rng = random.Random(1)
     vocab = BUILTIN_CONFIGS[args.config].vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(batch)]
-    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(
-            f"d{i}", p, SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-        )
+        engine.add_request(f"d{i}", p,
+                           SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True))
     for _ in range(4):  # prefill and the first decodes, untimed
         engine.step()
     sync_device(args.device)
@@ -183,105 +143,249 @@ def decode_step_time(args: argparse.Namespace, batch: int) -> float:
     return elapsed
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--config", choices=sorted(BUILTIN_CONFIGS), default="tiny")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, help="default: 256 for tiny, 64 for qwen3-0.6b")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="rounds, each timing every variant once, transformers included; the best of "
-        "each is kept (default 1)",
-    )
-    p.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=None,
-        help="the engine's cpu_threads (default: its own choice, 1 for the tiny model); "
-        "transformers runs with the same torch thread count",
-    )
-    p.add_argument("--skip-hf", action="store_true", help="tokentape only (no transformers)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds, each running every variant once; the best of each is kept")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="tokentape's cpu_threads (default: its own choice)")
+    p.add_argument("--vllm-python", metavar="PATH", help="the Python that has vllm")
+    p.add_argument("--vllm-kv-gib", type=int,
+                   help="VLLM_CPU_KVCACHE_SPACE (default: enough for every request, >= 2)")
+    p.add_argument("--hf-batch-sizes", default="16,32,64,128",
+                   help="transformers' batch sizes to try (comma-separated)")
+    p.add_argument("--hf-threads", type=int,
+                   help="transformers' torch thread count (default: torch's, one per core)")
+    p.add_argument("--skip-vllm", action="store_true", help="leave vLLM out")
+    p.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
-    torch.manual_seed(args.seed)
-    vocab = BUILTIN_CONFIGS[args.config].vocab_size
-    prompts, outputs = workload(args.num_prompts, vocab, args.seed)
-    print(
-        f"# bench_generate: {args.num_prompts} prompts, config {args.config}, {args.device}, {args.dtype}; "
-        f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads before the engine set its own"
-    )
-    results: dict[str, Any] = {}
-    variants = {
-        "tokentape_async_tape": (2, True),
-        "tokentape_async_notape": (2, False),
-        "tokentape_sync_tape": (1, True),
-    }
+    args.num_prompts = args.num_prompts or DEFAULT_PROMPTS.get(args.config, 256)
+    return args
 
-    def keep_best(name: str, r: dict[str, Any]) -> None:
+
+def main() -> int:
+    args = parse_args()
+    config = BUILTIN_CONFIGS[args.config]
+    prompts, outputs = workload(args.config, args.num_prompts, config.vocab_size, args.seed)
+    n = len(prompts)
+    print(f"# bench_generate: {n} prompts, config {args.config}, {args.device}, {args.dtype}; "
+          f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} torch threads in this process "
+          f"at start", flush=True)
+    found_vllm, where = find_vllm(args.vllm_python)
+    found_hf, where_hf = find_transformers(found_vllm)
+    if args.skip_vllm:
+        found_vllm, where = None, "vLLM: left out (--skip-vllm)"
+    if args.skip_hf:
+        found_hf, where_hf = None, "transformers: left out (--skip-hf)"
+    print(f"# {where}\n# {where_hf}", flush=True)
+
+    load_before, ticks0 = os.getloadavg(), c.cpu_ticks()
+    tmp = c.TempDir()
+    sides: dict[str, gb.Side] = {}
+    failures: list[str] = []
+    try:
+        if found_vllm or found_hf:
+            model_dir = save_checkpoint(builtin_model(args.config, args.seed)[1],
+                                        tmp.new(args.config, ""))
+        max_len = max(len(p) + o for p, o in zip(prompts, outputs))
+        if found_vllm:
+            kv = args.vllm_kv_gib or gb.vllm_kv_cache_gib(
+                config.to_hf_dict(), [len(p) + o for p, o in zip(prompts, outputs)],
+                torch.finfo(getattr(torch, args.dtype)).bits // 8)
+            print(f"# starting vLLM (VLLM_CPU_KVCACHE_SPACE={kv}; its first start compiles "
+                  "for about a minute) ...", flush=True)
+            try:
+                sides["vllm"] = gb.start_vllm(found_vllm, model_dir, prompts, outputs,
+                                              args.dtype, args.seed, max_len + 1, kv, tmp.path)
+                print(f"# vLLM side: {sides['vllm'].info}", flush=True)
+            except SideError as e:
+                failures.append(f"vLLM failed to start: {e}")
+                print(f"# {failures[-1]}", flush=True)
+        if found_hf:
+            try:
+                sides["hf"] = gb.start_hf(found_hf, model_dir, prompts, outputs, args.dtype,
+                                          args.hf_threads, tmp.path)
+                print(f"# transformers side: {sides['hf'].info}", flush=True)
+            except SideError as e:
+                failures.append(f"transformers failed to start: {e}")
+                print(f"# {failures[-1]}", flush=True)
+        results, hf_by_size = run_rounds(args, prompts, outputs, tmp, sides, failures)
+    finally:
+        for side in sides.values():
+            side.close()
+        tmp.cleanup()
+    busy = c.busy_cores(ticks0, c.cpu_ticks())
+    machine = (f"machine: load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} "
+               f"after; {'?' if busy is None else f'{busy:.2f}'} of {os.cpu_count()} cores busy "
+               "on average over the run, everything included")
+    return report(args, prompts, outputs, results, hf_by_size, sides, failures, machine)
+
+
+def run_rounds(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
+               tmp: c.TempDir, sides: dict[str, gb.Side], failures: list[str],
+               ) -> tuple[dict[str, dict[str, Any]], dict[int, float]]:
+    """`args.repeats` rounds of every variant; the best (shortest) run of each is kept."""
+    results: dict[str, dict[str, Any]] = {}
+    hf_by_size: dict[int, float] = {}  # transformers' best seconds per batch size
+
+    def keep(name: str, r: dict[str, Any]) -> None:
+        r["tok_s"] = r["output_tokens"] / r["seconds"]
         if name not in results or r["seconds"] < results[name]["seconds"]:
+            if r.get("tokens") is None and name in results:
+                r["tokens"] = results[name]["tokens"]
             results[name] = r
 
-    hf = None if args.skip_hf else hf_model(args)
-    # Each round runs every variant once, transformers last (on the torch thread count the
-    # engine set), so a slow spell of the machine falls on both sides alike.
-    for _ in range(args.repeats):
-        for name, (depth, tape) in variants.items():
-            keep_best(name, run_tokentape(args, prompts, outputs, depth=depth, tape=tape))
-        if hf is not None:
-            keep_best("transformers", run_hf(args, hf, prompts, outputs))
-    rows = [(name, r["seconds"], r["tok_s"]) for name, r in results.items()]
-    print("\n| variant | seconds | output tok/s |\n|---|---|---|")
-    for name, secs, toks in rows:
-        print(f"| {name} | {secs:.2f} | {toks:,.0f} |")
-    tt = results["tokentape_async_tape"]
-    summary: dict[str, Any] = {
-        "tape_on_over_off": tt["tok_s"] / results["tokentape_async_notape"]["tok_s"],
-        "async_over_sync": tt["tok_s"] / results["tokentape_sync_tape"]["tok_s"],
-    }
-    same = (
-        tt["tokens"]
-        == results["tokentape_sync_tape"]["tokens"]
-        == results["tokentape_async_notape"]["tokens"]
-    )
-    summary["tokentape_variants_agree"] = same
+    sizes = gb.hf_batch_sizes([int(s) for s in args.hf_batch_sizes.split(",")], len(prompts))
+    for rnd in range(args.repeats):
+        for name, (depth, tape) in TT_VARIANTS.items():
+            for side in sides.values():
+                side.idle_begin()
+            keep(name, run_tokentape(args, prompts, outputs, tmp, depth=depth, tape=tape))
+            for side in sides.values():
+                side.idle_end()
+            print(f"# round {rnd + 1}: {name} {results[name]['seconds']:.2f} s", flush=True)
+        if "vllm" in sides:
+            try:
+                reply = sides["vllm"].proc.call("round", tokens=rnd == 0)
+                keep("vLLM CPU engine", from_side(reply, "front end"))
+                sides["vllm"].settle()
+                print(f"# round {rnd + 1}: vLLM {reply['seconds']:.2f} s", flush=True)
+            except SideError as e:
+                failures.append(f"vLLM failed: {e}")
+                print(f"# {failures[-1]}", flush=True)
+                sides.pop("vllm").close()
+        if "hf" in sides:
+            todo = sizes if rnd == 0 else [min(hf_by_size, key=hf_by_size.__getitem__)]
+            try:
+                for size in todo:
+                    reply = sides["hf"].proc.call("round", batch_size=size, tokens=rnd == 0)
+                    r = from_side(reply, "transformers")
+                    r["batch_size"] = size
+                    hf_by_size[size] = min(hf_by_size.get(size, float("inf")), r["seconds"])
+                    keep("transformers", r)
+                    print(f"# round {rnd + 1}: transformers, batch {size}: "
+                          f"{r['seconds']:.2f} s", flush=True)
+            except SideError as e:
+                failures.append(f"transformers failed: {e}")
+                print(f"# {failures[-1]}", flush=True)
+                sides.pop("hf").close()
+    return results, hf_by_size
+
+
+def same_streams(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(list(x) == list(y) for x, y in zip(a, b))
+
+
+def report(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
+           results: dict[str, dict[str, Any]], hf_by_size: dict[int, float],
+           sides: dict[str, gb.Side], failures: list[str], machine: str) -> int:
+    n = len(prompts)
+    rows = []
+    for name, r in results.items():
+        helpers = r["cpu_helpers_s"]
+        label = name if name != "transformers" else f"transformers (batch {r['batch_size']})"
+        rows.append([label, f"{r['seconds']:.2f}", _rate(r["tok_s"]),
+                     f"{r['cpu_main_s']:.2f}", f"{sum(helpers.values()):.2f}",
+                     ", ".join(f"{k} {v:.2f}" for k, v in helpers.items() if v >= 0.005) or "-"])
+    headers = ["variant", "wall (s)", "output tok/s", "CPU, main process (s)",
+               "CPU, helper processes (s)", "helpers"]
+    lines = [f"### (g) Generation throughput: {n} prompts, {args.config}, {args.device}, "
+             f"{args.dtype}; {sum(outputs):,} output tokens (best of {args.repeats} "
+             "interleaved rounds)", "", c.md_table(headers, rows), ""]
+    if hf_by_size:
+        lines.append("transformers by batch size (best seconds): " + ", ".join(
+            f"{s}: {t:.2f}" for s, t in sorted(hf_by_size.items())))
+    for side in sides.values():
+        if side.idle_wall_s:
+            owner = side.name + ("'" if side.name.endswith("s") else "'s")
+            lines.append(f"{owner} processes while the tokentape variants ran: "
+                         f"{side.idle_cpu_s:.2f} CPU s in {side.idle_wall_s:.1f} s")
+    lines.append(machine)
+    tt = results[MAIN]
+    agree = all(same_streams(tt["tokens"], results[v]["tokens"]) == n for v in TT_VARIANTS)
+    lines.append(f"tokentape variants agree: {'yes' if agree else 'NO'}")
+    summary: list[dict[str, Any]] = []
+    target = TARGETS.get(args.config)
+    if "vLLM CPU engine" in results:
+        v = results["vLLM CPU engine"]
+        equal = same_streams(tt["tokens"], v["tokens"])
+        lines.append(f"greedy streams equal to vLLM: {equal}/{n}")
+        ratio = tt["tok_s"] / v["tok_s"]
+        summary.append({"name": f"(g) tokentape / vLLM CPU, output tok/s ({args.config}, "
+                                f"{n} prompts, tape on)",
+                        "value": (f"{ratio:.3f}x ({_rate(tt['tok_s'])} vs "
+                                  f"{_rate(v['tok_s'])} tok/s)"),
+                        "target": f">= {target:.1f}x" if target else "-",
+                        "pass": (ratio >= target) if target else None})
+        summary.append({"name": "(g) greedy streams equal to vLLM's", "value": f"{equal}/{n}",
+                        "target": f"{n}/{n}", "pass": equal == n})
+    else:
+        lines.append("greedy streams equal to vLLM: not measured (no vLLM)")
+        summary.append({"name": f"(g) tokentape / vLLM CPU ({args.config})",
+                        "value": "not measured: no vLLM",
+                        "target": f">= {target:.1f}x" if target else "-", "pass": None})
     if "transformers" in results:
-        hf = results["transformers"]
-        summary["tokentape_over_transformers"] = tt["tok_s"] / hf["tok_s"]
-        agree = sum(a == b for a, b in zip(tt["tokens"], hf["tokens"]))
-        summary["greedy_streams_equal_to_transformers"] = f"{agree}/{len(prompts)}"
+        h = results["transformers"]
+        equal = same_streams(tt["tokens"], h["tokens"])
+        lines.append(f"greedy streams equal to transformers: {equal}/{n}")
+        summary.append({"name": "(g) tokentape / transformers at its best, output tok/s",
+                        "value": f"{tt['tok_s'] / h['tok_s']:.3f}x ({_rate(tt['tok_s'])} vs "
+                                 f"{_rate(h['tok_s'])} tok/s, batch {h['batch_size']})",
+                        "target": "-", "pass": None})
+    else:
+        lines.append("greedy streams equal to transformers: not measured (no transformers)")
+    tape_ratio = tt["tok_s"] / results["tokentape async, no tape"]["tok_s"]
+    summary.append({"name": "(g) tape on / off, output tok/s", "value": f"{tape_ratio:.3f}",
+                    "target": ">= 0.95", "pass": tape_ratio >= 0.95})
+    async_ratio = tt["tok_s"] / results["tokentape sync, SQLite tape"]["tok_s"]
+    summary.append({"name": "(g) async (depth 2) / sync, output tok/s",
+                    "value": f"{async_ratio:.3f}", "target": "-", "pass": None})
     if args.device == "cuda":
-        with torch.device("meta"):  # shapes only
-            model = CausalLM(BUILTIN_CONFIGS[args.config])
-        weight_bytes = (
-            sum(t.numel() for t in model.parameters())
-            * torch.finfo(getattr(torch, args.dtype)).bits
-            // 8
-        )
-        floor = weight_bytes / HBM_BYTES_PER_S
-        for batch in (1, 64):
-            step = decode_step_time(args, batch)
-            summary[f"decode_step_ms_batch{batch}"] = step * 1e3
-            summary[f"decode_step_over_floor_batch{batch}"] = step / floor
-        summary["bandwidth_floor_ms"] = floor * 1e3
-    print("\n| figure | value |\n|---|---|")
-    for k, v in summary.items():
-        print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in results.items()}
-                | {"summary": summary},
-                f,
-                indent=2,
-            )
-    return 0
+        cuda_figures(args, summary)
+    if target:
+        lines.append(f"target: tokentape (async, tape on) >= {target:.1f}x vLLM CPU's output "
+                     f"tok/s on {args.config}")
+    lines += ["", c.md_table(["figure", "value", "target", "result"],
+                             [[s["name"], s["value"], s["target"], _verdict(s["pass"])]
+                              for s in summary])]
+    lines += [f"FAILED: {f}" for f in failures]
+    markdown = "\n".join(lines)
+    c.emit({"bench": "generate", "config": args.config, "num_prompts": n,
+            "results": {k: {kk: vv for kk, vv in r.items() if kk != "tokens"}
+                        for k, r in results.items()},
+            "hf_by_batch_size": hf_by_size,
+            "sides": {k: s.info for k, s in sides.items()}, "summary": summary,
+            "failures": failures}, "\n" + markdown, args.json)
+    return 1 if failures or not agree else 0
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else c.verdict(ok)
+
+
+def cuda_figures(args: argparse.Namespace, summary: list[dict[str, Any]]) -> None:
+    with torch.device("meta"):  # shapes only
+        model = CausalLM(BUILTIN_CONFIGS[args.config])
+    weight_bytes = (sum(t.numel() for t in model.parameters())
+                    * torch.finfo(getattr(torch, args.dtype)).bits // 8)
+    floor = weight_bytes / HBM_BYTES_PER_S
+    for batch in (1, 64):
+        step = decode_step_time(args, batch)
+        summary.append({"name": f"decode step, batch {batch} (CUDA)",
+                        "value": f"{step * 1e3:.3f} ms ({step / floor:.2f}x the floor, "
+                                 f"{floor * 1e3:.3f} ms)", "target": "-", "pass": None})
 
 
 if __name__ == "__main__":
