@@ -4,6 +4,11 @@
     python benchmarks/run_all.py --quick         # 2 repeats each (a smoke run, noisier)
     python benchmarks/run_all.py --no-profile --output results.md
     python benchmarks/run_all.py --wait-idle 120  # on a shared machine: wait for quiet first
+    python benchmarks/run_all.py --generate      # + bench_generate.py (tiny, 256 prompts, ~5 min)
+    python benchmarks/run_all.py --vllm-python .venv-vllm/bin/python   # where vLLM is
+
+vLLM (the baseline of bench_vs_vllm.py and bench_generate.py) is found as those scripts find
+it (benchmarks/baselines/locate.py); without it their vLLM figures read "not measured".
 
 The report starts with the machine, the code measured (git commit) and the load average
 around the run (the benchmarks are single-threaded; other work on the machine makes the
@@ -25,6 +30,7 @@ import time
 import _common as c
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+USES_VLLM = {"bench_vs_vllm.py", "bench_generate.py"}
 BENCHMARKS = ["bench_tape_append.py", "bench_fold.py", "bench_step_overhead.py", "bench_vs_vllm.py",
               "bench_seek.py", "bench_postmortem.py"]
 
@@ -59,30 +65,13 @@ def git_describe() -> str:
         return "unknown"
 
 
-def cpu_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies over all CPUs, from /proc/stat (Linux); (0, 0) elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    total = sum(fields[:8])  # guest time is already counted in user
-    return total - idle, total
-
-
-def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float | None:
-    db, dt = after[0] - before[0], after[1] - before[1]
-    return None if dt <= 0 else db / dt * (os.cpu_count() or 1)
-
-
 def wait_until_idle(max_wait: float, threshold: float = 0.3) -> float:
     """Wait (at most max_wait s) until other processes use < threshold cores; return the last."""
     deadline = time.time() + max_wait
     while True:
-        t0 = cpu_ticks()
+        t0 = c.cpu_ticks()
         time.sleep(1.0)
-        busy = busy_cores(t0, cpu_ticks()) or 0.0
+        busy = c.busy_cores(t0, c.cpu_ticks()) or 0.0
         if busy < threshold or time.time() >= deadline:
             return busy
 
@@ -94,8 +83,13 @@ def main() -> None:
     ap.add_argument("--output", metavar="PATH", help="also write the report to PATH")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
                     help="before each benchmark, wait up to S seconds for the machine to go idle")
+    ap.add_argument("--generate", action="store_true",
+                    help="also run bench_generate.py (tokentape vs vLLM's CPU engine and "
+                         "transformers; minutes)")
+    ap.add_argument("--vllm-python", metavar="PATH", help="the Python that has vllm")
     args = ap.parse_args()
-    scripts = BENCHMARKS + ([] if args.no_profile else ["profile_step.py"])
+    scripts = (BENCHMARKS + (["bench_generate.py"] if args.generate else [])
+               + ([] if args.no_profile else ["profile_step.py"]))
     sections, summary, timings = [], [], []
     code = git_describe()  # before the run, in case the code changes while it runs
     load_before = os.getloadavg()
@@ -106,14 +100,16 @@ def main() -> None:
             cmd = [sys.executable, os.path.join(HERE, script), "--json", out]
             if args.quick and script != "profile_step.py":
                 cmd += ["--repeats", "2"]
+            if args.vllm_python and script in USES_VLLM:
+                cmd += ["--vllm-python", args.vllm_python]
             if args.wait_idle:
                 wait_until_idle(args.wait_idle)
             print(f"running {script} ...", file=sys.stderr, flush=True)
-            ticks0 = cpu_ticks()
+            ticks0 = c.cpu_ticks()
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)
             elapsed = time.perf_counter() - t0
-            busy = busy_cores(ticks0, cpu_ticks())
+            busy = c.busy_cores(ticks0, c.cpu_ticks())
             ncpu = os.cpu_count()
             busy_txt = "" if busy is None else f", machine busy {busy:.2f} of {ncpu} cores"
             timings.append(f"`{script}` {elapsed:.0f} s{busy_txt}")
@@ -121,12 +117,16 @@ def main() -> None:
                 sections.append(f"### {script}: FAILED (exit {proc.returncode})\n\n```\n"
                                 f"{proc.stderr[-3000:]}\n```")
                 summary.append([script, "error", "-", "ERROR"])
-                continue
+            if not os.path.exists(out):
+                continue  # what it measured before failing, if anything, is in its JSON
             with open(out) as f:
                 res = json.load(f)
             sections.append(res["markdown"])
             for s in res.get("summary", []):
-                summary.append([s["name"], s["value"], s["target"], c.verdict(s["pass"])])
+                ok = s["pass"]
+                result = "-" if ok is None and s["target"] == "-" else (
+                    "NOT MEASURED" if ok is None else c.verdict(ok))
+                summary.append([s["name"], s["value"], s["target"], result])
     load_after = os.getloadavg()
     info = c.machine_info()
     head = [
