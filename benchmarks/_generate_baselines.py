@@ -49,7 +49,8 @@ class Side:
 
     def settle(self, max_wait: float = 5.0, quiet: float = 0.05) -> None:
         """Wait (at most `max_wait` s) until its processes use < `quiet` of a core: vLLM's
-        workers spin on their queue for ~1 s after each request before they sleep."""
+        workers spin on their queue for ~1 s after each request before they sleep, and
+        OpenMP's threads spin a while after each parallel region."""
         deadline = time.monotonic() + max_wait
         last = self.tree_cpu()
         while time.monotonic() < deadline:
@@ -84,7 +85,9 @@ def start_vllm(found: Found, model_dir: str, prompts: list[list[int]], outputs: 
     except BaseException:
         proc.close()
         raise
-    return Side("vLLM", proc, found, info)
+    side = Side("vLLM", proc, found, info)
+    side.settle()
+    return side
 
 
 def start_hf(found: Found, model_dir: str, prompts: list[list[int]], outputs: list[int],
@@ -98,4 +101,6 @@ def start_hf(found: Found, model_dir: str, prompts: list[list[int]], outputs: li
     except BaseException:
         proc.close()
         raise
-    return Side("transformers", proc, found, info)
+    side = Side("transformers", proc, found, info)
+    side.settle()
+    return side

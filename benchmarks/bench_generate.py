@@ -267,6 +267,7 @@ def run_rounds(args: argparse.Namespace, prompts: list[list[int]], outputs: list
             try:
                 for size in todo:
                     reply = sides["hf"].proc.call("round", batch_size=size, tokens=rnd == 0)
+                    sides["hf"].settle()
                     r = from_side(reply, "transformers")
                     r["batch_size"] = size
                     hf_by_size[size] = min(hf_by_size.get(size, float("inf")), r["seconds"])
