@@ -22,6 +22,8 @@ from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import ServerMetrics
 from tokentape.entrypoints.serving import APIError, ClientGone, OpenAIServing
+from tokentape.entrypoints.serving_chat import create_chat_completion
+from tokentape.entrypoints.serving_completion import create_completion
 
 logger = logging.getLogger("tokentape.serve")
 T = TypeVar("T")
@@ -103,7 +105,7 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, chat_template: Ch
     async def completions(request: Request) -> Response:
         req = await read_body(request, p.CompletionRequest)
         try:
-            return await serving.completions(req, request)
+            return await create_completion(serving, req, request)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 
@@ -111,7 +113,7 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, chat_template: Ch
     async def chat_completions(request: Request) -> Response:
         req = await read_body(request, p.ChatCompletionRequest)
         try:
-            return await serving.chat(req, request)
+            return await create_chat_completion(serving, req, request)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 

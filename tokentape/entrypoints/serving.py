@@ -1,5 +1,6 @@
-"""The OpenAI-compatible completions and chat completions over AsyncLLM: request checks, the
-stream of each prompt (DELTA outputs, text decoded incrementally), SSE chunks or one response.
+"""What the OpenAI-compatible endpoints share over AsyncLLM: request checks, sampling params,
+the stream of each prompt (DELTA outputs, text decoded incrementally), SSE framing, errors.
+The endpoints themselves are in serving_completion.py and serving_chat.py.
 
 A request that the checks or the engine refuse gets a 400 before any byte of the response
 is sent (the engine refuses before recording anything); a client that goes away cancels its
@@ -9,19 +10,16 @@ streams, which aborts their requests on the tape.
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
 
 from tokentape.engine.async_llm import AsyncLLM
 from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.outputs import RequestOutput
 from tokentape.entrypoints import protocol as p
-from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
+from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
 from tokentape.events.schema import RequestOutputKind, SamplingParams
 
@@ -156,7 +154,7 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
 
-    async def _start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
+    async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
                      request_id: str) -> list[PromptStream]:
         streams = [
             PromptStream(self.engine.generate(tokens, params, f"{request_id}-{i}"), tokens, RequestTimer(self.metrics))
@@ -182,100 +180,7 @@ class OpenAIServing:
             raise APIError(503, str(exc), "ServiceUnavailableError") from None
         return streams
 
-    # -- /v1/completions -------------------------------------------------------------------------
-
-    def _completion_prompts(self, prompt: str | list[Any]) -> list[list[int]]:
-        encode = self.engine.tokenizer.encode
-
-        def one(x: Any) -> list[int]:
-            if isinstance(x, str):
-                try:
-                    return encode(x)
-                except UnicodeError as exc:
-                    raise APIError(400, f"the prompt cannot be encoded: {exc}", param="prompt") from None
-            return x
-
-        if isinstance(prompt, str):
-            return [one(prompt)]
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if all(type(t) is int for t in prompt):
-            return [prompt]
-        if all(isinstance(x, str) or (isinstance(x, list) and x and all(type(t) is int for t in x)) for x in prompt):
-            return [one(x) for x in prompt]
-        raise APIError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
-
-    async def completions(self, req: p.CompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        prompts = self._completion_prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, max(map(len, prompts)), req.logprobs)
-        request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._start(request, prompts, params, request_id)
-        created = int(time.time())
-        decode = self.engine.tokenizer.decode
-        detoks = [IncrementalDetokenizer(decode) for _ in streams]
-
-        def choice(i: int, out: RequestOutput) -> p.CompletionChoice:
-            c = out.outputs[0]
-            text = detoks[i].add(c.token_ids, out.finished)
-            lps = None
-            if req.logprobs is not None and c.logprobs is not None:
-                offset = len(detoks[i].text) - len(text)
-                pieces = [decode([t]) for t in c.token_ids]
-                offsets = [offset + sum(len(x) for x in pieces[:j]) for j in range(len(pieces))]
-                lps = p.CompletionLogprobs(pieces, list(c.logprobs), offsets)
-            return p.CompletionChoice(
-                i, text, c.finish_reason, lps,
-                token_ids=list(c.token_ids) if req.return_token_ids else None,
-                prompt_token_ids=None,
-            )
-
-        if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-            async def sse() -> AsyncIterator[bytes]:
-                first = [True] * len(streams)
-                generated = 0
-                async for i, out in _merge(streams):
-                    ch = choice(i, out)
-                    generated += len(out.outputs[0].token_ids)
-                    if first[i] and req.return_token_ids:
-                        ch.prompt_token_ids = streams[i].prompt_token_ids
-                    first[i] = False
-                    yield _sse(p.CompletionResponse(request_id, created, self.model_name, [ch]))
-                if include_usage:
-                    usage = _usage(streams, generated)
-                    yield _sse(p.CompletionResponse(request_id, created, self.model_name, [], usage))
-                yield SSE_DONE
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        async def collect() -> p.CompletionResponse:
-            choices: list[p.CompletionChoice] = []
-            generated = 0
-            for i, s in enumerate(streams):
-                tokens: list[int] = []
-                lps: list[float] = []
-                reason = None
-                async for out in s.outputs():
-                    tokens += out.outputs[0].token_ids
-                    lps += out.outputs[0].logprobs or ()
-                    reason = out.outputs[0].finish_reason
-                generated += len(tokens)
-                merged = RequestOutput(out.request_id, s.prompt_token_ids, [type(out.outputs[0])(
-                    0, None, tokens, reason, lps if req.logprobs is not None else None)], True)
-                ch = choice(i, merged)
-                if req.return_token_ids:
-                    ch.prompt_token_ids = s.prompt_token_ids
-                choices.append(ch)
-            return p.CompletionResponse(request_id, created, self.model_name, choices, _usage(streams, generated))
-
-        body = await self._finish(request, streams, collect())
-        return Response(p.encode_json(body), media_type="application/json")
-
-    async def _finish(self, request: Request, streams: list[PromptStream], work: Awaitable[T]) -> T:
+    async def finish(self, request: Request, streams: list[PromptStream], work: Awaitable[T]) -> T:
         try:
             return await until_disconnect(request, work)
         except BaseException:
@@ -283,92 +188,16 @@ class OpenAIServing:
                 await s.agen.aclose()  # type: ignore[attr-defined]
             raise
 
-    # -- /v1/chat/completions ----------------------------------------------------------------------
-
-    async def chat(self, req: p.ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
-        if not req.messages:
-            raise APIError(400, "messages must not be empty", param="messages")
-        try:
-            messages = [message_text(m.role, m.content) for m in req.messages]
-            text = self.chat_template.render(messages, req.add_generation_prompt)
-            tokens = self.engine.tokenizer.encode(text)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        except UnicodeError as exc:
-            raise APIError(400, f"the messages cannot be encoded: {exc}", param="messages") from None
-        if not tokens:
-            raise APIError(400, "the rendered chat prompt is empty", param="messages")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, len(tokens), logprobs)
-        request_id = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start(request, [tokens], params, request_id)
-        created = int(time.time())
-        decode = self.engine.tokenizer.decode
-        detok = IncrementalDetokenizer(decode)
-
-        def chat_logprobs(out: RequestOutput) -> p.ChatChoiceLogprobs | None:
-            c = out.outputs[0]
-            if not req.logprobs or c.logprobs is None:
-                return None
-            content = []
-            for t, lp in zip(c.token_ids, c.logprobs):
-                piece = decode([t])
-                content.append(p.ChatLogprob(piece, lp, list(piece.encode("utf-8", "replace"))))
-            return p.ChatChoiceLogprobs(content)
-
-        if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-            async def sse() -> AsyncIterator[bytes]:
-                role = p.ChatDelta("assistant", "")
-                yield _sse(p.ChatCompletionChunk(request_id, created, self.model_name,
-                                                 [p.ChatStreamChoice(0, role, None)]))
-                generated = 0
-                async for _, out in _merge(streams):
-                    c = out.outputs[0]
-                    generated += len(c.token_ids)
-                    delta = p.ChatDelta(content=detok.add(c.token_ids, out.finished))
-                    ch = p.ChatStreamChoice(0, delta, c.finish_reason, chat_logprobs(out),
-                                            list(c.token_ids) if req.return_token_ids else None)
-                    yield _sse(p.ChatCompletionChunk(request_id, created, self.model_name, [ch]))
-                if include_usage:
-                    yield _sse(p.ChatCompletionChunk(request_id, created, self.model_name, [],
-                                                     _usage(streams, generated)))
-                yield SSE_DONE
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        async def collect() -> p.ChatCompletionResponse:
-            out_tokens: list[int] = []
-            lps: list[p.ChatLogprob] = []
-            reason = None
-            async for out in streams[0].outputs():
-                out_tokens += out.outputs[0].token_ids
-                got = chat_logprobs(out)
-                lps += got.content if got else ()
-                reason = out.outputs[0].finish_reason
-            message = p.ChatResponseMessage("assistant", detok.add(out_tokens, True))
-            ch = p.ChatChoice(0, message, reason, p.ChatChoiceLogprobs(lps) if req.logprobs else None,
-                              out_tokens if req.return_token_ids else None)
-            return p.ChatCompletionResponse(request_id, created, self.model_name, [ch],
-                                            _usage(streams, len(out_tokens)))
-
-        body = await self._finish(request, streams, collect())
-        return Response(p.encode_json(body), media_type="application/json")
-
-
-def _sse(chunk: Any) -> bytes:
+def sse_bytes(chunk: Any) -> bytes:
     return b"data: " + p.encode_json(chunk) + b"\n\n"
 
 
-def _usage(streams: list[PromptStream], generated: int) -> p.UsageInfo:
+def usage_of(streams: list[PromptStream], generated: int) -> p.UsageInfo:
     prompt = sum(len(s.prompt_token_ids) for s in streams)
     return p.UsageInfo(prompt, generated, prompt + generated)
 
 
-async def _merge(streams: list[PromptStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: list[PromptStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every stream's outputs as they come, tagged with the stream's index; cancelling the
     consumer cancels (and so aborts) every stream still running."""
     if len(streams) == 1:
