@@ -54,3 +54,20 @@ def test_the_bad_field_of_a_body_is_named() -> None:
     assert _param_of("Expected `str`, got `int` - at `$.messages[0].content`") == "messages"
     assert _param_of("Object missing required field `prompt`") == "prompt"
     assert _param_of("something else") is None
+
+
+def test_the_serve_parser_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from tokentape.entrypoints.serve import add_parser, engine_args, main
+
+    sub = argparse.ArgumentParser(prog="tokentape").add_subparsers()
+    args = add_parser(sub).parse_args(["--model", "oracle", "--port", "0", "--pipeline-depth", "3",
+                                       "--max-model-len", "64", "--drain-timeout", "0.5"])
+    assert (args.model, args.port, args.drain_timeout) == ("oracle", 0, 0.5)
+    assert engine_args(args) == {"seed": 0, "pipeline_depth": 3, "max_model_len": 64}
+    existing = tmp_path / "old.tape"
+    existing.write_bytes(b"")
+    assert main(["--model", "oracle", "--tape", str(existing)]) == 2  # before any process starts
+    assert "a tape already exists" in capsys.readouterr().err
+    assert main(["--port", "-1"]) == 2
