@@ -13,8 +13,10 @@ class ReducerError(RuntimeError):
 
 
 # What applying an event to a state it cannot follow raises: the reducer's own checks raise
-# ReducerError, and a damaged or hand-edited event can also trip a lookup or a conversion.
-FOLD_ERRORS: tuple[type[Exception], ...] = (ReducerError, ValueError, KeyError, IndexError, TypeError)
+# ReducerError, and a damaged or hand-edited event can also trip a lookup, a conversion or an
+# arithmetic limit (a negative token id where bytes are built, an integer too large).
+FOLD_ERRORS: tuple[type[Exception], ...] = (
+    ReducerError, ValueError, KeyError, IndexError, TypeError, ArithmeticError)
 
 
 def event_refused(seq: int, event: Event, exc: BaseException) -> ReducerError:

@@ -120,18 +120,20 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker],
     try:
         for seq, event in tape.events():
             t = type(event)
-            for hook in before[t]:
-                hook(seq, event)
             try:
+                for hook in before[t]:
+                    hook(seq, event)
                 evolve(state, event)
+                for hook in after[t]:
+                    hook(seq, event)
             except FOLD_ERRORS as exc:
-                # The event cannot follow the ones before it (a damaged or hand-edited tape).
+                # The event cannot follow the ones before it (a damaged or hand-edited tape):
+                # the reducer refuses it, or it holds what no engine records (a token id the
+                # oracle cannot place, a block the checkers cannot count).
                 ctx.report("tape_inconsistent", "error", [], event.step,
                            f"{event_refused(seq, event, exc)}; the {seq} events before it were analysed",
                            [(seq, event)], None, seq)
                 return False, None
-            for hook in after[t]:
-                hook(seq, event)
             if progress is not None and seq >= next_progress:
                 progress(seq + 1)
                 next_progress += PROGRESS_EVERY
