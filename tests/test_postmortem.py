@@ -7,6 +7,7 @@ import json
 import shutil
 import sqlite3
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokentape import LLM, SamplingParams
+from tokentape.chaos import COMMANDS, StormSpec, run_storm
 from tokentape.cli import main
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.scheduler import Scheduler
@@ -91,50 +93,19 @@ def test_flag_finding_cites_the_preemption_the_resume_and_the_dropped_frame() ->
     assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
 
 
-COMMANDS = ("step",) * 8 + ("pause_keep", "pause_keep_clear", "pause_wait", "resume", "resume",
-                            "reset", "reset_running", "abort", "add", "add")
-
-
-def storm(llm: LLM, commands: list[str]) -> None:
-    engine = llm.engine
-    added = 0
-
-    def add() -> None:
-        nonlocal added
-        engine.add_request(f"h{added}", list(range(5 + added, 14 + 2 * added)),
-                           SamplingParams(max_tokens=6 + 3 * (added % 4), ignore_eos=True))
-        added += 1
-
-    for _ in range(3):
-        add()
-    for command in commands:
-        if command == "step":
-            engine.step()
-        elif command.startswith("pause"):
-            _, mode, *clear = command.split("_")
-            engine.pause_generation(mode, bool(clear))
-        elif command == "resume":
-            engine.resume_generation()
-        elif command.startswith("reset"):
-            engine.reset_prefix_cache(reset_running_requests=command == "reset_running")
-        elif command == "abort" and engine.state.unfinished:
-            engine.abort_request(engine.state.unfinished[0].req_id)
-        elif command == "add" and not engine.is_paused():
-            add()
-    engine.resume_generation()
-    run_steps(llm, 500)
+STORM = StormSpec(seed=0, model="oracle-random", block_size=4, num_kv_blocks=24,
+                  max_num_batched_tokens=16, max_num_seqs=3)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
-       depth=st.integers(1, 3), k=st.integers(0, 2))
-def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int) -> None:
+       depth=st.integers(1, 3), k=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int, seed: int) -> None:
     """No false positives: whatever the storm of pauses, resumes, resets and aborts, an
     epoch-policy run is clean, and the tape's tokens are all accounted for."""
-    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, num_speculative_tokens=k,
-              block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=3)
-    storm(llm, commands)
-    report = postmortem(llm.engine.tape)
+    result = run_storm(replace(STORM, seed=seed, pipeline_depth=depth, num_speculative_tokens=k), commands)
+    assert result.oracle_violations() == {}
+    report = postmortem(result.tape)
     assert report.findings == []
     t = report.summary.tokens
     assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
@@ -142,36 +113,33 @@ def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int) -
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
-       depth=st.integers(2, 3), k=st.integers(0, 2), policy=st.sampled_from(["flag", "counter"]))
-def test_a_wrong_stream_never_goes_unreported(commands: list[str], depth: int, k: int, policy: str) -> None:
+       depth=st.integers(2, 3), k=st.integers(0, 2), policy=st.sampled_from(["flag", "counter"]),
+       seed=st.integers(0, 2**16))
+def test_a_wrong_stream_never_goes_unreported(commands: list[str], depth: int, k: int, policy: str,
+                                              seed: int) -> None:
     """No false negatives: under the historical policies, whenever a request's delivered
-    tokens are not the oracle's stream (a prefix of it, if aborted), the report has an error."""
-    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, num_speculative_tokens=k,
-              discard_policy=policy, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
-              max_num_seqs=3)
-    storm(llm, commands)
-    runner, state = llm.engine.runner, llm.engine.state
-    wrong = []
-    for req in state.requests.values():
-        want = runner.expected_stream(req.prompt_token_ids, req.params)  # type: ignore[attr-defined]
-        got = req.output_token_ids
-        if (got != want) if req.finish_reason in ("stop", "length") else (got != want[:len(got)]):
-            wrong.append(req.req_id)
-    report = postmortem(llm.engine.tape)
+    tokens are not the oracle's stream (a prefix of it, if aborted), the report has an error
+    naming it, with the bug class it matches."""
+    result = run_storm(replace(STORM, seed=seed, pipeline_depth=depth, num_speculative_tokens=k,
+                               discard_policy=policy), commands)
+    wrong = result.oracle_violations()
+    report = postmortem(result.tape)
     if wrong:
         assert not report.ok
-        flagged = {r for f in report.findings if f.severity == "error" for r in f.request_ids}
-        assert set(wrong) <= flagged
+        classes: dict[str, set[str | None]] = {}
+        for f in report.findings:
+            if f.severity == "error":
+                for r in f.request_ids:
+                    classes.setdefault(r, set()).add(f.bug_class)
+        assert all(classes.get(r, set()) - {None} for r in wrong), (wrong, report.findings)
 
 
 def test_the_same_storm_under_the_historical_policies_is_caught() -> None:
     commands = ["step"] * 5 + ["pause_keep_clear", "step", "resume"] + ["step"] * 4 + ["reset_running"]
     for policy in ("flag", "counter"):
-        llm = LLM(model="oracle-random", tape=None, pipeline_depth=2, num_speculative_tokens=2,
-                  discard_policy=policy, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
-                  max_num_seqs=3)
-        storm(llm, commands)
-        report = postmortem(llm.engine.tape)
+        result = run_storm(replace(STORM, pipeline_depth=2, num_speculative_tokens=2,
+                                   discard_policy=policy), commands)
+        report = postmortem(result.tape)
         assert not report.ok, policy
         assert kinds(report) & {"post_resume_token_dropped", "fresh_frame_dropped", "stale_frame_applied"}
 
