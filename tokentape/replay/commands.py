@@ -22,7 +22,10 @@ def add_commands(sub: Any, replay_sub: Any) -> None:
             "continue, reverse-continue), set breakpoints (on an event kind, a request or a\n"
             "condition over the derived state), and look (print, requests, events, where,\n"
             "diff, watch). Commands are read from stdin, so a session can be scripted.\n"
-            "Type 'help' inside for every command."
+            "Type 'help' inside for every command.\n"
+            "\n"
+            "exit status: 0, or 2 when a command failed (its error is printed as 'error: ...')\n"
+            "or the tape cannot be opened."
         ),
         epilog=(
             "examples:\n"
@@ -49,9 +52,12 @@ def _open(path: str, interval: int | None = None) -> Any:
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
+    from tokentape.cli import CLIError
     from tokentape.replay.debugger import run_debugger
 
-    run_debugger(_open(args.tape, args.snapshot_interval), sys.stdin, sys.stdout)
+    errors = run_debugger(_open(args.tape, args.snapshot_interval), sys.stdin, sys.stdout)
+    if errors:  # shown in the session already; one line on stderr for scripts, and exit 2
+        raise CLIError(f"{len(errors)} debugger command(s) failed; the first: {errors[0]}")
     return 0
 
 
@@ -64,9 +70,11 @@ def _add_diff_and_export(sub: Any) -> None:
             "Align two tapes of the same requests (sync against async, flag against epoch,\n"
             "CI against local) by request id and output position, and print the first place\n"
             "where the tokens the client received differ, with the events around it in both.\n"
+            "Each tape must first pass the consistency checks of 'tokentape replay verify'.\n"
             "\n"
             "exit status: 0 when the outputs are identical, 1 when they differ, 2 when a tape\n"
-            "cannot be read or the tapes hold different requests (they cannot be aligned)."
+            "cannot be read, is not internally consistent (it fails replay verify), or the\n"
+            "tapes hold different requests (they cannot be aligned)."
         ),
         epilog="example:\n  tokentape diff ci.tape local.tape",
     )
@@ -76,7 +84,7 @@ def _add_diff_and_export(sub: Any) -> None:
 
     exp = sub.add_parser(
         "export",
-        help="write a tape as Perfetto trace JSON, JSON lines or CSV",
+        help="write a tape as Perfetto trace JSON, JSON lines, CSV, or a single-file copy",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "perfetto: Chrome trace-event JSON for ui.perfetto.dev: one track per request with\n"
@@ -84,19 +92,23 @@ def _add_diff_and_export(sub: Any) -> None:
             "  for preemptions, discarded frames and its finish; an engine track with the\n"
             "  prefix-cache resets, pauses and resumes. 1 us on the clock = one tape event.\n"
             "jsonl: one event per line ({\"seq\", \"kind\", fields}), for jq.\n"
-            "csv: one row per engine step."
+            "csv: one row per engine step.\n"
+            "sqlite: a copy of the tape as one self-contained file (needs -o), taken as one\n"
+            "  consistent snapshot, so it works while the tape is being written: the copy ends\n"
+            "  at a step boundary and is itself a tape (it verifies, stays append-only)."
         ),
         epilog=(
             "examples:\n"
             "  tokentape export run.tape --format perfetto -o run.trace.json\n"
-            "  tokentape export run.tape --format jsonl | jq 'select(.kind == \"RequestPreempted\")'"
+            "  tokentape export run.tape --format jsonl | jq 'select(.kind == \"RequestPreempted\")'\n"
+            "  tokentape export live.tape --format sqlite -o snapshot.tape"
         ),
     )
     exp.add_argument("tape", metavar="TAPE", help="tape file to export")
-    exp.add_argument("--format", required=True, choices=["perfetto", "jsonl", "csv"],
+    exp.add_argument("--format", required=True, choices=["perfetto", "jsonl", "csv", "sqlite"],
                      help="output format")
     exp.add_argument("--output", "-o", metavar="FILE", default=None,
-                     help="write to FILE (never overwritten) instead of stdout")
+                     help="write to FILE (never overwritten) instead of stdout (sqlite: required)")
     exp.set_defaults(func=cmd_export)
 
 
@@ -158,7 +170,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from tokentape.replay.render import progress
 
     a, b = _open(args.a), _open(args.b)
-    with progress(len(a) + len(b), "reading the tapes") as update:
+    with progress(2 * (len(a) + len(b)), "checking and reading the tapes") as update:
         result = diff(a, b, update)
     _print_diff(result.format())
     return 0 if result.identical else 1
@@ -168,12 +180,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     import os
 
     from tokentape.cli import CLIError
-    from tokentape.replay.export import export
+    from tokentape.replay.export import export, export_sqlite
     from tokentape.replay.render import progress
 
-    tape = _open(args.tape)
     if args.output is not None and os.path.exists(args.output):
         raise CLIError(f"{args.output}: the file exists; choose a new path with --output")
+    if args.format == "sqlite":
+        if args.output is None:
+            raise CLIError("--format sqlite writes a file: give its path with --output")
+        n = export_sqlite(args.tape, args.output)
+        print(f"wrote {args.output} ({n} events)", file=sys.stderr)
+        return 0
+    tape = _open(args.tape)
     with progress(len(tape), f"exporting {args.format}") as update:
         if args.output is None:
             export(tape, args.format, sys.stdout, update)
@@ -200,15 +218,17 @@ def _default_whatif_path(tape: str) -> str:
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
+    from tokentape.replay.render import safe_text
     from tokentape.replay.whatif import whatif
 
     out = args.out if args.out is not None else _default_whatif_path(args.tape)
     result = whatif(_open(args.tape), discard_policy=args.discard_policy,
                     pipeline_depth=args.pipeline_depth, runner=args.runner, out=out)
     c = result.config
-    print(f"what-if: discard policy {c.discard_policy}, pipeline depth {c.effective_pipeline_depth}, "
-          f"model {c.model}; new tape {out} ({len(result.tape)} events)")
+    print(safe_text(f"what-if: discard policy {c.discard_policy}, pipeline depth "
+                    f"{c.effective_pipeline_depth}, model {c.model}; new tape {out} "
+                    f"({len(result.tape)} events)"))
     for note in result.notes:
-        print(f"note: {note}")
+        print(safe_text(f"note: {note}"))
     _print_diff(result.diff.format())
     return 0 if result.diff.identical else 1
