@@ -68,6 +68,7 @@ def main() -> int:
         core = EngineCore(setup.model, setup.tape, setup.engine_args)
     except Exception as exc:
         push.send(_encode(CoreFailed(*error_of(exc))))
+        pull.close(0)
         push.close()
         ctx.term()
         return 1
