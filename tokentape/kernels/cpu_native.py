@@ -28,7 +28,7 @@ import torch
 from tokentape.kernels.reference import check_kv_write_shapes, prefill_attention_ref
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 # The kernel's return codes (TT_* in the C source).
 _ERRORS = {

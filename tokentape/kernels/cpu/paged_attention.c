@@ -25,11 +25,35 @@
 
 enum { TT_OK = 0, TT_BAD_SEQ_LEN = 1, TT_BAD_BLOCK_COUNT = 2, TT_BAD_BLOCK_ID = 3, TT_NO_MEMORY = 4 };
 
+/* 16 floats as one vector (GCC/Clang vector extensions: AVX-512 registers where there are
+ * some, pairs or quads of narrower ones elsewhere); loaded and stored unaligned. */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+static inline vf16 load16(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum16(vf16 v) {
+    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
-    return acc;
+    int64_t i = 0;
+    float tail = 0.0f;
+    if (n >= 16) {
+        vf16 acc = load16(a) * load16(b);
+        for (i = 16; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+        tail = hsum16(acc);
+    }
+    for (; i < n; i++) tail += a[i] * b[i];
+    return tail;
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial: within 2 ulp of
@@ -52,18 +76,65 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* exp_nonpositive on 16 lanes: the same polynomial, rounding x * log2(e) to nearest with the
+ * 1.5 * 2^23 trick (no floor in vector extensions). */
+static inline vf16 exp16_nonpositive(vf16 x) {
+    const vf16 lowest = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f,
+                         -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const vi16 below = x < lowest;
+    x = (vf16)(((vi16)x & ~below) | ((vi16)lowest & below));
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    vf16 n = (x * 1.44269504088896341f + magic) - magic;
+    x = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf16 z = x * x;
+    vf16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return y * (vf16)bits;
+}
+
 static void softmax_in_place(float *restrict s, int64_t n) {
+    int64_t t = 0;
     float m = -INFINITY;
-    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+    if (n >= 16) {
+        vf16 mv = load16(s);
+        for (t = 16; t + 16 <= n; t += 16) {
+            vf16 v = load16(s + t);
+            vi16 gt = v > mv;
+            mv = (vf16)(((vi16)v & gt) | ((vi16)mv & ~gt));
+        }
+        for (int i = 0; i < 16; i++) m = mv[i] > m ? mv[i] : m;
+    }
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
     float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; t++) {
+    t = 0;
+    if (n >= 16) {
+        vf16 sv = {0};
+        for (; t + 16 <= n; t += 16) {
+            vf16 e = exp16_nonpositive(load16(s + t) - m);
+            memcpy(s + t, &e, sizeof e);
+            sv += e;
+        }
+        sum = hsum16(sv);
+    }
+    for (; t < n; t++) {
         s[t] = exp_nonpositive(s[t] - m);
         sum += s[t];
     }
-    float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < n; t++) s[t] *= inv;
+    const float inv = 1.0f / sum;
+    for (t = 0; t < n; t++) s[t] *= inv;
+}
+
+/* The cache blocks of a sequence lie anywhere in memory, so the hardware prefetcher starts
+ * cold on each: reading token t of a block, ask for the same token of the next block. */
+static inline void prefetch_row(const float *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 3);
 }
 
 typedef struct {
@@ -74,9 +145,59 @@ typedef struct {
     float scale;
 } Problem;
 
-/* One decode, every head. `scores` holds num_heads x seq_len floats, `qbuf` and `acc`
- * num_heads x head_dim. */
-static void attend_decode(const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc) {
+/* One decode with head_dim = 16 * D16, one kv head at a time: its G query heads' queries
+ * (then their outputs) stay in registers while the head's K (then V) rows stream past, each
+ * read once. Inlined with D16 a constant, so the loops over a row's vectors unroll. */
+static inline __attribute__((always_inline)) void attend_decode_v16(
+    const Problem *p, int64_t seq, float *scores, float *qbuf, const int64_t D16) {
+    const int64_t H = p->num_heads, D = 16 * D16, BS = p->block_size, Hkv = p->num_kv_heads;
+    const int64_t G = H / Hkv, row_stride = Hkv * D, block_floats = BS * row_stride;
+    const int64_t row = p->cu_seqlens_q[seq], seq_len = p->seq_lens[seq];
+    const int32_t *table = p->block_tables + seq * p->max_blocks;
+    const float *q = p->q + row * H * D;
+    for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
+    for (int64_t j = 0; j < Hkv; j++) { /* scores of query heads j*G .. j*G+G-1 */
+        float *sj = scores + j * G * seq_len;
+        for (int64_t t = 0; t < seq_len; t++) {
+            const float *k = p->k_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride + j * D;
+            if (j == 0 && t + BS < seq_len) prefetch_row(p->k_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_stride * 4);
+            vf16 kv[D16];
+            for (int64_t c = 0; c < D16; c++) kv[c] = load16(k + 16 * c);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qbuf + (j * G + g) * D;
+                vf16 a = load16(qg) * kv[0];
+                for (int64_t c = 1; c < D16; c++) a += load16(qg + 16 * c) * kv[c];
+                sj[g * seq_len + t] = hsum16(a);
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
+    for (int64_t j = 0; j < Hkv; j++) { /* outputs of query heads j*G .. j*G+G-1 */
+        const float *sj = scores + j * G * seq_len;
+        for (int64_t g0 = 0; g0 < G; g0 += 2) { /* two query heads per pass over V */
+            const int64_t ng = G - g0 < 2 ? G - g0 : 2;
+            vf16 o0[D16], o1[D16];
+            for (int64_t c = 0; c < D16; c++) o0[c] = o1[c] = (vf16){0};
+            for (int64_t t = 0; t < seq_len; t++) {
+                const float *v = p->v_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride + j * D;
+                if (j == 0 && g0 == 0 && t + BS < seq_len) prefetch_row(p->v_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_stride * 4);
+                const float w0 = sj[g0 * seq_len + t], w1 = ng > 1 ? sj[(g0 + 1) * seq_len + t] : 0.0f;
+                for (int64_t c = 0; c < D16; c++) {
+                    const vf16 vc = load16(v + 16 * c);
+                    o0[c] += w0 * vc;
+                    o1[c] += w1 * vc;
+                }
+            }
+            float *out = p->out + (row * H + j * G + g0) * D;
+            memcpy(out, o0, (size_t)D * sizeof(float));
+            if (ng > 1) memcpy(out + D, o1, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+/* One decode, every head, any head_dim. `scores` holds num_heads x seq_len floats, `qbuf` and
+ * `acc` num_heads x head_dim. */
+static void attend_decode_any(const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc) {
     const int64_t H = p->num_heads, D = p->head_dim, BS = p->block_size;
     const int64_t G = H / p->num_kv_heads, row_stride = p->num_kv_heads * D;
     const int64_t row = p->cu_seqlens_q[seq], seq_len = p->seq_lens[seq];
@@ -84,14 +205,17 @@ static void attend_decode(const Problem *p, int64_t seq, float *scores, float *q
 
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
+    const int64_t block_floats = BS * row_stride, row_bytes = row_stride * (int64_t)sizeof(float);
     for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
-        const float *krow = p->k_cache + ((int64_t)table[t / BS] * BS + t % BS) * row_stride;
+        const float *krow = p->k_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride;
+        if (t + BS < seq_len) prefetch_row(p->k_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_bytes);
         for (int64_t h = 0; h < H; h++) scores[h * seq_len + t] = dot(qbuf + h * D, krow + (h / G) * D, D);
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
-        const float *vrow = p->v_cache + ((int64_t)table[t / BS] * BS + t % BS) * row_stride;
+        const float *vrow = p->v_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride;
+        if (t + BS < seq_len) prefetch_row(p->v_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_bytes);
         for (int64_t h = 0; h < H; h++) {
             const float w = scores[h * seq_len + t];
             float *restrict o = acc + h * D;
@@ -143,7 +267,14 @@ int tt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
             int skip;
 #pragma omp atomic read
             skip = failed;
-            if (!skip && cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1) attend_decode(&p, b, scores, qbuf, acc);
+            if (skip || cu_seqlens_q[b + 1] - cu_seqlens_q[b] != 1) continue;
+            switch (head_dim) { /* the usual head sizes, specialised */
+            case 64: attend_decode_v16(&p, b, scores, qbuf, 4); break;
+            case 128: attend_decode_v16(&p, b, scores, qbuf, 8); break;
+            case 32: attend_decode_v16(&p, b, scores, qbuf, 2); break;
+            case 16: attend_decode_v16(&p, b, scores, qbuf, 1); break;
+            default: attend_decode_any(&p, b, scores, qbuf, acc);
+            }
         }
         free(scores);
         free(qbuf);
