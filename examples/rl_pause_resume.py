@@ -44,7 +44,7 @@ def collect(engine: LLMEngine, tokens: dict[str, list[int]], max_steps: int | No
     steps = 0
     while engine.has_unfinished_requests() and (max_steps is None or steps < max_steps):
         for out in engine.step():
-            tokens[out.request_id] += out.outputs[0].token_ids
+            tokens[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
         steps += 1
 
 

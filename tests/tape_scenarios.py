@@ -20,7 +20,7 @@ def _llm(policy: str, depth: int, path: Path | None, k: int = 0) -> LLM:
 
 def _drive(llm: LLM, delivered: dict[str, list[int]]) -> None:
     for out in llm.engine.step():
-        delivered.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        delivered[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
 
 
 def _run_until_idle(llm: LLM, delivered: dict[str, list[int]]) -> None:

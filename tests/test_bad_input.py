@@ -190,7 +190,7 @@ def run(llm: LLM, bad_inputs: Callable[[LLM], None] | None) -> dict[str, list[in
 
     def step() -> None:
         for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            outputs[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
 
     for req_id, (prompt, params) in GOOD.items():
         engine.add_request(req_id, prompt, params)

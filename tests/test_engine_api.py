@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokentape import LLM, RequestOutput, SamplingParams
+from tokentape import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from tokentape.replay import fold, verify
 
 
@@ -136,17 +136,17 @@ def test_pause_keep_holds_requests_and_resume_continues_them() -> None:
     e.add_request("a", [5, 6, 7], params)
     got: list[int] = []
     for _ in range(6):
-        got += [t for o in e.step() for t in o.outputs[0].token_ids]
+        got = next((o.outputs[0].token_ids for o in e.step()), got)  # cumulative
     e.pause_generation(mode="keep", clear_cache=True)
     req = e.state.requests["a"]
     assert not req.num_in_flight and req.num_computed_tokens == 0 and req.status.value == "preempted"
     assert e.kv.num_free_blocks == e.kv.num_blocks
     for _ in range(3):
-        got += [t for o in e.step() for t in o.outputs[0].token_ids]
+        got = next((o.outputs[0].token_ids for o in e.step()), got)
     assert req.num_computed_tokens == 0  # nothing runs while paused
     e.resume_generation()
     while e.has_unfinished_requests():
-        got += [t for o in e.step() for t in o.outputs[0].token_ids]
+        got = next((o.outputs[0].token_ids for o in e.step()), got)
     assert got == e.runner.expected_stream([5, 6, 7], params)
 
 
@@ -255,7 +255,7 @@ def test_readmitted_prefill_ending_one_token_short_sends_that_token() -> None:
     # tokens): the last chunk holds one confirmed token the runner never saw in this epoch.
     llm = small_llm(pipeline_depth=1, max_num_batched_tokens=2)
     e = llm.engine
-    params = SamplingParams(max_tokens=4)
+    params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.DELTA)
     e.add_request("r", [3, 3], params)
     got = [t for o in e.step() for t in o.outputs[0].token_ids]
     assert e.reset_prefix_cache(reset_running_requests=True)
@@ -284,3 +284,28 @@ def test_a_request_finished_by_the_scheduler_is_reported_to_the_client() -> None
                 finished[out.request_id] = out.outputs[0].finish_reason
     assert set(finished) == {"first", "short0", "short1", "short2", "long"}
     assert all(r.finish_reason == finished[r.req_id] for r in e.state.requests.values())
+
+
+def test_step_returns_outputs_by_output_kind_cumulative_by_default() -> None:
+    # vLLM's LLMEngine.step(): every token so far unless the request asked otherwise.
+    llm = small_llm(pipeline_depth=1)
+    e = llm.engine
+    kinds = {"cum": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
+             "final": RequestOutputKind.FINAL_ONLY}
+    for req_id, kind in kinds.items():
+        e.add_request(req_id, [5, 6, 7], SamplingParams(max_tokens=4, output_kind=kind))
+    seen: dict[str, list[list[int]]] = {k: [] for k in kinds}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            seen[out.request_id].append(out.outputs[0].token_ids)
+    want = e.runner.expected_stream([5, 6, 7], SamplingParams(max_tokens=4))
+    assert seen["cum"] == [want[:n] for n in range(1, 5)]
+    assert seen["delta"] == [[t] for t in want]
+    assert seen["final"] == [want]
+    # The tape records the same new tokens whatever the kind.
+    emitted = [x for _, ev in e.tape.iter_events() if type(ev).__name__ == "OutputsEmitted" for x in ev.entries]
+    for req_id in kinds:
+        assert [t for x in emitted if x.req_id == req_id for t in x.token_ids] == want
+    assert verify(e.tape).ok
+    assert [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7]] * 3, [
+        SamplingParams(max_tokens=4, output_kind=k) for k in kinds.values()])] == [want] * 3

@@ -131,7 +131,7 @@ def test_the_engine_does_not_share_kv_between_colliding_prompts() -> None:
         engine.add_request(req_id, prompt, params)
         while engine.has_unfinished_requests():
             for out in engine.step():
-                outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+                outputs[out.request_id] = out.outputs[0].token_ids  # cumulative
 
     run("a", a)
     run("b", b)

@@ -24,7 +24,7 @@ def make_llm(policy: str, depth: int, k: int = 0, **kw: object) -> LLM:
 
 def drive(llm: LLM, delivered: dict[str, list[int]]) -> None:
     for out in llm.engine.step():
-        delivered.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        delivered[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
 
 
 def run_until_idle(llm: LLM, delivered: dict[str, list[int]], limit: int = 500) -> None:

@@ -127,7 +127,9 @@ class EngineMachine(RuleBasedStateMachine):
                 f"request {out.request_id}: output {out.outputs[0].token_ids} after it finished "
                 f"({req.finish_reason}) with {req.delivered}"
             )
-            req.delivered.extend(out.outputs[0].token_ids)
+            got = out.outputs[0].token_ids  # cumulative: what it had, then the new tokens
+            assert got[:len(req.delivered)] == req.delivered, (out.request_id, req.delivered, got)
+            req.delivered = list(got)
             if out.finished:
                 req.finished = True
                 req.finish_reason = out.outputs[0].finish_reason
@@ -414,7 +416,7 @@ def _drain(engine, limit: int = 500) -> dict[str, list[int]]:
         if not engine.has_unfinished_requests():
             return delivered
         for out in engine.step():
-            delivered.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            delivered[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
     raise AssertionError(f"the engine did not drain within {limit} steps")
 
 

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  tokentape inspect run.tape --step 5      # derived state at step 5\n"
             "  tokentape debug run.tape                 # step through it, both ways\n"
             "  tokentape diff a.tape b.tape             # first output divergence\n"
+            "  tokentape serve --model tiny --port 8000 # OpenAI-compatible server\n"
             "\n"
             "Expected failures print 'error: <message>' on stderr and exit with status 2."
         ),
@@ -194,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tokentape.postmortem.cli import add_parser as add_postmortem_parser
 
     add_postmortem_parser(sub)  # tokentape postmortem
+
+    from tokentape.entrypoints.serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)  # tokentape serve
 
     # inspect ----------------------------------------------------------------------------------
     insp = sub.add_parser(

@@ -36,7 +36,7 @@ def _llm(path: Path, policy: str = "epoch", depth: int = 2, k: int = 0, **kw: An
 
 def _drive(llm: LLM, delivered: Delivered) -> None:
     for out in llm.engine.step():
-        delivered.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        delivered[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
 
 
 def _until(llm: LLM, delivered: Delivered, done: Callable[[], bool], limit: int = 2000) -> None:

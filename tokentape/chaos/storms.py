@@ -143,7 +143,7 @@ class StormDriver:
     def step(self) -> None:
         for out in self.engine.step():
             completion = out.outputs[0]
-            self.result.received[out.request_id].extend(completion.token_ids)
+            self.result.received[out.request_id] = list(completion.token_ids)  # cumulative
             if out.finished:
                 self.result.finish_reasons[out.request_id] = completion.finish_reason
 

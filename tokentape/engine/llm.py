@@ -7,13 +7,15 @@ import os
 import sqlite3
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.llm_engine import LLMEngine, make_header
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
-from tokentape.events.schema import SamplingParams
+from tokentape.events.schema import RequestOutputKind, SamplingParams
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
 from tokentape.events.validation import check_str, short_repr, shown
@@ -149,7 +151,10 @@ class LLM:
                 tokens = self._prompt_token_ids(i, prompt)
                 req_id = self._new_request_id()
                 self.engine.check_request(req_id, tokens, params)
-                requests.append((req_id, tokens, params))
+                # As vLLM's LLM does: the caller gets the whole output at the end, so the engine
+                # builds none before (a copy of every stream at every step otherwise).
+                final_only = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                requests.append((req_id, tokens, final_only))
         except BaseException:
             self._next_id = first_id  # nothing was added: the ids are still free
             raise
@@ -174,23 +179,21 @@ class LLM:
         return str(self._next_id - 1)
 
     def _run_to_completion(self, ids: list[str], prompts: Sequence[object]) -> list[RequestOutput]:
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        logprobs: dict[str, list[float]] = {i: [] for i in ids}
+        wanted = set(ids)
         reasons: dict[str, str | None] = {}
         engine = self.engine
         while len(reasons) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id in tokens:
-                    tokens[out.request_id].extend(out.outputs[0].token_ids)
-                    logprobs[out.request_id].extend(out.outputs[0].logprobs or ())
-                    if out.finished:
-                        reasons[out.request_id] = out.outputs[0].finish_reason
+            for out in engine.step():  # every request's final output comes, whatever its kind
+                if out.finished and out.request_id in wanted:
+                    reasons[out.request_id] = out.outputs[0].finish_reason
         engine.tape.flush()  # the run is complete in the tape file when generate returns
         results = []
         for req_id, prompt in zip(ids, prompts):
+            # Every token the engine delivered (OutputsEmitted is on the tape), whatever the
+            # request's output kind: the state holds them.
             req = engine.state.requests[req_id]
-            toks = tokens[req_id]
-            lps = logprobs[req_id] if req.params.logprobs is not None else None
+            toks = list(req.output_token_ids)
+            lps = list(req.output_logprobs) if req.params.logprobs is not None else None
             completion = CompletionOutput(0, self.tokenizer.decode(toks), toks, reasons.get(req_id), lps)
             results.append(RequestOutput(
                 req_id, req.prompt_token_ids, [completion], req_id in reasons,

@@ -18,7 +18,7 @@ import msgspec
 from tokentape import __version__
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
-from tokentape.engine.outputs import CompletionOutput, RequestOutput
+from tokentape.engine.outputs import RequestOutput, build_request_output
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.tokenizer import Tokenizer
@@ -170,7 +170,11 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one step and, once the pipeline is full (or idle), apply the oldest frame."""
+        """Schedule one step and, once the pipeline is full (or idle), apply the oldest frame.
+
+        Returns the outputs of the requests that got tokens or finished, each shaped by its
+        `SamplingParams.output_kind` as in vLLM: every token so far (CUMULATIVE, the default),
+        the new tokens (DELTA), or nothing until the request finishes (FINAL_ONLY)."""
         with self._recorded():
             self._step_once()
         ready, self._ready = self._ready, []
@@ -211,9 +215,12 @@ class LLMEngine:
             new_tokens = req.output_token_ids[req.num_emitted:]
             reason = req.finish_reason
             entries.append(ev.EmittedOutput(req_id, new_tokens, reason is not None, reason))
-            logprobs = req.output_logprobs[req.num_emitted:] if req.params.logprobs is not None else None
-            completion = CompletionOutput(0, None, new_tokens, reason, logprobs, decode=decode)
-            outputs.append(RequestOutput(req_id, req.prompt_token_ids, [completion], reason is not None))
+            # The tape records the new tokens; the client gets them by its output kind.
+            logprobs = req.output_logprobs if req.params.logprobs is not None else None
+            out = build_request_output(req.params.output_kind, req_id, req.prompt_token_ids,
+                                       req.output_token_ids, len(new_tokens), logprobs, reason, decode)
+            if out is not None:
+                outputs.append(out)
         self._emit(ev.OutputsEmitted(state.step, entries))
         self._ready.extend(outputs)
 
