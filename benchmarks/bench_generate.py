@@ -355,7 +355,7 @@ def report(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int
         lines.append(f"target: tokentape (async, tape on) >= {target:.1f}x vLLM CPU's output "
                      f"tok/s on {args.config}")
     lines += ["", c.md_table(["figure", "value", "target", "result"],
-                             [[s["name"], s["value"], s["target"], _verdict(s["pass"])]
+                             [[s["name"], s["value"], s["target"], _verdict(s)]
                               for s in summary])]
     lines += [f"FAILED: {f}" for f in failures]
     markdown = "\n".join(lines)
@@ -372,8 +372,10 @@ def _rate(x: float) -> str:
     return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
 
 
-def _verdict(ok: bool | None) -> str:
-    return "-" if ok is None else c.verdict(ok)
+def _verdict(figure: dict[str, Any]) -> str:
+    if figure["pass"] is None:
+        return "-" if figure["target"] == "-" else "not measured"
+    return c.verdict(figure["pass"])
 
 
 def cuda_figures(args: argparse.Namespace, summary: list[dict[str, Any]]) -> None:
