@@ -115,7 +115,7 @@ def run_tokentape(args: argparse.Namespace, prompts: list[list[int]], outputs: l
 def from_side(reply: dict[str, Any], main: str) -> dict[str, Any]:
     cpu = dict(reply["cpu_s"])
     return {"seconds": reply["seconds"], "output_tokens": reply["output_tokens"],
-            "cpu_main_s": cpu.pop(main), "cpu_helpers_s": cpu, "tokens": reply.get("tokens")}
+            "cpu_main_s": cpu.pop(main), "cpu_helpers_s": cpu, "tokens": reply["tokens"]}
 
 
 def decode_step_time(args: argparse.Namespace, batch: int) -> float:
@@ -239,9 +239,7 @@ def run_rounds(args: argparse.Namespace, prompts: list[list[int]], outputs: list
     def keep(name: str, r: dict[str, Any]) -> None:
         r["tok_s"] = r["output_tokens"] / r["seconds"]
         if name not in results or r["seconds"] < results[name]["seconds"]:
-            if r.get("tokens") is None and name in results:
-                r["tokens"] = results[name]["tokens"]
-            results[name] = r
+            results[name] = r  # with its own tokens: a batch size may change transformers' bits
 
     sizes = gb.hf_batch_sizes([int(s) for s in args.hf_batch_sizes.split(",")], len(prompts))
     for rnd in range(args.repeats):
@@ -254,7 +252,7 @@ def run_rounds(args: argparse.Namespace, prompts: list[list[int]], outputs: list
             print(f"# round {rnd + 1}: {name} {results[name]['seconds']:.2f} s", flush=True)
         if "vllm" in sides:
             try:
-                reply = sides["vllm"].proc.call("round", tokens=rnd == 0)
+                reply = sides["vllm"].proc.call("round", tokens=True)
                 keep("vLLM CPU engine", from_side(reply, "front end"))
                 sides["vllm"].settle()
                 print(f"# round {rnd + 1}: vLLM {reply['seconds']:.2f} s", flush=True)
@@ -266,7 +264,7 @@ def run_rounds(args: argparse.Namespace, prompts: list[list[int]], outputs: list
             todo = sizes if rnd == 0 else [min(hf_by_size, key=hf_by_size.__getitem__)]
             try:
                 for size in todo:
-                    reply = sides["hf"].proc.call("round", batch_size=size, tokens=rnd == 0)
+                    reply = sides["hf"].proc.call("round", batch_size=size, tokens=True)
                     sides["hf"].settle()
                     r = from_side(reply, "transformers")
                     r["batch_size"] = size
