@@ -46,3 +46,21 @@ def test_build_request_output_by_kind() -> None:
     final = build(RequestOutputKind.FINAL_ONLY, "length")
     assert final.finished and final.outputs[0].token_ids == [7, 8, 9]
     assert final.outputs[0].finish_reason == "length"
+
+
+def test_an_output_keeps_its_own_tokens_after_the_stream_grows() -> None:
+    """Outputs are spans of the engine's append-only output lists, copied when read: one read
+    after later steps still holds the tokens it was made with, and costs nothing until read."""
+    from tokentape import LLM
+
+    llm = LLM(model="oracle", tape=None)
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    kept = []
+    while engine.has_unfinished_requests():
+        kept += engine.step()
+    lengths = [len(out.outputs[0].token_ids) for out in kept]
+    assert lengths == sorted(lengths) and lengths[-1] == 6 and len(set(lengths)) == len(lengths)
+    final = kept[-1].outputs[0].token_ids
+    assert all(out.outputs[0].token_ids == final[: len(out.outputs[0].token_ids)] for out in kept)
+    assert engine.state.requests["a"].output_token_ids is not final  # a copy, not the state

@@ -14,10 +14,13 @@ class CompletionOutput:
     """One completion: its token ids, text and finish reason.
 
     The text is decoded on first access, so streaming steps pay for detokenisation only when
-    a caller reads it.
+    a caller reads it. The token ids (and logprobs) may be given as a span of a stream that
+    only ever grows at its end (a request's output in the reducer's state): then they are
+    copied out on first access, so that a cumulative output costs a step nothing until it is
+    read.
     """
 
-    __slots__ = ("index", "token_ids", "finish_reason", "logprobs", "_text", "_decode")
+    __slots__ = ("index", "finish_reason", "_token_ids", "_logprobs", "_span", "_text", "_decode")
 
     def __init__(
         self,
@@ -29,11 +32,60 @@ class CompletionOutput:
         decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.index = index
-        self.token_ids = token_ids
+        self._token_ids: list[int] | None = token_ids
         self.finish_reason = finish_reason
-        self.logprobs = logprobs
+        self._logprobs = logprobs
+        self._span: tuple[list[int], list[float] | None, int, int] | None = None
         self._text = text
         self._decode = decode
+
+    @classmethod
+    def of_span(
+        cls,
+        tokens: list[int],
+        logprobs: list[float] | None,
+        start: int,
+        end: int,
+        finish_reason: str | None,
+        decode: Callable[[list[int]], str] | None,
+    ) -> CompletionOutput:
+        """tokens[start:end] (and logprobs[start:end]) of append-only lists, copied when read."""
+        out = cls(0, None, [], finish_reason, None, decode)
+        out._token_ids = None
+        out._span = (tokens, logprobs, start, end)
+        return out
+
+    def _copy_span(self) -> None:
+        assert self._span is not None
+        tokens, logprobs, start, end = self._span
+        self._token_ids = tokens[start:end]
+        self._logprobs = logprobs[start:end] if logprobs is not None else None
+        self._span = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._span is not None:
+            self._copy_span()
+        assert self._token_ids is not None
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        if self._span is not None:
+            self._copy_span()
+        self._token_ids = value
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        if self._span is not None:
+            self._copy_span()
+        return self._logprobs
+
+    @logprobs.setter
+    def logprobs(self, value: list[float] | None) -> None:
+        if self._span is not None:
+            self._copy_span()
+        self._logprobs = value
 
     @property
     def text(self) -> str:
@@ -82,8 +134,8 @@ def build_request_output(
     finished = finish_reason is not None
     if kind == RequestOutputKind.FINAL_ONLY and not finished:
         return None
-    start = len(token_ids) - num_new if kind == RequestOutputKind.DELTA else 0
-    tokens = token_ids[start:]  # a copy: the caller's list keeps growing
-    lps = logprobs[start:] if logprobs is not None else None
-    completion = CompletionOutput(0, None, tokens, finish_reason, lps, decode=decode)
+    end = len(token_ids)
+    start = end - num_new if kind == RequestOutputKind.DELTA else 0
+    # The caller's lists only grow at the end: the span is copied out when it is read.
+    completion = CompletionOutput.of_span(token_ids, logprobs, start, end, finish_reason, decode)
     return RequestOutput(request_id, prompt_token_ids, [completion], finished, prompt)
