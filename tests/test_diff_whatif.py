@@ -207,3 +207,24 @@ def test_sync_against_async_runs_of_the_same_requests_are_identical() -> None:
         tapes.append(llm.engine.tape)
     assert len(tapes[0]) != len(tapes[1])  # different schedules, different tapes
     assert diff(tapes[0], tapes[1]).identical
+
+
+def test_whatif_replays_with_the_runner_that_recorded_the_tape(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A tape of the real model replays with that model by default: the same tokens, so a
+    change that cannot alter them (a synchronous schedule) is identical, not 'position 0'."""
+    tape = tmp_path / "tiny.tape"
+    llm = LLM(model="tiny", tape=tape, pipeline_depth=2)
+    llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=6))
+    llm.close()
+    rc, out, _ = run(capsys, "replay", "whatif", str(tape), "--discard-policy", "epoch",
+                     "--pipeline-depth", "1")
+    assert rc == 0, out
+    assert out.splitlines()[0].startswith("what-if: discard policy epoch, pipeline depth 1, model tiny")
+    assert "identical: 2 requests" in out
+    # --runner oracle still asks for the fake model, whose tokens differ from the start.
+    rc, out, _ = run(capsys, "replay", "whatif", str(tape), "--runner", "oracle",
+                     "--out", str(tmp_path / "oracle.tape"))
+    assert rc == 1 and "model oracle;" in out.splitlines()[0] and "position 0" in out
+    # An oracle tape replays with the oracle (the recorded runner) by default.
+    assert whatif(pause_resume("epoch")).config.model == "oracle-random"

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
+from tokentape.engine.config import ORACLE_MODELS
 from tokentape.engine.llm import LLM
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.runners.oracle import OracleRunner
@@ -37,7 +38,6 @@ COMMANDS = ("step", "add", "abort", "resume", "reset", "reset_running", *PAUSES)
 # queued behind a head that does not fit, are the common case, not the exception).
 _WEIGHTS = {"step": 60, "add": 40, "abort": 3, "resume": 8, "reset": 3, "reset_running": 4,
             **{p: (1 if p.startswith("pause_abort") else 3) for p in PAUSES}}
-ORACLE_MODELS = ("oracle", "oracle-random")  # their streams are known: what storms check against
 DRAIN_LIMIT = 20_000  # steps allowed to finish every request once the storm is over
 
 

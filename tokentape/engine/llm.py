@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from tokentape.engine.config import EngineConfig
+from tokentape.engine.config import ORACLE_MODELS, EngineConfig
 from tokentape.engine.llm_engine import LLMEngine, make_header
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.engine.runners.base import ModelRunner
@@ -30,7 +30,7 @@ LLM_CREATED_HOOKS: list[Callable[[LLM], None]] = []
 def make_runner(config: EngineConfig) -> ModelRunner:
     """The oracle for 'oracle'/'oracle-random'; otherwise the real model: a built-in name
     ('tiny', 'qwen3-0.6b', weights drawn from the engine seed) or a checkpoint folder."""
-    if config.model in ("oracle", "oracle-random"):
+    if config.model in ORACLE_MODELS:
         return OracleRunner(
             cyclic=config.model == "oracle",
             seed=config.seed,

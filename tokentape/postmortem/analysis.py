@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from tokentape.engine.config import ORACLE_MODELS
 from tokentape.events import schema as ev
 from tokentape.events.errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve
@@ -29,7 +30,6 @@ from tokentape.replay.render import describe_event, event_requests
 from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.verify import verify
 
-ORACLE_MODELS = ("oracle", "oracle-random")
 PROGRESS_EVERY = 1 << 14  # events between progress callbacks
 
 TapeSource = str | os.PathLike[str] | MemoryTape | Tape

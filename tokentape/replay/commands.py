@@ -140,8 +140,10 @@ def _add_whatif(replay_sub: Any) -> None:
                     help="discard policy for the new run (default: the tape's)")
     wi.add_argument("--pipeline-depth", type=_positive_int, default=None, metavar="N",
                     help="steps in flight for the new run, 1 = synchronous (default: the tape's)")
-    wi.add_argument("--runner", default="oracle", metavar="RUNNER",
-                    help="oracle (default) or model (the real model)")
+    wi.add_argument("--runner", default=None, choices=["oracle", "model"],
+                    help="what computes the tokens: oracle (the fake model) or model (the real one "
+                    "the header names; tiny for an oracle tape) (default: the runner that "
+                    "recorded the tape)")
     wi.add_argument("--out", metavar="PATH", default=None,
                     help="the new tape (default: TAPE's name with -whatif, never overwritten)")
     wi.set_defaults(func=cmd_whatif)

@@ -8,7 +8,8 @@ Events that a pause causes (its aborts under `mode="abort"`, its prefix-cache re
 `clear_cache=True`) are not commands: the new engine makes its own.
 
 The configuration is the tape header's, with the discard policy and the pipeline depth
-changed as asked; the runner is the oracle (the default) or the real model. A weight update
+changed as asked; the runner is, by default, the one that recorded the tape (the oracle for
+an oracle tape, else the model the header names), or the one asked for. A weight update
 names its weights but the tape does not hold them: the oracle skips it (its tokens do not
 depend on weights; the result notes it), the model refuses the run. The new run is
 recorded on its own tape, and `diff` compares its client-visible output with the recording.
@@ -23,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from tokentape.engine.config import EngineConfig
+from tokentape.engine.config import ORACLE_MODELS, EngineConfig
 from tokentape.engine.llm import make_runner, open_tape_writer
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.runners.base import ModelRunner
@@ -34,7 +35,6 @@ from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.verify import issue_command
 
 RUNNERS = ("oracle", "model")
-ORACLE_MODELS = ("oracle", "oracle-random")
 DEFAULT_MODEL = "tiny"  # the real model served when the tape was recorded with the oracle
 
 
@@ -50,9 +50,15 @@ class WhatIfResult:
     notes: list[str] = field(default_factory=list)  # recorded commands that were not repeated
 
 
+def recorded_runner(tape: Tape) -> str:
+    """The runner that recorded the tape: what a what-if replays with unless told otherwise."""
+    return "oracle" if tape.config.model in ORACLE_MODELS else "model"
+
+
 def whatif_config(tape: Tape, discard_policy: str | None = None, pipeline_depth: int | None = None,
-                  runner: str = "oracle") -> EngineConfig:
-    """The header's config with the changes applied."""
+                  runner: str | None = None) -> EngineConfig:
+    """The header's config with the changes applied (runner None: the recorded one)."""
+    runner = recorded_runner(tape) if runner is None else runner
     if runner not in RUNNERS:
         raise WhatIfError(f"unknown runner {runner!r}: choose one of {', '.join(RUNNERS)}")
     changes: dict[str, Any] = {}
@@ -141,14 +147,16 @@ def whatif(
     *,
     discard_policy: str | None = None,
     pipeline_depth: int | None = None,
-    runner: str = "oracle",
+    runner: str | None = None,
     out: str | os.PathLike[str] | None = None,
 ) -> WhatIfResult:
     """Re-run the recorded commands under the changed configuration and diff the outputs.
 
+    `runner` is "oracle" or "model"; None replays with the runner that recorded the tape.
     `out` is the new tape's path (an SQLite file, never overwritten); None keeps it in memory.
     """
     original = load_tape(source)
+    runner = recorded_runner(original) if runner is None else runner
     config = whatif_config(original, discard_policy, pipeline_depth, runner)
     engine_runner = _make_runner(config, runner)
     writer = open_tape_writer(None if out is None else os.fspath(out), config, engine_runner)
