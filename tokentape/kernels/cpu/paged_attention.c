@@ -145,54 +145,55 @@ typedef struct {
     float scale;
 } Problem;
 
-/* One decode with head_dim = 16 * D16, one kv head at a time: its G query heads' queries
- * (then their outputs) stay in registers while the head's K (then V) rows stream past, each
- * read once. Inlined with D16 a constant, so the loops over a row's vectors unroll. */
+/* One decode with head_dim = 16 * D16. Memory-bound: the sequence's K rows, then its V rows,
+ * are read once each, token by token in cache-block order (each token's row holds every kv
+ * head, so a block is one contiguous stream), with the next block prefetched: blocks lie
+ * anywhere, and the hardware prefetcher starts cold on each. Scores and outputs stay in
+ * `scores` and `acc` (L1-sized). Inlined with D16 a constant, so the row loops unroll. */
 static inline __attribute__((always_inline)) void attend_decode_v16(
-    const Problem *p, int64_t seq, float *scores, float *qbuf, const int64_t D16) {
+    const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t D16) {
     const int64_t H = p->num_heads, D = 16 * D16, BS = p->block_size, Hkv = p->num_kv_heads;
     const int64_t G = H / Hkv, row_stride = Hkv * D, block_floats = BS * row_stride;
     const int64_t row = p->cu_seqlens_q[seq], seq_len = p->seq_lens[seq];
+    const int64_t row_bytes = row_stride * (int64_t)sizeof(float);
     const int32_t *table = p->block_tables + seq * p->max_blocks;
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
-    for (int64_t j = 0; j < Hkv; j++) { /* scores of query heads j*G .. j*G+G-1 */
-        float *sj = scores + j * G * seq_len;
-        for (int64_t t = 0; t < seq_len; t++) {
-            const float *k = p->k_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride + j * D;
-            if (j == 0 && t + BS < seq_len) prefetch_row(p->k_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_stride * 4);
+    for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
+        const int64_t in_block = (t % BS) * row_stride;
+        const float *krow = p->k_cache + (int64_t)table[t / BS] * block_floats + in_block;
+        if (t + BS < seq_len) prefetch_row(p->k_cache + (int64_t)table[t / BS + 1] * block_floats + in_block, row_bytes);
+        for (int64_t j = 0; j < Hkv; j++) {
             vf16 kv[D16];
-            for (int64_t c = 0; c < D16; c++) kv[c] = load16(k + 16 * c);
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qbuf + (j * G + g) * D;
-                vf16 a = load16(qg) * kv[0];
-                for (int64_t c = 1; c < D16; c++) a += load16(qg + 16 * c) * kv[c];
-                sj[g * seq_len + t] = hsum16(a);
+            for (int64_t c = 0; c < D16; c++) kv[c] = load16(krow + j * D + 16 * c);
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                const float *qh = qbuf + h * D;
+                vf16 a = load16(qh) * kv[0];
+                for (int64_t c = 1; c < D16; c++) a += load16(qh + 16 * c) * kv[c];
+                scores[h * seq_len + t] = hsum16(a);
             }
         }
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
-    for (int64_t j = 0; j < Hkv; j++) { /* outputs of query heads j*G .. j*G+G-1 */
-        const float *sj = scores + j * G * seq_len;
-        for (int64_t g0 = 0; g0 < G; g0 += 2) { /* two query heads per pass over V */
-            const int64_t ng = G - g0 < 2 ? G - g0 : 2;
-            vf16 o0[D16], o1[D16];
-            for (int64_t c = 0; c < D16; c++) o0[c] = o1[c] = (vf16){0};
-            for (int64_t t = 0; t < seq_len; t++) {
-                const float *v = p->v_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride + j * D;
-                if (j == 0 && g0 == 0 && t + BS < seq_len) prefetch_row(p->v_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_stride * 4);
-                const float w0 = sj[g0 * seq_len + t], w1 = ng > 1 ? sj[(g0 + 1) * seq_len + t] : 0.0f;
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
+        const int64_t in_block = (t % BS) * row_stride;
+        const float *vrow = p->v_cache + (int64_t)table[t / BS] * block_floats + in_block;
+        if (t + BS < seq_len) prefetch_row(p->v_cache + (int64_t)table[t / BS + 1] * block_floats + in_block, row_bytes);
+        for (int64_t j = 0; j < Hkv; j++) {
+            vf16 vv[D16];
+            for (int64_t c = 0; c < D16; c++) vv[c] = load16(vrow + j * D + 16 * c);
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                const float w = scores[h * seq_len + t];
+                float *o = acc + h * D;
                 for (int64_t c = 0; c < D16; c++) {
-                    const vf16 vc = load16(v + 16 * c);
-                    o0[c] += w0 * vc;
-                    o1[c] += w1 * vc;
+                    vf16 oc = load16(o + 16 * c) + w * vv[c];
+                    memcpy(o + 16 * c, &oc, sizeof oc);
                 }
             }
-            float *out = p->out + (row * H + j * G + g0) * D;
-            memcpy(out, o0, (size_t)D * sizeof(float));
-            if (ng > 1) memcpy(out + D, o1, (size_t)D * sizeof(float));
         }
     }
+    memcpy(p->out + row * H * D, acc, (size_t)(H * D) * sizeof(float));
 }
 
 /* One decode, every head, any head_dim. `scores` holds num_heads x seq_len floats, `qbuf` and
@@ -269,10 +270,10 @@ int tt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
             skip = failed;
             if (skip || cu_seqlens_q[b + 1] - cu_seqlens_q[b] != 1) continue;
             switch (head_dim) { /* the usual head sizes, specialised */
-            case 64: attend_decode_v16(&p, b, scores, qbuf, 4); break;
-            case 128: attend_decode_v16(&p, b, scores, qbuf, 8); break;
-            case 32: attend_decode_v16(&p, b, scores, qbuf, 2); break;
-            case 16: attend_decode_v16(&p, b, scores, qbuf, 1); break;
+            case 64: attend_decode_v16(&p, b, scores, qbuf, acc, 4); break;
+            case 128: attend_decode_v16(&p, b, scores, qbuf, acc, 8); break;
+            case 32: attend_decode_v16(&p, b, scores, qbuf, acc, 2); break;
+            case 16: attend_decode_v16(&p, b, scores, qbuf, acc, 1); break;
             default: attend_decode_any(&p, b, scores, qbuf, acc);
             }
         }
