@@ -252,13 +252,13 @@ def test_stress_preempt_abort_pause_reset_and_verify(policy: str, depth: int, sp
 
 
 def test_the_worker_thread_runs_on_the_engines_cpu_threads() -> None:
-    """OpenMP's thread count is per thread: the runner's worker must apply the engine's
-    (cpu_threads: 1 for the tiny model) or oneDNN's matmuls there run on every core."""
+    """OpenMP's thread count is per thread: each of the runner's lanes must run on one, or
+    oneDNN's matmuls there would run on every core, against the other lanes."""
     libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
     if not libs:
         pytest.skip("this torch build does not ship GNU OpenMP")
     omp_max_threads = ctypes.CDLL(libs[0]).omp_get_max_threads
-    llm = tiny_llm(pipeline_depth=2)
+    llm = tiny_llm(pipeline_depth=2, cpu_threads=2)
     runner = llm.engine.runner
     seen: list[tuple[str, int]] = []
     forward = runner.model.forward
@@ -268,9 +268,9 @@ def test_the_worker_thread_runs_on_the_engines_cpu_threads() -> None:
         return forward(*args, **kwargs)
 
     runner.model.forward = spy  # type: ignore[method-assign]
-    llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))
+    llm.generate(["Hello", "world"], SamplingParams(max_tokens=3, temperature=0.0))
     llm.close()
-    assert seen and set(seen) == {("tokentape-model-runner", 1)}
+    assert set(seen) == {("tokentape-model-runner", 1), ("tokentape-model-lane-1", 1)}
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -304,7 +304,7 @@ def test_building_an_engine_leaves_the_callers_thread_count_alone(depth: int) ->
 def test_pipelined_steps_run_on_the_worker_thread_in_order() -> None:
     """With depth 2 the forward pass runs off the engine's thread, and the engine hands over
     step N + 1 while step N is still running (it does not wait for N's frame to plan it)."""
-    llm = tiny_llm(pipeline_depth=2)
+    llm = tiny_llm(pipeline_depth=2, cpu_threads=1)  # one lane: every forward on the worker
     runner = llm.engine.runner
     threads: set[str] = set()
     overlapped: list[bool] = []

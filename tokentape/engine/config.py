@@ -36,9 +36,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     batch_invariant: bool | None = None
-    # torch's intra-op threads on the CPU (process-wide). None: 1 for models under 50M
-    # parameters, whose matmuls are too small to pay for a thread pool (and the pipeline's
-    # worker thread already runs beside the scheduler), else torch's default; 0: torch's default.
+    # Threads the model runs on, on the CPU: lanes of one thread each that share out every
+    # step's sequences (engine/runners/input_batch.py); the engine's own thread count, not
+    # the process's. None or 0: one per CPU the process may run on.
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:

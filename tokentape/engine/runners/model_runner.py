@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from tokentape import kernels
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
@@ -62,6 +63,8 @@ class TorchModelRunner:
         # matmuls by compute, and lanes in different phases overlap them, where one pool of
         # threads would run each phase in turn. The worker is the first lane.
         lanes = (num_threads or 1) if self.device.type == "cpu" else 1
+        if kernels.resolve_backend(self.device, None, dtype) == "triton":
+            lanes = 1  # Triton's CPU interpreter (a debugging mode) keeps global state
         self._worker = ModelWorker(1 if self.device.type == "cpu" else None)
         self._lanes = [ModelWorker(1, f"tokentape-model-lane-{i}") for i in range(1, lanes)]
         self.pad_rows_to = 0
@@ -272,7 +275,6 @@ class TorchModelRunner:
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 
 
-SMALL_MODEL_PARAMS = 50_000_000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -297,9 +299,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    threads = config.cpu_threads
-    if device == "cpu" and threads is None:
-        threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else 0
+    threads = config.cpu_threads or len(os.sched_getaffinity(0))  # every CPU we may run on
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
@@ -311,7 +311,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         seed=config.seed,
         device=device,
         dtype=_DTYPES[dtype_name],
-        num_threads=threads or None,
+        num_threads=threads,
         batch_invariant=config.batch_invariant,
         prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
     )
