@@ -309,3 +309,44 @@ def test_step_returns_outputs_by_output_kind_cumulative_by_default() -> None:
     assert verify(e.tape).ok
     assert [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7]] * 3, [
         SamplingParams(max_tokens=4, output_kind=k) for k in kinds.values()])] == [want] * 3
+
+
+def test_the_steps_in_flight_are_the_reducers_and_match_the_runner() -> None:
+    """The engine keeps no list of its own: what the reducer holds in flight is exactly what
+    the runner was handed and has not returned, at every step boundary, through a pause."""
+    from tokentape.engine.runners.oracle import OracleRunner
+
+    class Recording(OracleRunner):
+        def __init__(self) -> None:
+            super().__init__(cyclic=True, seed=0)
+            self.outstanding: list[int] = []
+
+        def submit(self, batch):  # type: ignore[no-untyped-def]
+            self.outstanding.append(batch.step)
+            super().submit(batch)
+
+        def collect(self, step):  # type: ignore[no-untyped-def]
+            assert self.outstanding.pop(0) == step
+            return super().collect(step)
+
+    for depth in (1, 2, 4):
+        llm = LLM(model="oracle", tape=None, pipeline_depth=depth)
+        runner = Recording()
+        llm.engine.runner = runner
+        llm.engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=12))
+        llm.engine.add_request("b", [6, 7], SamplingParams(max_tokens=9))
+        seen = set()
+        for i in range(200):
+            if i == 5:
+                llm.engine.pause_generation(mode="keep", clear_cache=True)
+                assert not llm.engine.state.in_flight_steps and not runner.outstanding
+                llm.engine.resume_generation()
+            if not llm.engine.has_unfinished_requests():
+                break
+            llm.engine.step()
+            in_flight = [s.step for s in llm.engine.state.in_flight_steps]
+            assert in_flight == runner.outstanding
+            assert len(in_flight) <= depth
+            seen.add(len(in_flight))
+        assert not llm.engine.has_unfinished_requests()
+        assert max(seen) == depth - 1  # the pipeline filled: one frame applied per step

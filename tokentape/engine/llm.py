@@ -14,11 +14,13 @@ from tokentape.engine.llm_engine import LLMEngine, make_header
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
+from tokentape.engine.scenario import Scenario
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
 from tokentape.events.validation import check_str, short_repr, shown
+from tokentape.progress import RequestProgress
 
 TapeSpec = str | os.PathLike[str] | None | bool
 
@@ -129,8 +131,16 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        scenario: Scenario | None = None,
     ) -> list[RequestOutput]:
-        """Run the prompts to completion; outputs come back in the order of the prompts."""
+        """Run the prompts to completion; outputs come back in the order of the prompts.
+
+        `use_tqdm`: a progress bar on stderr, as vLLM's, drawn only when stderr is a terminal.
+        `scenario`: engine calls (pause and resume, prefix-cache resets, aborts) made at given
+        steps of the run (tokentape.engine.scenario); the request ids are "0", "1", ... in
+        the order of the prompts on a fresh LLM."""
         if self.engine.is_paused():
             raise RuntimeError("generate: the engine is paused; call resume_generation() first")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -155,12 +165,14 @@ class LLM:
                 # builds none before (a copy of every stream at every step otherwise).
                 final_only = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 requests.append((req_id, tokens, final_only))
+            if scenario is not None:
+                scenario.check_requests([r[0] for r in requests])
         except BaseException:
             self._next_id = first_id  # nothing was added: the ids are still free
             raise
         for req_id, tokens, params in requests:
             self.engine.add_request(req_id, tokens, params)
-        return self._run_to_completion([r[0] for r in requests], prompts)
+        return self._run_to_completion([r[0] for r in requests], prompts, use_tqdm, scenario)
 
     def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:
         if isinstance(prompt, str):
@@ -178,14 +190,25 @@ class LLM:
         self._next_id += 1
         return str(self._next_id - 1)
 
-    def _run_to_completion(self, ids: list[str], prompts: Sequence[object]) -> list[RequestOutput]:
+    def _run_to_completion(self, ids: list[str], prompts: Sequence[object], use_tqdm: bool,
+                           scenario: Scenario | None) -> list[RequestOutput]:
         wanted = set(ids)
         reasons: dict[str, str | None] = {}
         engine = self.engine
-        while len(reasons) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():  # every request's final output comes, whatever its kind
-                if out.finished and out.request_id in wanted:
-                    reasons[out.request_id] = out.outputs[0].finish_reason
+        requests = engine.state.requests
+
+        def output_tokens() -> int:  # asked for only when the bar is redrawn
+            return sum(len(requests[i].output_token_ids) for i in ids)
+
+        with RequestProgress(len(ids), enabled=use_tqdm) as bar:
+            while len(reasons) < len(ids) and engine.has_unfinished_requests():
+                if scenario is not None:
+                    scenario.apply_due(engine)
+                for out in engine.step():  # every request's final output comes, whatever its kind
+                    if out.finished and out.request_id in wanted:
+                        reasons[out.request_id] = out.outputs[0].finish_reason
+                bar.update(len(reasons), output_tokens)
+            bar.update(len(reasons), output_tokens, force=True)
         engine.tape.flush()  # the run is complete in the tape file when generate returns
         results = []
         for req_id, prompt in zip(ids, prompts):

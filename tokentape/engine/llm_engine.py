@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections import deque
 from collections.abc import Iterator, Sequence
 
 import msgspec
@@ -67,7 +66,6 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
-        self._in_flight: deque[int] = deque()  # steps submitted to the runner, oldest first
         self._finished_since_last_batch: list[str] = []
         self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
         self._dead: str | None = None
@@ -162,7 +160,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         s = self.state
-        return bool(s.waiting or s.running or self._in_flight or self._ready)
+        return bool(s.waiting or s.running or s.in_flight_steps or self._ready)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.state.waiting) + len(self.state.running)
@@ -181,19 +179,21 @@ class LLMEngine:
         return ready
 
     def _step_once(self) -> None:
+        # The steps in flight are the reducer's: StepScheduled adds one, its FrameProduced
+        # removes it, and the runner is handed every scheduled step in that order.
+        in_flight = self.state.in_flight_steps
         scheduled = False
-        if len(self._in_flight) < self.depth:
+        if len(in_flight) < self.depth:
             batch = self.scheduler.schedule()
             if batch is not None:
                 batch.finished_req_ids, self._finished_since_last_batch = self._finished_since_last_batch, []
                 self.runner.submit(batch)
-                self._in_flight.append(batch.step)
                 scheduled = True
-        if self._in_flight and (len(self._in_flight) >= self.depth or not scheduled):
+        if in_flight and (len(in_flight) >= self.depth or not scheduled):
             self._apply_oldest_frame()
 
     def _apply_oldest_frame(self) -> None:
-        step = self._in_flight.popleft()
+        step = self.state.in_flight_steps[0].step
         frame = self.runner.collect(step)
         self._emit(ev.FrameProduced(step, frame))
         requests = self.state.requests
@@ -248,7 +248,7 @@ class LLMEngine:
             elif mode == "wait":
                 while self.state.running:
                     self._step_once()
-            while self._in_flight:
+            while self.state.in_flight_steps:
                 self._apply_oldest_frame()
             if clear_cache:
                 self._reset_prefix_cache(reset_running_requests=True)
@@ -292,8 +292,8 @@ class LLMEngine:
             raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
         if self.state.paused is None:
             raise RuntimeError("update_weights: pause generation first (pause_generation(mode='keep'))")
-        if self._in_flight:
-            raise RuntimeError(f"update_weights: {len(self._in_flight)} step(s) still in flight")
+        if self.state.in_flight_steps:
+            raise RuntimeError(f"update_weights: {len(self.state.in_flight_steps)} step(s) still in flight")
         update = getattr(self.runner, "update_weights", None)
         if update is None:
             raise RuntimeError(f"update_weights: model {self.runner.model_id!r} has no weights to update")
