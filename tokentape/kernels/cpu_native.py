@@ -1,5 +1,5 @@
-"""The compiled CPU paged attention of decodes (`cpu/paged_attention.c`): built at first use,
-called through ctypes.
+"""The compiled CPU kernels (`cpu/*.c`: the paged attention of decodes, the KV write, the layers'
+row operations): built at first use, called through ctypes.
 
 The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for
 this CPU (`-march=native`) and cached under `$TOKENTAPE_CACHE_DIR`, else
@@ -27,7 +27,9 @@ import torch
 
 from tokentape.kernels.reference import check_kv_write_shapes, prefill_attention_ref
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
+# Compiled into one library: the attention and KV write (here), the layers' row operations
+# (cpu_layers.py).
+SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "layers.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 # The kernel's return codes (TT_* in the C source).
@@ -58,10 +60,10 @@ def _cpu_identity() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+        b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
     target = cache_dir() / f"paged_attention-{key}.so"
     if target.exists():
@@ -72,7 +74,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+            [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -99,6 +101,13 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     write = lib.tt_write_kv_f32
     write.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.POINTER(i64)]
     write.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.tt_add_rms_norm_f32.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
+    lib.tt_add_rms_norm_f32.restype = None
+    lib.tt_qk_norm_rope_f32.argtypes = [ptr] * 2 + [i64] * 4 + [ptr] * 2 + [f32] + [ptr] * 3
+    lib.tt_qk_norm_rope_f32.restype = ctypes.c_int
+    lib.tt_silu_mul_f32.argtypes = [ptr] * 3 + [i64]
+    lib.tt_silu_mul_f32.restype = None
     return lib, ""
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokentape import kernels
+from tokentape.kernels import cpu_layers
 from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.layers import (
     MLP,
@@ -79,6 +80,36 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """forward() with the q/k norms and RoPE in one compiled call (CPU, float32)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q_norm = self.q_norm.weight if self.qk_norm else None
+        k_norm = self.k_norm.weight if self.qk_norm else None
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        cpu_layers.qk_norm_rope(q, k, q_norm, k_norm, eps, *rope_tables, positions)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables,
+            scale=self.scale,
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -118,6 +149,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.pad_rows_to = 0  # batch-invariant row padding of the matmuls, 0: off
+        # On the CPU in float32, run through the compiled row operations where they were built
+        # (kernels/cpu_layers.py); False keeps the modules' own torch ops (the reference).
+        self.fused = True
         self.model = DecoderModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -141,10 +175,37 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         h = self.model.embed_tokens(input_ids)
+        if self.fused and cpu_layers.supported(h):
+            return self._forward_fused(h, positions, kv_caches, meta)
         rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
         for layer, kv in zip(self.model.layers, kv_caches):
             h = layer(h, rope, kv, meta)
         return self.model.norm(h)
+
+    def _forward_fused(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """forward() on the CPU in float32 through the compiled row operations
+        (kernels/cpu_layers.py): a residual stream updated in place, each norm fused with the
+        add before it, SwiGLU's activation in one call. The same formulas as the modules."""
+        layers = self.model.layers
+        rope_tables = (self.rope.cos_cached, self.rope.sin_cached)
+        positions = positions.to(torch.int64)
+        residual = h  # a fresh tensor from the embedding lookup
+        first = layers[0].input_layernorm
+        x = cpu_layers.rms_norm(residual, first.weight, first.eps)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            a = layer.self_attn.forward_fused(x, positions, rope_tables, kv, meta)
+            post = layer.post_attention_layernorm
+            x = cpu_layers.add_rms_norm(a, residual, post.weight, post.eps)
+            m = layer.mlp.forward_fused(x)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = cpu_layers.add_rms_norm(m, residual, norm.weight, norm.eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:

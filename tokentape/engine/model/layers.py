@@ -201,3 +201,14 @@ class MLP(nn.Module):
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         act = F.silu(self.gate_proj(x), inplace=True)
         return self.down_proj(act.mul_(self.up_proj(x)))
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """forward() with silu(gate) * up in one compiled call (CPU, float32)."""
+        from tokentape.kernels.cpu_layers import silu_mul
+
+        def swiglu(rows: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(silu_mul(self.gate_proj(rows), self.up_proj(rows)))
+
+        if x.shape[0] <= MLP_ROW_CHUNK:
+            return swiglu(x)
+        return torch.cat([swiglu(rows) for rows in x.split(MLP_ROW_CHUNK)])

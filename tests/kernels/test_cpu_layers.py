@@ -1,0 +1,91 @@
+"""The compiled row operations of the decoder against their oracle, the torch modules: the
+same results to float32 rounding, row by row whatever the batch, and the whole fused forward
+pass against the modules' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokentape.engine.model.decoder import AttentionMetadata
+from tokentape.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
+from tokentape.engine.model.loader import builtin_model
+from tokentape.kernels import cpu_layers, cpu_native
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.load() is None, reason=f"no compiled CPU kernels here: {cpu_native.load_error()}"
+)
+GEN = torch.Generator().manual_seed(0)
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=GEN)
+
+
+@pytest.mark.parametrize("dim", [64, 256, 100, 7])
+def test_rms_norm_and_the_residual_add_match_the_module(dim: int) -> None:
+    norm = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(randn(dim))
+    x, residual = randn(37, dim), randn(37, dim)
+    torch.testing.assert_close(cpu_layers.rms_norm(x, norm.weight, norm.eps), norm(x))
+    expected_residual = residual + x
+    out = cpu_layers.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_residual)  # added in place, exactly
+    torch.testing.assert_close(out, norm(expected_residual))
+    # Row by row: a row's result is the same alone as in the batch, to the bit.
+    assert torch.equal(cpu_layers.rms_norm(x[5:6], norm.weight, norm.eps),
+                       cpu_layers.rms_norm(x, norm.weight, norm.eps)[5:6])
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norms_and_rope_match_the_modules(qk_norm: bool) -> None:
+    rope = RotaryEmbedding(64, 512, 10000.0)
+    q, k = randn(9, 4, 64), randn(9, 2, 64)
+    positions = torch.tensor([0, 1, 5, 17, 100, 101, 300, 511, 2])
+    q_norm, k_norm = RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(randn(64))
+        k_norm.weight.copy_(randn(64))
+    eq, ek = (q_norm(q), k_norm(k)) if qk_norm else (q, k)
+    eq, ek = apply_rotary(eq, ek, *rope.cos_sin(positions, torch.float32))
+    ours_q, ours_k = q.clone(), k.clone()
+    cpu_layers.qk_norm_rope(ours_q, ours_k, q_norm.weight if qk_norm else None,
+                            k_norm.weight if qk_norm else None, 1e-6,
+                            rope.cos_cached, rope.sin_cached, positions)
+    torch.testing.assert_close(ours_q, eq)
+    torch.testing.assert_close(ours_k, ek)
+
+
+def test_silu_mul_matches_the_mlp_for_every_magnitude() -> None:
+    mlp = MLP(32, 48)
+    x = randn(70, 32) * 40  # gate values far past exp's overflow in both directions
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(cpu_layers.silu_mul(gate, up), expected, rtol=2e-6, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp.forward_fused(x), mlp(x), rtol=2e-5, atol=2e-5)
+
+
+def test_the_fused_forward_pass_matches_the_modules() -> None:
+    _, model = builtin_model("tiny", 0)
+    block_size, num_blocks = 4, 64
+    kv = [(randn(num_blocks, block_size, 2, 64), randn(num_blocks, block_size, 2, 64))
+          for _ in range(len(model.model.layers))]
+    kv_copy = [(k.clone(), v.clone()) for k, v in kv]
+    # A 6-token prompt and a decode at position 9, on blocks 0-1 and 2-4.
+    tables = torch.tensor([[0, 1, 0], [2, 3, 4]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 9])
+    slots = torch.tensor([0, 1, 2, 3, 4, 5, 4 * 4 + 1])
+    meta = AttentionMetadata(slots, torch.tensor([0, 6, 7], dtype=torch.int32),
+                             torch.tensor([6, 10], dtype=torch.int32), tables)
+    ids = torch.randint(3, 259, (7,), generator=GEN)
+    with torch.inference_mode():
+        model.fused = True
+        fused = model(ids, positions, kv, meta)
+        model.fused = False
+        reference = model(ids, positions, kv_copy, meta)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-5)
+    for (k, v), (k_ref, v_ref) in zip(kv, kv_copy):  # the K/V written agree too
+        torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-5)

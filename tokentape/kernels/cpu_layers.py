@@ -1,0 +1,80 @@
+"""The decoder's per-row operations as compiled CPU kernels (`cpu/layers.c`): RMSNorm with the
+residual add folded in, Qwen3's q/k norms with RoPE, and SwiGLU's silu(gate) * up.
+
+A decoder layer makes a handful of these calls where the torch modules make a few dozen ops,
+each with its allocation, its dispatch and its trip through the GIL (which the model's lanes
+share; see engine/runners/input_batch.py). The torch modules (engine/model/layers.py) are the
+oracle: these compute the same formulas, with sums in another order. Float32, CPU, contiguous
+tensors only (`supported`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokentape.kernels import cpu_native
+
+
+def supported(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_native.load() is not None
+
+
+def _lib():  # type: ignore[no-untyped-def]
+    lib = cpu_native.load()
+    assert lib is not None, cpu_native.load_error()
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _lib().tt_add_rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(),
+                               x.numel() // dim, dim, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x (in place), then rms_norm(residual): the step between two sublayers."""
+    x = x.contiguous()
+    assert residual.is_contiguous() and residual.shape == x.shape
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _lib().tt_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                               out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """In place on contiguous q [T, H, D] and k [T, Hkv, D]: the per-head RMSNorms (when
+    given; Qwen3), then RoPE at `positions` [T] (int64) from the float32 tables [P, D]."""
+    assert q.is_contiguous() and k.is_contiguous() and positions.dtype == torch.int64
+    tokens, heads, dim = q.shape
+    code = _lib().tt_qk_norm_rope_f32(
+        q.data_ptr(), k.data_ptr(), tokens, heads, k.shape[1], dim,
+        q_norm.data_ptr() if q_norm is not None else None,
+        k_norm.data_ptr() if k_norm is not None else None,
+        eps, cos_table.data_ptr(), sin_table.data_ptr(), positions.contiguous().data_ptr(),
+    )
+    if code:
+        raise ValueError(f"qk_norm_rope: head size {dim} is not supported (even, at most 512)")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, as a new tensor."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    _lib().tt_silu_mul_f32(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out
