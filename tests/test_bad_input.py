@@ -197,7 +197,7 @@ def run(llm: LLM, bad_inputs: Callable[[LLM], None] | None) -> dict[str, list[in
     for _ in range(3):
         step()
     if bad_inputs is not None:
-        assert engine._in_flight or engine.depth == 1  # the pipeline is busy
+        assert engine.state.in_flight_steps or engine.depth == 1  # the pipeline is busy
         bad_inputs(llm)
     while engine.has_unfinished_requests():
         step()

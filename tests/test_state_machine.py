@@ -190,7 +190,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.busy = True
         self.engine.pause_generation(mode, clear_cache)
         assert self.engine.is_paused()
-        assert not self.engine._in_flight, "pause_generation returned before the engine drained"
+        assert not self.engine.state.in_flight_steps, "pause_generation returned before the engine drained"
         if mode == "abort":
             assert not self.engine.state.unfinished
         if mode == "wait":

@@ -27,7 +27,7 @@ def test_update_weights_only_while_paused_and_drained() -> None:
     llm.engine.add_request("r", [5, 6, 7], GREEDY)
     llm.engine.step()
     llm.engine.step()
-    assert llm.engine._in_flight  # a step is in flight while running
+    assert llm.engine.state.in_flight_steps  # a step is in flight while running
     with pytest.raises(RuntimeError, match="pause generation first"):
         llm.engine.update_weights(new)
     llm.engine.pause_generation(mode="keep", clear_cache=True)
