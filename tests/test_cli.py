@@ -15,9 +15,10 @@ import pytest
 
 from tokentape import LLM, SamplingParams, cli
 from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.entrypoints.cli.generate import DEFAULT_PROMPTS
 from tokentape.events import schema as ev
 from tokentape.events.sqlite_store import SQLiteTape
-from tokentape.replay import load_tape
+from tokentape.replay import load_tape, verify
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -187,7 +188,7 @@ def test_generate_default_prompts_and_default_tape_path(
     rc, out, err = run(capsys, "generate", "--json")
     assert rc == 0
     records = [json.loads(line) for line in out.splitlines()]
-    assert [r["prompt"] for r in records] == list(cli.DEFAULT_PROMPTS)
+    assert [r["prompt"] for r in records] == list(DEFAULT_PROMPTS)
     assert all(len(r["token_ids"]) == 16 for r in records)  # the engine's default max_tokens
     tapes = list(tmp_path.glob("*.tape"))
     assert len(tapes) == 1
@@ -239,9 +240,16 @@ def test_generate_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFix
     assert run(capsys, "generate", "Hi", "--tape", str(tape), "--max-tokens", "2")[0] == 0
     before = tape.read_bytes()
     rc, out, err = run(capsys, "generate", "Hi", "--tape", str(tape))
-    assert_one_line_error(rc, err, str(tape), "already exists")
+    assert_one_line_error(rc, err, str(tape), "the file exists; pass --force to overwrite it")
     assert out == ""
     assert tape.read_bytes() == before
+    # --force replaces it with the new run (a bad engine argument still fails first).
+    rc, _, err = run(capsys, "generate", "Hi", "--tape", str(tape), "--force", "--pipeline-depth", "9")
+    assert_one_line_error(rc, err, "pipeline_depth")
+    assert tape.read_bytes() == before
+    rc, _, err = run(capsys, "generate", "Hi", "Ho", "--tape", str(tape), "--force", "--max-tokens", "3")
+    assert rc == 0, err
+    assert len(load_tape(tape).fold().requests) == 2 and verify(tape).ok
 
 
 def test_generate_bad_engine_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -373,10 +381,13 @@ def test_inspect_json_and_step(busy_tape: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_inspect_step_past_the_end(busy_tape: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    last = load_tape(busy_tape).fold().step - 1
     rc, out, err = run(capsys, "inspect", str(busy_tape), "--step", "100000")
-    assert rc == 0
-    assert "ends before step 100000" in err
-    assert "requests (8)" in out
+    assert_one_line_error(rc, err, str(busy_tape),
+                          f"step 100000 is out of range: the tape schedules steps 0..{last}")
+    assert out == ""
+    rc, out, _ = run(capsys, "inspect", str(busy_tape), "--step", str(last))
+    assert rc == 0 and f"engine state at step {last}" in out
 
 
 def test_inspect_request(busy_tape: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -420,7 +431,7 @@ def test_inspect_generated_output_matches(
 
 def test_inspect_rich_tables_on_a_terminal(busy_tape: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "is_terminal", lambda stream: True)
+    monkeypatch.setattr("tokentape.replay.render.is_terminal", lambda stream: True)
     rc, out, _ = run(capsys, "inspect", str(busy_tape))
     assert rc == 0
     assert "discard policy" in out and "requests (8)" in out
@@ -531,6 +542,14 @@ def test_subprocess_module(tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: ")
+
+    # A CLIError raised in another module (the postmortem's, for a tape it cannot read to its
+    # end) is the same class when the CLI runs as __main__: one line, no traceback.
+    truncated = _truncated(tmp_path)
+    pm = subprocess.run([sys.executable, "-m", "tokentape.cli", "postmortem", str(truncated)],
+                        capture_output=True, text=True, timeout=120, check=False)
+    assert pm.returncode == 2 and "Traceback" not in pm.stderr, pm.stderr
+    assert pm.stderr.count("\n") == 1 and pm.stderr.startswith(f"error: {truncated}")
 
     piped = subprocess.run([sys.executable, "-m", "tokentape.cli", "inspect", str(tape)],
                            capture_output=True, text=True, timeout=120, check=False)

@@ -34,7 +34,8 @@ def session(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     else:
         assert rc == 2, captured
         (line,) = captured.err.splitlines()
-        assert line.startswith(f"error: {failed} debugger command(s) failed; the first: "), line
+        commands = "command failed" if failed == 1 else "commands failed"
+        assert line.startswith(f"error: {failed} debugger {commands}; the first: "), line
     return captured.out.splitlines()
 
 
@@ -78,8 +79,8 @@ def test_breakpoints_on_a_kind_and_a_condition(monkeypatch, capsys, flag_tape) -
     detail = after(lines, "print req s")
     assert detail[0] == "request s"
     assert any(line.split() == ["status", "preempted" if preempted == "s" else "running"] for line in detail)
-    assert after(lines, "break") == ["1: kind=PrefixCacheReset (hit 1 times)",
-                                     "2: when discard > 0 becomes true (hit 1 times)"]
+    assert after(lines, "break") == ["1: kind=PrefixCacheReset (hit 1 time)",
+                                     "2: when discard > 0 becomes true (hit 1 time)"]
     # The second request's flag is set at the very next event.
     assert lines[-2] == "breakpoint 2 hit: when discard > 0 becomes true"
     assert f"req={other} reason=reset_prefix_cache" in lines[-1]
@@ -250,7 +251,7 @@ def test_interrupting_a_long_command_keeps_the_debugger_open(flag_tape: Path, mo
         if next(calls) == 10:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("tokentape.replay.debugger.evolve", lambda state, event: (interrupt_at_10(), _evolve(state, event)))
+    monkeypatch.setattr("tokentape.replay.cursor.evolve", lambda state, event: (interrupt_at_10(), _evolve(state, event)))
     dbg.onecmd("continue")
     assert "interrupted" in out.getvalue() and dbg.pos == 10
     assert dbg.state == load_tape(flag_tape).fold(until_seq=10)
@@ -295,7 +296,7 @@ def test_a_damaged_tape_is_debugged_up_to_the_damage() -> None:
     assert lines[1].startswith(f"[0/{frame}]")  # it stays where it was, the tape now ends there
     dbg.onecmd("goto end")
     assert out.getvalue().splitlines()[2].startswith(f"[{frame}/{frame}]")
-    assert dbg.num_events == frame and dbg.state == load_tape(damaged).fold(until_seq=frame)
+    assert dbg.cursor.num_events == frame and dbg.state == load_tape(damaged).fold(until_seq=frame)
     out.truncate(0)
     out.seek(0)
     dbg.onecmd("back 3")

@@ -172,7 +172,11 @@ def test_whatif_cli_writes_a_new_tape_and_prints_the_diff(tmp_path: Path, capsys
     assert rc == 1 and (tmp_path / "model.tape").exists()
     assert out.splitlines()[0].startswith("what-if: discard policy flag, pipeline depth 2, model tiny")
     rc, _, err = run(capsys, "replay", "whatif", str(flag), "--out", str(new))
-    assert rc == 2 and "a tape already exists here" in err
+    assert rc == 2 and "the file exists; pass --force to overwrite it" in err
+    rc, _, err = run(capsys, "replay", "whatif", str(flag), "--out", str(flag), "--force")
+    assert rc == 2 and f"--out names the input {flag}" in err and verify(flag).ok
+    rc, out, _ = run(capsys, "replay", "whatif", str(flag), "--out", str(new), "--force")
+    assert rc == 0 and "identical: 2 requests" in out and verify(new).ok
 
 
 def test_whatif_skips_a_weight_update_under_the_oracle() -> None:

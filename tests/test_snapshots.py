@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from functools import cache
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tape_scenarios import busy, double_reset, pause_resume
@@ -11,6 +13,7 @@ from tape_scenarios import busy, double_reset, pause_resume
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState
+from tokentape.events.store import MemoryTape
 from tokentape.replay import load_tape
 from tokentape.replay.snapshots import SnapshotIndex, copy_request, copy_state, is_settled
 from tokentape.replay.tape import Tape
@@ -43,7 +46,12 @@ def test_seek_through_snapshots_equals_fold_from_start(data: st.DataObject) -> N
         assert tape.state_at(seq) == tape.fold(until_seq=seq)
     num_steps = tape.fold().step
     for step in data.draw(st.lists(st.integers(0, num_steps + 2), min_size=1, max_size=4), label="steps"):
-        assert tape.at(step) == fold_to_step(tape, step)
+        if step < num_steps:
+            assert tape.at(step) == fold_to_step(tape, step)
+        else:
+            with pytest.raises(IndexError, match=f"step {step} is out of range: the tape "
+                               f"schedules steps 0..{num_steps - 1}"):
+                tape.at(step)
 
 
 def test_a_copy_is_independent_of_its_original() -> None:
@@ -76,12 +84,23 @@ def test_the_index_reads_only_as_far_as_asked_and_knows_every_step() -> None:
     assert index.positions == list(range(0, len(tape) + 1, 8))
 
 
-def test_a_negative_step_is_the_state_before_step_0() -> None:
+def test_a_step_the_tape_does_not_schedule_is_an_index_error() -> None:
     tape = load_tape(busy())
+    num_steps = tape.fold().step
+    assert tape.at(num_steps - 1) == tape.fold()  # the last step: the end of the tape
+    for step in (num_steps, num_steps + 100):
+        with pytest.raises(IndexError, match=f"the tape schedules steps 0..{num_steps - 1}"):
+            tape.at(step)
+    for step in (-1, -5):
+        with pytest.raises(IndexError, match=f"step {step} is out of range: steps are numbered from 0"):
+            tape.at(step)
+    empty = MemoryTape(tape.header)
+    with pytest.raises(IndexError, match="step 0 is out of range: the tape schedules no step"):
+        load_tape(empty).at(0)
+    # The index itself still answers for a negative step: the state before step 0.
     before_step_0 = fold_to_step(tape, -1)
     assert not before_step_0.in_flight_steps
-    for step in (-1, -2):
-        assert tape.at(step) == before_step_0
+    assert tape.snapshots.state_at_step(-1) == before_step_0
 
 
 def test_settled_requests_never_change_again() -> None:
@@ -146,5 +165,10 @@ def test_seek_equals_fold_on_random_runs(depth, policy, k, blocks, requests, com
     n = len(tape)
     for seq in data.draw(st.lists(st.integers(0, n), min_size=1, max_size=4)):
         assert tape.state_at(seq) == tape.fold(until_seq=seq)
-    step = data.draw(st.integers(0, tape.fold().step + 1))
-    assert tape.at(step) == fold_to_step(tape, step)
+    num_steps = tape.fold().step
+    step = data.draw(st.integers(0, num_steps + 1))
+    if step < num_steps:
+        assert tape.at(step) == fold_to_step(tape, step)
+    else:
+        with pytest.raises(IndexError):
+            tape.at(step)

@@ -1,1 +1,2 @@
-"""Entry points over AsyncLLM: `tokentape serve`, the OpenAI-compatible HTTP server."""
+"""Entry points: the `tokentape` subcommands (tokentape/entrypoints/cli/, wired by
+tokentape.cli) and `tokentape serve`, the OpenAI-compatible HTTP server over AsyncLLM."""

@@ -1,7 +1,9 @@
-"""Text for people: one-line event summaries, and an output that uses rich on a terminal.
+"""Text for people: one-line event summaries, an output that uses rich on a terminal, and
+the views of the derived state that `tokentape inspect` and the debugger share.
 
-The debugger, `diff` and `replay whatif` print through `Output`: tables and colour with rich
-when the stream is a terminal, plain text (what tests assert on) when it is piped.
+The debugger, `diff` and `replay whatif` print through `Output`, `inspect` through
+`PlainView` or `RichView`: tables and colour with rich when the stream is a terminal, plain
+text (what tests assert on) when it is piped.
 
 Everything a tape holds (request ids, error messages, paths) is data from a file that may
 have been crafted: `safe_text` is applied to all text on its way to a terminal or a plain-text
@@ -12,13 +14,13 @@ passed through it: JSON escapes control characters itself and must stay exact.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import Any, ClassVar, TextIO
 
 from tokentape.events import schema as ev
+from tokentape.progress import is_terminal, progress  # noqa: F401  (progress: where older callers import it)
 
 _MAX_TOKENS_SHOWN = 8
 # C0 controls but tab and newline (ESC starts every terminal escape sequence), DEL, C1 controls
@@ -104,13 +106,6 @@ def event_requests(event: ev.Event) -> list[str]:
     return []
 
 
-def is_terminal(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
 class Output:
     """Lines and tables to a stream: rich on a terminal (or when forced), plain otherwise."""
 
@@ -164,26 +159,99 @@ class Output:
         self.stream.flush()
 
 
-@contextlib.contextmanager
-def progress(total: int | None, description: str, stream: TextIO | None = None,
-             minimum: int = 200_000) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr for a long read (at least `minimum` events; `total` None when
-    the length is unknown, as in a damaged tape) on a terminal; yields an `update(done)`
-    callback, a no-op otherwise."""
-    stream = stream if stream is not None else sys.stderr
-    if (total is not None and total < minimum) or not is_terminal(stream):
-        yield lambda done: None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
+# -- the derived state as tables (inspect, the debugger's `requests`) ------------------------
+
+REQUEST_COLUMNS = (
+    "id", "status", "prompt", "output", "computed", "placeholders", "epoch", "discard",
+    "preemptions", "blocks", "dropped", "finish",
+)
+
+
+def request_row(state: Any, req: Any) -> tuple[Any, ...]:
+    """One request's row of REQUEST_COLUMNS (an EngineState and one of its RequestStates)."""
+    return (
+        req.req_id, req.status.value, req.num_prompt_tokens, len(req.output_token_ids),
+        req.num_computed_tokens, req.num_output_placeholders, req.epoch,
+        state.discard_count(req), req.num_preemptions, len(req.block_ids),
+        req.num_frames_dropped, req.finish_reason or "-",
     )
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=Console(file=stream), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda done: bar.update(task, completed=done)
+
+class PlainView:
+    """Sections (key: value) and the request table as plain text, for pipes and files."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+
+    def section(self, title: str, pairs: dict[str, Any]) -> None:
+        self.out.write(f"{safe_text(title)}\n")
+        width = max((len(k) for k in pairs), default=0)
+        for key, value in pairs.items():
+            self.out.write(f"  {key:<{width}}  {safe_text(str(value))}\n")
+        self.out.write("\n")
+
+    def table(self, title: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+        self.out.write(f"{safe_text(title)}\n")
+        cells = [list(columns)] + [[safe_text(str(v)) for v in row] for row in rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+        for r in cells:
+            line = "  ".join(
+                v.ljust(w) if i < 2 or i == len(columns) - 1 else v.rjust(w)
+                for i, (v, w) in enumerate(zip(r, widths))
+            )
+            self.out.write(f"  {line.rstrip()}\n")
+        if not rows:
+            self.out.write("  (no requests)\n")
+
+
+class RichView:
+    """The same, drawn with rich for a terminal."""
+
+    # Short headers (explained in the caption) keep the request table inside 80 columns.
+    _HEADERS: ClassVar[dict[str, str]] = {
+        "computed": "comp", "placeholders": "ph", "discard": "disc", "preemptions": "preempt",
+    }
+    _CAPTION = ("prompt/output: lengths, comp: num_computed_tokens, ph: num_output_placeholders, "
+                "disc: discard count, dropped: frames dropped")
+
+    def __init__(self, out: TextIO) -> None:
+        from rich.console import Console
+
+        self.console = Console(file=out, highlight=False)
+
+    def section(self, title: str, pairs: dict[str, Any]) -> None:
+        from rich.table import Table
+        from rich.text import Text
+
+        self.console.print(safe_text(title), style="bold", markup=False)
+        table = Table(show_header=False, box=None, padding=(0, 2))
+        table.add_column(style="cyan", no_wrap=True)
+        table.add_column(overflow="fold")
+        for key, value in pairs.items():
+            table.add_row(key, Text(safe_text(str(value))))
+        self.console.print(table)
+        self.console.print()
+
+    def table(self, title: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        self.console.print(safe_text(title), style="bold", markup=False)
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                      caption=self._CAPTION, caption_justify="left")
+        for i, name in enumerate(columns):
+            numeric = 1 < i < len(columns) - 1
+            table.add_column(self._HEADERS.get(name, name), justify="right" if numeric else "left",
+                             overflow="fold", style="bold" if i == 0 else None,
+                             no_wrap=i == 1)
+        for row in rows:
+            # The finish column says why a request finished; "finished" is enough here.
+            status = "finished" if str(row[1]).startswith("finished") else row[1]
+            table.add_row(*(Text(safe_text(str(v))) for v in (row[0], status, *row[2:])))
+        self.console.print(table)
+
+
+def state_view(out: TextIO, rich: bool | None = None) -> PlainView | RichView:
+    """RichView on a terminal (or when `rich` says so), PlainView otherwise."""
+    return RichView(out) if (is_terminal(out) if rich is None else rich) else PlainView(out)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tokentape.engine.config import EngineConfig
 from tokentape.events import schema as ev
@@ -11,8 +12,10 @@ from tokentape.events.reducer import fold_events, initial_state
 from tokentape.events.sqlite_store import SQLiteTapeReader
 from tokentape.events.state import EngineState
 from tokentape.events.store import MemoryTape, TapeError, TapeReader, check_format_version
+from tokentape.events.validation import check_int
 from tokentape.replay.snapshots import DEFAULT_INTERVAL, SnapshotIndex
 
+PROGRESS_EVERY = 1 << 16  # events folded between progress callbacks
 MAX_KV_BLOCKS = 1 << 22  # 4M blocks (64M tokens of 16): a header claiming more is damaged
 
 
@@ -51,9 +54,20 @@ class Tape:
             self.config.effective_max_model_len,
         )
 
-    def fold(self, until_seq: int | None = None) -> EngineState:
-        """The state after every event (or after the events before `until_seq`)."""
-        return fold_events(self.events(), self.initial_state(), until_seq)
+    def fold(self, until_seq: int | None = None,
+             progress: Callable[[int], None] | None = None) -> EngineState:
+        """The state after every event (or after the events before `until_seq`). `progress`,
+        if given, is called with the number of events folded so far, every PROGRESS_EVERY."""
+        if progress is None:
+            return fold_events(self.events(), self.initial_state(), until_seq)
+        events, state, done = self.events(), self.initial_state(), 0
+        while True:  # in chunks: islice keeps the per-event cost that of fold_events alone
+            before = state.num_events
+            fold_events(itertools.islice(events, PROGRESS_EVERY), state, until_seq)
+            done += PROGRESS_EVERY
+            if state.num_events - before < PROGRESS_EVERY:  # the end, or until_seq
+                return state
+            progress(done)
 
     @property
     def snapshots(self) -> SnapshotIndex:
@@ -63,10 +77,20 @@ class Tape:
                                             self.snapshot_interval)
         return self._snapshots
 
-    def at(self, step: int) -> EngineState:
+    def at(self, step: int, progress: Callable[[int], None] | None = None) -> EngineState:
         """The state at step `step`: after it was scheduled, before step `step + 1` was.
-        Seeks through periodic snapshots; the result is a fresh copy."""
-        return self.snapshots.state_at_step(step)
+        Seeks through periodic snapshots; the result is a fresh copy. A step the tape does
+        not schedule (negative, or past its last) raises IndexError. `progress` is called
+        with the number of events indexed while the index is extended to find the step."""
+        check_int("step", step)
+        if step < 0:
+            raise IndexError(f"step {step} is out of range: steps are numbered from 0")
+        index = self.snapshots
+        if index.seq_of_step(step, progress) is None:
+            last = len(index.step_seqs) - 1  # the whole tape is indexed when a step is missing
+            known = f"steps 0..{last}" if last >= 0 else "no step"
+            raise IndexError(f"step {step} is out of range: the tape schedules {known}")
+        return index.state_at_step(step)
 
     def state_at(self, seq: int) -> EngineState:
         """The state after the first `seq` events, through snapshots (a fresh copy)."""

@@ -1,0 +1,109 @@
+"""What the `tokentape` subcommands share: the expected-failure error and exit statuses,
+argument types, the one overwrite rule for output files, and opening a tape to read.
+
+Expected failures raise `CLIError` (or one of `expected_errors()`): `tokentape.cli.main`
+prints `error: <message>` on one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_DIVERGED = 1  # also: findings (postmortem), outputs that differ (diff, whatif)
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class CLIError(Exception):
+    """An expected failure: printed as `error: <message>`, exit status 2."""
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    from tokentape.engine.llm_engine import EngineDeadError
+    from tokentape.events.errors import ReducerError
+    from tokentape.events.store import TapeError
+
+    return (
+        CLIError, TapeError, ReducerError, EngineDeadError, FileExistsError, ValueError,
+        OSError, sqlite3.Error,
+    )
+
+
+def one_line(exc: BaseException) -> str:
+    from tokentape.events.errors import one_line as message
+
+    return message(exc)
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum, with a one-line error otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+# -- the overwrite rule: an existing output file is refused unless --force ----------------------
+
+
+def add_force_argument(parser: Any, what: str = "output file") -> None:
+    parser.add_argument("--force", action="store_true",
+                        help=f"overwrite an existing {what} (default: refuse it)")
+
+
+def check_output_path(path: str, force: bool, option: str,
+                      inputs: Sequence[str | os.PathLike[str]] = ()) -> bool:
+    """Apply the overwrite rule to an output path before any work is done: an existing file
+    is refused unless `force`, a directory always, and so is a path that is one of the
+    `inputs` (it would be destroyed before it is read). Returns whether the file exists."""
+    if os.path.isdir(path):
+        raise CLIError(f"{path}: {option} names a directory; give a file path")
+    if not os.path.lexists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise CLIError(f"{path}: cannot write it, directory {parent} does not exist")
+        return False
+    for source in inputs:
+        if os.path.exists(source) and os.path.samefile(path, source):
+            raise CLIError(f"{path}: {option} names the input {os.fspath(source)}; give another path")
+    if not force:
+        raise CLIError(f"{path}: the file exists; pass --force to overwrite it, or choose "
+                       f"another path with {option}")
+    return True
+
+
+def remove_for_overwrite(path: str) -> None:
+    """Delete an existing output (--force) with the -wal and -shm files a tape may have."""
+    from tokentape.events.sqlite_store import remove_tape_files
+
+    remove_tape_files(path)
+
+
+def open_tape(path: str, snapshot_interval: int | None = None) -> Any:
+    """A tape file to read (tokentape.replay.tape.Tape)."""
+    from tokentape.events.sqlite_store import SQLiteTapeReader
+    from tokentape.replay.snapshots import DEFAULT_INTERVAL
+    from tokentape.replay.tape import Tape
+
+    return Tape(SQLiteTapeReader(path), snapshot_interval or DEFAULT_INTERVAL)
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 request', '2 requests', '0 warnings'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -1,0 +1,61 @@
+"""`tokentape diff A B`: the first client-visible divergence between two tapes of the same
+requests; `print_diff` also prints `replay whatif`'s diff."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tokentape.entrypoints.cli.common import EXIT_DIVERGED, EXIT_OK, open_tape
+from tokentape.progress import progress
+from tokentape.replay.render import Output
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    dif = sub.add_parser(
+        "diff",
+        help="compare the client-visible output of two tapes of the same requests",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Align two tapes of the same requests (sync against async, flag against epoch,\n"
+            "CI against local) by request id and output position, and print the first place\n"
+            "where the tokens the client received differ, with the events around it in both.\n"
+            "Each tape must first pass the consistency checks of 'tokentape replay verify'.\n"
+            "\n"
+            "exit status: 0 when the outputs are identical, 1 when they differ, 2 when a tape\n"
+            "cannot be read, is not internally consistent (it fails replay verify), or the\n"
+            "tapes hold different requests (they cannot be aligned)."
+        ),
+        epilog="example:\n  tokentape diff ci.tape local.tape",
+    )
+    dif.add_argument("a", metavar="A", help="first tape")
+    dif.add_argument("b", metavar="B", help="second tape")
+    dif.set_defaults(func=cmd_diff)
+    return dif
+
+
+def print_diff(text: str) -> None:
+    """A diff report, coloured on a terminal (plain text when piped)."""
+    out = Output(sys.stdout)
+    for line in text.splitlines():
+        style = None
+        if line.startswith("DIFFERENT"):
+            style = "bold red"
+        elif line.startswith("identical"):
+            style = "bold green"
+        elif line.startswith(("first divergence", "tape A around", "tape B around")):
+            style = "bold"
+        elif line.startswith("  >"):
+            style = "yellow"
+        out.line(line, style=style)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from tokentape.replay.diff import diff
+
+    a, b = open_tape(args.a), open_tape(args.b)
+    with progress(2 * (len(a) + len(b)), "checking and reading the tapes") as update:
+        result = diff(a, b, update)
+    print_diff(result.format())
+    return EXIT_OK if result.identical else EXIT_DIVERGED

@@ -1,0 +1,236 @@
+"""`tokentape generate`: run prompts through `LLM.generate`, print the outputs and record a
+tape; `--pause-at`, `--reset-at` and `--abort-at` script the engine calls of an RL loop
+(tokentape.engine.scenario), so a run that shows a bug can be recorded from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from typing import Any
+
+from tokentape.entrypoints.cli.common import (
+    EXIT_OK,
+    CLIError,
+    add_force_argument,
+    check_output_path,
+    expected_errors,
+    non_negative_int,
+    positive_int,
+    remove_for_overwrite,
+)
+from tokentape.entrypoints.cli.generate_script import add_script_arguments, scenario_of, warn_pending
+from tokentape.replay.render import safe_text
+
+DEFAULT_PROMPTS = (
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from tokentape.events.discard import DISCARD_POLICIES
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate completions and record a tape",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run prompts through tokentape.LLM(...).generate() and print every output\n"
+            "(request id, finish reason, token ids, text). The run is recorded on a new tape\n"
+            "file whose path is printed on stderr. Without any PROMPT or --file, a small\n"
+            "built-in set of prompts is used. Request ids are 0, 1, ... in prompt order.\n"
+            "On a terminal, a progress bar goes to stderr while it runs."
+        ),
+        epilog=(
+            "examples:\n"
+            "  tokentape generate\n"
+            "  tokentape generate 'Hello' 'Bonjour' --max-tokens 32 --tape run.tape\n"
+            "  printf 'one\\ntwo\\n' | tokentape generate --file - --json --no-tape\n"
+            "  tokentape generate --num-speculative-tokens 2 --discard-policy counter\n"
+            "  tokentape generate --discard-policy flag --pause-at 4 --tape bug.tape"
+            "  # vLLM #42043"
+        ),
+    )
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (any number)")
+    gen.add_argument(
+        "--file", "-f", metavar="FILE", action="append", default=None,
+        help="read prompts from FILE, one per line (blank lines skipped); '-' reads stdin; "
+        "may be repeated",
+    )
+    gen.add_argument("--model", default="tiny",
+                     help="model to serve: 'tiny' (default: the built-in model, random weights "
+                     "drawn from the seed), 'qwen3-0.6b' (its shapes, random weights), a local "
+                     "Hugging Face checkpoint folder, or the fake models 'oracle' and "
+                     "'oracle-random'")
+    gen.add_argument("--max-tokens", type=positive_int, default=16, metavar="N",
+                     help="maximum number of tokens generated per prompt (default: 16)")
+    gen.add_argument("--temperature", type=float, default=1.0,
+                     help="sampling temperature, recorded in each request's params (default: 1.0)")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="engine seed: keys the model's sampling and goes into the tape header "
+                     "(default: 0)")
+    tape = gen.add_mutually_exclusive_group()
+    tape.add_argument("--tape", metavar="PATH", default=None,
+                      help="tape file to create; an existing file is refused unless --force "
+                      "(default: tokentape-<UTC timestamp>.tape in the current directory)")
+    tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
+    add_force_argument(gen, "tape file")
+    pipe = gen.add_mutually_exclusive_group()
+    pipe.add_argument("--sync", action="store_true",
+                      help="synchronous scheduling: one step in flight at a time")
+    pipe.add_argument("--pipeline-depth", type=positive_int, default=None, metavar="N",
+                      help="steps in flight with async scheduling (engine default: 2)")
+    gen.add_argument("--num-speculative-tokens", type=non_negative_int, default=None,
+                     metavar="K", help="n-gram speculative tokens per decode (engine default: 0)")
+    gen.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
+                     help="how stale frames are recognised after a preemption "
+                     "(engine default: epoch, the exact one; counter and flag reproduce vLLM's "
+                     "historical bugs)")
+    gen.add_argument("--num-kv-blocks", type=positive_int, default=None, metavar="N",
+                     help="number of paged KV cache blocks (engine default: 2048)")
+    gen.add_argument("--block-size", type=positive_int, default=None, metavar="N",
+                     help="tokens per KV block (engine default: 16)")
+    gen.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
+                     help="most requests running at once (engine default: 256)")
+    gen.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                     help="token budget of one step (engine default: 8192)")
+    add_script_arguments(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per output line instead of plain text")
+    gen.set_defaults(func=cmd_generate)
+    return gen
+
+
+def _read_prompt_file(name: str) -> list[str]:
+    if name == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise CLIError(f"cannot read prompts from {name}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise CLIError(
+                f"cannot read prompts from {name}: not UTF-8 text ({exc.reason})"
+            ) from None
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _collect_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise CLIError(f"prompt {i + 1} is empty")
+    for name in args.file or ():
+        from_file = _read_prompt_file(name)
+        if not from_file:
+            raise CLIError(f"no prompts in {'stdin' if name == '-' else name}")
+        prompts.extend(from_file)
+    if not prompts:
+        prompts = list(DEFAULT_PROMPTS)
+    return prompts
+
+
+def _default_tape_path() -> str:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = f"tokentape-{stamp}.tape"
+    n = 1
+    while os.path.exists(path):  # a second run within the same second
+        n += 1
+        path = f"tokentape-{stamp}-{n}.tape"
+    return path
+
+
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"seed": args.seed}
+    if args.sync:
+        kwargs["async_scheduling"] = False
+    if args.pipeline_depth is not None:
+        kwargs["pipeline_depth"] = args.pipeline_depth
+    for name in ("num_speculative_tokens", "discard_policy", "num_kv_blocks", "block_size",
+                 "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
+def _tape_path(args: argparse.Namespace) -> str | None:
+    """The tape to create, checked (and an existing one removed under --force) before the run."""
+    if args.no_tape:
+        return None  # an in-memory tape, dropped at exit
+    if args.tape is None:
+        return _default_tape_path()
+    if check_output_path(args.tape, args.force, "--tape"):
+        remove_for_overwrite(args.tape)
+    return args.tape
+
+
+def _has_random_weights(model: str) -> bool:
+    from tokentape.engine.config import ORACLE_MODELS
+
+    if model in ORACLE_MODELS:
+        return False  # and the model package (torch) is not loaded for the oracle
+    from tokentape.engine.model.config import BUILTIN_CONFIGS
+
+    return model in BUILTIN_CONFIGS
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokentape import LLM, EngineConfig, SamplingParams
+
+    prompts = _collect_prompts(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    EngineConfig(model=args.model, **_engine_args(args))  # bad engine arguments fail here
+    scenario = scenario_of(args)
+    scenario.check_requests([str(i) for i in range(len(prompts))])
+    tape = _tape_path(args)
+    llm = LLM(args.model, tape=tape, **_engine_args(args))
+    path = llm.tape_path
+    try:
+        outputs = llm.generate(prompts, params, scenario=scenario)
+    except expected_errors() as exc:
+        where = f" (the tape up to the failure is at {path})" if path else ""
+        raise CLIError(f"{exc}{where}") from None
+    except BaseException:
+        if path:
+            print(f"tape: {path} (recorded up to the failure)", file=sys.stderr)
+        raise
+    finally:
+        llm.close()
+
+    out = sys.stdout
+    if not args.json and _has_random_weights(args.model):
+        out.write(f"note: the built-in model {args.model!r} has random weights (drawn from the "
+                  "seed), so its text is noise; its token ids are shown beside it\n")
+    for o in outputs:
+        c = o.outputs[0]
+        if args.json:
+            record = {
+                "request_id": o.request_id,
+                "prompt": o.prompt,
+                "prompt_token_ids": o.prompt_token_ids,
+                "finish_reason": c.finish_reason,
+                "finished": o.finished,
+                "token_ids": c.token_ids,
+                "text": c.text,
+            }
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        else:
+            out.write(safe_text(
+                f"request {o.request_id}: finish_reason={c.finish_reason} "
+                f"num_tokens={len(c.token_ids)}\n"
+                f"  prompt:    {o.prompt!r}\n"
+                f"  token_ids: {c.token_ids}\n"
+                f"  text:      {c.text!r}\n"
+            ))
+    out.flush()
+    warn_pending(scenario, llm.engine.state.step)
+    print(f"tape: {path}" if path else "tape: none (--no-tape)", file=sys.stderr)
+    return EXIT_OK
