@@ -69,5 +69,9 @@ def test_the_serve_parser_and_its_errors(tmp_path: Path, capsys: pytest.CaptureF
     existing = tmp_path / "old.tape"
     existing.write_bytes(b"")
     assert main(["--model", "oracle", "--tape", str(existing)]) == 2  # before any process starts
-    assert "a tape already exists" in capsys.readouterr().err
+    assert "the file exists; pass --force to overwrite it" in capsys.readouterr().err
+    # --force: bad engine arguments are still refused before the old tape is removed.
+    assert main(["--model", "oracle", "--tape", str(existing), "--force", "--block-size", "0"]) == 2
+    assert main(["--model", "oracle", "--tape", str(existing), "--force", "--pipeline-depth", "9"]) == 2
+    assert "pipeline_depth" in capsys.readouterr().err and existing.exists()
     assert main(["--port", "-1"]) == 2

@@ -48,6 +48,7 @@ def _seconds(text: str) -> float:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `serve` on the CLI's subparsers."""
+    from tokentape.entrypoints.cli.common import add_force_argument
     from tokentape.events.discard import DISCARD_POLICIES
 
     srv = sub.add_parser(
@@ -83,9 +84,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                      help="port to bind; 0 picks a free one (default: 8000)")
     tape = srv.add_mutually_exclusive_group()
     tape.add_argument("--tape", metavar="PATH", default=None,
-                      help="tape file to create; never overwritten "
+                      help="tape file to create; an existing file is refused unless --force "
                       "(default: tokentape-serve-<UTC timestamp>.tape in the current directory)")
     tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
+    add_force_argument(srv, "tape file")
     srv.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
     pipe = srv.add_mutually_exclusive_group()
     pipe.add_argument("--sync", action="store_true", help="synchronous scheduling")
@@ -138,9 +140,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokentape.engine.async_llm import AsyncLLM
+    from tokentape.engine.config import EngineConfig
     from tokentape.entrypoints.api_server import build_app
+    from tokentape.entrypoints.cli.common import check_output_path, remove_for_overwrite
 
     tape: str | None = None if args.no_tape else (args.tape or _default_tape_path())
+    if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
+        EngineConfig(model=args.model, **engine_args(args))  # bad arguments fail before the removal
+        remove_for_overwrite(args.tape)
     engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process, **engine_args(args))
 
     def close_engine() -> None:
@@ -191,9 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = srv.parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    from tokentape.entrypoints.cli.common import CLIError
+
     try:
         return cmd_serve(args)
-    except (ValueError, TypeError, OSError, RuntimeError) as exc:
+    except (CLIError, ValueError, TypeError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
