@@ -118,7 +118,12 @@ def test_export_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     check_trace_event_format(json.loads((tmp_path / "t.json").read_text()))
     rc = cli.main(["export", str(path), "--format", "perfetto", "-o", str(tmp_path / "t.json")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and "the file exists" in err
+    assert rc == 2 and err.startswith("error: ") and "the file exists; pass --force" in err
+    rc = cli.main(["export", str(path), "--format", "csv", "-o", str(tmp_path / "t.json"), "--force"])
+    assert rc == 0 and (tmp_path / "t.json").read_text().startswith("step,seq,")
+    rc = cli.main(["export", str(path), "--format", "jsonl", "-o", str(path), "--force"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--output names the input {path}" in err and load_tape(path).fold().requests
     rc = cli.main(["export", str(path), "--format", "csv"])
     assert rc == 0 and capsys.readouterr().out.startswith("step,seq,")
     rc = cli.main(["export", str(path), "--format", "xml"])
@@ -166,7 +171,9 @@ def test_export_sqlite_cli_copies_a_tape_into_one_file(
     assert verify(copy).ok
     rc = cli.main(["export", str(path), "--format", "sqlite", "-o", str(copy)])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and "the file exists" in err
+    assert rc == 2 and err.startswith("error: ") and "the file exists; pass --force" in err
+    rc = cli.main(["export", str(path), "--format", "sqlite", "-o", str(copy), "--force"])
+    assert rc == 0 and f"wrote {copy} ({n} events)" in capsys.readouterr().err and verify(copy).ok
     rc = cli.main(["export", str(path), "--format", "sqlite"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "--output" in err
