@@ -232,3 +232,9 @@ def test_whatif_replays_with_the_runner_that_recorded_the_tape(tmp_path: Path,
     assert rc == 1 and "model oracle;" in out.splitlines()[0] and "position 0" in out
     # An oracle tape replays with the oracle (the recorded runner) by default.
     assert whatif(pause_resume("epoch")).config.model == "oracle-random"
+
+
+def test_diff_counts_read_as_english() -> None:
+    one_epoch, one_flag = pause_resume("epoch", second=False), pause_resume("flag", second=False)
+    assert diff(one_epoch, pause_resume("epoch", second=False)).format().startswith("identical: 1 request, ")
+    assert diff(one_epoch, one_flag).format().startswith("DIFFERENT: 1 of 1 request differs ")

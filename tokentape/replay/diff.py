@@ -100,12 +100,14 @@ class TapeDiff:
 
     def format(self) -> str:
         if self.identical:
-            return (f"identical: {self.num_requests} requests, the same client-visible output "
+            n = self.num_requests
+            return (f"identical: {n} request{'' if n == 1 else 's'}, the same client-visible output "
                     f"in {self.a_name} and {self.b_name}")
         d = self.divergences[0]
         a, b = self.a_streams[d.req_id].token_ids, self.b_streams[d.req_id].token_ids
         lines = [
-            (f"DIFFERENT: {len(self.divergences)} of {self.num_requests} requests differ "
+            (f"DIFFERENT: {len(self.divergences)} of {self.num_requests} "
+             f"request{'' if self.num_requests == 1 else 's'} differ{'s' if len(self.divergences) == 1 else ''} "
              f"between A ({self.a_name}) and B ({self.b_name})"),
             f"first divergence: request {d.req_id}, output position {d.position} ({d.what})",
             f"  A: {_window(a, d.position)}",
