@@ -1,0 +1,207 @@
+"""The RLHF loop on Ray: a trainer actor and N tokentape engine actors (AsyncLLM, each with its
+engine core process and its own tape), as vLLM's RLHF example runs vLLM under Ray.
+
+Each iteration: every engine starts its rollouts; once each rollout has a few tokens the
+trainer makes a deterministic weight update from them while the engines go on generating;
+every engine runs pause_generation(mode="keep", clear_cache=True); the new weights reach the
+engines through Ray's object store (default) or a torch.distributed broadcast (gloo, the CPU
+backend); every engine runs resume_generation() and finishes its rollouts with the new
+weights. Check: every engine reports the trainer's weights, and for every request the tokens
+after the resume equal what a fresh engine with the new weights gives when it continues from
+the same prefix (prompt plus the tokens delivered before the pause). Exit 0 when it held for
+every engine and iteration, 1 otherwise. Under `--discard-policy flag` (vLLM before #42117)
+with async scheduling (pipeline depth >= 2) it fails as vLLM #42043 did: the first valid
+token after the resume is thrown away and every later one shifts.
+
+    python examples/rlhf_ray.py                                  # 2 engines, 2 iterations: holds
+    python examples/rlhf_ray.py --discard-policy flag            # fails
+    python examples/rlhf_ray.py --weight-sync broadcast          # torch.distributed, gloo
+    python examples/rlhf_ray.py --tape-dir tapes && tokentape postmortem tapes
+    python examples/rlhf_ray.py --tape-dir tapes --kill-engine 1 # failure drill (ray.kill)
+
+Needs the ray extra (pip install 'tokentape[ray]'); the engine actors use the serve extra's
+pyzmq. `--address` joins a running Ray cluster instead of starting one (the tape directory
+must then be on storage every node sees).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import ray
+
+from rlhf_ray_actors import MAX_TOKENS, EngineWorker, Trainer, request_specs, sampling_params
+from tokentape import LLM, SamplingParams
+from tokentape.events.discard import DISCARD_POLICIES
+from tokentape.events.sqlite_reader import tape_file_status
+
+WRITER_WAIT_S = 30.0  # how long a killed engine's tape writer may take to finish the file
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=int, default=2, help="engine actors (default 2)")
+    p.add_argument("--iterations", type=int, default=2, help="RL iterations (default 2)")
+    p.add_argument("--discard-policy", default="epoch", choices=sorted(DISCARD_POLICIES))
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's async scheduling (default on; off means pipeline depth 1)")
+    p.add_argument("--pipeline-depth", type=int, default=2, choices=[1, 2, 3, 4],
+                   help="steps in flight with async scheduling (default 2, vLLM's)")
+    p.add_argument("--weight-sync", default="object-store", choices=["object-store", "broadcast"],
+                   help="how the weights reach the engines: Ray's object store (default) or a "
+                   "torch.distributed broadcast from the trainer (gloo)")
+    p.add_argument("--tape-dir", metavar="DIR", default=None,
+                   help="record one tape per engine, DIR/engine-<i>.tape (default: in memory)")
+    p.add_argument("--kill-engine", metavar="I", type=int, default=None,
+                   help="failure drill: ray.kill engine I in the middle of the first iteration's "
+                   "rollouts; the loop goes on with the others (object-store sync only)")
+    p.add_argument("--address", default=None, help="a Ray cluster to join (default: start one here)")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="CPUs of the local Ray instance (default: one per engine, at least 2)")
+    args = p.parse_args(argv)
+    if args.engines < 1 or args.iterations < 1:
+        p.error("--engines and --iterations must be >= 1")
+    if args.kill_engine is not None:
+        if not 0 <= args.kill_engine < args.engines or args.engines < 2:
+            p.error("--kill-engine needs an engine index in [0, --engines) and another engine left")
+        if args.weight_sync == "broadcast":
+            p.error("--kill-engine needs --weight-sync object-store (a broadcast group cannot lose a member)")
+    return args
+
+
+def tape_paths(tape_dir: str | None, n: int) -> list[str | None]:
+    if tape_dir is None:
+        return [None] * n
+    os.makedirs(tape_dir, exist_ok=True)
+    paths = [os.path.join(tape_dir, f"engine-{i}.tape") for i in range(n)]
+    taken = [p for p in paths if os.path.exists(p)]
+    if taken:
+        raise SystemExit(f"error: {taken[0]}: a tape already exists here; choose a new --tape-dir")
+    return list(paths)
+
+
+def check_against_fresh_engine(weights: dict[str, Any], trainer_id: str, got_ids: dict[int, str],
+                               cases: list[tuple[int, str, list[int], SamplingParams, list[int], list[int]]]
+                               ) -> list[str]:
+    """A fresh engine with the trainer's weights continues every request from its prefix;
+    the tokens each engine delivered after the resume must be exactly those."""
+    problems = [f"engine {i} serves weights {wid[:20]}..., the trainer made {trainer_id[:20]}..."
+                for i, wid in got_ids.items() if wid != trainer_id]
+    fresh = LLM(model="tiny", device="cpu", pipeline_depth=1, tape=False)
+    try:
+        fresh.engine.pause_generation(mode="keep", clear_cache=False)
+        fresh_id = fresh.engine.update_weights(weights)
+        fresh.engine.resume_generation()
+        if fresh_id != trainer_id:
+            problems.append(f"the fresh engine hashes the trainer's weights as {fresh_id}, not {trainer_id}")
+        todo = [c for c in cases if len(c[4]) < MAX_TOKENS]
+        conts = [SamplingParams(max_tokens=MAX_TOKENS - len(prefix), temperature=p.temperature,
+                                top_p=p.top_p, seed=p.seed, ignore_eos=True)
+                 for _, _, _, p, prefix, _ in todo]
+        outs = fresh.generate([prompt + prefix for _, _, prompt, _, prefix, _ in todo], conts) if todo else []
+    finally:
+        fresh.close()
+    for (engine, req_id, _, _, prefix, after), out in zip(todo, outs):
+        expected = out.outputs[0].token_ids
+        if after != expected:
+            at = next((j for j, (a, b) in enumerate(zip(after, expected)) if a != b), min(len(after), len(expected)))
+            problems.append(f"engine {engine} request {req_id}: after {len(prefix)} tokens, resumed "
+                            f"{after[at:at + 4]}... where a fresh engine gives {expected[at:at + 4]}... "
+                            f"(from token {at} after the resume)")
+    return problems
+
+
+def wait_for_tape_writer(path: str | None) -> None:
+    """A killed engine's tape writer drains what it was handed and finishes the file."""
+    deadline = time.monotonic() + WRITER_WAIT_S
+    while path is not None and not tape_file_status(path).finished and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = tape_paths(args.tape_dir, args.engines)
+    engine_args = {"async_scheduling": args.async_scheduling, "pipeline_depth": args.pipeline_depth,
+                   "discard_policy": args.discard_policy, "device": "cpu"}
+    # (mypy does not see what @ray.remote adds to a class)
+    trainer = Trainer.remote()  # type: ignore[attr-defined]
+    engines = {i: EngineWorker.remote(i, paths[i], engine_args) for i in range(args.engines)}  # type: ignore[attr-defined]
+    broadcast = args.weight_sync == "broadcast"
+    if broadcast:  # the trainer is rank 0 of a gloo group with every engine
+        address = ray.get(trainer.group_address.remote())
+        world = args.engines + 1
+        ray.get([trainer.join_group.remote(address, 0, world)]
+                + [e.join_group.remote(address, i + 1, world) for i, e in engines.items()])
+    held = True
+    try:
+        for it in range(args.iterations):
+            specs = {i: request_specs(i, it) for i in engines}
+            ray.get([e.start.remote(specs[i]) for i, e in engines.items()])
+            rollouts = ray.get([e.wait_tokens.remote() for e in engines.values()])
+            if args.kill_engine is not None and it == 0:
+                ray.kill(engines.pop(args.kill_engine))  # mid-rollout: its requests are running
+                wait_for_tape_writer(paths[args.kill_engine])
+                print(f"engine {args.kill_engine} killed (ray.kill) mid-rollout; "
+                      f"its tape: {paths[args.kill_engine] or '(in memory, lost)'}")
+            trainer_id = ray.get(trainer.train_step.remote(it, rollouts))
+            prefixes = dict(zip(engines, ray.get([e.pause.remote() for e in engines.values()])))
+            if broadcast:
+                meta = ray.get(trainer.weight_meta.remote())
+                got = ray.get([trainer.broadcast.remote()]
+                              + [e.receive_weights.remote(meta) for e in engines.values()])[1:]
+            else:
+                weights_ref = trainer.state_dict.remote()  # put once, read by every engine
+                got = ray.get([e.update_weights.remote(weights_ref) for e in engines.values()])
+            ray.get([e.resume.remote() for e in engines.values()])
+            streams = dict(zip(engines, ray.get([e.finish.remote() for e in engines.values()])))
+            cases = []
+            for i, reqs in specs.items():
+                if i in engines:
+                    for req_id, prompt, kw in reqs:
+                        n = prefixes[i][req_id]
+                        tokens = streams[i][req_id]
+                        cases.append((i, req_id, prompt, sampling_params(kw), tokens[:n], tokens[n:]))
+            resumed = sum(0 < len(c[4]) < MAX_TOKENS for c in cases)
+            problems = check_against_fresh_engine(ray.get(trainer.state_dict.remote()), trainer_id,
+                                                  dict(zip(engines, got)), cases)
+            if resumed == 0:
+                problems.append("no request was mid-generation at the pause: nothing was checked "
+                                "across the update (a machine too busy? raise MAX_TOKENS)")
+            print(f"iteration {it}: {len(engines)} engines, {len(cases)} requests ({resumed} paused "
+                  f"mid-generation), weights {trainer_id[:19]}... via {args.weight_sync}: "
+                  f"{'check held' if not problems else 'CHECK FAILED'}")
+            for problem in problems:
+                print(f"  {problem}")
+            held &= not problems
+    finally:
+        ray.get([e.shutdown.remote() for e in engines.values()])  # closes every tape
+        for actor in [*engines.values(), trainer]:
+            ray.kill(actor)
+    if args.tape_dir:
+        print(f"tapes: {args.tape_dir} (tokentape postmortem {args.tape_dir})")
+    return 0 if held else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = not ray.is_initialized()
+    if started:
+        if args.address:
+            ray.init(address=args.address, logging_level=logging.WARNING)
+        else:
+            ray.init(num_cpus=args.num_cpus or max(2, args.engines), include_dashboard=False,
+                     logging_level=logging.WARNING)
+    try:
+        return run(args)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

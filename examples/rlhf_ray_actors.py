@@ -1,0 +1,158 @@
+"""The actors of examples/rlhf_ray.py: the trainer and the engine workers (AsyncLLM).
+
+Ray's workers import this module by name: a driver run as `python examples/rlhf_ray.py` has
+examples/ on their path (Ray adds the script's directory); another driver (a test) passes it
+in the runtime_env's PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import ray
+import torch
+
+from tokentape import AsyncLLM, RequestOutputKind, SamplingParams
+from tokentape.engine.async_llm import frontend_tokenizer
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
+MAX_TOKENS = 96  # long enough that the pause comes mid-generation, even on a busy machine
+TOKENS_BEFORE_UPDATE = 8  # what the trainer learns from: each rollout's first tokens
+LEARNING_RATE = 0.05
+WAIT_S = 300.0  # the longest a rollout may take to reach TOKENS_BEFORE_UPDATE tokens
+
+RequestSpec = tuple[str, list[int], dict[str, Any]]  # request id, prompt token ids, params
+
+
+def request_specs(engine: int, iteration: int) -> list[RequestSpec]:
+    """An engine's rollout requests for an iteration: seeded sampling and greedy mixed (a
+    seeded draw is keyed by (seed, position), so a fresh engine continuing from the same
+    prefix draws the same tokens)."""
+    encode = frontend_tokenizer("tiny").encode
+    specs = []
+    for j, text in enumerate(PROMPTS):
+        kw: dict[str, Any] = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+        kw.update({"temperature": 1.0, "top_p": 0.95, "seed": 1000 * iteration + 100 * engine + j}
+                  if j % 2 == 0 else {"temperature": 0.0})
+        specs.append((f"it{iteration}-r{j}", encode(f"{text} ({engine}.{iteration})"), kw))
+    return specs
+
+
+def sampling_params(kw: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**kw)
+
+
+@ray.remote(num_cpus=0)  # a few milliseconds of arithmetic per step; a real trainer asks for GPUs
+class Trainer:
+    """Holds the policy (the built-in tiny model, weights drawn from seed 0 as the engines')
+    and makes a deterministic update from the rollouts: a stand-in for an optimizer step."""
+
+    def __init__(self) -> None:
+        from tokentape.engine.model.loader import builtin_model
+
+        self.model = builtin_model("tiny", seed=0)[1]
+
+    def train_step(self, iteration: int, rollouts: list[dict[str, list[int]]]) -> str:
+        """Every weight moves along a seeded Gaussian direction, scaled by the mean reward of
+        the rollouts (the share of distinct tokens: a rollout that repeats itself scores low).
+        Returns the new weights' content hash (what an engine records on WeightsUpdated)."""
+        from tokentape.engine.model.loader import weights_hash
+
+        tokens = [t for r in rollouts for _, t in sorted(r.items())]
+        reward = sum(len(set(t)) / max(len(t), 1) for t in tokens) / max(len(tokens), 1)
+        generator = torch.Generator().manual_seed(1 + iteration)
+        with torch.no_grad():
+            for _, p in sorted(self.model.named_parameters()):
+                p.add_(torch.randn(p.shape, generator=generator), alpha=LEARNING_RATE * reward)
+        return weights_hash(self.model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    # -- torch.distributed: the trainer is rank 0 and broadcasts every tensor --------------------
+
+    def group_address(self) -> str:
+        with socket.socket() as s:  # a free port on this node for the group's rendezvous
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join_group(self, address: str, rank: int, world_size: int) -> None:
+        torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
+
+    def weight_meta(self) -> list[tuple[str, list[int], str]]:
+        return [(k, list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self.model.state_dict().items()]
+
+    def broadcast(self) -> None:
+        for t in self.model.state_dict().values():
+            torch.distributed.broadcast(t.detach().contiguous(), src=0)
+
+
+@ray.remote(num_cpus=1)
+class EngineWorker:
+    """One inference engine: AsyncLLM (its engine core in a child process, which writes the
+    tape) driven from this actor's event loop, with a consumer task per request."""
+
+    def __init__(self, index: int, tape: str | None, engine_args: dict[str, Any]) -> None:
+        self.index = index
+        self.llm = AsyncLLM("tiny", tape=tape, **engine_args)
+        self.tokens: dict[str, list[int]] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self, specs: list[RequestSpec]) -> None:
+        for req_id, prompt, kw in specs:
+            params = SamplingParams(**kw, output_kind=RequestOutputKind.DELTA)
+            self.tokens[req_id] = []
+            self.tasks[req_id] = asyncio.create_task(self._stream(req_id, prompt, params))
+
+    async def _stream(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
+        async for out in self.llm.generate(prompt, params, req_id):
+            self.tokens[req_id] += out.outputs[0].token_ids
+
+    async def wait_tokens(self, k: int = TOKENS_BEFORE_UPDATE) -> dict[str, list[int]]:
+        """Each running rollout's first k tokens, once it has them (they keep generating)."""
+        async def ready() -> None:
+            while any(len(self.tokens[r]) < k and not t.done() for r, t in self.tasks.items()):
+                await asyncio.sleep(0.002)
+
+        await asyncio.wait_for(ready(), WAIT_S)
+        for task in self.tasks.values():
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return {r: t[:k] for r, t in self.tokens.items()}
+
+    async def pause(self) -> dict[str, int]:
+        """pause(keep, clear_cache=True); the tokens each request had when it took effect."""
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
+        for _ in range(20):  # the drained tokens are with the streams: let them take them
+            await asyncio.sleep(0)
+        return {r: len(t) for r, t in self.tokens.items()}
+
+    async def update_weights(self, weights: dict[str, torch.Tensor]) -> str:
+        return await self.llm.update_weights(weights)
+
+    async def join_group(self, address: str, rank: int, world_size: int) -> None:
+        torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
+
+    async def receive_weights(self, meta: list[tuple[str, list[int], str]]) -> str:
+        """The trainer's broadcast, tensor by tensor in its order, then update_weights."""
+        weights = {}
+        for name, shape, dtype in meta:
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            torch.distributed.broadcast(t, src=0)
+            weights[name] = t
+        return await self.llm.update_weights(weights)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def finish(self) -> dict[str, list[int]]:
+        """Wait for every rollout to end; their tokens (then forgotten here)."""
+        await asyncio.gather(*self.tasks.values())
+        tokens, self.tokens, self.tasks = self.tokens, {}, {}
+        return tokens
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()  # closes the tape (in the engine core)

@@ -1,0 +1,99 @@
+"""examples/rlhf_ray.py on a local Ray instance (2 CPUs, the tiny model, 2 engines): the loop
+holds under the epoch policy with either weight sync, fails under `flag` as vLLM #42043 did,
+and an engine killed with ray.kill leaves a tape that verifies and a fleet postmortem that
+says where it ended. Skipped without Ray (the `ray` extra)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("zmq")  # AsyncLLM's engine core (the serve extra)
+
+from tokentape.cli import main as cli  # noqa: E402
+from tokentape.events import schema as ev  # noqa: E402
+from tokentape.postmortem.fleet import fleet_postmortem  # noqa: E402
+from tokentape.replay import load_tape, verify  # noqa: E402
+
+EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+
+
+@pytest.fixture(scope="module")
+def example() -> Iterator[ModuleType]:
+    """The example's module, on a Ray instance shared by this file's tests. Its workers import
+    the actors' module by name: examples/ goes on their PYTHONPATH."""
+    import logging
+
+    path = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    sys.path.insert(0, EXAMPLES)
+    try:
+        import rlhf_ray
+
+        yield rlhf_ray
+    finally:
+        sys.path.remove(EXAMPLES)
+        ray.shutdown()
+
+
+def weight_updates(tape: Path) -> int:
+    return sum(isinstance(e, ev.WeightsUpdated) for _, e in load_tape(tape).events())
+
+
+def test_the_loop_holds_and_the_fleet_is_clean(example: ModuleType, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Weights by a torch.distributed broadcast (gloo); the object store in the tests below."""
+    tapes = tmp_path / "tapes"
+    argv = ["--engines", "2", "--iterations", "2", "--weight-sync", "broadcast", "--tape-dir", str(tapes)]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("via broadcast: check held") == 2 and "8 paused mid-generation" in out
+    for i in range(2):
+        tape = tapes / f"engine-{i}.tape"
+        assert weight_updates(tape) == 2 and verify(tape).ok
+    # The fleet postmortem as Ray tasks, on the Ray instance this process has.
+    assert cli(["postmortem", str(tapes), "--ray", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["tapes"] == 2 and summary["errors"] == 0
+    assert {e["ended"] for e in summary["engines"].values()} == {"complete"}
+    assert ray.is_initialized()  # the instance it found is left running
+
+
+def test_the_flag_policy_fails_as_vllm_did(example: ModuleType, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    tapes = tmp_path / "tapes"
+    assert example.main(["--iterations", "1", "--discard-policy", "flag", "--tape-dir", str(tapes)]) == 1
+    out = capsys.readouterr().out
+    assert "via object-store: CHECK FAILED" in out and "where a fresh engine gives" in out
+    report = fleet_postmortem(tapes, jobs=1)
+    assert report.summary.failed == 2
+    for result in report.tapes:
+        dropped = [f for f in result.findings if f.kind == "post_resume_token_dropped"]
+        assert dropped and {f.bug_class for f in dropped} == {"vllm#42043"}
+
+
+def test_a_killed_engine_leaves_a_tape_that_says_where_it_ended(example: ModuleType, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    tapes = tmp_path / "tapes"
+    assert example.main(["--iterations", "1", "--kill-engine", "1", "--tape-dir", str(tapes)]) == 0
+    assert "engine 1 killed (ray.kill) mid-rollout" in capsys.readouterr().out
+    killed = tapes / "engine-1.tape"
+    assert sorted(os.listdir(tapes)) == ["engine-0.tape", "engine-1.tape"]  # one file each, no -wal
+    result = verify(killed)
+    last_seq = len(load_tape(killed)) - 1
+    assert result.ok and result.num_events == last_seq + 1  # it verifies up to its last step
+    assert weight_updates(killed) == 0 and weight_updates(tapes / "engine-0.tape") == 1
+    s = fleet_postmortem(tapes, jobs=2).summary
+    assert s.ended == {"complete": 1, "truncated": 1} and s.errors == 0
+    row = s.engines["engine-1"]
+    assert row.ended == "truncated" and row.last_seq == last_seq
+    assert row.where.startswith(f"stopped mid-run at event {last_seq} after step {row.last_step} was scheduled, "
+                                "4 request(s) unfinished")
