@@ -9,16 +9,24 @@ did at depth >= 2: the first valid token after resume is thrown away and the res
 
     python examples/rl_pause_resume.py                        # epoch (default): holds
     python examples/rl_pause_resume.py --discard-policy flag  # fails at depth 2 and 3
+
+With `--tape PATH` each round is recorded (PATH for one depth, PATH's name with -depthN for
+several; an existing file is refused unless --force), so a failed round can be replayed:
+
+    python examples/rl_pause_resume.py --discard-policy flag --pipeline-depth 2 --tape rl.tape
+    tokentape postmortem rl.tape                              # names vLLM #42043
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.model.loader import builtin_model
+from tokentape.events.sqlite_store import remove_tape_files
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
 MAX_TOKENS = 24
@@ -115,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         help="pipeline depth to check (repeatable; default 1, 2 and 3)",
     )
     parser.add_argument(
+        "--tape",
+        metavar="PATH",
+        help="record each round on a tape: PATH for one pipeline depth, PATH with -depthN "
+        "before .tape for several",
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite existing tape files")
+    parser.add_argument(
         "--device",
         default="cpu",
         help="where the model runs (default cpu: float32 and batch-invariant, so the check is "
@@ -122,17 +137,32 @@ def main(argv: list[str] | None = None) -> int:
         "bits, and a near-tie can then flip a token)",
     )
     args = parser.parse_args(argv)
+    depths = args.pipeline_depth or [1, 2, 3]
+    tapes = tape_paths(args.tape, depths)
+    for path in tapes.values():  # every tape is checked before the first round runs
+        if path is not None and os.path.lexists(path):
+            if not args.force:
+                parser.error(f"{path}: the file exists; pass --force to overwrite it")
+            remove_tape_files(path)
     held = True
-    for depth in args.pipeline_depth or [1, 2, 3]:
-        mismatches = run(depth, args.discard_policy, args.device)
+    for depth in depths:
+        mismatches = run(depth, args.discard_policy, args.device, tapes[depth])
         print(
             f"pipeline_depth={depth} discard_policy={args.discard_policy}: "
             f"{'check held' if not mismatches else 'CHECK FAILED'}"
+            + (f" (tape: {tapes[depth]})" if tapes[depth] else "")
         )
         for m in mismatches:
             print(f"  {m}")
         held &= not mismatches
     return 0 if held else 1
+
+
+def tape_paths(tape: str | None, depths: list[int]) -> dict[int, str | None]:
+    if tape is None or len(depths) == 1:
+        return {d: tape for d in depths}
+    stem = tape.removesuffix(".tape")
+    return {d: f"{stem}-depth{d}.tape" for d in depths}
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def test_partial_update_from_a_checkpoint_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("policy,rc", [("epoch", 0), ("flag", 1)])
-def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int) -> None:
+def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int, tmp_path: Path) -> None:
     args = [
         sys.executable,
         str(ROOT / "examples" / "rl_pause_resume.py"),
@@ -110,13 +110,25 @@ def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int) -> None
         policy,
     ]
     if policy == "flag":
-        args += ["--pipeline-depth", "1", "--pipeline-depth", "2"]
+        args += ["--pipeline-depth", "1", "--pipeline-depth", "2", "--tape", str(tmp_path / "rl.tape")]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == rc, proc.stdout + proc.stderr
     assert "pipeline_depth=1 discard_policy=" in proc.stdout
     if policy == "flag":
         assert "pipeline_depth=1 discard_policy=flag: check held" in proc.stdout
         assert "pipeline_depth=2 discard_policy=flag: CHECK FAILED" in proc.stdout
+        # Each round is on its own tape; the postmortem names the failed one's bug.
+        from tokentape.cli import main
+        from tokentape.postmortem.analysis import postmortem
+
+        depth1, depth2 = tmp_path / "rl-depth1.tape", tmp_path / "rl-depth2.tape"
+        assert f"(tape: {depth2})" in proc.stdout
+        assert postmortem(depth1).ok
+        kinds = {(f.kind, f.bug_class) for f in postmortem(depth2).findings}
+        assert ("post_resume_token_dropped", "vllm#42043") in kinds
+        assert main(["replay", "verify", str(depth2)]) == 0
+        again = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+        assert again.returncode == 2 and "the file exists; pass --force" in again.stderr
 
 
 def test_weights_updated_is_on_the_tape() -> None:
