@@ -18,8 +18,8 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 # Float32 matmuls on the CPU go through oneDNN where torch has it: torch's default path (MKL
-# sgemm) runs AVX2 code on AMD CPUs, while oneDNN uses AVX-512 where the CPU has it (on this
-# project's Zen 5 machines ~105 GFLOP/s against ~230 on one core; docs/benchmarks.md).
+# sgemm) runs AVX2 code on AMD CPUs, while oneDNN uses AVX-512 where the CPU has it (the
+# measurements are in docs/benchmarks.md, "Measurements that shaped the code").
 # Both are exact float32. TOKENTAPE_CPU_MATMUL=torch keeps torch's own.
 _USE_ONEDNN = (
     os.environ.get("TOKENTAPE_CPU_MATMUL", "onednn") != "torch"
