@@ -487,10 +487,33 @@ def test_cli_text_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     out_html = tmp_path / "r.html"
     assert main(["postmortem", str(TAPES / "counter_spec_units.tape"), "--html", str(out_html)]) == 1
     text = capsys.readouterr().out
-    assert "[error] fresh_frame_dropped" in text and "vllm#42117-spec-units" in text
+    assert "[error] fresh_frame_dropped" in text
+    assert f"  matches {BUG_CLASSES['vllm#42117-spec-units']}\n" in text  # the issue named once
     assert f"report: {out_html}" in text
     page = out_html.read_text()
     assert "<svg" in page and "fresh_frame_dropped" in page
+    # The one overwrite rule: an existing report is refused before any analysis, unless --force.
+    assert main(["postmortem", str(TAPES / "flag_42043.tape"), "--html", str(out_html)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "the file exists; pass --force to overwrite it" in captured.err
+    assert out_html.read_text() == page
+    assert main(["postmortem", str(TAPES / "flag_42043.tape"), "--html", str(out_html), "--force"]) == 1
+    assert "post_resume_token_dropped" in out_html.read_text()
+    tape = TAPES / "flag_42043.tape"
+    assert main(["postmortem", str(tape), "--html", str(tape), "--force"]) == 2
+    assert "--html names the input" in capsys.readouterr().err
+
+
+def test_the_text_report_reads_as_english(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["postmortem", str(TAPES / "flag_42043.tape")]) == 1
+    text = capsys.readouterr().out
+    head = text.splitlines()[0]
+    assert ", 1 request, " in head or ", 2 requests, " in head
+    assert "error(s)" not in text and "warning(s)" not in text and "1 requests" not in text
+    report = postmortem(TAPES / "flag_42043.tape")
+    errors, warnings = report.summary.errors, report.summary.warnings
+    assert f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''}\n" in text
+    assert "matches vllm#" not in text and text.count("vLLM #42043: vLLM #42043") == 0
 
 
 # -- the HTML report -----------------------------------------------------------------------

@@ -20,10 +20,17 @@ from typing import Any, TextIO
 
 import msgspec
 
-from tokentape.entrypoints.cli.common import CLIError, positive_int
+from tokentape.entrypoints.cli.common import (
+    CLIError,
+    add_force_argument,
+    check_output_path,
+    plural,
+    positive_int,
+)
 from tokentape.events.store import TapeError
 from tokentape.postmortem.findings import BUG_CLASSES, Report
-from tokentape.replay.render import SafeWriter, progress, safe_text
+from tokentape.progress import progress
+from tokentape.replay.render import SafeWriter, safe_text
 from tokentape.replay.tape import Tape
 
 EXIT_OK = 0
@@ -70,8 +77,10 @@ def add_parser(sub: Any) -> None:
     )
     pm.add_argument("tape", metavar="TAPE|DIR", help="tape file to analyse, or a directory of tapes")
     pm.add_argument("--html", metavar="REPORT", default=None,
-                    help="also write a self-contained HTML report (summary, findings, timeline; "
+                    help="also write a self-contained HTML report (an existing file is refused "
+                    "unless --force) (summary, findings, timeline; "
                     "for a directory: a row per engine and each engine's findings)")
+    add_force_argument(pm, "--html report")
     pm.add_argument("--json", action="store_true",
                     help='print {"findings": [...], "summary": {...}} as JSON')
     pm.add_argument("--reference", metavar="TAPE", default=None,
@@ -90,6 +99,8 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
     from tokentape.postmortem.analysis import postmortem
     from tokentape.replay.tape import load_tape
 
+    if args.html is not None:  # refused before any analysis, unless --force
+        check_output_path(args.html, args.force, "--html", [p for p in (args.tape, args.reference) if p])
     if os.path.isdir(args.tape):
         return cmd_fleet(args)
     if args.jobs is not None or args.ray:
@@ -157,8 +168,8 @@ def print_report(report: Report, stream: TextIO) -> None:
     out = SafeWriter(stream)
     s = report.summary
     state = "complete" if s.complete else "stopped early"
-    out.write(f"{s.tape}: {s.num_events} events ({state}), {s.num_steps} steps, "
-              f"{s.num_requests} requests, policy {s.discard_policy}, model {s.model_id}, "
+    out.write(f"{s.tape}: {plural(s.num_events, 'event')} ({state}), {plural(s.num_steps, 'step')}, "
+              f"{plural(s.num_requests, 'request')}, policy {s.discard_policy}, model {s.model_id}, "
               f"reference {s.reference or 'none'}\n")
     t = s.tokens
     out.write(f"tokens: {t['produced']} produced, {t['applied']} applied, {t['dropped_stale']} "
@@ -167,12 +178,12 @@ def print_report(report: Report, stream: TextIO) -> None:
     if not report.findings:
         out.write("no findings\n")
         return
-    out.write(f"{s.errors} error(s), {s.warnings} warning(s)\n")
+    out.write(f"{plural(s.errors, 'error')}, {plural(s.warnings, 'warning')}\n")
     for f in report.findings:
-        reqs = ", ".join(f.request_ids) or "-"
+        reqs = ("request " if len(f.request_ids) == 1 else "requests ") + (", ".join(f.request_ids) or "-")
         steps = f"step {f.steps[0]}" if f.steps[0] == f.steps[1] else f"steps {f.steps[0]}-{f.steps[1]}"
-        out.write(f"\n[{f.severity}] {f.kind}  requests {reqs}  {steps}\n  {f.message}\n")
-        if f.bug_class:
-            out.write(f"  matches {f.bug_class}: {BUG_CLASSES.get(f.bug_class, '')}\n")
+        out.write(f"\n[{f.severity}] {f.kind}  {reqs}  {steps}\n  {f.message}\n")
+        if f.bug_class:  # the description names the upstream issue (the JSON has the key)
+            out.write(f"  matches {BUG_CLASSES.get(f.bug_class, f.bug_class)}\n")
         for x in f.excerpt:
             out.write(f"    {x.seq:>8}  step {x.step:<6} {x.kind} {json.dumps(x.data)}\n")
