@@ -30,7 +30,7 @@ import _common as c
 
 from tokentape import LLM, SamplingParams
 from tokentape.postmortem import postmortem
-from tokentape.replay.render import progress
+from tokentape.progress import progress
 from tokentape.replay import load_tape
 
 TARGET_S = 30.0

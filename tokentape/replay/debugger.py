@@ -2,8 +2,8 @@
 
 The position and the state are a `TapeCursor`'s (tokentape.replay.cursor): after the first
 `pos` events, so the *current event* is the one at sequence number `pos - 1`. Breakpoints and
-watches are in tokentape.replay.breakpoints, the commands that only look in
-tokentape.replay.debugger_looking; this file holds the session, moving and breakpoints.
+watches are in tokentape.replay.breakpoints, their commands in debugger_breaking.py, the
+commands that only look in debugger_looking.py; this file holds the session and moving.
 
 It reads commands from a terminal (with tab completion) or, scripted, from any stream:
 
@@ -29,13 +29,12 @@ from tokentape.replay.breakpoints import (
     DebuggerError,
     Scanner,
     Watch,
-    format_value,
-    parse_breakpoint,
     parse_int,
     parse_kind,
 )
-from tokentape.replay.conditions import ExpressionError, StateExpression
+from tokentape.replay.conditions import ExpressionError
 from tokentape.replay.cursor import TapeCursor
+from tokentape.replay.debugger_breaking import BreakpointCommands
 from tokentape.replay.debugger_looking import LookingCommands
 from tokentape.replay.render import Output, describe_event
 from tokentape.replay.tape import Tape
@@ -50,7 +49,7 @@ _SENTENCE_END = re.compile(r"[.]\s+(?=[A-Z])")  # not inside "e.g. next"
 _ALIASES = "s = step, c = continue, rc = reverse-continue, b = break, p = print, w = where, q = quit"
 
 
-class TapeDebugger(LookingCommands, cmd.Cmd):
+class TapeDebugger(BreakpointCommands, LookingCommands, cmd.Cmd):
     """The debugger over one tape. `run()` reads commands until `quit` or end of input."""
 
     doc_header = "commands (help COMMAND for more)"
@@ -266,69 +265,6 @@ class TapeDebugger(LookingCommands, cmd.Cmd):
         self._show_position()
 
     do_s, do_c, do_rc = do_step, do_continue, do_reverse_continue
-
-    def _report_hit(self, bp: Breakpoint) -> None:
-        bp.hits += 1
-        self.out.line(f"breakpoint {bp.number} hit: {bp.describe()}", style="bold yellow")
-
-    # -- breakpoints and watches ---------------------------------------------------------------
-
-    def do_break(self, arg: str) -> None:
-        """break [KIND | kind=KIND | req=ID | CONDITION]: set a breakpoint (no argument: list
-        them). A CONDITION stops where it becomes true, e.g. break discard > 0,
-        break req=r3 placeholders < 0, break paused == 'keep'. Names: help names."""
-        if not arg.strip():
-            if not self.breakpoints:
-                self.out.line("no breakpoints")
-            for bp in self.breakpoints:
-                self.out.line(f"{bp.number}: {bp.describe()} (hit {bp.hits} time{'s' if bp.hits != 1 else ''})")
-            return
-        bp = parse_breakpoint(next(self._numbers), arg)
-        if bp.req_id is not None and bp.req_id not in self.cursor.all_request_ids():
-            raise DebuggerError(f"no request {bp.req_id!r} on this tape")
-        self.breakpoints.append(bp)
-        self.out.line(f"breakpoint {bp.number}: {bp.describe()}")
-
-    do_b = do_break
-
-    def do_delete(self, arg: str) -> None:
-        """delete [N]: delete breakpoint N, or every breakpoint."""
-        if not arg.strip():
-            self.breakpoints.clear()
-            self.out.line("deleted every breakpoint")
-            return
-        n = parse_int(arg, "a breakpoint number")
-        if not any(bp.number == n for bp in self.breakpoints):
-            raise DebuggerError(f"no breakpoint {n}")
-        self.breakpoints = [bp for bp in self.breakpoints if bp.number != n]
-        self.out.line(f"deleted breakpoint {n}")
-
-    def do_watch(self, arg: str) -> None:
-        """watch [EXPR]: show EXPR after every move (no argument: show the watches).
-        e.g. watch discard, watch placeholders, watch running + waiting."""
-        if arg.strip():
-            self.watches.append(Watch(next(self._watch_numbers), StateExpression(arg)))
-        if not self.watches:
-            self.out.line("no watches")
-        for w in self.watches:
-            self._show_watch(w)
-
-    def do_unwatch(self, arg: str) -> None:
-        """unwatch [N]: remove watch N, or every watch."""
-        if not arg.strip():
-            self.watches.clear()
-            return
-        n = parse_int(arg, "a watch number")
-        if not any(w.number == n for w in self.watches):
-            raise DebuggerError(f"no watch {n}")
-        self.watches = [w for w in self.watches if w.number != n]
-
-    def _show_watch(self, w: Watch) -> None:
-        value = w.expression.value(self.cursor.state)
-        changed = w.last is not None and value != w.last
-        w.last = value
-        text = f"watch {w.number}: {w.expression.text} = {format_value(value)}"
-        self.out.line(text + "  (changed)" if changed else text, style="magenta" if changed else None)
 
 
 def run_debugger(tape: Tape, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:

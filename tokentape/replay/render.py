@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, TextIO
 
 from tokentape.events import schema as ev
-from tokentape.progress import is_terminal, progress  # noqa: F401  (progress: where older callers import it)
+from tokentape.progress import is_terminal
 
 _MAX_TOKENS_SHOWN = 8
 # C0 controls but tab and newline (ESC starts every terminal escape sequence), DEL, C1 controls
