@@ -45,9 +45,10 @@ def abort_at(text: str) -> Abort:
 def add_script_arguments(parser: Any) -> None:
     group = parser.add_argument_group(
         "scripted engine calls",
-        "Made when the engine is about to schedule step STEP (each may be repeated; calls at "
-        "the same step go in the order pauses, resets, aborts). Step numbers: "
-        "'tokentape inspect TAPE' or 'events' in 'tokentape debug'.")
+        "Made when the engine is about to schedule step STEP; each may be repeated, and calls\n"
+        "at the same step go in the order pauses, resets, aborts. A call whose step the run\n"
+        "never reaches is not made (a warning on stderr says so). Steps of a recorded run:\n"
+        "'tokentape inspect TAPE', or 'events' in 'tokentape debug'.")
     group.add_argument("--pause-at", type=pause_at, action="append", default=[],
                        metavar="STEP[:MODE]",
                        help="pause_generation(MODE, clear_cache=True), then resume_generation(), "
