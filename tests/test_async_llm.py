@@ -274,3 +274,55 @@ def test_seed_flow_under_the_flag_policy_is_named_42043(tmp_path: Any, new_weigh
     assert streams != plain_runs(new_weights, streams, before)  # the first token after resume is lost
     report = postmortem(tape)
     assert "vllm#42043" in {f.bug_class for f in report.findings}
+
+
+# -- how a tape ends when its frontend goes away without shutdown() ----------------------------
+
+_FRONTEND = """
+import asyncio, os, signal, sys
+from tokentape import AsyncLLM, SamplingParams
+engine = AsyncLLM("oracle", tape=sys.argv[1], pipeline_depth=2)
+async def main():
+    n = 0
+    async for _ in engine.generate([5, 6, 7], SamplingParams(max_tokens=1_000_000, ignore_eos=True), "r"):
+        n += 1
+        if n == 50:
+            if sys.argv[2] == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)  # as an engine actor that crashes
+            return  # the interpreter exits with the AsyncLLM never shut down
+asyncio.run(main())
+"""
+
+
+def frontend_run(tmp_path: Any, how: str) -> str:
+    import subprocess
+    import sys
+    import time
+
+    from tokentape.events.sqlite_reader import tape_file_status
+
+    tape = str(tmp_path / f"{how}.tape")
+    proc = subprocess.run([sys.executable, "-c", _FRONTEND, tape, how], capture_output=True, timeout=120)
+    assert proc.returncode == (-9 if how == "killed" else 0), proc.stderr
+    deadline = time.monotonic() + 60
+    while not tape_file_status(tape).finished:  # the core closes the tape on its own
+        assert time.monotonic() < deadline, "the engine core did not close the tape"
+        time.sleep(0.05)
+    return tape
+
+
+def test_a_killed_frontend_is_on_the_tape(tmp_path: Any) -> None:
+    tape = frontend_run(tmp_path, "killed")
+    errors = events_of(tape, ev.EngineError)
+    assert [e.error_type for e in errors] == ["FrontendDied"] and "1 request(s) unfinished" in errors[0].message
+    assert events_of(tape, ev.RequestAborted) == []  # the request as it stood
+    assert verify(tape).ok
+    (finding,) = postmortem(tape).findings
+    assert finding.kind == "engine_error" and "FrontendDied: the frontend (AsyncLLM) went away" in finding.message
+
+
+def test_a_frontend_dropped_without_shutdown_lets_its_core_go(tmp_path: Any) -> None:
+    tape = frontend_run(tmp_path, "dropped")
+    assert events_of(tape, ev.EngineError) == []
+    assert [e.req_id for e in events_of(tape, ev.RequestAborted)] == ["r"]  # as a shutdown() does
+    assert postmortem(tape).findings == []

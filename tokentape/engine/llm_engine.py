@@ -302,6 +302,15 @@ class LLMEngine:
             self._emit(ev.WeightsUpdated(self.state.step, weights_id))
         return weights_id
 
+    def fail(self, error_type: str, message: str) -> None:
+        """End the engine on a failure found outside it (its frontend died): recorded on the
+        tape as an EngineError, as an internal failure is; it serves no more."""
+        if self._dead is not None:
+            return
+        self._dead = f"{error_type}: {message}"
+        self.tape.append(ev.EngineError(self.state.step, error_type, message))
+        self.tape.flush()
+
     def close(self) -> None:
         self.runner.close()
         self.tape.close()

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from tokentape.engine.core.messages import (
+    FAREWELL,
     AbortRequests,
     AddRequest,
     CoreDead,
@@ -225,9 +226,7 @@ class MPClient(CoreClient):
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            if self.proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self.proc.stdin.close()  # end of stdin: the core closes its tape and exits
+            _let_go(self.proc)  # the core closes its tape and exits
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -247,7 +246,15 @@ class MPClient(CoreClient):
 
 
 def _abandon(proc: subprocess.Popen[bytes], folder: str) -> None:
+    _let_go(proc)  # an AsyncLLM dropped without shutdown(): its core aborts what is left
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _let_go(proc: subprocess.Popen[bytes]) -> None:
+    """End the core's stdin with FAREWELL first, so the core does not take it for our death."""
     if proc.stdin is not None:
         with contextlib.suppress(OSError):
+            proc.stdin.write(FAREWELL)
+            proc.stdin.flush()
+        with contextlib.suppress(OSError):
             proc.stdin.close()
-    shutil.rmtree(folder, ignore_errors=True)

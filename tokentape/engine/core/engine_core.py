@@ -164,6 +164,16 @@ class EngineCore:
                 self._sent.pop(out.request_id, None)
         return deltas
 
+    def frontend_died(self) -> None:
+        """The frontend's process died (killed, or the actor that held it crashed): record it on
+        the tape, with the requests as they stand, when any is unfinished. The engine serves no
+        more; `shutdown` then closes the tape as it stands."""
+        engine = self.engine
+        if not self._closed and engine.has_unfinished_requests():
+            engine.fail("FrontendDied", "the frontend (AsyncLLM) went away without shutdown(), with "
+                        f"{engine.get_num_unfinished_requests()} request(s) unfinished: its process "
+                        "died or was killed")
+
     def shutdown(self) -> None:
         """Abort what is left (on the tape), apply the frames still in flight, close the tape.
         Idempotent; a dead engine's tape is closed as it stands."""

@@ -111,6 +111,12 @@ class CoreSetup(msgspec.Struct, array_like=True):
     engine_args: dict[str, Any]
 
 
+# Written on the core's stdin by a frontend that lets its core go without a shutdown call (the
+# frontend was garbage-collected or its interpreter exits): the end of stdin that follows is
+# then a goodbye. An end of stdin without it means the frontend's process died.
+FAREWELL = b"\x00"
+
+
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(CoreRequest)
 message_decoder = msgspec.msgpack.Decoder(CoreMessage)

@@ -2,9 +2,13 @@
 
 It reads its CoreSetup (msgpack, length-prefixed) from stdin, builds the engine and its tape,
 and serves over two ZMQ sockets: requests in (PULL), messages out (PUSH). Its stdin stays
-open for its whole life: end of file means the frontend is gone (even killed), and the core
-closes the tape and exits. It runs in its own session, so a Ctrl-C or SIGTERM meant for the
-frontend's process group does not reach it: the frontend decides when it stops.
+open for its whole life: end of file means the frontend is gone, and the core closes the tape
+and exits. A frontend that lets its core go writes FAREWELL first: the core then aborts what
+is left, as a shutdown call does. Without it the frontend's process died (killed, or an
+engine actor that crashed), and the core records that on the tape as an EngineError,
+requests as they stand, so the tape says how the run ended. It runs in its own session, so a
+Ctrl-C or SIGTERM meant for the frontend's process group does not reach it: the frontend
+decides when it stops.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ import sys
 import msgspec
 import zmq
 
-from tokentape.engine.core.messages import CoreFailed, CoreReady, error_of, request_decoder, setup_decoder
+from tokentape.engine.core.messages import (
+    FAREWELL,
+    CoreFailed,
+    CoreReady,
+    error_of,
+    request_decoder,
+    setup_decoder,
+)
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -29,16 +40,21 @@ def _read_setup() -> bytes:
     return data
 
 
-def serve(core: object, pull: zmq.Socket, push: zmq.Socket, stdin_fd: int) -> None:
-    """The loop: take every message that has arrived, step while there is work, send."""
+def serve(core: object, pull: zmq.Socket, push: zmq.Socket, stdin_fd: int) -> bool:
+    """The loop: take every message that has arrived, step while there is work, send.
+    Returns whether the frontend died (its stdin ended without FAREWELL)."""
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(stdin_fd, zmq.POLLIN)
     decode, send = request_decoder.decode, push.send
+    farewell = False
     while True:
         events = dict(poller.poll(0 if core.has_work() else None))  # type: ignore[attr-defined]
-        if stdin_fd in events and not os.read(stdin_fd, 4096):
-            return  # the frontend is gone
+        if stdin_fd in events:
+            data = os.read(stdin_fd, 4096)
+            if not data:
+                return not farewell  # the frontend is gone
+            farewell = farewell or FAREWELL in data
         requests = []
         while True:
             try:
@@ -49,7 +65,7 @@ def serve(core: object, pull: zmq.Socket, push: zmq.Socket, stdin_fd: int) -> No
         for msg in messages:
             send(_encode(msg))
         if done:
-            return
+            return False
 
 
 def main() -> int:
@@ -73,9 +89,12 @@ def main() -> int:
         ctx.term()
         return 1
     push.send(_encode(CoreReady(core.info())))
+    died = False
     try:
-        serve(core, pull, push, sys.stdin.fileno())
+        died = serve(core, pull, push, sys.stdin.fileno())
     finally:
+        if died:
+            core.frontend_died()
         core.shutdown()  # idempotent: after a shutdown call, or when the frontend is gone
         pull.close(0)
         push.close()
