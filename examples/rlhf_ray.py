@@ -18,6 +18,7 @@ token after the resume is thrown away and every later one shifts.
     python examples/rlhf_ray.py --weight-sync broadcast          # torch.distributed, gloo
     python examples/rlhf_ray.py --tape-dir tapes && tokentape postmortem tapes
     python examples/rlhf_ray.py --tape-dir tapes --kill-engine 1 # failure drill (ray.kill)
+    python examples/rlhf_ray.py --tape-dir tapes --kill-engine 1 --kill-how sigkill
 
 Needs the ray extra (pip install 'tokentape[ray]'); the engine actors use the serve extra's
 pyzmq. `--address` joins a running Ray cluster instead of starting one (the tape directory
@@ -35,12 +36,12 @@ from typing import Any
 
 import ray
 
-from rlhf_ray_actors import MAX_TOKENS, EngineWorker, Trainer, request_specs, sampling_params
+from rlhf_ray_actors import EngineWorker, Trainer, request_specs, sampling_params
 from tokentape import LLM, SamplingParams
 from tokentape.events.discard import DISCARD_POLICIES
 from tokentape.events.sqlite_reader import tape_file_status
 
-WRITER_WAIT_S = 30.0  # how long a killed engine's tape writer may take to finish the file
+WRITER_WAIT_S = 30.0  # how long a killed engine's tape may take to be finished (its writer)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,8 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tape-dir", metavar="DIR", default=None,
                    help="record one tape per engine, DIR/engine-<i>.tape (default: in memory)")
     p.add_argument("--kill-engine", metavar="I", type=int, default=None,
-                   help="failure drill: ray.kill engine I in the middle of the first iteration's "
+                   help="failure drill: kill engine I in the middle of the first iteration's "
                    "rollouts; the loop goes on with the others (object-store sync only)")
+    p.add_argument("--kill-how", default="ray.kill", choices=["ray.kill", "sigkill"],
+                   help="ray.kill (Ray kills the actor and its engine core process; the tape "
+                   "stops mid-run) or sigkill (the actor's process dies alone, as by the OOM "
+                   "killer; its engine core records that on the tape)")
     p.add_argument("--address", default=None, help="a Ray cluster to join (default: start one here)")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="CPUs of the local Ray instance (default: one per engine, at least 2)")
@@ -100,8 +105,8 @@ def check_against_fresh_engine(weights: dict[str, Any], trainer_id: str, got_ids
         fresh.engine.resume_generation()
         if fresh_id != trainer_id:
             problems.append(f"the fresh engine hashes the trainer's weights as {fresh_id}, not {trainer_id}")
-        todo = [c for c in cases if len(c[4]) < MAX_TOKENS]
-        conts = [SamplingParams(max_tokens=MAX_TOKENS - len(prefix), temperature=p.temperature,
+        todo = [c for c in cases if len(c[4]) < c[3].max_tokens]
+        conts = [SamplingParams(max_tokens=p.max_tokens - len(prefix), temperature=p.temperature,
                                 top_p=p.top_p, seed=p.seed, ignore_eos=True)
                  for _, _, _, p, prefix, _ in todo]
         outs = fresh.generate([prompt + prefix for _, _, prompt, _, prefix, _ in todo], conts) if todo else []
@@ -117,8 +122,17 @@ def check_against_fresh_engine(weights: dict[str, Any], trainer_id: str, got_ids
     return problems
 
 
+def kill(actor: Any, how: str) -> None:
+    """ray.kill, or a SIGKILL the actor sends itself; neither waits for the death."""
+    if how == "ray.kill":
+        ray.kill(actor)
+    else:
+        actor.crash.remote()
+
+
 def wait_for_tape_writer(path: str | None) -> None:
-    """A killed engine's tape writer drains what it was handed and finishes the file."""
+    """A killed engine's tape is finished by its tape writer (which drains what it was handed)
+    or, when only the actor died, by its engine core (which records that)."""
     deadline = time.monotonic() + WRITER_WAIT_S
     while path is not None and not tape_file_status(path).finished and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -144,10 +158,9 @@ def run(args: argparse.Namespace) -> int:
             ray.get([e.start.remote(specs[i]) for i, e in engines.items()])
             rollouts = ray.get([e.wait_tokens.remote() for e in engines.values()])
             if args.kill_engine is not None and it == 0:
-                ray.kill(engines.pop(args.kill_engine))  # mid-rollout: its requests are running
-                wait_for_tape_writer(paths[args.kill_engine])
-                print(f"engine {args.kill_engine} killed (ray.kill) mid-rollout; "
-                      f"its tape: {paths[args.kill_engine] or '(in memory, lost)'}")
+                # Mid-rollout, its requests running; the others go on (no wait here: their
+                # rollouts must still be running when the pause comes).
+                kill(engines.pop(args.kill_engine), args.kill_how)
             trainer_id = ray.get(trainer.train_step.remote(it, rollouts))
             prefixes = dict(zip(engines, ray.get([e.pause.remote() for e in engines.values()])))
             if broadcast:
@@ -166,18 +179,22 @@ def run(args: argparse.Namespace) -> int:
                         n = prefixes[i][req_id]
                         tokens = streams[i][req_id]
                         cases.append((i, req_id, prompt, sampling_params(kw), tokens[:n], tokens[n:]))
-            resumed = sum(0 < len(c[4]) < MAX_TOKENS for c in cases)
+            resumed = sum(0 < len(c[4]) < c[3].max_tokens for c in cases)
             problems = check_against_fresh_engine(ray.get(trainer.state_dict.remote()), trainer_id,
                                                   dict(zip(engines, got)), cases)
             if resumed == 0:
                 problems.append("no request was mid-generation at the pause: nothing was checked "
-                                "across the update (a machine too busy? raise MAX_TOKENS)")
+                                "across the update (a machine too busy? lengthen ROLLOUT_TOKENS)")
             print(f"iteration {it}: {len(engines)} engines, {len(cases)} requests ({resumed} paused "
                   f"mid-generation), weights {trainer_id[:19]}... via {args.weight_sync}: "
                   f"{'check held' if not problems else 'CHECK FAILED'}")
             for problem in problems:
                 print(f"  {problem}")
             held &= not problems
+            if args.kill_engine is not None and it == 0:
+                wait_for_tape_writer(paths[args.kill_engine])
+                print(f"engine {args.kill_engine} killed ({args.kill_how}) mid-rollout; "
+                      f"its tape: {paths[args.kill_engine] or '(in memory, lost)'}")
     finally:
         ray.get([e.shutdown.remote() for e in engines.values()])  # closes every tape
         for actor in [*engines.values(), trainer]:

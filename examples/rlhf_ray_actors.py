@@ -8,6 +8,8 @@ in the runtime_env's PYTHONPATH.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 from typing import Any
 
@@ -18,7 +20,9 @@ from tokentape import AsyncLLM, RequestOutputKind, SamplingParams
 from tokentape.engine.async_llm import frontend_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
-MAX_TOKENS = 96  # long enough that the pause comes mid-generation, even on a busy machine
+# Rollout lengths, per prompt: rollouts differ in length, and the longest is still being
+# generated when the pause comes, even on a machine too busy for the others.
+ROLLOUT_TOKENS = (64, 96, 128, 256)
 TOKENS_BEFORE_UPDATE = 8  # what the trainer learns from: each rollout's first tokens
 LEARNING_RATE = 0.05
 WAIT_S = 300.0  # the longest a rollout may take to reach TOKENS_BEFORE_UPDATE tokens
@@ -33,7 +37,7 @@ def request_specs(engine: int, iteration: int) -> list[RequestSpec]:
     encode = frontend_tokenizer("tiny").encode
     specs = []
     for j, text in enumerate(PROMPTS):
-        kw: dict[str, Any] = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+        kw: dict[str, Any] = {"max_tokens": ROLLOUT_TOKENS[j], "ignore_eos": True}
         kw.update({"temperature": 1.0, "top_p": 0.95, "seed": 1000 * iteration + 100 * engine + j}
                   if j % 2 == 0 else {"temperature": 0.0})
         specs.append((f"it{iteration}-r{j}", encode(f"{text} ({engine}.{iteration})"), kw))
@@ -156,3 +160,7 @@ class EngineWorker:
 
     async def shutdown(self) -> None:
         self.llm.shutdown()  # closes the tape (in the engine core)
+
+    async def crash(self) -> None:
+        """Die as the OOM killer would kill the actor: SIGKILL, nothing cleaned up."""
+        os.kill(os.getpid(), signal.SIGKILL)
