@@ -122,3 +122,17 @@ def test_a_scenario_drives_llm_generate() -> None:
     with pytest.raises(ValueError, match=r"no such request \(the requests are 2\)"):
         llm.generate([[5]], params, scenario=Scenario([Abort(1, "x")]))
     assert "2" not in llm.engine.state.requests  # refused before anything was added
+
+
+def test_the_overwrite_rule_for_odd_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory is never an output; a dangling link is an existing name (refused without
+    --force, replaced with it)."""
+    rc, _, err = run(capsys, "generate", "a", "--model", "oracle", "--tape", str(tmp_path))
+    assert rc == 2 and "--tape names a directory" in err
+    link = tmp_path / "link.tape"
+    link.symlink_to(tmp_path / "nowhere.tape")
+    rc, _, err = run(capsys, "generate", "a", "--model", "oracle", "--tape", str(link))
+    assert rc == 2 and "the file exists; pass --force" in err
+    rc, _, err = run(capsys, "generate", "a", "--model", "oracle", "--tape", str(link), "--force")
+    assert rc == 0, err
+    assert not link.is_symlink() and verify(link).ok

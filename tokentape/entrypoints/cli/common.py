@@ -80,7 +80,7 @@ def check_output_path(path: str, force: bool, option: str,
             raise CLIError(f"{path}: cannot write it, directory {parent} does not exist")
         return False
     for source in inputs:
-        if os.path.exists(source) and os.path.samefile(path, source):
+        if os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
             raise CLIError(f"{path}: {option} names the input {os.fspath(source)}; give another path")
     if not force:
         raise CLIError(f"{path}: the file exists; pass --force to overwrite it, or choose "
