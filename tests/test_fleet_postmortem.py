@@ -184,3 +184,19 @@ def test_html_has_a_row_per_engine_and_escapes_names(fleet: Path, tmp_path: Path
     assert "<script" not in page and "http://" not in page and "https://" not in page
     report = fleet_postmortem(tmp_path, jobs=1)
     assert render_fleet_report(report) == page
+
+
+def test_cli_ray_starts_and_stops_its_own_instance(fleet: Path) -> None:
+    """Without a Ray instance at hand (a fresh process, no RAY_ADDRESS), --ray starts a local
+    one of --jobs CPUs, and stops it."""
+    pytest.importorskip("ray")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "tokentape.cli", "postmortem", str(fleet), "--ray", "--jobs", "1",
+                           "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = msgspec.json.decode(proc.stdout, type=FleetReport)
+    assert comparable(report) == comparable(fleet_postmortem(fleet, jobs=1))
