@@ -22,6 +22,7 @@ from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.runners.base import NewRequest, ScheduledBatch
 from tokentape.events import schema as ev
+from tokentape.events.discard import get_policy
 from tokentape.events.state import EngineState, RequestState, RequestStatus
 
 
@@ -126,10 +127,15 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan) -> None:
         state, kv = self.state, self.kv
         num_running = len(state.running)
+        # A policy that delivers stale output (vLLM since #48245) must let it drain first, or
+        # the recompute would sample a position that output delivers too.
+        delivers_stale = get_policy(state.discard_policy).delivers_stale
         for req_id in list(state.waiting):
             if plan.budget <= 0 or num_running >= self.config.max_num_seqs:
                 break
             req = state.requests[req_id]
+            if delivers_stale and req.num_stale_in_flight and not req.drop_stale_output:
+                break  # first come, first served: it drains within the pipeline's depth
             hits = kv.get_computed_blocks(req)
             num_cached = len(hits) * kv.block_size
             num_new = min(req.num_tokens - num_cached, plan.budget)

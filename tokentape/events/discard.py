@@ -1,9 +1,9 @@
 """Discard policies: which returning frames the reducer throws away after a preemption.
 
-A preempted request may still have steps in flight; their frames are stale and must not be
-applied, or the recomputed stream would repeat a token. The three policies differ only in
-how they recognise a stale frame. They are part of the reducer: they change request state
-only when the reducer calls them.
+A preempted request may still have steps in flight; their frames are stale: applied after
+the request was scheduled again, they would repeat a token the recompute produces. The
+policies differ in how they recognise a stale frame and what they do with it. They are part
+of the reducer: they change request state only when the reducer calls them.
 
 - `epoch` (default, exact): every preemption bumps the request's epoch, every scheduled
   entry carries the epoch it was scheduled in, and a frame from an older epoch is stale.
@@ -13,6 +13,11 @@ only when the reducer calls them.
   frame adds 1 + k but removes 1, and fresh frames are dropped after it).
 - `flag`: vLLM before PR #42117. Preemption sets `discard_latest_async_tokens`, and the
   next frame is dropped even when nothing stale was in flight (issue #42043).
+- `deliver`: vLLM since PR #48245 (the answer to #47900), its current semantics. Preemption
+  zeroes the placeholders and marks what is in flight stale (`num_stale_output_tokens`);
+  stale output is delivered but not counted, and the request is not scheduled again until
+  it has drained, so nothing is computed twice. A reset's preemption (`drop_stale_output`)
+  drops it instead, so the request may be scheduled again at once.
 """
 
 from __future__ import annotations
@@ -25,8 +30,15 @@ from tokentape.events.state import RequestState
 class DiscardPolicy(Protocol):
     name: str
     may_drop_fresh: bool  # False when only stale frames are ever dropped
+    # True: a stale frame the policy keeps is delivered by design, and leaves the placeholders
+    # alone (zeroed at preemption). False: a stale frame that gets through is a failure of the
+    # policy, and counted as vLLM counted it before #48245 (placeholders go negative, #47900).
+    delivers_stale: bool
 
-    def on_preempt(self, req: RequestState) -> None: ...
+    def on_preempt(self, req: RequestState, reason: str) -> None:
+        """Called at a preemption under async scheduling, before everything in flight is
+        marked stale (`req.num_stale_in_flight` still counts the stale entries of earlier
+        preemptions)."""
 
     def should_drop(self, req: RequestState, stale: bool) -> bool:
         """Called for each frame of an unfinished request; `stale` is the truth."""
@@ -35,8 +47,9 @@ class DiscardPolicy(Protocol):
 class EpochPolicy:
     name = "epoch"
     may_drop_fresh = False
+    delivers_stale = False
 
-    def on_preempt(self, req: RequestState) -> None:
+    def on_preempt(self, req: RequestState, reason: str) -> None:
         pass  # the reducer bumps the epoch for every policy
 
     def should_drop(self, req: RequestState, stale: bool) -> bool:
@@ -46,8 +59,9 @@ class EpochPolicy:
 class CounterPolicy:
     name = "counter"
     may_drop_fresh = True
+    delivers_stale = False
 
-    def on_preempt(self, req: RequestState) -> None:
+    def on_preempt(self, req: RequestState, reason: str) -> None:
         # Overwrites, as vLLM did. Placeholders can already be negative here (a stale frame
         # got through: vLLM asserted, #47900); a negative count would discard nothing either.
         req.async_tokens_to_discard = max(0, req.num_output_placeholders)
@@ -62,8 +76,9 @@ class CounterPolicy:
 class FlagPolicy:
     name = "flag"
     may_drop_fresh = True
+    delivers_stale = False
 
-    def on_preempt(self, req: RequestState) -> None:
+    def on_preempt(self, req: RequestState, reason: str) -> None:
         req.discard_latest_async_tokens = True  # even when nothing is in flight
 
     def should_drop(self, req: RequestState, stale: bool) -> bool:
@@ -73,8 +88,23 @@ class FlagPolicy:
         return False
 
 
+class DeliverPolicy:
+    name = "deliver"
+    may_drop_fresh = False
+    delivers_stale = True
+
+    def on_preempt(self, req: RequestState, reason: str) -> None:
+        # vLLM's _preempt_request: a reset drops; an undrained dropped share stays dropped
+        # (its positions may already be scheduled again), now with everything in flight.
+        req.drop_stale_output = reason == "reset_prefix_cache" or (
+            req.drop_stale_output and req.num_stale_in_flight > 0)
+
+    def should_drop(self, req: RequestState, stale: bool) -> bool:
+        return stale and req.drop_stale_output
+
+
 DISCARD_POLICIES: dict[str, DiscardPolicy] = {
-    p.name: p for p in (EpochPolicy(), CounterPolicy(), FlagPolicy())
+    p.name: p for p in (EpochPolicy(), CounterPolicy(), FlagPolicy(), DeliverPolicy())
 }
 
 

@@ -142,11 +142,11 @@ def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
     req.block_ids = []
     req.epoch += 1
     req.num_preemptions += 1
+    if state.async_scheduling:  # vLLM's synchronous Scheduler has no discard logic at all
+        get_policy(state.discard_policy).on_preempt(req, e.reason)
     req.num_stale_in_flight = req.num_in_flight  # whatever is in flight is now stale
     req.num_fresh_in_flight = req.num_partial_in_flight = 0
     req.prefill_complete = False
-    if state.async_scheduling:  # vLLM's synchronous Scheduler has no discard logic at all
-        get_policy(state.discard_policy).on_preempt(req)
     req.num_output_placeholders = 0
 
 
@@ -158,6 +158,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     pending, partial = state.pending_output, scheduled.partial
     policy = get_policy(state.discard_policy)
     should_drop, may_drop_fresh = policy.should_drop, policy.may_drop_fresh
+    delivers_stale = policy.delivers_stale
     if len(e.entries) != len(scheduled.entries) - len(partial):
         raise ReducerError(f"frame of step {e.step} has {len(e.entries)} entries for "
                            f"{len(scheduled.entries) - len(partial)} sampling entries")
@@ -190,7 +191,8 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         if (stale or may_drop_fresh) and should_drop(req, stale):
             req.num_frames_dropped += 1
             continue
-        req.num_output_placeholders -= 1 + num_spec
+        if not (stale and delivers_stale):  # delivered stale output is not counted (#48245)
+            req.num_output_placeholders -= 1 + num_spec
         # Append the tokens one at a time, up to the first stop condition.
         output = req.output_token_ids
         if entry.req_id not in pending:  # _mark_pending, inlined: this loop is the hot path

@@ -68,6 +68,8 @@ class RequestState:
     # Historical discard policies: vLLM's counter (#42117) and flag (before #42117).
     async_tokens_to_discard: int = 0
     discard_latest_async_tokens: bool = False
+    # `deliver` (vLLM since #48245): the stale frames in flight are dropped, not delivered.
+    drop_stale_output: bool = False
     num_frames_dropped: int = 0  # frames thrown away by the discard policy, stale or not
     num_emitted: int = 0  # output tokens delivered to the client before its pending ones
     stop_reason: FinishReason | None = None  # set when it takes no more tokens (stop condition or finish)
@@ -132,6 +134,8 @@ class EngineState:
             return req.num_stale_in_flight
         if self.discard_policy == "counter":
             return req.async_tokens_to_discard
+        if self.discard_policy == "deliver":  # the stale entries whose frames will be dropped
+            return req.num_stale_in_flight if req.drop_stale_output else 0
         return int(req.discard_latest_async_tokens)
 
     def in_flight_entries(self, req_id: str) -> list[tuple[int, ScheduledEntry]]:

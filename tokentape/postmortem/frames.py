@@ -4,7 +4,9 @@
   and the latest resume, shared through the context (the other checkers' excerpts use them).
 - Frame fate (token conservation): every frame token is applied, dropped as stale, dropped
   as fresh (a finding), or arrives after the request stopped; a stale frame applied, a fresh
-  frame dropped and the first token after a resume dropped (vLLM #42043) are findings.
+  frame dropped and the first token after a resume dropped (vLLM #42043) are findings. Under
+  `deliver` (vLLM since #48245) stale output is delivered by design: applying it is a
+  finding only once the request was scheduled again before it drained.
 - Counts: output placeholders, the discard count and the in-flight counts must never go
   negative, and placeholders and the discard count must be zero once a finished request has
   nothing in flight.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from tokentape.engine.config import MAX_PIPELINE_DEPTH
 from tokentape.events import schema as ev
+from tokentape.events.discard import get_policy
 from tokentape.events.state import InFlightStep, RequestState
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context, Preemption, cite
@@ -53,9 +56,13 @@ class HistoryChecker(Checker):
 class FrameChecker(Checker):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        # Per sampling entry of the frame being applied: (request, stale, outputs, dropped, stopped).
-        self._before: list[tuple[RequestState, bool, int, int, bool]] = []
+        # Per sampling entry of the frame being applied: (request, stale, outputs, dropped,
+        # stopped, scheduled again: an entry of a later epoch is in flight behind it).
+        self._before: list[tuple[RequestState, bool, int, int, bool, bool]] = []
         self._step: InFlightStep | None = None
+        # `deliver` (vLLM since #48245) delivers stale output by design; it is wrong only
+        # once the request was scheduled again before it drained (its position recomputed).
+        self._delivers_stale = get_policy(ctx.state.discard_policy).delivers_stale
 
     def before(self) -> dict[type, Hook]:
         return {ev.FrameProduced: self._frame_before}
@@ -71,17 +78,24 @@ class FrameChecker(Checker):
         partial = self._step.partial
         self._before = [
             (req, entry.epoch != req.epoch, len(req.output_token_ids), req.num_frames_dropped,
-             req.stop_reason is not None)
+             req.stop_reason is not None,
+             entry.epoch != req.epoch and self._scheduled_again(entry))
             for entry, req in zip(self._step.entries, self._step.requests)
             if entry.req_id not in partial
         ]
+
+    def _scheduled_again(self, entry: ev.ScheduledEntry) -> bool:
+        """Whether a later epoch of the stale entry's request is in flight behind it."""
+        if not self._delivers_stale:
+            return True  # any stale frame applied is a failure of the policy
+        return any(e.epoch > entry.epoch for _, e in self.state.in_flight_entries(entry.req_id))
 
     def _frame_after(self, seq: int, e: ev.FrameProduced) -> None:
         if self._step is None:
             return
         ctx, tokens = self.ctx, self.ctx.tokens
         scheduled = ctx.scheduled.get(e.step)
-        for (req, stale, n_out, n_dropped, stopped), frame in zip(self._before, e.entries):
+        for (req, stale, n_out, n_dropped, stopped, again), frame in zip(self._before, e.entries):
             produced = len(frame.token_ids)
             tokens["produced"] += produced
             if stopped:
@@ -108,9 +122,9 @@ class FrameChecker(Checker):
                                f"{produced - applied} of {produced} tokens of request {req.req_id!r}'s "
                                f"frame for step {e.step} were neither applied nor dropped",
                                [scheduled, (seq, e)], seq=seq)
-            if stale:
+            if stale and again:
                 self._stale_applied(seq, e, req, scheduled, preemption)
-            elif preemption is not None:
+            elif not stale and preemption is not None:
                 preemption.fresh_frames += 1
 
     def _fresh_dropped(self, seq: int, e: ev.FrameProduced, req: RequestState,
@@ -148,6 +162,8 @@ class FrameChecker(Checker):
         if p is not None and bug == "vllm#42117-overwrite":
             extra = (f"; its preemption in step {p.event.step} overwrote a discard counter of "
                      f"{p.counter_left} that had not drained")
+        elif self._delivers_stale:
+            extra = "; the request had been scheduled again before its stale output drained"
         self.ctx.report(
             "stale_frame_applied", "error", [req.req_id], e.step,
             f"a stale frame of request {req.req_id!r} (scheduled in step {e.step} before a preemption) "
