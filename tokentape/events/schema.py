@@ -82,6 +82,11 @@ class TapeHeader(msgspec.Struct, frozen=True):
     eos_token_id: int | None = None
     vocab_size: int = 0
     created_at: str = ""
+    # The engine that made the tape: "tokentape", or "vllm" for a run recorded by
+    # tokentape.integrations.vllm; source_version is that engine's version ("" for tokentape's
+    # own: package_version says). Last, with defaults: older tapes read as tokentape's own.
+    source: str = "tokentape"
+    source_version: str = ""
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

@@ -199,10 +199,16 @@ def _check_replay(tape: Tape, ctx: Context, stopped_at: int | None, progress: Pr
         step = event.step if event is not None else ctx.state.step
         recorded = describe_event(event) if event is not None else "nothing"
         replayed = describe_event(d.actual) if d.actual is not None else "nothing"
-        message = (f"the tape does not replay: at event {d.seq} the scheduler, re-run against the "
-                   f"recorded frames, {d.message.removeprefix('the replay ')} (recorded: {recorded}; "
-                   f"replayed: {replayed}); the tape was edited or damaged, or recorded by an engine "
-                   "that decides otherwise")
+        if result.statement is None:
+            message = (f"the tape does not replay: at event {d.seq} the scheduler, re-run against the "
+                       f"recorded frames, {d.message.removeprefix('the replay ')} (recorded: {recorded}; "
+                       f"replayed: {replayed}); the tape was edited or damaged, or recorded by an engine "
+                       "that decides otherwise")
+        else:  # another engine's tape: its decisions are folded and checked, not re-run
+            message = (f"the tape is not consistent: at event {d.seq} {d.message} (recorded: "
+                       f"{recorded}; derived: {replayed}); the tape was edited or damaged, or the "
+                       f"{tape.header.source} run it records broke the '{tape.header.discard_policy}' "
+                       "policy's rules")
         excerpt = [*d.before[-2:], (d.seq, event)] if event is not None else d.before[-3:]
     names = list(dict.fromkeys(r for x in (d.expected, d.actual) if x is not None for r in event_requests(x)))
     ctx.report("replay_diverged", "error", names[:16], step, " ".join(message.split()),

@@ -52,6 +52,12 @@ def _add_verify(replay_sub: Any) -> None:
             "Re-run the scheduler against the tape's recorded frames (no model needed) and\n"
             "check that every event it emits equals the recorded one.\n"
             "\n"
+            "A tape recorded from vLLM (tokentape.integrations.vllm; its header says source\n"
+            "vllm) cannot be re-run on tokentape's scheduler: its recorded decisions are\n"
+            "folded under its discard policy instead, and every derived fact (positions,\n"
+            "epochs, budgets, preemptions, finishes, what each client was given) is checked\n"
+            "against the recorded frames and outputs; the output says so.\n"
+            "\n"
             "exit status: 0 when every event reproduces ('ok: N events reproduced'),\n"
             "1 at the first divergence (printed with the recorded events around it),\n"
             "2 when the tape cannot be read."
@@ -67,13 +73,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     tape = open_tape(args.tape)
     with progress(len(tape), "verifying") as update:
         result = verify(tape, update)
+    done = "reproduced" if result.statement is None else "consistent"
     if result.ok:
-        line = f"ok: {result.num_events} events reproduced"
+        line = f"ok: {result.num_events} events {done}"
         if result.ended_with_error:
             line += f" (the recorded run stopped on an engine error: {result.ended_with_error})"
         print(safe_text(line))
+        if result.statement is not None:
+            print(safe_text(result.statement))
         return EXIT_OK
-    print(safe_text(f"FAILED: {args.tape} does not reproduce ({result.num_events} events reproduced)"))
+    print(safe_text(f"FAILED: {args.tape} does not {'reproduce' if result.statement is None else 'check out'} "
+                    f"({result.num_events} events {done})"))
+    if result.statement is not None:
+        print(safe_text(result.statement))
     if result.first_divergence is not None:
         print(safe_text(result.first_divergence.format()))
     return EXIT_DIVERGED
