@@ -1,0 +1,171 @@
+"""vLLM's own scheduler, recorded, driven as vLLM's engine core drives it, with tokentape's
+oracle as the model: the async path that vLLM's CPU engine cannot run end to end.
+
+vLLM 0.32.0's CPU platform turns async scheduling off (vllm/platforms/cpu.py), so on a CPU
+vLLM's AsyncScheduler runs only under a driver of its own. This one builds the scheduler as
+EngineCore builds it, from `scheduler_cls` (tokentape's RecordingScheduler, which picks its
+AsyncScheduler subclass for an async config), with a KV cache of `num_blocks` blocks and no
+model, and repeats EngineCore's loop: `step_with_batch_queue` (a batch queue of depth 2: the
+next step is scheduled before the previous one's output is applied) or `step`. The runner's
+output for a sampling entry is the oracle's token at the position after the entry's tokens
+(a pure function of prompt and position: any correct schedule delivers the oracle's stream).
+Commands between steps as EngineCore issues them: aborts (`finish_requests`),
+`reset_prefix_cache(reset_running_requests=True)` with steps in flight, and pauses as
+`pause_scheduler` makes them (pause state, drain the queue, reset the caches when asked).
+
+Runs in vLLM's Python with tokentape installed (`python vllm_scheduler_run.py SPEC.json`).
+Spec: {"model": folder (its config.json shapes the KV spec), "tape", "async": bool,
+"num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+"requests": [{"id", "prompt", "max_tokens", "add_at"}], "reset_at": [step],
+"pause_at": [[step, mode, clear_cache]], "abort_at": [[step, id]], "out"}. Writes
+{"outputs": {id: {"tokens", "finish_reason"}}, "scheduler": class name, "steps": n}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import deque
+from typing import Any
+
+RECORDER = "tokentape.integrations.vllm.RecordingScheduler"
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from tokentape.engine.runners.oracle import OracleRunner
+    from tokentape.events.schema import SamplingParams as TapeParams
+
+    if spec.get("tape"):
+        os.environ["TOKENTAPE_TAPE"] = spec["tape"]
+    else:  # the recorder must refuse to start without a tape path
+        os.environ.pop("TOKENTAPE_TAPE", None)
+    block_size, num_blocks = spec["block_size"], spec["num_blocks"]
+    vllm_config = VllmConfig(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+            max_model_len=spec["max_model_len"], is_encoder_decoder=False, scheduler_cls=RECORDER),
+        model_config=ModelConfig(model=spec["model"], dtype="float32", seed=0, skip_tokenizer_init=True,
+                                 max_model_len=spec["max_model_len"]),
+        cache_config=CacheConfig(block_size=block_size),
+    )
+    # The CPU platform has just turned async scheduling off; a GPU platform leaves it on.
+    vllm_config.scheduler_config.async_scheduling = spec["async"]
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    with open(os.path.join(spec["model"], "config.json")) as f:
+        hf = json.load(f)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers"], FullAttentionSpec(
+            block_size=block_size, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"],
+            dtype=torch.float32))])
+    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    sched = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=block_size, hash_block_size=block_size, log_stats=False)
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(block_size, hash_fn)
+
+    oracle = OracleRunner(cyclic=True, seed=0)
+    keys: dict[str, int] = {}
+    outputs: dict[str, dict[str, Any]] = {}
+    queue: deque[tuple[Any, dict[str, int], set[str]]] = deque()
+    depth = 2 if spec["async"] else 1
+
+    def runner_output(out: Any, before: dict[str, int], partial: set[str]) -> Any:
+        ids = list(out.num_scheduled_tokens)
+        tokens = [[] if r in partial else [oracle.token_at(keys[r], before[r] + out.num_scheduled_tokens[r])]
+                  for r in ids]
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=tokens)
+
+    def apply_oldest() -> None:
+        out, before, partial = queue.popleft()
+        for eco in sched.update_from_output(out, runner_output(out, before, partial)).values():
+            for o in eco.outputs:
+                got = outputs.setdefault(o.request_id, {"tokens": [], "finish_reason": None})
+                got["tokens"] += list(o.new_token_ids)
+                if o.finish_reason is not None:
+                    got["finish_reason"] = str(o.finish_reason)
+
+    def schedule() -> bool:
+        """Schedule one step; whether the model would have run it."""
+        out = sched.schedule()
+        before = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        partial = {r for r in out.num_scheduled_tokens if sched.requests[r].is_prefill_chunk}
+        queue.append((out, before, partial))
+        return out.total_num_scheduled_tokens > 0
+
+    def engine_step() -> None:
+        """EngineCore.step (depth 1) or step_with_batch_queue (depth 2)."""
+        if sched.has_requests():
+            executed = schedule()
+            if len(queue) < depth and (executed or sched.has_requests()):
+                return
+        elif not queue:
+            return
+        apply_oldest()
+
+    def aborted(requests: list[Any]) -> None:
+        """What their clients get: vLLM's front end finishes a request it aborts itself, and
+        the engine core sends the others an abort output."""
+        for r in requests:
+            outputs.setdefault(r.request_id, {"tokens": [], "finish_reason": None})["finish_reason"] = "abort"
+
+    def drain() -> None:
+        while queue or sched.has_requests():
+            engine_step()
+
+    pending = sorted(spec["requests"], key=lambda r: r.get("add_at", 0))
+    resets = set(spec.get("reset_at", ()))
+    pauses = {s: (m, c) for s, m, c in spec.get("pause_at", ())}
+    aborts: dict[int, list[str]] = {}
+    for s, rid in spec.get("abort_at", ()):
+        aborts.setdefault(s, []).append(rid)
+    step = 0
+    while pending or queue or sched.has_requests():
+        while pending and pending[0].get("add_at", 0) <= step:
+            r = pending.pop(0)
+            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)
+            keys[r["id"]] = oracle.request_key(r["prompt"], TapeParams())
+            sched.add_request(Request(request_id=r["id"], prompt_token_ids=r["prompt"],
+                                      sampling_params=params, pooling_params=None, block_hasher=hasher))
+        if step in resets:
+            sched.reset_prefix_cache(reset_running_requests=True)
+        if step in aborts:
+            aborted(sched.finish_requests(aborts[step], RequestStatus.FINISHED_ABORTED))
+        if step in pauses:
+            mode, clear = pauses[step]
+            if mode == "abort":
+                aborted(sched.finish_requests(None, RequestStatus.FINISHED_ABORTED))
+            sched.set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
+            drain()  # the pause completes once the engine has no work
+            if clear:
+                sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+            sched.set_pause_state(PauseState.UNPAUSED)
+        engine_step()
+        step += 1
+    sched.shutdown()
+    return {"outputs": outputs, "scheduler": type(sched).__name__, "steps": step}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,200 @@
+"""Tapes recorded from vLLM 0.32.0 (tests/tapes/vllm, made by its regenerate.py with
+tokentape.integrations.vllm), read where vLLM is not installed: fold, verify (the recorded
+decisions folded and checked, since vLLM's scheduler cannot be re-run), postmortem, diff
+against tokentape's own run of the same requests, debug, export and inspect; and verify on
+copies edited where a recorder or a vLLM bug would go wrong."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tokentape import cli
+from tokentape.events import schema as ev
+from tokentape.events.store import MemoryTape
+from tokentape.postmortem import postmortem
+from tokentape.replay import diff, load_tape, verify
+
+sys.path.insert(0, str(Path(__file__).parent / "integrations"))
+
+from vllm_scenarios import aborts_scenario, async_scenario, engine_scenario, run_tokentape  # noqa: E402
+
+TAPES = Path(__file__).parent / "tapes" / "vllm"
+NAMES = ["engine_cpu", "async_scheduler", "async_aborts"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_vllm_tape_verifies_and_has_no_finding(name: str) -> None:
+    tape = load_tape(TAPES / f"{name}.tape")
+    h = tape.header
+    assert (h.source, h.source_version, h.discard_policy) == ("vllm", "0.32.0", "deliver")
+    assert h.eos_token_id is None and h.vocab_size > 0
+    result = verify(tape)
+    assert result.ok and result.num_events == len(tape)
+    assert result.statement is not None and "recorded by vllm 0.32.0" in result.statement
+    report = postmortem(tape)
+    assert report.findings == [] and report.summary.complete
+    t = report.summary.tokens
+    assert t["produced"] == t["applied"] + t["dropped_stale"] + t["after_stop"] and t["lost"] == 0
+    state = tape.fold()
+    assert not state.unfinished and not state.in_flight_steps and not state.pending_output
+
+
+def _kinds(name: str) -> list[ev.Event]:
+    return [e for _, e in load_tape(TAPES / f"{name}.tape").events()]
+
+
+def test_the_tapes_hold_what_they_were_made_for() -> None:
+    cpu, asy, aborts = (_kinds(n) for n in NAMES)
+    config = load_tape(TAPES / "engine_cpu.tape").config
+    assert not config.async_scheduling and config.block_size == 32 and config.num_kv_blocks == 8
+    assert load_tape(TAPES / "async_scheduler.tape").config.effective_pipeline_depth == 2
+    for events in (cpu, asy):
+        reasons = {e.reason for e in events if isinstance(e, ev.RequestPreempted)}
+        assert reasons == {"kv_pressure", "reset_prefix_cache"}
+        assert any(isinstance(e, ev.GenerationPaused) and e.mode == "keep" for e in events)
+    # Under async scheduling both #48245 paths: stale output delivered, and dropped after a reset.
+    state = load_tape(TAPES / "async_scheduler.tape").initial_state()
+    from tokentape.events.reducer import evolve
+
+    delivered = dropped = 0
+    for e in asy:
+        if isinstance(e, ev.FrameProduced):
+            flight = state.in_flight_steps[0]
+            before = [(r, x.epoch != r.epoch, len(r.output_token_ids), r.num_frames_dropped)
+                      for x, r in zip(flight.entries, flight.requests) if x.req_id not in flight.partial]
+            evolve(state, e)
+            delivered += sum(stale and len(r.output_token_ids) > n for r, stale, n, _ in before)
+            dropped += sum(stale and r.num_frames_dropped > d for r, stale, _, d in before)
+        else:
+            evolve(state, e)
+    assert delivered and dropped
+    assert any(isinstance(e, ev.RequestAborted) for e in aborts)
+    assert {e.mode for e in aborts if isinstance(e, ev.GenerationPaused)} == {"wait"}
+
+
+@pytest.mark.parametrize("name, model, scenario", [
+    ("engine_cpu", "tiny", engine_scenario), ("async_scheduler", "oracle", async_scenario)])
+def test_a_vllm_tape_diffs_identical_with_tokentape(name: str, model: str, scenario, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The same requests, greedy, on tokentape's engine (the tiny model is the checkpoint vLLM
+    ran; the oracle is the model the scheduler driver gave vLLM): no client-visible difference,
+    whatever the preemptions, resets and pauses of the vLLM run."""
+    ours = tmp_path / "tokentape.tape"
+    run_tokentape(scenario("unused"), model, ours)
+    d = diff(TAPES / f"{name}.tape", ours)
+    assert d.identical, d.format()
+    assert postmortem(TAPES / f"{name}.tape", reference=ours).findings == []
+
+
+def test_the_commands_read_a_vllm_tape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tape = str(TAPES / "async_scheduler.tape")
+    assert cli.main(["replay", "verify", tape]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok: ") and "events consistent" in out and "recorded by vllm 0.32.0" in out
+    assert cli.main(["inspect", tape]) == 0
+    assert "recorded from           vllm 0.32.0" in capsys.readouterr().out
+    assert cli.main(["export", tape, "--format", "jsonl", "-o", str(tmp_path / "t.jsonl")]) == 0
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert len(lines) == len(load_tape(tape)) and json.loads(lines[0])["kind"] == "RequestAdded"
+    assert cli.main(["postmortem", tape]) == 0
+    capsys.readouterr()
+
+
+def _edited(name: str, edit) -> MemoryTape:  # type: ignore[no-untyped-def]
+    """A copy of a recorded tape with the first event `edit` changes (it returns the new
+    event, or None to drop it, or the event itself to leave it)."""
+    tape = load_tape(TAPES / f"{name}.tape")
+    out = MemoryTape(tape.header)
+    done = False
+    for _, e in tape.events():
+        new = e if done else edit(e)
+        done = done or new is not e
+        if new is not None:
+            out.append(new)
+    assert done, "nothing was edited"
+    return out
+
+
+def _fails(tape: MemoryTape, words: str) -> None:
+    result = verify(tape)
+    assert not result.ok and result.first_divergence is not None
+    assert words in result.first_divergence.message, result.first_divergence.format()
+    assert "derived:" in result.first_divergence.format()
+
+
+def test_verify_checks_what_the_client_was_given_against_the_fold() -> None:
+    def extra_token(e: ev.Event) -> ev.Event:
+        if isinstance(e, ev.OutputsEmitted) and e.entries and e.entries[0].token_ids:
+            first = e.entries[0]
+            return msgspec.structs.replace(e, entries=[msgspec.structs.replace(first, token_ids=first.token_ids * 2),
+                                                       *e.entries[1:]])
+        return e
+    _fails(_edited("async_scheduler", extra_token), "the client was given tokens")
+    kinds = {f.kind for f in postmortem(_edited("async_scheduler", extra_token)).findings}
+    assert "output_mismatch" in kinds
+
+
+def test_verify_on_a_vllm_tape_under_the_wrong_policy_fails_where_stale_output_was_delivered() -> None:
+    """The policy models vLLM: folded as tokentape's epoch policy (stale output dropped), the
+    tape contradicts what vLLM gave its clients."""
+    tape = load_tape(TAPES / "async_scheduler.tape")
+    config = {**tape.header.config, "discard_policy": "epoch"}
+    header = msgspec.structs.replace(tape.header, discard_policy="epoch", config=config)
+    out = MemoryTape(header)
+    for _, e in tape.events():
+        out.append(e)
+    _fails(out, "but the fold derives")
+
+
+def test_verify_checks_the_scheduling_facts() -> None:
+    def moved(e: ev.Event) -> ev.Event:  # a decode that does not continue where the request is
+        if isinstance(e, ev.StepScheduled) and e.step == 5:
+            x = e.entries[0]
+            return msgspec.structs.replace(e, entries=[msgspec.structs.replace(
+                x, num_computed_before=x.num_computed_before + 1), *e.entries[1:]])
+        return e
+    _fails(_edited("async_scheduler", moved), "the fold has it computed to")
+
+    def in_flight(e: ev.Event) -> ev.Event:
+        if isinstance(e, ev.RequestPreempted):
+            return msgspec.structs.replace(e, in_flight=e.in_flight + 1)
+        return e
+    _fails(_edited("async_scheduler", in_flight), "steps in flight, the fold has")
+
+    def reset_ok(e: ev.Event) -> ev.Event:
+        if isinstance(e, ev.PrefixCacheReset):
+            return msgspec.structs.replace(e, ok=not e.ok)
+        return e
+    _fails(_edited("engine_cpu", reset_ok), "the prefix-cache reset records ok=")
+
+    def length_as_stop(e: ev.Event) -> ev.Event:
+        if isinstance(e, ev.RequestFinished):
+            return msgspec.structs.replace(e, reason="abort")
+        return e
+    result = verify(_edited("engine_cpu", length_as_stop))
+    assert not result.ok and "reach the length condition" in result.first_divergence.message  # type: ignore[union-attr]
+
+    def dropped_preemption(e: ev.Event) -> ev.Event | None:
+        return None if isinstance(e, ev.RequestPreempted) and e.reason == "reset_prefix_cache" else e
+    _fails(_edited("engine_cpu", dropped_preemption), "left 1 request(s) running")
+
+
+def test_verify_refuses_a_budget_or_epoch_vllm_never_gives() -> None:
+    def epoch(e: ev.Event) -> ev.Event:
+        if isinstance(e, ev.StepScheduled) and e.step == 3:
+            return msgspec.structs.replace(e, entries=[msgspec.structs.replace(e.entries[0], epoch=7),
+                                                       *e.entries[1:]])
+        return e
+    _fails(_edited("async_aborts", epoch), "is scheduled in epoch 7")
+
+    tape = load_tape(TAPES / "async_aborts.tape")
+    config = {**tape.header.config, "max_num_batched_tokens": 8}
+    small = MemoryTape(msgspec.structs.replace(tape.header, config=config))
+    for _, e in tape.events():
+        small.append(e)
+    result = verify(small)
+    assert not result.ok and "more than max_num_batched_tokens 8" in result.first_divergence.message  # type: ignore[union-attr]
