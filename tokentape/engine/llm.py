@@ -12,12 +12,15 @@ import msgspec
 from tokentape.engine.config import ORACLE_MODELS, EngineConfig
 from tokentape.engine.llm_engine import LLMEngine, make_header
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
+from tokentape.engine.parallel_sampling import child_request_id
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.scenario import Scenario
+from tokentape.engine.stop_strings import stop_text
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
 from tokentape.events.sqlite_store import SQLiteTape
+from tokentape.events.state import RequestState
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
 from tokentape.events.validation import check_str, short_repr, shown
 from tokentape.progress import RequestProgress
@@ -172,7 +175,8 @@ class LLM:
             raise
         for req_id, tokens, params in requests:
             self.engine.add_request(req_id, tokens, params)
-        return self._run_to_completion([r[0] for r in requests], prompts, use_tqdm, scenario)
+        return self._run_to_completion([r[0] for r in requests], [r[2].n for r in requests],
+                                       prompts, use_tqdm, scenario)
 
     def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:
         if isinstance(prompt, str):
@@ -185,44 +189,52 @@ class LLM:
     def _new_request_id(self) -> str:
         """The next number not already used on this engine (the engine API may have used some)."""
         requests = self.engine.state.requests
-        while str(self._next_id) in requests:
+        # A parent of n > 1 leaves its children "0_<id>", ... on the engine, not its own id.
+        while str(self._next_id) in requests or f"0_{self._next_id}" in requests:
             self._next_id += 1
         self._next_id += 1
         return str(self._next_id - 1)
 
-    def _run_to_completion(self, ids: list[str], prompts: Sequence[object], use_tqdm: bool,
+    def _run_to_completion(self, ids: list[str], ns: list[int], prompts: Sequence[object], use_tqdm: bool,
                            scenario: Scenario | None) -> list[RequestOutput]:
         wanted = set(ids)
-        reasons: dict[str, str | None] = {}
+        finished: set[str] = set()
         engine = self.engine
         requests = engine.state.requests
+        # The engine's requests behind each output: the request, or a parent's n children.
+        members = [[i] if n == 1 else [child_request_id(c, i) for c in range(n)] for i, n in zip(ids, ns)]
 
         def output_tokens() -> int:  # asked for only when the bar is redrawn
-            return sum(len(requests[i].output_token_ids) for i in ids)
+            return sum(len(requests[m].output_token_ids) for ms in members for m in ms)
 
         with RequestProgress(len(ids), enabled=use_tqdm) as bar:
-            while len(reasons) < len(ids) and engine.has_unfinished_requests():
+            while len(finished) < len(ids) and engine.has_unfinished_requests():
                 if scenario is not None:
                     scenario.apply_due(engine)
                 for out in engine.step():  # every request's final output comes, whatever its kind
                     if out.finished and out.request_id in wanted:
-                        reasons[out.request_id] = out.outputs[0].finish_reason
-                bar.update(len(reasons), output_tokens)
-            bar.update(len(reasons), output_tokens, force=True)
+                        finished.add(out.request_id)
+                bar.update(len(finished), output_tokens)
+            bar.update(len(finished), output_tokens, force=True)
         engine.tape.flush()  # the run is complete in the tape file when generate returns
         results = []
-        for req_id, prompt in zip(ids, prompts):
+        for req_id, ms, prompt in zip(ids, members, prompts):
             # Every token the engine delivered (OutputsEmitted is on the tape), whatever the
             # request's output kind: the state holds them.
-            req = engine.state.requests[req_id]
-            toks = list(req.output_token_ids)
-            lps = list(req.output_logprobs) if req.params.logprobs is not None else None
-            completion = CompletionOutput(0, self.tokenizer.decode(toks), toks, reasons.get(req_id), lps)
+            completions = [self._completion(index, engine.state.requests[m]) for index, m in enumerate(ms)]
             results.append(RequestOutput(
-                req_id, req.prompt_token_ids, [completion], req_id in reasons,
+                req_id, requests[ms[0]].prompt_token_ids, completions, req_id in finished,
                 prompt=prompt if isinstance(prompt, str) else None,
             ))
         return results
+
+    def _completion(self, index: int, req: RequestState) -> CompletionOutput:
+        toks = list(req.output_token_ids)
+        lps = list(req.output_logprobs) if req.params.logprobs is not None else None
+        top = list(req.output_top_logprobs) if req.params.logprobs else None
+        text = stop_text(self.tokenizer.decode, req.params, toks, req.stop_str) if req.stop_str \
+            else self.tokenizer.decode(toks)
+        return CompletionOutput(index, text, toks, req.finish_reason, lps, None, top, req.stop_str)
 
     def close(self) -> None:
         self.engine.close()

@@ -18,8 +18,10 @@ from tokentape import __version__
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import RequestOutput, build_request_output
+from tokentape.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.scheduler import Scheduler
+from tokentape.engine.stop_strings import find_stop_string, stop_decoder
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
@@ -69,6 +71,9 @@ class LLMEngine:
         self._finished_since_last_batch: list[str] = []
         self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
         self._dead: str | None = None
+        # n > 1: the parents and, by child id, the parent gathering each child's outputs.
+        self._parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, ParentRequest] = {}
 
     # -- the one way state changes ---------------------------------------------------------------
 
@@ -104,8 +109,18 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         self.check_request(request_id, prompt_token_ids, params)
         params = self._with_extra_eos(params)
+        if params.n == 1:
+            with self._recorded():
+                self._emit(ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params))
+            return
+        # n > 1: n child requests on the tape, gathered into one output (parallel_sampling.py).
+        children = [(child_request_id(i, request_id), child_params(params, i, self.config.seed, prompt_token_ids))
+                    for i in range(params.n)]
+        self._parents[request_id] = parent = ParentRequest(request_id, params)
         with self._recorded():
-            self._emit(ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params))
+            for child_id, child in children:
+                self._parent_of[child_id] = parent
+                self._emit(ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child))
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
         """The model's other EOS ids join the request's stop_token_ids (unless ignore_eos), as
@@ -121,10 +136,16 @@ class LLMEngine:
         check_str("request_id", request_id)
         if not request_id:
             raise ValueError("request_id must be a non-empty string, got ''")
-        if request_id in self.state.requests:
+        if request_id in self.state.requests or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use on this engine")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {request_id!r}: params must be a SamplingParams, got {shown(params)}")
+        if params.n > 1:
+            for i in range(params.n):
+                if child_request_id(i, request_id) in self.state.requests:
+                    raise ValueError(f"request {request_id!r} with n={params.n}: its child id "
+                                     f"{child_request_id(i, request_id)!r} is already in use on this engine")
+            child_params(params, params.n - 1, self.config.seed, ())  # the seeds fit
         prompt = prompt_token_ids
         if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)):
             raise TypeError(
@@ -141,6 +162,14 @@ class LLMEngine:
                 check_int(name, t, 0)  # the type (a bool is not a token id), then the vocabulary
                 if t >= vocab:
                     raise ValueError(f"{name} must be a token id in the vocabulary [0, {vocab}), got {t!r}")
+        for i, word in enumerate(params.bad_words):
+            for j, t in enumerate(word):
+                if t >= vocab:
+                    raise ValueError(f"request {request_id!r}: bad_words[{i}][{j}] must be a token id "
+                                     f"in the vocabulary [0, {vocab}), got {t!r}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this "
+                             "engine has none (pass stop_token_ids instead)")
         max_len = self.config.effective_max_model_len
         if len(prompt) >= max_len:
             raise ValueError(
@@ -150,6 +179,11 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> None:
+        parent = self._parents.get(request_id)
+        if parent is not None:  # n > 1: abort its children
+            for child_id in parent.child_ids:
+                self.abort_request(child_id)
+            return
         req = self.state.requests.get(request_id)
         if req is None:
             raise KeyError(f"abort_request: unknown request id {request_id!r}")
@@ -195,12 +229,28 @@ class LLMEngine:
     def _apply_oldest_frame(self) -> None:
         step = self.state.in_flight_steps[0].step
         frame = self.runner.collect(step)
-        self._emit(ev.FrameProduced(step, frame))
         requests = self.state.requests
+        # Stop strings are looked for in the text the frame adds (vLLM's front end does it in
+        # its detokenizer); the output length before the frame says where that text begins.
+        before = {e.req_id: len(requests[e.req_id].output_token_ids)
+                  for e in frame if requests[e.req_id].params.stop}
+        self._emit(ev.FrameProduced(step, frame))
         for entry in frame:
             req = requests[entry.req_id]
-            if req.stop_reason is not None and not req.is_finished:
+            if req.is_finished:
+                continue
+            if entry.req_id in before and req.stop_reason != "stop":  # a stop token wins
+                stop_str = find_stop_string(self._decode_for_stop, req.params, req.output_token_ids,
+                                            before.pop(entry.req_id))
+                if stop_str is not None:  # it overrides "length", as in vLLM
+                    self.scheduler.finish(req, "stop", stop_str)
+                    continue
+            if req.stop_reason is not None:
                 self.scheduler.finish(req, req.stop_reason)
+
+    def _decode_for_stop(self, token_ids: list[int]) -> str:
+        assert self.tokenizer is not None  # check_request refuses stop strings without one
+        return self.tokenizer.decode(token_ids)
 
     def _flush_outputs(self) -> None:
         state = self.state
@@ -217,8 +267,19 @@ class LLMEngine:
             entries.append(ev.EmittedOutput(req_id, new_tokens, reason is not None, reason))
             # The tape records the new tokens; the client gets them by its output kind.
             logprobs = req.output_logprobs if req.params.logprobs is not None else None
+            top = req.output_top_logprobs if req.params.logprobs else None
+            req_decode = decode if decode is None or req.stop_str is None else \
+                stop_decoder(decode, req.params, req.output_token_ids, req.stop_str)
             out = build_request_output(req.params.output_kind, req_id, req.prompt_token_ids,
-                                       req.output_token_ids, len(new_tokens), logprobs, reason, decode)
+                                       req.output_token_ids, len(new_tokens), logprobs, reason,
+                                       req_decode, None, top, req.stop_str)
+            parent = self._parent_of.get(req_id)
+            if parent is not None and out is not None:
+                out = parent.gather(out)
+                if out is not None and out.finished:
+                    del self._parents[parent.request_id]
+                    for child_id in parent.child_ids:
+                        self._parent_of.pop(child_id, None)
             if out is not None:
                 outputs.append(out)
         self._emit(ev.OutputsEmitted(state.step, entries))

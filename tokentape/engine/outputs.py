@@ -20,7 +20,8 @@ class CompletionOutput:
     read.
     """
 
-    __slots__ = ("index", "finish_reason", "_token_ids", "_logprobs", "_span", "_text", "_decode")
+    __slots__ = ("index", "finish_reason", "_token_ids", "_logprobs", "_span", "_text", "_decode",
+                 "_top", "stop_reason")
 
     def __init__(
         self,
@@ -30,12 +31,18 @@ class CompletionOutput:
         finish_reason: str | None = None,
         logprobs: list[float] | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        top_logprobs: list[dict[int, float]] | None = None,
+        stop_reason: str | None = None,
     ) -> None:
         self.index = index
+        # With logprobs=k > 0, vLLM's dict per position: the sampled token, then the top k.
+        self._top = top_logprobs
+        self.stop_reason = stop_reason  # the stop string that finished it, as vLLM's
         self._token_ids: list[int] | None = token_ids
         self.finish_reason = finish_reason
         self._logprobs = logprobs
-        self._span: tuple[list[int], list[float] | None, int, int] | None = None
+        self._span: tuple[list[int], list[float] | None, list[dict[int, float]] | None,
+                          int, int] | None = None
         self._text = text
         self._decode = decode
 
@@ -48,18 +55,21 @@ class CompletionOutput:
         end: int,
         finish_reason: str | None,
         decode: Callable[[list[int]], str] | None,
+        top_logprobs: list[dict[int, float]] | None = None,
+        stop_reason: str | None = None,
     ) -> CompletionOutput:
         """tokens[start:end] (and logprobs[start:end]) of append-only lists, copied when read."""
-        out = cls(0, None, [], finish_reason, None, decode)
+        out = cls(0, None, [], finish_reason, None, decode, None, stop_reason)
         out._token_ids = None
-        out._span = (tokens, logprobs, start, end)
+        out._span = (tokens, logprobs, top_logprobs, start, end)
         return out
 
     def _copy_span(self) -> None:
         assert self._span is not None
-        tokens, logprobs, start, end = self._span
+        tokens, logprobs, top, start, end = self._span
         self._token_ids = tokens[start:end]
         self._logprobs = logprobs[start:end] if logprobs is not None else None
+        self._top = top[start:end] if top is not None else None
         self._span = None
 
     @property
@@ -86,6 +96,12 @@ class CompletionOutput:
         if self._span is not None:
             self._copy_span()
         self._logprobs = value
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        if self._span is not None:
+            self._copy_span()
+        return self._top
 
     @property
     def text(self) -> str:
@@ -127,6 +143,8 @@ def build_request_output(
     finish_reason: str | None,
     decode: Callable[[list[int]], str] | None = None,
     prompt: str | None = None,
+    top_logprobs: list[dict[int, float]] | None = None,
+    stop_reason: str | None = None,
 ) -> RequestOutput | None:
     """The output a client of this kind gets when `num_new` tokens (the tail of `token_ids`,
     every token delivered so far) arrive, or the request finishes: all of them (CUMULATIVE),
@@ -137,5 +155,6 @@ def build_request_output(
     end = len(token_ids)
     start = end - num_new if kind == RequestOutputKind.DELTA else 0
     # The caller's lists only grow at the end: the span is copied out when it is read.
-    completion = CompletionOutput.of_span(token_ids, logprobs, start, end, finish_reason, decode)
+    completion = CompletionOutput.of_span(token_ids, logprobs, start, end, finish_reason, decode,
+                                          top_logprobs, stop_reason)
     return RequestOutput(request_id, prompt_token_ids, [completion], finished, prompt)

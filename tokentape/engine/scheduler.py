@@ -46,13 +46,15 @@ class Scheduler:
         self.kv.free(req.req_id, [*req.block_ids, *extra_blocks])
         self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, req.num_in_flight))
 
-    def finish(self, req: RequestState, reason: ev.FinishReason) -> None:
+    def finish(self, req: RequestState, reason: ev.FinishReason, stop_str: str | None = None) -> None:
+        """Free the request's blocks and record its finish (with the stop string that ended
+        it, if one did)."""
         self.kv.free(req.req_id, req.block_ids)
         self.kv.forget_request(req.req_id)
         if reason == "abort":
             self.emit(ev.RequestAborted(self.state.step, req.req_id))
         else:
-            self.emit(ev.RequestFinished(self.state.step, req.req_id, reason))
+            self.emit(ev.RequestFinished(self.state.step, req.req_id, reason, stop_str))
 
     def schedule(self) -> ScheduledBatch | None:
         """Plan the next step and record it; None when there is nothing to run."""

@@ -79,7 +79,13 @@ def _on_aborted(state: EngineState, e: ev.RequestAborted) -> None:
 
 
 def _on_finished(state: EngineState, e: ev.RequestFinished) -> None:
-    _finish(state, _request(state, e.req_id), e.reason)
+    req = _request(state, e.req_id)
+    if e.stop_reason is not None:
+        if e.reason != "stop" or e.stop_reason not in req.params.stop:
+            raise ReducerError(f"request {e.req_id!r} finished on stop string {e.stop_reason!r}, "
+                               f"which is not one of its stop strings {list(req.params.stop)}")
+        req.stop_str = e.stop_reason
+    _finish(state, req, e.reason)
 
 
 def _on_paused(state: EngineState, e: ev.GenerationPaused) -> None:
@@ -201,7 +207,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         num_before = len(output)
         for tok in frame.token_ids:
             output.append(tok)
-            if tok in req.stop_ids:
+            if tok in req.stop_ids and len(output) >= req.params.min_tokens:
                 req.stop_reason = "stop"
                 break
             if len(output) >= req.max_output_tokens:
@@ -209,6 +215,11 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
                 break
         if frame.logprobs is not None:
             req.output_logprobs += frame.logprobs[:len(output) - num_before]
+        if frame.top_token_ids is not None and frame.top_logprobs is not None and frame.logprobs is not None:
+            # vLLM's dict per position: the sampled token first, then the top k, best first.
+            req.output_top_logprobs += [
+                {tok: lp, **dict(zip(ids, lps))} for tok, lp, ids, lps in
+                zip(output[num_before:], frame.logprobs, frame.top_token_ids, frame.top_logprobs)]
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:

@@ -13,9 +13,13 @@ from typing import Any, Literal
 import msgspec
 import msgspec.structs
 
+from tokentape.events.sampling_checks import check_sampling_options
 from tokentape.events.validation import check_bool, check_int, check_number, shown
 
-FORMAT_VERSION = 1
+# 2: the sampling options (SamplingParams from `n` on), top-k logprobs in FrameEntry and the
+# matched stop string in RequestFinished; every new field is last, with a default, so a
+# version-1 tape reads unchanged.
+FORMAT_VERSION = 2
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -43,6 +47,15 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logprobs: int | None = None
     # Last, with a default: a tape written before it decodes with CUMULATIVE.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Format 2, vLLM's sampling options, last with defaults (a version-1 tape reads as before).
+    n: int = 1  # parallel sampling: the engine fans it out into n requests of n=1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # stop tokens and EOS are masked, and stop strings ignored, until then
+    stop: tuple[str, ...] = ()  # stop strings, matched in the detokenized text
+    include_stop_str_in_output: bool = False
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences; the last id is banned after the rest
 
     def __post_init__(self) -> None:
         # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is
@@ -68,6 +81,12 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
             if kind not in RequestOutputKind._value2member_map_:
                 raise ValueError(f"output_kind must be a RequestOutputKind (0, 1 or 2), got {kind!r}")
             set_field(self, "output_kind", RequestOutputKind(kind))
+        check_sampling_options(self, set_field)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 class TapeHeader(msgspec.Struct, frozen=True):
@@ -153,6 +172,9 @@ class RequestPreempted(Event, tag="RequestPreempted"):
 class RequestFinished(Event, tag="RequestFinished"):
     req_id: str
     reason: FinishReason
+    # Format 2: the stop string that finished it (reason "stop"), found by the engine in the
+    # detokenized text after a frame; None for every other finish.
+    stop_reason: str | None = None
 
 
 # -- facts from the runner and what the client saw ----------------------------------------
@@ -163,6 +185,10 @@ class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     token_ids: list[int]  # accepted draft tokens followed by one sampled token
     draft_token_ids: list[int] = []  # what the drafter proposed (empty without spec decoding)
     logprobs: list[float] | None = None
+    # Format 2, with SamplingParams.logprobs = k > 0: per token, the k most likely token ids
+    # and their logprobs (raw log-softmax, best first), beside the sampled token's above.
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
     @property
     def num_accepted(self) -> int:

@@ -51,6 +51,8 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # per output token, when asked
+    # Per output token, with logprobs=k > 0: the k most likely token ids -> logprobs.
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     # vLLM's counter of output positions scheduled but not yet returned. Under the
     # historical policies it can drift from the truth; the in-flight counts are the truth.
@@ -74,6 +76,7 @@ class RequestState:
     num_emitted: int = 0  # output tokens delivered to the client before its pending ones
     stop_reason: FinishReason | None = None  # set when it takes no more tokens (stop condition or finish)
     finish_reason: FinishReason | None = None  # set when the request finished
+    stop_str: str | None = None  # the stop string that finished it (RequestFinished.stop_reason)
     # Fixed when the request is added, so the stop check per token is two comparisons.
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     max_output_tokens: int = 0  # max_tokens, capped by max_model_len

@@ -30,6 +30,7 @@ class SeqState:
     tokens: list[int]
     block_ids: list[int]
     num_computed: int = 0
+    num_prompt: int = 0  # the prompt's length: tokens after it are output (penalties, min_tokens)
 
 
 @dataclass(slots=True)

@@ -19,6 +19,12 @@ from tokentape.engine.config import EngineConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
+from tokentape.engine.model.logits_processors import (
+    RowContext,
+    apply_logits_processors,
+    needs_processing,
+    top_logprobs,
+)
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
@@ -189,6 +195,7 @@ class TorchModelRunner:
                     list(known or ()),
                     list(e.new_block_ids),
                     e.num_computed_before,
+                    len(new.prompt_token_ids),
                 )
             else:
                 seq = self._seqs[req_id]
@@ -240,8 +247,11 @@ class TorchModelRunner:
             return []
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         rows = SamplingRows([], [], [], [])
+        contexts: list[RowContext | None] = []
         for e in samplers:
             p, seq = e.seq.params, e.seq
+            stop_ids = p.stop_token_ids if p.ignore_eos or self.eos_token_id is None \
+                else (*p.stop_token_ids, self.eos_token_id)
             for j in range(1 + len(e.drafts)):  # the token at position len(tokens) + j
                 rows.temperatures.append(p.temperature)
                 rows.top_ks.append(p.top_k)
@@ -249,9 +259,15 @@ class TorchModelRunner:
                 rows.keys.append(
                     position_key(seq.seed, len(seq.tokens) + j) if p.temperature > 0 else (0, 0)
                 )
-        sampled_t = sample(logits, rows)
+                # A draft row sees the drafts before it: they are its history if accepted.
+                contexts.append(RowContext(p, stop_ids, seq.tokens + e.drafts[:j], seq.num_prompt)
+                                if needs_processing(p) else None)
+        # vLLM's order: logprobs of the raw logits, then the processors, then sampling.
+        sampled_t = sample(apply_logits_processors(logits, contexts), rows)
         want_logprobs = any(e.seq.params.logprobs is not None for e in samplers)
         logprobs = token_logprobs(logits, sampled_t).tolist() if want_logprobs else None
+        ks = [e.seq.params.logprobs or 0 for e in samplers for _ in range(1 + len(e.drafts))]
+        tops = top_logprobs(logits.log_softmax(dim=-1), ks) if any(ks) else None
         sampled = sampled_t.tolist()
         frames: dict[str, FrameEntry] = {}
         row = 0
@@ -270,7 +286,11 @@ class TorchModelRunner:
                 if logprobs is not None and seq.params.logprobs is not None
                 else None
             )
-            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp)
+            top_ids = top_lps = None
+            if tops is not None and seq.params.logprobs:
+                top_ids = [tops[row + j][0] for j in range(len(out))]
+                top_lps = [tops[row + j][1] for j in range(len(out))]
+            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp, top_ids, top_lps)
             row += 1 + len(drafts)
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 

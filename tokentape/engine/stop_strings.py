@@ -1,0 +1,71 @@
+"""Stop strings, as vLLM's front end checks them: in the detokenized output text, after each
+frame, once the output is longer than min_tokens; the text is cut at the match.
+
+The engine looks for a match after applying a frame (`find_stop_string`) and records what it
+found as `RequestFinished(reason="stop", stop_reason=<the string>)`, so a fold of the tape
+knows the finish without a tokenizer. The token ids stay as delivered (every token of the
+frame, as in vLLM); only the text is cut (`stop_text`), a pure function of the tokens, the
+params and the matched string.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+from tokentape.events.schema import SamplingParams
+
+Decode = Callable[[list[int]], str]
+
+
+def _earliest_match(text: str, start: int, stops: Sequence[str]) -> tuple[str, int] | None:
+    """The stop string whose first occurrence ending after `start` ends earliest (ties: the
+    first in `stops`), with the index where it begins."""
+    best: tuple[str, int] | None = None
+    best_end = sys.maxsize
+    for stop in stops:
+        i = text.find(stop, max(0, start - len(stop) + 1))
+        if i != -1 and i + len(stop) < best_end:
+            best, best_end = (stop, i), i + len(stop)
+    return best
+
+
+def find_stop_string(decode: Decode, params: SamplingParams, output: list[int], num_before: int) -> str | None:
+    """The stop string completed by the output tokens after `num_before` (the frame just
+    applied), or None. Text of the first min_tokens tokens cannot complete one."""
+    if not params.stop or len(output) <= params.min_tokens:
+        return None
+    checked = max(num_before, params.min_tokens)
+    start = len(decode(output[:checked])) if checked else 0
+    found = _earliest_match(decode(output), start, params.stop)
+    return found[0] if found else None
+
+
+def stop_text(decode: Decode, params: SamplingParams, output: list[int], stop_str: str) -> str:
+    """The output's text cut at the stop string that finished it: before the string, or
+    after it with include_stop_str_in_output. Every check before the last found nothing, so
+    the match is the string's first occurrence that ends after the min_tokens text."""
+    text = decode(output)
+    start = len(decode(output[:params.min_tokens])) if params.min_tokens else 0
+    i = text.find(stop_str, max(0, start - len(stop_str) + 1))
+    if i == -1:  # cannot happen for a recorded match; keep the text whole
+        return text
+    return text[:i + len(stop_str)] if params.include_stop_str_in_output else text[:i]
+
+
+def stop_decoder(decode: Decode, params: SamplingParams, full_output: list[int], stop_str: str | None) -> Decode:
+    """A decode for a request's outputs that cuts the text of the request's last tokens at
+    its stop string: the full output's text loses the same tail, a delta's text too."""
+    if stop_str is None:
+        return decode
+    full = decode(full_output)
+    cut = len(full) - len(stop_text(decode, params, full_output, stop_str))
+
+    def decode_cut(tokens: list[int]) -> str:
+        text = decode(tokens)
+        # Only a span that ends the output holds the cut tail (cumulative, final or last delta).
+        if cut and len(tokens) <= len(full_output) and full_output[len(full_output) - len(tokens):] == tokens:
+            return text[:max(0, len(text) - cut)]
+        return text
+
+    return decode_cut

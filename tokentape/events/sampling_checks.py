@@ -1,0 +1,49 @@
+"""Checks of SamplingParams' vLLM sampling options (format 2), with vLLM's bounds.
+
+Called from `SamplingParams.__post_init__`: a refused value raises before anything is
+recorded. Sequences are normalised to tuples (a str `stop` to a 1-tuple, as vLLM accepts),
+so a params object equals its copy decoded from the tape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tokentape.events.validation import check_bool, check_int, check_number, check_str, shown
+
+MAX_N = 1024  # a bound on the fan-out one request may ask for
+
+
+def _sequence(name: str, value: object, what: str) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of {what}, got {shown(value)}")
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def check_sampling_options(params: Any, set_field: Callable[[Any, str, Any], None]) -> None:
+    check_int("n", params.n, 1, MAX_N)
+    for name in ("presence_penalty", "frequency_penalty"):  # the OpenAI API's range
+        set_field(params, name, check_number(name, getattr(params, name), -2.0, 2.0))
+    set_field(params, "repetition_penalty",
+              check_number("repetition_penalty", params.repetition_penalty, 0.0, lo_open=True))
+    check_int("min_tokens", params.min_tokens, 0)
+    if params.min_tokens > params.max_tokens:
+        raise ValueError(f"min_tokens must be <= max_tokens={params.max_tokens}, got {params.min_tokens}")
+    stop = params.stop
+    stop = (stop,) if isinstance(stop, str) else _sequence("stop", stop, "strings")
+    for i, s in enumerate(stop):
+        check_str(f"stop[{i}]", s)
+        if not s:
+            raise ValueError(f"stop[{i}] must be a non-empty string, got ''")
+    set_field(params, "stop", stop)
+    check_bool("include_stop_str_in_output", params.include_stop_str_in_output)
+    words = []
+    for i, word in enumerate(_sequence("bad_words", params.bad_words, "token-id sequences")):
+        word = _sequence(f"bad_words[{i}]", word, "token ids")
+        if not word:
+            raise ValueError(f"bad_words[{i}] must hold at least one token id, got ()")
+        for j, token in enumerate(word):
+            check_int(f"bad_words[{i}][{j}]", token, 0)
+        words.append(word)
+    set_field(params, "bad_words", tuple(words))
