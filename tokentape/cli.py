@@ -5,7 +5,7 @@
     tokentape inspect tokentape-20250101T000000Z.tape --step 3 --request 0
 
 The commands live in tokentape/entrypoints/cli/ (generate, inspect, replay, debug, diff,
-export), tokentape/postmortem/cli.py and tokentape/entrypoints/serve.py, each with
+export, why, bisect, chaos), tokentape/postmortem/cli.py and tokentape/entrypoints/serve.py, each with
 `add_parser(subparsers)`. Expected failures (a file that is not a tape, a tape from a newer
 tokentape, a damaged tape, an unknown request, bad engine arguments, an existing output file
 without --force) print one line `error: <message>` on stderr and exit with status 2.
@@ -34,7 +34,7 @@ __all__ = ["CLIError", "build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     from tokentape import __version__
     from tokentape.entrypoints import serve
-    from tokentape.entrypoints.cli import debug, diff, export, generate, inspect, replay
+    from tokentape.entrypoints.cli import debug, diff, export, generate, inspect, replay, why
     from tokentape.postmortem import cli as postmortem
 
     parser = argparse.ArgumentParser(
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  tokentape replay verify run.tape         # does the tape reproduce?\n"
             "  tokentape inspect run.tape --step 5      # derived state at step 5\n"
             "  tokentape diff a.tape b.tape             # first output divergence\n"
+            "  tokentape why bug.tape 0 4               # the events behind one output token\n"
             "  tokentape serve --model tiny --port 8000 # OpenAI-compatible server\n"
             "\n"
             "Expected failures print 'error: <message>' on stderr and exit with status 2.\n"
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tokentape {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for family in (generate, replay, postmortem, serve, inspect, debug, diff, export):
+    for family in (generate, replay, postmortem, serve, inspect, debug, diff, export, why):
         family.add_parser(sub)
     return parser
 
