@@ -541,6 +541,9 @@ def test_reader_in_another_process_sees_consistent_prefix(tmp_path: Path) -> Non
             boundaries.append(len(engine.tape))
             time.sleep(0.002)
         assert time.monotonic() - t0 > 0.5  # enough time for the reader to overlap
+        # A commit reaches the file up to COMMIT_INTERVAL_S later (the writer process groups
+        # them; longer on a busy machine): flush, and the reader's read after `done` sees all.
+        engine.tape.flush()
         done.touch()
         assert reader.wait(timeout=120) == 0
     finally:

@@ -203,6 +203,9 @@ class SQLiteTape:
         return self._writer.pid
 
     def __len__(self) -> int:
+        """Events appended so far. The file (what another process reads) may lag behind by
+        the last commits, which the writer commits up to COMMIT_INTERVAL_S later (more on a
+        busy machine); after `flush` it holds them all."""
         return self._next_seq
 
     def close(self) -> None:
