@@ -27,10 +27,10 @@ PROMPT = list(range(10, 30))
 Delivered = dict[str, list[int]]
 
 
-def _llm(path: Path, policy: str = "epoch", depth: int = 2, k: int = 0, **kw: Any) -> LLM:
+def _llm(path: Path | None, policy: str = "epoch", depth: int = 2, k: int = 0, **kw: Any) -> LLM:
     args: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 64}
     args.update(kw)
-    return LLM(model="oracle-random", tape=str(path), pipeline_depth=depth,
+    return LLM(model="oracle-random", tape=None if path is None else str(path), pipeline_depth=depth,
                num_speculative_tokens=k, discard_policy=policy, **args)
 
 
@@ -118,10 +118,11 @@ class _AbortRacingFinalStep(LLMEngine):
         super()._emit(event)
 
 
-def abort_final_step(path: Path) -> None:
+def abort_final_step(path: Path, clean: bool = False) -> None:
     llm = _llm(path, depth=2)
-    # The same runner and (still empty) tape, driven by the faulty engine.
-    engine = llm.engine = _AbortRacingFinalStep(llm.config, llm.engine.runner, llm.engine.tape, llm.tokenizer)
+    engine = llm.engine
+    if not clean:  # the same runner and (still empty) tape, driven by the faulty engine
+        engine = llm.engine = _AbortRacingFinalStep(llm.config, llm.engine.runner, llm.engine.tape, llm.tokenizer)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request("a", PROMPT, params)
     engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
@@ -135,15 +136,133 @@ def abort_final_step(path: Path) -> None:
     llm.close()
 
 
-def kv_pressure_in_flight(path: Path) -> None:
+def kv_pressure_in_flight(path: Path, clean: bool = False) -> None:
     """vLLM #47900's setting: KV-pressure preemptions while decode output is in flight (pipeline
     depth 3, two steps in flight); the flag drops one stale frame, the second is applied and
     output placeholders go negative."""
-    llm = _llm(path, "flag", depth=3, num_kv_blocks=14, max_num_seqs=4)
+    llm = _llm(path, "epoch" if clean else "flag", depth=3, num_kv_blocks=14, max_num_seqs=4)
     for i in range(3):
         llm.engine.add_request(f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
     delivered: Delivered = {}
     _run_until_idle(llm, delivered)
+    llm.close()
+
+
+# -- the museum: later bugs of the family, by museum policy or injected fault ----------------
+# Each takes `clean=True` to run the same scenario on the default engine (epoch, no fault),
+# which tests/test_museum.py holds to no finding at all.
+
+
+def _museum_llm(path: Path, clean: bool, policy: str = "epoch", faults: tuple[str, ...] = (),
+                **kw: Any) -> LLM:
+    return _llm(path, "epoch" if clean else policy, faults=() if clean else faults, **kw)
+
+
+def _kv_pressure(llm: LLM) -> None:
+    for i in range(3):
+        llm.engine.add_request(f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+    _run_until_idle(llm, {})
+    llm.close()
+
+
+def flag_reset_only_38624(path: Path, clean: bool = False) -> None:
+    """vLLM #38624 (museum policy flag-reset-only): the discard flag is set by a reset's
+    preemptions only; KV-pressure preemptions with output in flight let it through."""
+    _kv_pressure(_museum_llm(path, clean, "flag-reset-only", depth=2, num_kv_blocks=14, max_num_seqs=4))
+
+
+def counter_reset_only_47900(path: Path, clean: bool = False) -> None:
+    """vLLM #47900, before #48245 (museum policy counter-reset-only): the discard counter is
+    set by a reset's preemptions only; after a KV-pressure preemption the stale output is
+    applied and counted, and output placeholders go below zero (vLLM asserted)."""
+    _kv_pressure(_museum_llm(path, clean, "counter-reset-only", depth=2, num_kv_blocks=14, max_num_seqs=4))
+
+
+def counter_spec_budget_41190(path: Path, clean: bool = False) -> None:
+    """vLLM #41190, fixed by #49620 (museum policy counter-spec-budget): a reset with a
+    speculative step in flight sets a budget of 1 + k tokens per frame; the stale frame
+    returns fewer (drafts rejected), and the rest of the budget drops fresh frames."""
+    llm = _museum_llm(path, clean, "counter-spec-budget", depth=2, k=3)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 5)
+    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def spec_placeholder_input_40768(path: Path, clean: bool = False) -> None:
+    """vLLM #40768 (fault spec_placeholder_input): a reset preempts a request with
+    speculative slots in flight; its -1 draft placeholders are not cleared and become input
+    ids of the step that admits it again."""
+    llm = _museum_llm(path, clean, faults=("spec_placeholder_input",), depth=2, k=2)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 4)
+    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def late_stop_49860(path: Path, clean: bool = False) -> None:
+    """vLLM #49860 (fault late_stop_after_drain): pause_generation(keep, clear_cache=False)
+    drains a step in flight without returning its placeholder; at the end the request is
+    scheduled one step past max_tokens."""
+    llm = _museum_llm(path, clean, faults=("late_stop_after_drain",), depth=2)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 4)
+    llm.engine.pause_generation(mode="keep", clear_cache=False)
+    _drive(llm, delivered)
+    llm.engine.resume_generation()
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def chunk_underflow_57562(path: Path, clean: bool = False) -> None:
+    """vLLM #57562 (fault chunk_placeholder_underflow): chunked prefill with two requests
+    sharing the token budget, no speculative decoding, no preemption; the final chunk's
+    placeholder is not counted, so its token takes placeholders to -1."""
+    llm = _museum_llm(path, clean, faults=("chunk_placeholder_underflow",), depth=2, max_num_batched_tokens=8)
+    llm.engine.add_request("a", PROMPT[:13], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.engine.add_request("b", PROMPT[3:10], SamplingParams(max_tokens=6, ignore_eos=True))
+    _run_until_idle(llm, {})
+    llm.close()
+
+
+def double_free_33377(path: Path, clean: bool = False) -> None:
+    """vLLM #33377 (fault double_free_on_abort): a request aborted with a step in flight has
+    its KV blocks freed at the abort and again when the step comes back, by then taken by
+    the request admitted in its place; they are handed out twice."""
+    llm = _museum_llm(path, clean, faults=("double_free_on_abort",), depth=2, num_kv_blocks=12,
+                      enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("a", PROMPT[:15], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("b", PROMPT[:14], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("w", PROMPT[2:16], SamplingParams(max_tokens=12, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 2)
+    engine.abort_request("a")
+    try:
+        _run_until_idle(llm, delivered)
+    except RuntimeError:  # the pool notices a block given back once too often; on the tape
+        pass
+    llm.close()
+
+
+def crash_aborted_52969(path: Path, clean: bool = False) -> None:
+    """vLLM #52969 (fault crash_on_aborted_output): a request aborted while its step is in
+    flight; when the step's output comes back the engine looks the request up and crashes."""
+    llm = _museum_llm(path, clean, faults=("crash_on_aborted_output",), depth=2)
+    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=16, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 3)
+    llm.engine.abort_request("a")
+    try:
+        _run_until_idle(llm, delivered)
+    except KeyError:  # the crash, recorded on the tape as an EngineError
+        pass
     llm.close()
 
 
@@ -224,6 +343,43 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         _finding("token_mismatch", ["q2"], "vllm#47900"),
         _finding("negative_count", ["q2"], "vllm#47900"),
         _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
+    ]),
+    # The museum (each scenario also runs clean: tests/test_museum.py).
+    "flag_reset_only_38624": (flag_reset_only_38624, [
+        _finding("stale_frame_applied", ["q2"], "vllm#38624"),
+        _finding("negative_count", ["q2"], "vllm#38624"),
+        _finding("count_nonzero_at_finish", ["q2"], "vllm#38624", severity="warning"),
+    ]),
+    "counter_reset_only_47900": (counter_reset_only_47900, [
+        _finding("stale_frame_applied", ["q2"], "vllm#47900"),
+        _finding("negative_count", ["q2"], "vllm#47900"),  # vLLM's assert placeholders >= 0
+        _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
+    ]),
+    "counter_spec_budget_41190": (counter_spec_budget_41190, [
+        _finding("fresh_frame_dropped", ["r"], "vllm#41190"),
+        _finding("token_shifted", ["r"], "vllm#41190"),
+        _finding("count_nonzero_at_finish", ["r"], "vllm#41190", severity="warning"),
+    ]),
+    "spec_placeholder_input_40768": (spec_placeholder_input_40768, [
+        _finding("spec_placeholder_in_input", ["r"], "vllm#40768"),
+        _finding("token_shifted", ["r"], "vllm#40768"),  # the oracle counts each -1 as a position
+    ]),
+    "late_stop_49860": (late_stop_49860, [
+        _finding("scheduled_past_stop", ["r"], "vllm#49860"),
+    ]),
+    "chunk_underflow_57562": (chunk_underflow_57562, [
+        _finding("negative_count", ["a"], "vllm#57562"),
+        _finding("negative_count", ["b"], "vllm#57562"),
+        _finding("count_nonzero_at_finish", ["a"], "vllm#57562", severity="warning"),
+        _finding("count_nonzero_at_finish", ["b"], "vllm#57562", severity="warning"),
+    ]),
+    "double_free_33377": (double_free_33377, [
+        _finding("kv_block_freed_twice", ["b", "w"], "vllm#33377"),
+        _finding("kv_block_freed_twice", ["w"], "vllm#33377"),
+        _finding("engine_error", ["b", "w"], "vllm#33377"),  # the pool notices at last
+    ]),
+    "crash_aborted_52969": (crash_aborted_52969, [
+        _finding("engine_error", ["a"], "vllm#52969"),
     ]),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),

@@ -4,8 +4,10 @@ that replay can rebuild the same scheduler."""
 from __future__ import annotations
 
 import msgspec
+import msgspec.structs
 
-from tokentape.events.discard import DISCARD_POLICIES
+from tokentape.events.discard import ALL_POLICIES
+from tokentape.events.faults import FAULTS
 from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_str
 
 MAX_PIPELINE_DEPTH = 4
@@ -40,6 +42,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # step's sequences (engine/runners/input_batch.py); the engine's own thread count, not
     # the process's. None or 0: one per CPU the process may run on.
     cpu_threads: int | None = None
+    # Upstream bugs reproduced on purpose (tokentape.events.faults), for tapes and tests;
+    # empty on every ordinary engine, and then nothing looks at it.
+    faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Types first (a bool is not an int here; the seed goes into the tape header and the
@@ -65,8 +70,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if not ok:
                 raise ValueError(message)
 
-        need(self.discard_policy in DISCARD_POLICIES,
-             f"discard_policy must be one of {sorted(DISCARD_POLICIES)}, got {self.discard_policy!r}")
+        need(self.discard_policy in ALL_POLICIES,
+             f"discard_policy must be one of {sorted(ALL_POLICIES)}, got {self.discard_policy!r}")
+        if isinstance(self.faults, str) or not isinstance(self.faults, (tuple, list)):
+            raise TypeError(f"faults must be a tuple of fault names, got {self.faults!r}")
+        msgspec.structs.force_setattr(self, "faults", tuple(self.faults))  # equal after a round trip
+        for name in self.faults:
+            need(isinstance(name, str) and name in FAULTS,
+                 f"unknown fault {name!r}; the faults are {sorted(FAULTS)}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.kv_capacity <= INT64_MAX,

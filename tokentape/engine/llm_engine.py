@@ -64,13 +64,18 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.depth = config.effective_pipeline_depth
         self.state = initial_state(
-            config.discard_policy, self.depth > 1, runner.eos_token_id, config.effective_max_model_len
+            config.discard_policy, self.depth > 1, runner.eos_token_id, config.effective_max_model_len,
+            config.faults,
         )
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
         self._finished_since_last_batch: list[str] = []
         self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
         self._dead: str | None = None
+        if config.faults:  # upstream bugs on purpose (tests, tapes): the default path has none
+            from tokentape.engine.faults import install_faults
+
+            install_faults(self)
         # n > 1: the parents and, by child id, the parent gathering each child's outputs.
         self._parents: dict[str, ParentRequest] = {}
         self._parent_of: dict[str, ParentRequest] = {}

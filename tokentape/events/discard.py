@@ -18,6 +18,19 @@ of the reducer: they change request state only when the reducer calls them.
   stale output is delivered but not counted, and the request is not scheduled again until
   it has drained, so nothing is computed twice. A reset's preemption (`drop_stale_output`)
   drops it instead, so the request may be scheduled again at once.
+
+The museum policies (`MUSEUM_POLICIES`) reproduce later bugs of the family, for tapes and
+tests only: selectable by name, never a default, not offered by the CLI.
+
+- `flag-reset-only`: vLLM #38624. The flag is set by a reset's preemptions only, so a
+  KV-pressure preemption leaves its in-flight output to be applied: a token twice.
+- `counter-reset-only`: vLLM between #42117 and #48245 (#47900). The counter is set by a
+  reset's preemptions only; a KV-pressure preemption zeroes the placeholders and the stale
+  output that comes back is applied and counted, so they go below zero (vLLM asserted).
+- `counter-spec-budget`: vLLM #41190 (fixed by #49620). The discard budget is counted in
+  tokens, 1 + k per frame in flight, and a stale frame takes back the tokens it returned
+  (1 + accepted drafts): after rejected drafts the budget outlives the stale frames and
+  drops fresh ones. (The issue gives the budget's unit; how it drained is modelled.)
 """
 
 from __future__ import annotations
@@ -40,8 +53,9 @@ class DiscardPolicy(Protocol):
         marked stale (`req.num_stale_in_flight` still counts the stale entries of earlier
         preemptions)."""
 
-    def should_drop(self, req: RequestState, stale: bool) -> bool:
-        """Called for each frame of an unfinished request; `stale` is the truth."""
+    def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
+        """Called for each frame of an unfinished request that is stale or that the policy
+        may drop fresh; `stale` is the truth, `num_tokens` the frame's length."""
 
 
 class EpochPolicy:
@@ -52,7 +66,7 @@ class EpochPolicy:
     def on_preempt(self, req: RequestState, reason: str) -> None:
         pass  # the reducer bumps the epoch for every policy
 
-    def should_drop(self, req: RequestState, stale: bool) -> bool:
+    def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
         return stale
 
 
@@ -66,7 +80,7 @@ class CounterPolicy:
         # got through: vLLM asserted, #47900); a negative count would discard nothing either.
         req.async_tokens_to_discard = max(0, req.num_output_placeholders)
 
-    def should_drop(self, req: RequestState, stale: bool) -> bool:
+    def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
         if req.async_tokens_to_discard > 0:
             req.async_tokens_to_discard -= 1  # one per frame, although it was set in tokens
             return True
@@ -81,7 +95,7 @@ class FlagPolicy:
     def on_preempt(self, req: RequestState, reason: str) -> None:
         req.discard_latest_async_tokens = True  # even when nothing is in flight
 
-    def should_drop(self, req: RequestState, stale: bool) -> bool:
+    def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
         if req.discard_latest_async_tokens:
             req.discard_latest_async_tokens = False
             return True
@@ -99,19 +113,53 @@ class DeliverPolicy:
         req.drop_stale_output = reason == "reset_prefix_cache" or (
             req.drop_stale_output and req.num_stale_in_flight > 0)
 
-    def should_drop(self, req: RequestState, stale: bool) -> bool:
+    def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
         return stale and req.drop_stale_output
+
+
+class FlagResetOnlyPolicy(FlagPolicy):
+    name = "flag-reset-only"
+
+    def on_preempt(self, req: RequestState, reason: str) -> None:
+        if reason == "reset_prefix_cache":  # #38624: the KV-pressure path sets nothing
+            req.discard_latest_async_tokens = True
+
+
+class CounterResetOnlyPolicy(CounterPolicy):
+    name = "counter-reset-only"
+
+    def on_preempt(self, req: RequestState, reason: str) -> None:
+        if reason == "reset_prefix_cache":  # #47900: the KV-pressure path sets nothing
+            super().on_preempt(req, reason)
+
+
+class CounterSpecBudgetPolicy(CounterPolicy):
+    name = "counter-spec-budget"
+
+    def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
+        if req.async_tokens_to_discard > 0:
+            # Drained by the tokens the frame returned, although it was set at 1 + k per frame.
+            req.async_tokens_to_discard = max(0, req.async_tokens_to_discard - num_tokens)
+            return True
+        return False
 
 
 DISCARD_POLICIES: dict[str, DiscardPolicy] = {
     p.name: p for p in (EpochPolicy(), CounterPolicy(), FlagPolicy(), DeliverPolicy())
 }
+# Later bugs of the family, reproduced on purpose (tests/tapes/regenerate.py): selectable by
+# name like the others, but not in DISCARD_POLICIES (the CLI's choices, chaos grids).
+MUSEUM_POLICIES: dict[str, DiscardPolicy] = {
+    p.name: p for p in (FlagResetOnlyPolicy(), CounterResetOnlyPolicy(), CounterSpecBudgetPolicy())
+}
+ALL_POLICIES: dict[str, DiscardPolicy] = {**DISCARD_POLICIES, **MUSEUM_POLICIES}
 
 
 def get_policy(name: str) -> DiscardPolicy:
     try:
-        return DISCARD_POLICIES[name]
+        return ALL_POLICIES[name]
     except KeyError:
         raise ValueError(
-            f"unknown discard_policy {name!r}; choose one of {sorted(DISCARD_POLICIES)}"
+            f"unknown discard_policy {name!r}; choose one of {sorted(DISCARD_POLICIES)} "
+            f"(or a museum policy: {sorted(MUSEUM_POLICIES)})"
         ) from None

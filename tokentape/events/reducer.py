@@ -13,6 +13,7 @@ from typing import Any
 from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
 from tokentape.events.errors import ReducerError
+from tokentape.events.faults import REDUCER_FAULTS
 from tokentape.events.state import (
     FINISHED_STATUS,
     EngineState,
@@ -27,9 +28,11 @@ def initial_state(
     async_scheduling: bool = True,
     eos_token_id: int | None = None,
     max_model_len: int = 1 << 62,
+    faults: Iterable[str] = (),
 ) -> EngineState:
     get_policy(discard_policy)  # fail early on an unknown name
-    return EngineState(discard_policy, async_scheduling, eos_token_id, max_model_len)
+    return EngineState(discard_policy, async_scheduling, eos_token_id, max_model_len,
+                       frozenset(faults) & REDUCER_FAULTS)
 
 
 def _request(state: EngineState, req_id: str) -> RequestState:
@@ -108,6 +111,8 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
     if e.step != state.step:
         raise ReducerError(f"step {e.step} scheduled when step {state.step} was expected")
     get_request, running = state.requests.get, RequestStatus.RUNNING  # locals: a hot loop
+    # vLLM #57562, injected: final prefill chunks that followed earlier chunks, in a shared step.
+    chunks = _later_chunks(state, e) if state.faults else None
     scheduled: list[RequestState] = []
     add_scheduled = scheduled.append
     partial: set[str] = set()
@@ -133,6 +138,20 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
             partial.add(entry.req_id)
     state.in_flight_steps.append(InFlightStep(e.step, e.entries, scheduled, partial))
     state.step = e.step + 1
+    if chunks:  # the chunk samples, but its placeholders were never counted
+        for entry in chunks:
+            if entry.req_id not in partial:
+                state.requests[entry.req_id].num_output_placeholders -= 1 + entry.num_spec_tokens
+
+
+def _later_chunks(state: EngineState, e: ev.StepScheduled) -> list[ev.ScheduledEntry]:
+    """The fault chunk_placeholder_underflow (vLLM #57562): the entries of a step shared with
+    other requests that continue a chunked prefill (before the reducer applies the step)."""
+    if "chunk_placeholder_underflow" not in state.faults or len(e.entries) < 2:
+        return []
+    requests, running = state.requests, RequestStatus.RUNNING
+    return [x for x in e.entries if x.num_computed_before > 0 and x.req_id in requests
+            and requests[x.req_id].status is running and not requests[x.req_id].prefill_complete]
 
 
 def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
@@ -194,7 +213,7 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
                 continue
             if num_spec:  # rejected draft positions were counted as computed
                 req.num_computed_tokens -= num_spec - frame.num_accepted
-        if (stale or may_drop_fresh) and should_drop(req, stale):
+        if (stale or may_drop_fresh) and should_drop(req, stale, len(frame.token_ids)):
             req.num_frames_dropped += 1
             continue
         if not (stale and delivers_stale):  # delivered stale output is not counted (#48245)

@@ -118,6 +118,7 @@ class EngineState:
     async_scheduling: bool = True  # the discard policies act only when steps can be in flight
     eos_token_id: int | None = None
     max_model_len: int = 1 << 62
+    faults: frozenset[str] = frozenset()  # reducer faults (tokentape.events.faults), tests only
     step: int = 0  # the number of steps scheduled so far; the next step's number
     paused: PauseMode | None = None
     requests: dict[str, RequestState] = field(default_factory=dict)
@@ -135,7 +136,7 @@ class EngineState:
         """The derived discard count of a request under this tape's policy."""
         if self.discard_policy == "epoch":
             return req.num_stale_in_flight
-        if self.discard_policy == "counter":
+        if self.discard_policy.startswith("counter"):  # counter and its museum variants
             return req.async_tokens_to_discard
         if self.discard_policy == "deliver":  # the stale entries whose frames will be dropped
             return req.num_stale_in_flight if req.drop_stale_output else 0

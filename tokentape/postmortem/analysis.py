@@ -25,6 +25,7 @@ from tokentape.postmortem.findings import Report, Summary
 from tokentape.postmortem.frames import CountChecker, FrameChecker, HistoryChecker
 from tokentape.postmortem.kv import KVChecker
 from tokentape.postmortem.outputs import OutputChecker, ReferenceChecker
+from tokentape.postmortem.schedule import ScheduleChecker
 from tokentape.postmortem.stuck import StuckChecker
 from tokentape.replay.render import describe_event, event_requests
 from tokentape.replay.tape import Tape, load_tape
@@ -37,13 +38,26 @@ Progress = Callable[[int], None]  # called with the number of events analysed so
 
 
 class EngineErrorChecker(Checker):
+    _frame: tuple[int, ev.FrameProduced, list[str]] | None = None  # the latest frame, its aborted requests
+
     def after(self) -> dict[type, Hook]:
-        return {ev.EngineError: self._error}
+        return {ev.EngineError: self._error, ev.FrameProduced: self._frame_applied}
+
+    def _frame_applied(self, seq: int, e: ev.FrameProduced) -> None:
+        requests = self.state.requests
+        self._frame = (seq, e, [x.req_id for x in e.entries if requests[x.req_id].finish_reason == "abort"])
 
     def _error(self, seq: int, e: ev.EngineError) -> None:
-        self.ctx.report("engine_error", "error", sorted(self.state.running)[:8], e.step,
-                        f"the engine failed at step {e.step}: {e.error_type}: {' '.join(e.message.split())}",
-                        [(seq, e)], None, seq)
+        names, bug, cause, excerpt = sorted(self.state.running)[:8], None, "", [(seq, e)]
+        if self._frame is not None and self._frame[0] == seq - 1 and self._frame[2]:
+            # It failed on a frame holding output of requests aborted while it was in flight.
+            names, bug, excerpt = self._frame[2][:8], "vllm#52969", [self._frame[:2], (seq, e)]
+            cause = f", on the output of aborted request(s) {', '.join(map(repr, names))}"
+        else:  # a failure that follows a finding (a block freed twice) carries its class
+            bug = next((c for r in names if (c := self.ctx.bug_class_of(r)) is not None), None)
+        self.ctx.report("engine_error", "error", names, e.step,
+                        f"the engine failed at step {e.step}{cause}: {e.error_type}: {' '.join(e.message.split())}",
+                        excerpt, bug, seq)
 
 
 def reference_outputs(source: TapeSource) -> dict[str, tuple[list[int], list[int], str | None]]:
@@ -70,7 +84,7 @@ def postmortem(
     tape = load_tape(source)
     ctx = Context(tape, tape.initial_state())
     checkers: list[Checker] = [HistoryChecker(ctx), FrameChecker(ctx), CountChecker(ctx),
-                               KVChecker(ctx), StuckChecker(ctx), OutputChecker(ctx),
+                               KVChecker(ctx), ScheduleChecker(ctx), StuckChecker(ctx), OutputChecker(ctx),
                                EngineErrorChecker(ctx)]
     ref_name: str | None = None
     if reference is not None:

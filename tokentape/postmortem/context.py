@@ -54,6 +54,7 @@ class Context:
     scheduled: dict[int, Item] = field(default_factory=dict)  # step -> its StepScheduled, while in flight
     preemptions: dict[str, Preemption] = field(default_factory=dict)
     last_resume: Item | None = None
+    chunked: set[str] = field(default_factory=set)  # requests whose prefill took several chunks
     tokens: Counter[str] = field(default_factory=Counter)
     _drafts: dict[tuple[str, tuple[str, ...], str], _Draft] = field(default_factory=dict)
     _bug_classes: dict[str, str] = field(default_factory=dict)  # request -> its first bug class

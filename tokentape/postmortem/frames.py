@@ -37,6 +37,9 @@ class HistoryChecker(Checker):
     def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
         scheduled = self.ctx.scheduled
         scheduled[e.step] = (seq, e)
+        flight = self.state.in_flight_steps
+        if flight and flight[-1].partial:
+            self.ctx.chunked.update(flight[-1].partial)
         # A step's frame comes back before the pipeline schedules MAX_PIPELINE_DEPTH more.
         scheduled.pop(e.step - _KEEP_STEPS, None)
 
@@ -137,6 +140,8 @@ class FrameChecker(Checker):
         bug = None
         if policy == "flag":
             bug = "vllm#42043"
+        elif policy == "counter-spec-budget":
+            bug = "vllm#41190"
         elif policy == "counter" and p is not None and p.spec_in_flight:
             bug = "vllm#42117-spec-units"
         elif policy == "counter" and p is not None and p.counter_left > 0:
@@ -171,10 +176,17 @@ class FrameChecker(Checker):
             [scheduled, cite(p), (seq, e)], bug, seq)
 
 
+# Museum policies whose discard is set by a reset's preemptions only: a stale frame of a
+# KV-pressure preemption gets through (tokentape.events.discard).
+_RESET_ONLY = {"flag-reset-only": "vllm#38624", "counter-reset-only": "vllm#47900"}
+
+
 def stale_bug_class(p: Preemption | None, policy: str) -> str | None:
     """The upstream bug that a stale frame getting through after preemption `p` matches."""
     if p is None:
         return None
+    if p.event.reason == "kv_pressure" and policy in _RESET_ONLY:
+        return _RESET_ONLY[policy]
     if p.counter_left > 0:
         return "vllm#42117-overwrite"
     if p.event.reason == "kv_pressure":
@@ -235,6 +247,8 @@ class CountChecker(Checker):
         bug = None
         if name == "num_output_placeholders":  # a stale frame got through: it was counted once more
             bug = stale_bug_class(p, self.ctx.tape.header.discard_policy)
+            if p is None and req.req_id in self.ctx.chunked:
+                bug = "vllm#57562"  # no preemption: a prefill chunk's placeholder went missing
         self.ctx.report(
             "negative_count", "error", [req.req_id], e.step,
             f"{name} of request {req.req_id!r} went negative ({value}) at step {e.step}",

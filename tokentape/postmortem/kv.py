@@ -30,6 +30,7 @@ class KVChecker(Checker):
         self.holder: list[str | None] = [None] * self.num_blocks  # latest request to take it
         self.used = 0  # blocks with at least one holder
         self._reset: tuple[int, ev.PrefixCacheReset] | None = None  # a reset whose preemptions follow
+        self.abort_freed: set[int] = set()  # blocks given back by an abort with a step in flight
 
     def before(self) -> dict[type, Hook]:
         return {ev.StepScheduled: self._scheduled, ev.RequestPreempted: self._preempted,
@@ -53,11 +54,12 @@ class KVChecker(Checker):
                     continue
                 if i >= hits and refs[b] > 0:
                     other = holder[b]
+                    bug = "vllm#33377" if b in self.abort_freed else None
                     self.ctx.report(
                         "kv_block_freed_twice", "error", sorted({entry.req_id, other or "?"}), e.step,
                         f"KV block {b} was newly allocated to request {entry.req_id!r} in step {e.step} "
                         f"while request {other!r} still held it: it was freed twice or handed out twice",
-                        [(seq, e)], None, seq)
+                        [(seq, e)], bug, seq)
                 if refs[b] == 0:
                     self.used += 1
                 refs[b] += 1
@@ -82,6 +84,9 @@ class KVChecker(Checker):
 
     def _released(self, seq: int, e: ev.RequestFinished | ev.RequestAborted) -> None:
         self._settle_reset()
+        req = self.state.requests.get(e.req_id)
+        if isinstance(e, ev.RequestAborted) and req is not None and req.num_in_flight:
+            self.abort_freed.update(req.block_ids)  # its step in flight comes back after the free
         self._release(seq, e, e.req_id)
 
     def _preempted(self, seq: int, e: ev.RequestPreempted) -> None:

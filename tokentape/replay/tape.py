@@ -52,6 +52,7 @@ class Tape:
             self.config.effective_pipeline_depth > 1,
             self.header.eos_token_id,
             self.config.effective_max_model_len,
+            self.config.faults,
         )
 
     def fold(self, until_seq: int | None = None,

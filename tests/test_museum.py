@@ -1,0 +1,93 @@
+"""The museum: every later bug of the family, reproduced on purpose by a museum policy or an
+injected fault (tests/tapes/regenerate.py records each; test_postmortem.py holds each tape to
+its findings), and here the same scenarios on the default engine, which must pass them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tokentape import LLM, SamplingParams
+from tokentape.engine.scheduler import Scheduler
+from tokentape.events.discard import DISCARD_POLICIES, MUSEUM_POLICIES, get_policy
+from tokentape.events.faults import FAULTS
+from tokentape.postmortem import postmortem
+from tokentape.postmortem.findings import BUG_CLASSES
+from tokentape.replay import load_tape
+from tokentape.replay.verify import verify
+
+TAPES = Path(__file__).parent / "tapes"
+_spec = importlib.util.spec_from_file_location("regenerate", TAPES / "regenerate.py")
+assert _spec is not None and _spec.loader is not None
+regenerate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(regenerate)
+
+# tape name -> the upstream bug it shows (the table of issue 18, plus #26400 and #47900's
+# older tape)
+MUSEUM = {
+    "flag_reset_only_38624": "vllm#38624",
+    "spec_placeholder_input_40768": "vllm#40768",
+    "counter_spec_budget_41190": "vllm#41190",
+    "counter_reset_only_47900": "vllm#47900",
+    "kv_pressure_in_flight": "vllm#47900",
+    "late_stop_49860": "vllm#49860",
+    "chunk_underflow_57562": "vllm#57562",
+    "abort_final_step": "vllm#26400",
+    "double_free_33377": "vllm#33377",
+    "crash_aborted_52969": "vllm#52969",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUSEUM))
+def test_the_tape_names_its_bug(name: str) -> None:
+    report = postmortem(TAPES / f"{name}.tape")
+    assert not report.ok
+    assert {f.bug_class for f in report.findings if f.severity == "error"} == {MUSEUM[name]}
+    assert MUSEUM[name] in BUG_CLASSES
+
+
+@pytest.mark.parametrize("name", sorted(MUSEUM))
+def test_the_default_engine_passes_the_same_scenario(name: str, tmp_path: Path) -> None:
+    scenario, _ = regenerate.ZOO[name]
+    scenario(tmp_path / "clean.tape", clean=True)
+    tape = load_tape(tmp_path / "clean.tape")
+    assert tape.header.discard_policy == "epoch" and tape.config.faults == ()
+    report = postmortem(tape)  # the oracle's streams, counts, blocks, schedule, outputs
+    assert report.findings == [], [f.message for f in report.findings]
+    state = tape.fold()
+    assert state.requests and all(r.is_finished for r in state.requests.values())
+    assert all(r.num_output_placeholders == 0 for r in state.requests.values())
+
+
+def test_museum_policies_are_selectable_but_not_offered() -> None:
+    assert not set(MUSEUM_POLICIES) & set(DISCARD_POLICIES)
+    for name in MUSEUM_POLICIES:
+        assert get_policy(name).name == name
+        LLM(model="oracle", tape=None, discard_policy=name).close()
+
+
+def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown fault 'nope'"):
+        LLM(model="oracle", tape=None, faults=("nope",))
+    with pytest.raises(TypeError, match="faults must be a tuple"):
+        LLM(model="oracle", tape=None, faults="late_stop_after_drain")
+    plain = LLM(model="oracle", tape=None)
+    # Nothing installed on the default path: the scheduler's own methods, no wrappers.
+    assert "preempt" not in vars(plain.engine.scheduler) and "pause_generation" not in vars(plain.engine)
+    assert not plain.engine.state.faults
+    plain.close()
+    llm = LLM(model="oracle", tape=str(tmp_path / "f.tape"), faults=list(FAULTS))
+    assert llm.config.faults == tuple(FAULTS)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    llm.close()
+    tape = load_tape(tmp_path / "f.tape")
+    assert tape.config.faults == tuple(FAULTS)  # a replay installs them again
+    assert tape.initial_state().faults == {"chunk_placeholder_underflow"}
+    assert verify(tape).ok
+
+
+def test_a_fault_crash_verifies_as_the_recording_failed() -> None:
+    result = verify(TAPES / "crash_aborted_52969.tape")
+    assert result.ok and result.ended_with_error is not None and "KeyError" in result.ended_with_error

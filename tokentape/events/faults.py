@@ -1,0 +1,32 @@
+"""Faults that reproduce upstream bugs on purpose: the names, and the upstream bug each one
+reproduces. An engine built with `faults=(...)` (EngineConfig) installs them; the default
+path (`faults=()`) never looks at them. They are recorded in the tape header's config, so a
+replay or a fold of the tape runs with the same faults.
+
+The installers live in `tokentape.engine.faults`; the one reducer fault is applied by the
+reducer itself (`REDUCER_FAULTS`). Each docstring line below says what is modelled: where
+the upstream issue does not state the exact mechanism, the mechanism its title describes.
+"""
+
+from __future__ import annotations
+
+FAULTS: dict[str, str] = {
+    # vLLM #40768: the -1 draft placeholders of a request preempted with speculative slots in
+    # flight are not cleared, and go into the input ids of the step that admits it again.
+    "spec_placeholder_input": "vllm#40768",
+    # vLLM #49860: a drain (pause_generation without a reset) delivers the in-flight output
+    # without returning its placeholders, so vLLM's max_tokens look-ahead schedules one
+    # extra decode per drained step: the stop comes late.
+    "late_stop_after_drain": "vllm#49860",
+    # vLLM #57562: with chunked prefill and other requests in the step, the final chunk of a
+    # prefill is counted without its output placeholder; its token takes one back (-1).
+    "chunk_placeholder_underflow": "vllm#57562",
+    # vLLM #33377: a request aborted with a step in flight has its KV blocks freed at the
+    # abort and again when that step's output comes back, by then held by another request.
+    "double_free_on_abort": "vllm#33377",
+    # vLLM #52969: output that comes back for a request aborted while its step was in flight
+    # is looked up among the live requests, and the engine crashes.
+    "crash_on_aborted_output": "vllm#52969",
+}
+
+REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow"})

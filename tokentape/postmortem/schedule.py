@@ -1,0 +1,57 @@
+"""Checkers of the scheduler's decisions, read from each StepScheduled before the reducer
+applies it:
+
+- `spec_placeholder_in_input`: a request admitted (from waiting, so its tokens are all
+  confirmed and it has no drafts) with speculative slots: the slots can only hold draft
+  placeholders (-1) left from before its preemption, and they are the step's input ids
+  (vLLM #40768).
+- `scheduled_past_stop`: a decode scheduled for a request whose steps in flight already
+  produce every token it may still take (max_tokens, capped by max_model_len): vLLM's
+  async scheduler must schedule prompt + max_tokens - 1 tokens in all, no more; one more
+  step means its stop comes late (vLLM #49860 after a drain that left placeholders behind).
+"""
+
+from __future__ import annotations
+
+from tokentape.events import schema as ev
+from tokentape.events.state import RequestStatus
+from tokentape.postmortem.base import Checker, Hook
+from tokentape.postmortem.context import Context
+
+
+class ScheduleChecker(Checker):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._drained: set[str] = set()  # requests whose in-flight output a pause drained
+
+    def before(self) -> dict[type, Hook]:
+        return {ev.StepScheduled: self._scheduled, ev.GenerationPaused: self._paused}
+
+    def _paused(self, seq: int, e: ev.GenerationPaused) -> None:
+        requests = self.state.requests
+        self._drained.update(r for r in self.state.running if requests[r].num_fresh_in_flight)
+
+    def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
+        requests, running = self.state.requests, RequestStatus.RUNNING
+        for entry in e.entries:
+            req = requests.get(entry.req_id)
+            if req is None or req.finish_reason is not None:
+                continue  # the reducer refuses it
+            if req.status is not running:
+                if entry.num_spec_tokens:
+                    self.ctx.report(
+                        "spec_placeholder_in_input", "error", [req.req_id], e.step,
+                        f"request {req.req_id!r} was admitted in step {e.step} with "
+                        f"{entry.num_spec_tokens} speculative slot(s): an admitted request has no "
+                        "drafts, so the slots hold draft placeholders (-1) as input ids",
+                        [(seq, e)], "vllm#40768", seq)
+                continue
+            if req.prefill_complete and req.num_fresh_in_flight >= req.max_output_tokens - len(req.output_token_ids):
+                bug = "vllm#49860" if req.req_id in self._drained else None
+                drained = " after a drain" if bug else ""
+                self.ctx.report(
+                    "scheduled_past_stop", "error", [req.req_id], e.step,
+                    f"request {req.req_id!r} was scheduled in step {e.step}{drained} although its "
+                    f"{req.num_fresh_in_flight} step(s) in flight already produce the last of its "
+                    f"{req.max_output_tokens} tokens: its stop comes late",
+                    [(seq, e)], bug, seq)
