@@ -34,7 +34,9 @@ __all__ = ["CLIError", "build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     from tokentape import __version__
     from tokentape.entrypoints import serve
-    from tokentape.entrypoints.cli import debug, diff, export, generate, inspect, replay, why
+    from tokentape.entrypoints.cli import (
+        bisect, debug, diff, export, generate, inspect, replay, why,
+    )
     from tokentape.postmortem import cli as postmortem
 
     parser = argparse.ArgumentParser(
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  tokentape inspect run.tape --step 5      # derived state at step 5\n"
             "  tokentape diff a.tape b.tape             # first output divergence\n"
             "  tokentape why bug.tape 0 4               # the events behind one output token\n"
+            "  tokentape bisect a.tape b.tape           # first differing event, O(log n) reads\n"
             "  tokentape serve --model tiny --port 8000 # OpenAI-compatible server\n"
             "\n"
             "Expected failures print 'error: <message>' on stderr and exit with status 2.\n"
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tokentape {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for family in (generate, replay, postmortem, serve, inspect, debug, diff, export, why):
+    for family in (generate, replay, postmortem, serve, inspect, debug, diff, export, why, bisect):
         family.add_parser(sub)
     return parser
 
