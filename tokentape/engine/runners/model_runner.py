@@ -117,7 +117,6 @@ class TorchModelRunner:
         self._kv_bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads
                                     * cfg.head_dim * torch.finfo(dtype).bits // 8)
         self._flops_per_token = 2 * sum(p.numel() for p in self.model.parameters())
-        self._submitted: list[int] = []
         self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
@@ -128,17 +127,15 @@ class TorchModelRunner:
     # -- the runner protocol -------------------------------------------------------------------
 
     def submit(self, batch: ScheduledBatch) -> None:
-        self._submitted.append(batch.step)
-        self._worker.submit(lambda: self._run_on_stream(batch))
+        self._worker.submit(lambda: (batch.step, self._run_on_stream(batch)))
 
     def collect(self, step: int) -> list[FrameEntry]:
-        if not self._submitted or self._submitted[0] != step:
-            raise RuntimeError(
-                f"collect({step}): the oldest step submitted is "
-                f"{self._submitted[0] if self._submitted else None}"
-            )
-        self._submitted.pop(0)
-        return self._worker.result()  # the worker runs the steps in submission order
+        if not self._worker.num_outstanding:
+            raise RuntimeError(f"collect({step}): no step was submitted")
+        done, frame = self._worker.result()  # the worker runs the steps in submission order
+        if done != step:
+            raise RuntimeError(f"collect({step}): the oldest step submitted is {done}")
+        return frame
 
     def close(self) -> None:
         self._worker.close()
@@ -151,7 +148,7 @@ class TorchModelRunner:
     def update_weights(self, weights: WeightsSource) -> str:
         """Validate everything first, then load; returns the new weights' content hash.
         The caller guarantees that no step is in flight."""
-        if self._submitted:
+        if self._worker.num_outstanding:
             raise RuntimeError("update_weights: steps are still in flight in the runner")
         tensors = prepare_update(self.model, weights)
         apply_update(self.model, tensors)

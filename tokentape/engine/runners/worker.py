@@ -32,6 +32,7 @@ class ModelWorker:
     def __init__(self, num_threads: int | None, name: str = "tokentape-model-runner") -> None:
         self._inbox: queue.Queue[Callable[[], Any] | None] = queue.Queue()
         self._outbox: queue.Queue[Any] = queue.Queue()
+        self._outstanding = 0  # jobs submitted whose result() has not been taken
         callers = torch.get_num_threads()  # settles the caller's own count before ours is set
         self._thread = threading.Thread(
             target=self._serve, args=(num_threads,), name=name, daemon=True
@@ -48,11 +49,18 @@ class ModelWorker:
         """Jobs submitted and not started yet."""
         return self._inbox.qsize()
 
+    @property
+    def num_outstanding(self) -> int:
+        """Jobs submitted whose outcome has not been taken by `result()` yet."""
+        return self._outstanding
+
     def submit(self, job: Callable[[], Any]) -> None:
+        self._outstanding += 1
         self._inbox.put(job)
 
     def result(self) -> Any:
         outcome = self._outbox.get()
+        self._outstanding -= 1
         if isinstance(outcome, _Failure):
             raise outcome.error
         return outcome
