@@ -183,6 +183,9 @@ class AsyncLLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {shown(params)}")
         check_str("request_id", request_id)
+        if params.n != 1:  # the engine would fan it out into children this stream never sees
+            raise ValueError(f"AsyncLLM.generate serves n=1 only (one stream per request), got n={params.n}; "
+                             "start n requests with seeds seed + i, or use LLM.generate")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use on this engine")
         tokens, text = self._prompt_token_ids(prompt)

@@ -29,6 +29,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM: the token ids go into each choice
+    # OpenAI's penalties and vLLM's extra sampling fields, passed to SamplingParams as named.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     user: str | None = None
 
 

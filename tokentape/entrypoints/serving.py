@@ -134,8 +134,6 @@ class OpenAIServing:
                         logprobs: int | None) -> SamplingParams:
         if req.n != 1:
             raise APIError(400, f"n must be 1 (one choice per prompt), got {req.n}", param="n")
-        if req.stop:
-            raise APIError(400, "stop strings are not supported; use stop_token_ids", param="stop")
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - num_prompt_tokens)
         top_k = 0 if req.top_k in (None, -1) else req.top_k
@@ -150,6 +148,12 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 output_kind=RequestOutputKind.DELTA,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                min_tokens=req.min_tokens,
+                stop=req.stop or (),
+                include_stop_str_in_output=req.include_stop_str_in_output,
             )
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None

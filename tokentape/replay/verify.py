@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape, TapeError
 from tokentape.replay.divergence import Divergence, Diverged, RecordedStream, VerifyResult, header_divergence
@@ -75,6 +76,37 @@ class _StreamReplayRunner:
         pass
 
 
+def tape_tokenizer(header: ev.TapeHeader) -> Tokenizer | None:
+    """The tokenizer the recording engine had, for requests with stop strings (the only part of
+    a replay that reads text): the byte tokenizer of the built-in and oracle models, a
+    checkpoint folder's own (loaded when a request asks for it). None when the folder is gone:
+    a tape with stop strings then fails to verify, saying so."""
+    if not os.path.isdir(header.model_id):
+        return None if os.path.isabs(header.model_id) else ByteTokenizer()
+    return _LazyTokenizer(header.model_id)
+
+
+class _LazyTokenizer:
+    """A checkpoint's tokenizer, loaded on first use (most tapes have no stop strings)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._tok: Tokenizer | None = None
+
+    def _get(self) -> Tokenizer:
+        if self._tok is None:
+            from tokentape.engine.model.loader import load_tokenizer
+
+            self._tok = load_tokenizer(self.folder) or ByteTokenizer()  # type: ignore[assignment]
+        return self._tok  # type: ignore[return-value]
+
+    def encode(self, text: str) -> list[int]:
+        return self._get().encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._get().decode(token_ids)
+
+
 def issue_command(engine: LLMEngine, event: ev.Event) -> None:
     """Make the client call that a recorded command event stands for."""
     match event:
@@ -128,7 +160,8 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape,
         return VerifyResult(False, 0, bad_header)
     stream = RecordedStream(tape.events(), progress)
     engine = LLMEngine(
-        tape.config, _StreamReplayRunner(stream, tape.header), _CheckingTape(stream, tape.header)
+        tape.config, _StreamReplayRunner(stream, tape.header), _CheckingTape(stream, tape.header),
+        tape_tokenizer(tape.header),
     )
     try:
         while (nxt := stream.peek()) is not None:

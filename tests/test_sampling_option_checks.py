@@ -1,0 +1,64 @@
+"""The sampling options of tape format 2 are refused with a clear error before anything is
+recorded, round-trip through the tape, and a version-1 event still decodes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from tokentape import LLM, SamplingParams
+from tokentape.engine.async_llm import AsyncLLM
+from tokentape.events import schema as ev
+
+
+@pytest.mark.parametrize(("kw", "error"), [
+    (dict(n=0), ValueError), (dict(n=True), TypeError), (dict(presence_penalty=2.5), ValueError),
+    (dict(frequency_penalty="1"), TypeError), (dict(repetition_penalty=0.0), ValueError),
+    (dict(repetition_penalty=float("nan")), ValueError), (dict(min_tokens=-1), ValueError),
+    (dict(min_tokens=20, max_tokens=5), ValueError), (dict(stop=[""]), ValueError),
+    (dict(stop=[3]), TypeError), (dict(stop=["\ud800"]), ValueError),
+    (dict(include_stop_str_in_output=1), TypeError), (dict(bad_words=[[]]), ValueError),
+    (dict(bad_words=[[-1]]), ValueError), (dict(bad_words=["ab"]), TypeError),
+    (dict(bad_words=[[1.5]]), TypeError),
+])
+def test_bad_options_are_refused(kw: dict[str, object], error: type[Exception]) -> None:
+    name = next(iter(k for k in kw if k != "max_tokens"))
+    with pytest.raises(error, match=name):
+        SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_options_round_trip_and_version_1_events_decode() -> None:
+    p = SamplingParams(n=2, presence_penalty=1, stop="x", bad_words=[[4, 5]], min_tokens=1)
+    assert p.stop == ("x",) and p.bad_words == ((4, 5),) and p.presence_penalty == 1.0
+    event = ev.RequestAdded(0, "a", [5], p)
+    assert ev.decode(ev.encode(event)) == event
+    old = msgspec.msgpack.encode(["RequestFinished", 3, "a", "stop"])
+    assert ev.decode(old) == ev.RequestFinished(3, "a", "stop", None)
+    old_frame = msgspec.msgpack.encode(["FrameProduced", 3, [["a", [7], [], [-0.5]]]])
+    assert ev.decode(old_frame).entries[0].top_token_ids is None
+
+
+def test_engine_refusals_record_nothing() -> None:
+    llm = LLM("oracle", tape=None)
+    before = len(llm.engine.tape)
+    with pytest.raises(ValueError, match="bad_words"):
+        llm.generate([[5, 6]], SamplingParams(bad_words=[[10**6]]), use_tqdm=False)
+    llm.generate([[5, 6]], SamplingParams(max_tokens=2, n=2), use_tqdm=False)  # "0" -> 0_0, 1_0
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request("0_0", [5], SamplingParams())
+    assert len(llm.engine.tape) > before
+    n = len(llm.engine.tape)
+    with pytest.raises(ValueError, match="child id"):
+        llm.engine.add_request("0", [5], SamplingParams(n=2))
+    assert len(llm.engine.tape) == n
+
+
+def test_async_llm_refuses_n_above_one() -> None:
+    async def main() -> None:
+        with AsyncLLM(model="oracle", tape=None) as engine:
+            with pytest.raises(ValueError, match="n=1 only"):
+                async for _ in engine.generate([5, 6], SamplingParams(n=2), "r"):
+                    pass
+    asyncio.run(main())
