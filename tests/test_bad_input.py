@@ -327,6 +327,13 @@ def test_a_refused_engine_leaves_no_tape(tmp_path: Path) -> None:
     assert not os.listdir(tmp_path)
 
 
+def test_a_kv_cache_larger_than_memory_is_refused_with_its_size(tmp_path: Path) -> None:
+    path = tmp_path / "x.tape"
+    with pytest.raises(ValueError, match=r"num_kv_blocks=10000000000 .* GiB of KV cache, more than"):
+        LLM(model="tiny", tape=path, num_kv_blocks=10**10)
+    assert not os.listdir(tmp_path)
+
+
 def test_an_engine_that_fails_to_build_closes_and_removes_its_new_tape(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

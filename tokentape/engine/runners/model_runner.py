@@ -10,6 +10,7 @@ its own stream.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -101,6 +102,7 @@ class TorchModelRunner:
         self.block_size = block_size
         self.lookup = prompt_lookup
         shape = (num_kv_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        _check_kv_cache_fits(shape, dtype, self.config.num_hidden_layers, self.device)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=self.device),
@@ -334,3 +336,21 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     )
     runner.tokenizer = tokenizer
     return runner
+
+
+def _check_kv_cache_fits(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int,
+                         device: torch.device) -> None:
+    """A KV cache larger than the device's memory is a configuration error: say so with the
+    figures, rather than let the allocator fail (or the OS kill the process) halfway."""
+    need = 2 * num_layers * math.prod(shape) * torch.finfo(dtype).bits // 8
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+        where = f"free on {device}"
+    else:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where = "of this machine's memory"
+    if need > have:
+        raise ValueError(
+            f"num_kv_blocks={shape[0]} (block_size={shape[1]}) needs {need / 2**30:,.1f} GiB of KV "
+            f"cache, more than the {have / 2**30:,.1f} GiB {where}; pass a smaller num_kv_blocks"
+        )
