@@ -25,6 +25,12 @@ from tokentape.replay import load_tape, verify
 
 TOK = ByteTokenizer()
 ORACLE = OracleRunner()
+# A stream that runs until it is aborted. max_tokens is capped at max_model_len (the KV
+# capacity): with the default 2048 blocks of 4 (8192 tokens) the oracle finished such a
+# stream by length in ~0.5 s, within SIGTERM's drain, so it was not aborted. 2**18 blocks
+# hold 2**20 tokens: over a minute of stepping, far past any drain or test timeout here.
+FOREVER_TOKENS = 1_000_000
+KV_BLOCKS = "262144"
 
 
 def expected(tokens: list[int], max_tokens: int) -> list[int]:
@@ -40,7 +46,8 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     tape = str(tmp_path_factory.mktemp("serve") / "serve.tape")
-    server = ServerProcess("--model", "oracle", "--tape", tape, "--block-size", "4", "--drain-timeout", "0.5")
+    server = ServerProcess("--model", "oracle", "--tape", tape, "--block-size", "4",
+                           "--num-kv-blocks", KV_BLOCKS, "--drain-timeout", "0.5")
     try:
         yield Live(server, tape)
     finally:
@@ -138,7 +145,7 @@ def test_pause_resume_and_reset_endpoints(live: Live) -> None:
 
 
 def test_a_client_that_disconnects_is_aborted_on_the_tape(live: Live) -> None:
-    body = {"model": "oracle", "prompt": "bye", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    body = {"model": "oracle", "prompt": "bye", "max_tokens": FOREVER_TOKENS, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers={"X-Request-Id": "gone"}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
@@ -151,7 +158,8 @@ def test_a_client_that_disconnects_is_aborted_on_the_tape(live: Live) -> None:
 
 
 def test_sigterm_aborts_what_is_in_flight_and_the_tape_verifies(live: Live) -> None:
-    body = {"model": "oracle", "prompt": "forever", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    body = {"model": "oracle", "prompt": "forever", "max_tokens": FOREVER_TOKENS, "ignore_eos": True,
+            "stream": True}
     started = threading.Event()
 
     def stream() -> None:
