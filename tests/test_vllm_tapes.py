@@ -198,3 +198,28 @@ def test_verify_refuses_a_budget_or_epoch_vllm_never_gives() -> None:
         small.append(e)
     result = verify(small)
     assert not result.ok and "more than max_num_batched_tokens 8" in result.first_divergence.message  # type: ignore[union-attr]
+
+
+def test_the_debugger_steps_through_a_vllm_tape() -> None:
+    """Breakpoints on a vLLM tape stop where vLLM preempted with a step in flight (its stale
+    output then delivered under 'deliver'), and every position is the fold's state there."""
+    import io
+
+    from tokentape.replay.debugger import TapeDebugger
+
+    tape = load_tape(TAPES / "async_scheduler.tape")
+    events = [e for _, e in tape.events()]
+    first = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestPreempted) and e.in_flight)
+    out = io.StringIO()
+    dbg = TapeDebugger(tape, io.StringIO(), out, rich=False)
+    for command in ("break kind=RequestPreempted", "continue"):
+        dbg.onecmd(dbg.precmd(command))
+    first_any = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestPreempted))
+    assert dbg.pos == first_any + 1 and "breakpoint 1 hit: kind=RequestPreempted" in out.getvalue()
+    dbg.onecmd(dbg.precmd(f"goto @{first}"))  # the event itself: applied
+    assert dbg.state == tape.fold(until_seq=first + 1)
+    assert dbg.state.requests[events[first].req_id].num_output_placeholders == 0  # type: ignore[attr-defined]
+    for command in ("next FrameProduced", "back 5", "goto end"):
+        dbg.onecmd(dbg.precmd(command))
+        assert dbg.state == tape.fold(until_seq=dbg.pos), command
+    assert dbg.pos == len(events) and "error" not in out.getvalue()
