@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokentape import __version__
     from tokentape.entrypoints import serve
     from tokentape.entrypoints.cli import (
-        bisect, debug, diff, export, generate, inspect, replay, why,
+        bisect, chaos, debug, diff, export, generate, inspect, replay, why,
     )
     from tokentape.postmortem import cli as postmortem
 
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  tokentape diff a.tape b.tape             # first output divergence\n"
             "  tokentape why bug.tape 0 4               # the events behind one output token\n"
             "  tokentape bisect a.tape b.tape           # first differing event, O(log n) reads\n"
+            "  tokentape chaos --seeds 100 --out chaos/ # seeded storms against the oracle\n"
             "  tokentape serve --model tiny --port 8000 # OpenAI-compatible server\n"
             "\n"
             "Expected failures print 'error: <message>' on stderr and exit with status 2.\n"
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tokentape {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for family in (generate, replay, postmortem, serve, inspect, debug, diff, export, why, bisect):
+    for family in (generate, replay, postmortem, serve, inspect, debug, diff, export, why, bisect,
+                   chaos):
         family.add_parser(sub)
     return parser
 
