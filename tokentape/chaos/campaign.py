@@ -97,7 +97,7 @@ def _keep(result: StormResult, report: object, out_dir: str, stem: str) -> tuple
     from tokentape.replay import load_tape
 
     tape_path = os.path.join(out_dir, f"{stem}.tape")
-    tape = load_tape(result.tape)
+    tape = load_tape(result.tape)  # type: ignore[arg-type]  # a MemoryTape
     out = SQLiteTape(tape_path, tape.header)
     for _, event in tape.events():
         out.append(event)
@@ -131,7 +131,7 @@ def run_seed(seed: int, options: ChaosOptions, out_dir: str) -> SeedOutcome:
         outcome.tape = path if os.path.exists(path) else None
         outcome.seconds = time.perf_counter() - start
         return outcome
-    report = postmortem(result.tape)
+    report = postmortem(result.tape)  # type: ignore[arg-type]  # a MemoryTape
     outcome.num_events, outcome.num_resets = result.num_events, result.num_resets
     outcome.num_preemptions = result.num_preemptions
     outcome.broken_streams = len(result.oracle_violations())
