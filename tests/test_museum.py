@@ -53,7 +53,7 @@ def test_the_default_engine_passes_the_same_scenario(name: str, tmp_path: Path) 
     scenario, _ = regenerate.ZOO[name]
     scenario(tmp_path / "clean.tape", clean=True)
     tape = load_tape(tmp_path / "clean.tape")
-    assert tape.header.discard_policy == "epoch" and tape.config.faults == ()
+    assert tape.header.discard_policy == "epoch" and tape.config.faults == []
     report = postmortem(tape)  # the oracle's streams, counts, blocks, schedule, outputs
     assert report.findings == [], [f.message for f in report.findings]
     state = tape.fold()
@@ -71,7 +71,7 @@ def test_museum_policies_are_selectable_but_not_offered() -> None:
 def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown fault 'nope'"):
         LLM(model="oracle", tape=None, faults=("nope",))
-    with pytest.raises(TypeError, match="faults must be a tuple"):
+    with pytest.raises(TypeError, match="faults must be a list"):
         LLM(model="oracle", tape=None, faults="late_stop_after_drain")
     plain = LLM(model="oracle", tape=None)
     # Nothing installed on the default path: the scheduler's own methods, no wrappers.
@@ -79,11 +79,11 @@ def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> No
     assert not plain.engine.state.faults
     plain.close()
     llm = LLM(model="oracle", tape=str(tmp_path / "f.tape"), faults=list(FAULTS))
-    assert llm.config.faults == tuple(FAULTS)
+    assert llm.config.faults == list(FAULTS)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
     llm.close()
     tape = load_tape(tmp_path / "f.tape")
-    assert tape.config.faults == tuple(FAULTS)  # a replay installs them again
+    assert tape.config.faults == list(FAULTS)  # a replay installs them again
     assert tape.initial_state().faults == {"chunk_placeholder_underflow"}
     assert verify(tape).ok
 

@@ -44,7 +44,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_threads: int | None = None
     # Upstream bugs reproduced on purpose (tokentape.events.faults), for tapes and tests;
     # empty on every ordinary engine, and then nothing looks at it.
-    faults: tuple[str, ...] = ()
+    faults: list[str] = []  # a list, as it reads back from the header
 
     def __post_init__(self) -> None:
         # Types first (a bool is not an int here; the seed goes into the tape header and the
@@ -73,8 +73,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         need(self.discard_policy in ALL_POLICIES,
              f"discard_policy must be one of {sorted(ALL_POLICIES)}, got {self.discard_policy!r}")
         if isinstance(self.faults, str) or not isinstance(self.faults, (tuple, list)):
-            raise TypeError(f"faults must be a tuple of fault names, got {self.faults!r}")
-        msgspec.structs.force_setattr(self, "faults", tuple(self.faults))  # equal after a round trip
+            raise TypeError(f"faults must be a list of fault names, got {self.faults!r}")
+        msgspec.structs.force_setattr(self, "faults", list(self.faults))  # equal after a round trip
         for name in self.faults:
             need(isinstance(name, str) and name in FAULTS,
                  f"unknown fault {name!r}; the faults are {sorted(FAULTS)}")
