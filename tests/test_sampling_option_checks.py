@@ -20,8 +20,8 @@ from tokentape.events import schema as ev
     (dict(min_tokens=20, max_tokens=5), ValueError), (dict(stop=[""]), ValueError),
     (dict(stop=[3]), TypeError), (dict(stop=["\ud800"]), ValueError),
     (dict(include_stop_str_in_output=1), TypeError), (dict(bad_words=[[]]), ValueError),
-    (dict(bad_words=[[-1]]), ValueError), (dict(bad_words=["ab"]), TypeError),
-    (dict(bad_words=[[1.5]]), TypeError),
+    (dict(bad_words=[[-1]]), ValueError), (dict(bad_words=[" "]), ValueError),
+    (dict(bad_words=[3]), TypeError), (dict(bad_words=[[1.5]]), TypeError),
 ])
 def test_bad_options_are_refused(kw: dict[str, object], error: type[Exception]) -> None:
     name = next(iter(k for k in kw if k != "max_tokens"))
@@ -62,3 +62,42 @@ def test_async_llm_refuses_n_above_one() -> None:
                 async for _ in engine.generate([5, 6], SamplingParams(n=2), "r"):
                     pass
     asyncio.run(main())
+
+
+def test_string_bad_words_are_recorded_as_token_ids() -> None:
+    """vLLM's encoding: the word without its leading space, and with one only where that
+    gives as many tokens (never, with the byte tokenizer)."""
+    from tokentape.engine.bad_words import encode_bad_word
+    from tokentape.engine.tokenizer import ByteTokenizer
+
+    enc = ByteTokenizer().encode
+    assert encode_bad_word(" ab", enc) == [tuple(enc("ab"))]
+    words = {"hi": [1, 2], " hi": [3, 4], "x": [5]}  # a word-level tokenizer: " hi" is a new token pair
+    assert encode_bad_word("hi", lambda t: words[t]) == [(1, 2), (3, 4)]
+    llm = LLM("tiny", tape=None, device="cpu")
+    llm.generate([[5, 6]], SamplingParams(max_tokens=2, bad_words=["ab", [7], " ab"]), use_tqdm=False)
+    added = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.RequestAdded)]
+    assert added[0].params.bad_words == (tuple(enc("ab")), (7,))
+    llm.close()
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=0.5), dict(frequency_penalty=-1.0),
+                                dict(repetition_penalty=1.1), dict(min_tokens=2), dict(bad_words=[[7]])])
+def test_the_oracle_refuses_options_it_cannot_honour(kw: dict[str, object]) -> None:
+    llm = LLM("oracle", tape=None)
+    before = len(llm.engine.tape)
+    with pytest.raises(ValueError, match=f"oracle runner .*cannot honour {next(iter(kw))}"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=4, **kw), use_tqdm=False)  # type: ignore[arg-type]
+    assert len(llm.engine.tape) == before
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=4), use_tqdm=False)[0].finished  # serves on
+    llm.close()
+
+
+def test_whatif_with_the_oracle_refuses_a_penalised_tape() -> None:
+    from tokentape.replay.whatif import WhatIfError, whatif
+
+    llm = LLM("tiny", tape=None, device="cpu")
+    llm.generate([[5, 6]], SamplingParams(max_tokens=3, presence_penalty=1.0), use_tqdm=False)
+    with pytest.raises(WhatIfError, match="cannot honour presence_penalty.*--runner model"):
+        whatif(llm.engine.tape, runner="oracle")
+    llm.close()

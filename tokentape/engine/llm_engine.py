@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import msgspec
 
 from tokentape import __version__
+from tokentape.engine.bad_words import has_text_bad_words, resolve_bad_words
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import RequestOutput, build_request_output
@@ -113,7 +114,7 @@ class LLMEngine:
     ) -> None:
         params = params if params is not None else SamplingParams()
         self.check_request(request_id, prompt_token_ids, params)
-        params = self._with_extra_eos(params)
+        params = self._with_extra_eos(self._resolve_bad_words(request_id, params))
         if params.n == 1:
             with self._recorded():
                 self._emit(ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params))
@@ -126,6 +127,15 @@ class LLMEngine:
             for child_id, child in children:
                 self._parent_of[child_id] = parent
                 self._emit(ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child))
+
+    def _resolve_bad_words(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """String bad words as token ids, encoded by this engine's tokenizer (bad_words.py)."""
+        if not has_text_bad_words(params):
+            return params
+        try:
+            return resolve_bad_words(params, None if self.tokenizer is None else self.tokenizer.encode)
+        except (ValueError, UnicodeError) as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
         """The model's other EOS ids join the request's stop_token_ids (unless ignore_eos), as
@@ -167,11 +177,17 @@ class LLMEngine:
                 check_int(name, t, 0)  # the type (a bool is not a token id), then the vocabulary
                 if t >= vocab:
                     raise ValueError(f"{name} must be a token id in the vocabulary [0, {vocab}), got {t!r}")
-        for i, word in enumerate(params.bad_words):
+        for i, word in enumerate(self._resolve_bad_words(request_id, params).bad_words):
             for j, t in enumerate(word):
                 if t >= vocab:
                     raise ValueError(f"request {request_id!r}: bad_words[{i}][{j}] must be a token id "
                                      f"in the vocabulary [0, {vocab}), got {t!r}")
+        check_params = getattr(self.runner, "check_params", None)  # options a runner cannot honour
+        if check_params is not None:
+            try:
+                check_params(params)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this "
                              "engine has none (pass stop_token_ids instead)")

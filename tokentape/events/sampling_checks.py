@@ -38,9 +38,15 @@ def check_sampling_options(params: Any, set_field: Callable[[Any, str, Any], Non
             raise ValueError(f"stop[{i}] must be a non-empty string, got ''")
     set_field(params, "stop", stop)
     check_bool("include_stop_str_in_output", params.include_stop_str_in_output)
-    words = []
-    for i, word in enumerate(_sequence("bad_words", params.bad_words, "token-id sequences")):
-        word = _sequence(f"bad_words[{i}]", word, "token ids")
+    words: list[Any] = []
+    for i, word in enumerate(_sequence("bad_words", params.bad_words, "strings or token-id sequences")):
+        if isinstance(word, str):  # vLLM's form: the engine encodes it and records the ids
+            check_str(f"bad_words[{i}]", word)
+            if not word.strip():
+                raise ValueError(f"bad_words[{i}] must be a non-blank string, got {word!r}")
+            words.append(word)
+            continue
+        word = _sequence(f"bad_words[{i}]", word, "token ids (or be a string)")
         if not word:
             raise ValueError(f"bad_words[{i}] must hold at least one token id, got ()")
         for j, token in enumerate(word):

@@ -55,7 +55,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     min_tokens: int = 0  # stop tokens and EOS are masked, and stop strings ignored, until then
     stop: tuple[str, ...] = ()  # stop strings, matched in the detokenized text
     include_stop_str_in_output: bool = False
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences; the last id is banned after the rest
+    # Token-id sequences (the last id is banned after the rest), or strings as vLLM takes them:
+    # the engine encodes a string before recording, so a tape holds token ids only.
+    bad_words: tuple[str | tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is

@@ -116,6 +116,10 @@ def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) ->
         issue_command(engine, event)
     except TypeError as exc:
         raise WhatIfError(str(exc)) from None
+    except ValueError as exc:  # the oracle refuses options it cannot honour (penalties, ...)
+        if runner == "oracle" and isinstance(event, ev.RequestAdded):
+            raise WhatIfError(f"{exc} (replay with --runner model)") from None
+        raise
 
 
 def recorded_commands(tape: Tape) -> list[ev.Event]:

@@ -53,3 +53,6 @@ class ModelRunner(Protocol):
         """Wait for the oldest submitted step, which must be `step`, and return its frame."""
 
     def close(self) -> None: ...
+
+    # Optional: `check_params(params) -> None` raises ValueError for sampling options the
+    # runner cannot honour (the oracle's); the engine calls it before recording a request.

@@ -7,6 +7,11 @@ exactly `OracleRunner.expected_stream(...)` for every request; the tests compare
 `model="oracle"` makes each request's stream mostly repeat a short cycle with seeded
 deviations, so n-gram drafts are sometimes accepted and sometimes rejected.
 `model="oracle-random"` draws every token independently (drafts almost never match).
+
+The oracle has no logits, so the sampling options that act on them (the penalties, min_tokens,
+bad_words) cannot be honoured: `check_params` refuses such a request before anything is
+recorded. Ignoring them would give a stream no model could produce, and a what-if replay with
+the oracle would then report a difference that is not there.
 """
 
 from __future__ import annotations
@@ -88,6 +93,19 @@ class OracleRunner:
                 return out
             if len(out) >= params.max_tokens or pos >= max_model_len:
                 return out
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse the options that change a model's logits (see the module's doc)."""
+        used = [name for name, on in (
+            ("presence_penalty", params.presence_penalty != 0.0),
+            ("frequency_penalty", params.frequency_penalty != 0.0),
+            ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("min_tokens", params.min_tokens > 0),
+            ("bad_words", bool(params.bad_words)),
+        ) if on]
+        if used:
+            raise ValueError(f"the oracle runner ({self.model_id}) has no logits and cannot honour "
+                             f"{', '.join(used)}; use a model (e.g. model='tiny') for such a request")
 
     # -- the runner protocol -------------------------------------------------------------------
 
