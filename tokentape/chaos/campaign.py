@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from tokentape.chaos.storms import StormError, StormResult, StormSpec, run_storm
+from tokentape.chaos.storms import StormResult, StormSpec, run_storm
 from tokentape.events.discard import DISCARD_POLICIES
 
 _DEPTHS = (1, 2, 2, 3, 4)  # vLLM's async default (2) twice as often
@@ -79,6 +79,7 @@ class SeedOutcome(msgspec.Struct):
     tape: str | None = None  # kept, with a finding
     report: str | None = None
     seconds: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the process that ran it (what a busy machine cannot take)
 
     @property
     def has_finding(self) -> bool:
@@ -114,13 +115,13 @@ def run_seed(seed: int, options: ChaosOptions, out_dir: str) -> SeedOutcome:
     """Run one seed's storm, check it, and keep its tape and report if anything was found."""
     from tokentape.postmortem import postmortem
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     spec = chaos_spec(seed, options)
     outcome = SeedOutcome(seed, spec.pipeline_depth, spec.num_speculative_tokens,
                           spec.num_kv_blocks, spec.max_num_seqs, spec.max_num_batched_tokens)
     try:
         result = run_storm(spec)
-    except (StormError, RuntimeError, ValueError) as exc:  # a hang, or an engine failure
+    except Exception as exc:  # noqa: BLE001 - a hang (StormError) or any failure is a finding
         outcome.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
         # Run it again onto a file: the seed replays the same run, now kept.
         path = os.path.join(out_dir, f"{_stem(spec)}.tape")
@@ -129,7 +130,7 @@ def run_seed(seed: int, options: ChaosOptions, out_dir: str) -> SeedOutcome:
         except Exception:  # noqa: BLE001 - the same failure again; the tape holds it
             pass
         outcome.tape = path if os.path.exists(path) else None
-        outcome.seconds = time.perf_counter() - start
+        outcome.seconds, outcome.cpu_s = time.perf_counter() - start, time.process_time() - cpu
         return outcome
     report = postmortem(result.tape)  # type: ignore[arg-type]  # a MemoryTape
     outcome.num_events, outcome.num_resets = result.num_events, result.num_resets
@@ -139,7 +140,7 @@ def run_seed(seed: int, options: ChaosOptions, out_dir: str) -> SeedOutcome:
     outcome.bug_classes = dict(Counter(f.bug_class for f in report.findings if f.bug_class))
     if outcome.has_finding:
         outcome.tape, outcome.report = _keep(result, report, out_dir, _stem(spec))
-    outcome.seconds = time.perf_counter() - start
+    outcome.seconds, outcome.cpu_s = time.perf_counter() - start, time.process_time() - cpu
     return outcome
 
 
@@ -177,6 +178,7 @@ class CampaignSummary:
     events: int = 0
     preemptions: int = 0
     resets: int = 0
+    cpu_s: float = 0.0
     finding_kinds: Counter[str] = field(default_factory=Counter)
     bug_classes: Counter[str] = field(default_factory=Counter)
     found: list[SeedOutcome] = field(default_factory=list)
@@ -185,11 +187,17 @@ class CampaignSummary:
     def seeds_per_hour(self) -> float:
         return 3600.0 * self.num_seeds / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def seeds_per_cpu_hour(self) -> float:
+        """Seeds per hour of one core's CPU time: the rate on an idle core, whatever else ran."""
+        return 3600.0 * self.num_seeds / self.cpu_s if self.cpu_s > 0 else 0.0
+
     def add(self, o: SeedOutcome) -> None:
         self.num_seeds += 1
         self.events += o.num_events
         self.preemptions += o.num_preemptions
         self.resets += o.num_resets
+        self.cpu_s += o.cpu_s
         self.broken_streams += o.broken_streams
         self.errors += o.error is not None
         self.finding_kinds.update(o.finding_kinds)
@@ -202,7 +210,8 @@ class CampaignSummary:
         return {"discard_policy": self.options.discard_policy,
                 "num_commands": self.options.num_commands, "first_seed": self.first_seed,
                 "seeds": self.num_seeds, "jobs": self.jobs, "wall_s": self.wall_s,
-                "seeds_per_hour": self.seeds_per_hour, "runs_with_findings": self.runs_with_findings,
+                "seeds_per_hour": self.seeds_per_hour,
+                "cpu_s": self.cpu_s, "seeds_per_cpu_hour": self.seeds_per_cpu_hour, "runs_with_findings": self.runs_with_findings,
                 "broken_streams": self.broken_streams, "errors": self.errors, "events": self.events,
                 "preemptions": self.preemptions, "resets": self.resets,
                 "finding_kinds": dict(self.finding_kinds), "bug_classes": dict(self.bug_classes),

@@ -110,7 +110,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         ok = summary.runs_with_findings == 0
         out.line(f"chaos: {summary.num_seeds} seeds (policy {options.discard_policy}, "
                  f"{options.num_commands} commands each, {args.jobs} job(s)) in "
-                 f"{summary.wall_s:.1f} s: {summary.seeds_per_hour:,.0f} seeds/hour", style="bold")
+                 f"{summary.wall_s:.1f} s: {summary.seeds_per_hour:,.0f} seeds/hour "
+                 f"({summary.seeds_per_cpu_hour:,.0f} per CPU-hour of one core)", style="bold")
         out.line(f"  {summary.events:,} events, {summary.preemptions:,} preemptions, "
                  f"{summary.resets:,} prefix-cache resets")
         out.line(f"  {summary.runs_with_findings} run(s) with findings, {summary.broken_streams} "
