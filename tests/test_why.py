@@ -4,12 +4,14 @@ tape) derives what a full fold derives, and the chain names the discard decision
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from tokentape.chaos import StormSpec, run_storm
 from tokentape.cli import main
 from tokentape.replay import load_tape
+from tokentape.replay.diff import client_streams
 from tokentape.replay.why import WhyError, trace_request, why
 from tokentape.replay.why_source import WhySource
 
@@ -40,6 +42,22 @@ def test_projected_request_equals_full_fold(tmp_path, policy, depth, k):
     finally:
         source.close()
     assert sum(r.num_preemptions for r in full.requests.values()) > 0  # discards were exercised
+    # Sampled answers against the full fold and what the client received.
+    streams = client_streams(tape)
+    rng = random.Random(policy)
+    for req_id in rng.sample(sorted(full.requests), 25):
+        req = full.requests[req_id]
+        for p in {0, rng.randrange(req.max_output_tokens), len(req.output_token_ids) - 1} - {-1}:
+            res = why(path, req_id, p)
+            assert res.token == (req.output_token_ids[p] if p < len(req.output_token_ids) else None)
+            assert res.delivered == (p < len(streams[req_id].token_ids))
+            if res.delivered:
+                assert streams[req_id].token_ids[p] == res.token
+                assert streams[req_id].token_seqs[p] == res.delivered_seq
+                delivered = [x for x in res.chain if x.role == "delivered"]
+                assert [x.seq for x in delivered] == [res.delivered_seq] and res.step is not None
+                produced = next(x for x in res.chain if x.seq == res.frame_seq)
+                assert produced.role == "produced" and produced.seq < res.delivered_seq
 
 
 def _flag_tapes(tmp_path):
