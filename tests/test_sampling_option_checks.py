@@ -55,15 +55,6 @@ def test_engine_refusals_record_nothing() -> None:
     assert len(llm.engine.tape) == n
 
 
-def test_async_llm_refuses_n_above_one() -> None:
-    async def main() -> None:
-        with AsyncLLM(model="oracle", tape=None) as engine:
-            with pytest.raises(ValueError, match="n=1 only"):
-                async for _ in engine.generate([5, 6], SamplingParams(n=2), "r"):
-                    pass
-    asyncio.run(main())
-
-
 def test_string_bad_words_are_recorded_as_token_ids() -> None:
     """vLLM's encoding: the word without its leading space, and with one only where that
     gives as many tokens (never, with the byte tokenizer)."""

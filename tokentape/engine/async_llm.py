@@ -23,9 +23,11 @@ from tokentape.engine.core.client import CoreClient, InprocClient, MPClient
 from tokentape.engine.core.messages import CoreDead, CoreMessage, CoreOutput, CoreOutputs, SchedulerStats, AddRequest, rebuild_error
 from tokentape.engine.llm import TapeSpec, check_tape_path
 from tokentape.engine.llm_engine import PAUSE_MODES, EngineDeadError
-from tokentape.engine.outputs import RequestOutput, build_request_output
+from tokentape.engine.outputs import CompletionOutput, RequestOutput, build_request_output
+from tokentape.engine.parallel_sampling import child_request_id
+from tokentape.engine.stop_strings import stop_decoder
 from tokentape.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from tokentape.events.schema import SamplingParams
+from tokentape.events.schema import RequestOutputKind, SamplingParams
 from tokentape.events.validation import check_str, shown
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -40,42 +42,74 @@ def frontend_tokenizer(model: str) -> Tokenizer:
     return ByteTokenizer()
 
 
-class RequestOutputCollector:
-    """A request's deltas not yet taken by its consumer, merged: a slow consumer gets one
-    output with everything new instead of a queue of them (as vLLM's collector)."""
+class Delta:
+    """What one engine request (a request, or a child of n > 1) sent since its consumer last
+    took: new tokens, their logprobs and top-k alternatives, the finish."""
 
-    __slots__ = ("tokens", "logprobs", "finish_reason", "error", "_ready")
+    __slots__ = ("tokens", "logprobs", "top", "finish_reason", "stop_reason")
 
-    def __init__(self, with_logprobs: bool) -> None:
+    def __init__(self, with_logprobs: bool, with_top: bool) -> None:
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if with_logprobs else None
+        self.top: list[dict[int, float]] | None = [] if with_top else None
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+
+class RequestOutputCollector:
+    """A request's deltas not yet taken by its consumer, merged per engine request (index 0,
+    or the child's index for n > 1): a slow consumer gets one output with everything new
+    instead of a queue of them (as vLLM's collector)."""
+
+    __slots__ = ("with_logprobs", "with_top", "deltas", "error", "_ready")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.with_logprobs = params.logprobs is not None
+        self.with_top = bool(params.logprobs)
+        self.deltas: dict[int, Delta] = {}
         self.error: Exception | None = None
         self._ready = asyncio.Event()
 
-    def put(self, out: CoreOutput) -> None:
+    def put(self, index: int, out: CoreOutput) -> None:
         if out.error is not None:
             self.error = rebuild_error(out.error)
-        self.tokens += out.new_token_ids
-        if self.logprobs is not None and out.new_logprobs:
-            self.logprobs += out.new_logprobs
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
+        else:
+            d = self.deltas.get(index)
+            if d is None:
+                d = self.deltas[index] = Delta(self.with_logprobs, self.with_top)
+            d.tokens += out.new_token_ids
+            if d.logprobs is not None and out.new_logprobs:
+                d.logprobs += out.new_logprobs
+            if d.top is not None and out.new_top_logprobs:
+                d.top += out.new_top_logprobs
+            if out.finish_reason is not None:
+                d.finish_reason, d.stop_reason = out.finish_reason, out.stop_reason
         self._ready.set()
 
     def fail(self, exc: Exception) -> None:
         self.error = exc
         self._ready.set()
 
-    async def get(self) -> tuple[list[int], list[float] | None, str | None]:
+    async def get(self) -> dict[int, Delta]:
         await self._ready.wait()
         self._ready.clear()
         if self.error is not None:
             raise self.error
-        got = self.tokens, self.logprobs, self.finish_reason
-        self.tokens = []
-        self.logprobs = [] if self.logprobs is not None else None
+        got, self.deltas = self.deltas, {}
         return got
+
+
+class _Sequence:
+    """Everything one engine request delivered so far, for its outputs by output kind."""
+
+    __slots__ = ("index", "tokens", "logprobs", "top", "finished")
+
+    def __init__(self, index: int, params: SamplingParams) -> None:
+        self.index = index
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top: list[dict[int, float]] | None = [] if params.logprobs else None
+        self.finished = False
 
 
 class AsyncLLM:
@@ -99,7 +133,10 @@ class AsyncLLM:
         self.model_id, self.vocab_size, self.max_model_len = info.model_id, info.vocab_size, info.max_model_len
         self.tape_path: str | None = info.tape_path
         self.stats = SchedulerStats()
-        self._streams: dict[str, RequestOutputCollector] = {}
+        # By request id: its collector and the engine requests behind it (itself, or its n
+        # children); by engine request id: the collector and the child's index.
+        self._streams: dict[str, tuple[RequestOutputCollector, list[str]]] = {}
+        self._routes: dict[str, tuple[RequestOutputCollector, int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
 
@@ -134,11 +171,11 @@ class AsyncLLM:
     def _dispatch(self, msg: CoreMessage) -> None:
         if isinstance(msg, CoreOutputs):
             self.stats = msg.stats
-            streams = self._streams
+            routes = self._routes
             for out in msg.outputs:
-                collector = streams.get(out.request_id)
-                if collector is not None:
-                    collector.put(out)
+                route = routes.get(out.request_id)
+                if route is not None:
+                    route[0].put(route[1], out)
             if msg.utility is not None:
                 self.engine_core.resolve(msg.utility.call_id, msg.utility.result, msg.utility.error)
         elif isinstance(msg, CoreDead):
@@ -148,7 +185,7 @@ class AsyncLLM:
         if self._dead is None:
             self._dead = reason
         exc = EngineDeadError(f"the engine cannot serve any more: {reason}")
-        for collector in self._streams.values():
+        for collector, _ in self._streams.values():
             collector.fail(exc)
         self.engine_core.fail_calls(exc)
 
@@ -176,44 +213,78 @@ class AsyncLLM:
         request_id: str,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; the last has `finished=True`. The engine checks the
-        request before recording anything: a refused one raises here (ValueError, TypeError)."""
+        request before recording anything: a refused one raises here (ValueError, TypeError).
+
+        With n > 1 the engine runs n children "{i}_{request_id}" (parallel_sampling.py) and
+        this one stream gathers them, as vLLM's: each output holds the completions (index i)
+        with something new, FINAL_ONLY one output with all n; finished when all n are."""
         self._ensure_started()
         self._check_alive()
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {shown(params)}")
         check_str("request_id", request_id)
-        if params.n != 1:  # the engine would fan it out into children this stream never sees
-            raise ValueError(f"AsyncLLM.generate serves n=1 only (one stream per request), got n={params.n}; "
-                             "start n requests with seeds seed + i, or use LLM.generate")
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in use on this engine")
         tokens, text = self._prompt_token_ids(prompt)
-        collector = self._streams[request_id] = RequestOutputCollector(params.logprobs is not None)
-        kind, decode = params.output_kind, self.tokenizer.decode
-        all_tokens: list[int] = []
-        all_logprobs: list[float] | None = [] if params.logprobs is not None else None
+        n = params.n
+        core_ids = [request_id] if n == 1 else [child_request_id(i, request_id) for i in range(n)]
+        for core_id in core_ids:
+            if core_id in self._routes:
+                raise ValueError(f"request {request_id!r} with n={n}: its child id {core_id!r} "
+                                 "is already in use on this engine")
+        collector = RequestOutputCollector(params)
+        self._streams[request_id] = (collector, core_ids)
+        # The request's own id too: a refusal of n > 1 comes back under it.
+        for i, core_id in enumerate(dict.fromkeys([*core_ids, request_id])):
+            self._routes[core_id] = (collector, i)
+        seqs = [_Sequence(i, params) for i in range(n)]
+        final: dict[int, CompletionOutput] = {}  # FINAL_ONLY with n > 1: the finished children
         finished = False
         try:
             self.engine_core.add_request(AddRequest(request_id, tokens, params))
             while not finished:
                 try:
-                    new, logprobs, reason = await collector.get()
+                    deltas = await collector.get()
                 except (ValueError, TypeError, KeyError, EngineDeadError):
                     finished = True  # refused (nothing recorded), or the engine is gone
                     raise
-                all_tokens += new
-                if all_logprobs is not None and logprobs:
-                    all_logprobs += logprobs
-                finished = reason is not None
-                out = build_request_output(kind, request_id, tokens, all_tokens, len(new), all_logprobs,
-                                           reason, decode, text)
-                if out is not None:
-                    yield out
+                completions = [c for i, d in sorted(deltas.items())
+                               if (c := self._completion(seqs[i], d, params, request_id, tokens, text)) is not None]
+                finished = all(seq.finished for seq in seqs)
+                if params.output_kind == RequestOutputKind.FINAL_ONLY and n > 1:
+                    final.update((c.index, c) for c in completions)
+                    if not finished:
+                        continue
+                    completions = [final[i] for i in range(n)]
+                if completions:
+                    yield RequestOutput(request_id, tokens, completions, finished, text)
         finally:
             del self._streams[request_id]
+            for core_id in (*core_ids, request_id):
+                self._routes.pop(core_id, None)
             if not finished and self._dead is None:  # cancelled, or the consumer left
-                self.engine_core.abort([request_id])
+                self.engine_core.abort(core_ids)
+
+    def _completion(self, seq: _Sequence, d: Delta, params: SamplingParams, request_id: str,
+                    prompt_token_ids: list[int], text: str | None) -> CompletionOutput | None:
+        """One engine request's completion for what it sent (None: FINAL_ONLY, not done)."""
+        seq.tokens += d.tokens
+        if seq.logprobs is not None and d.logprobs:
+            seq.logprobs += d.logprobs
+        if seq.top is not None and d.top:
+            seq.top += d.top
+        seq.finished = d.finish_reason is not None
+        decode = self.tokenizer.decode
+        if d.stop_reason is not None:  # the text is cut at the stop string, as LLM's
+            decode = stop_decoder(decode, params, seq.tokens, d.stop_reason)
+        out = build_request_output(params.output_kind, request_id, prompt_token_ids, seq.tokens, len(d.tokens),
+                                   seq.logprobs, d.finish_reason, decode, text, seq.top, d.stop_reason)
+        if out is None:
+            return None
+        completion = out.outputs[0]
+        completion.index = seq.index
+        return completion
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (on the tape); their streams end with finish_reason 'abort'.
@@ -223,7 +294,8 @@ class AsyncLLM:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for i in ids:
             check_str("request_id", i)
-        self.engine_core.abort(ids)
+        # A request of n > 1 is its children on the engine.
+        self.engine_core.abort([c for i in ids for c in (self._streams[i][1] if i in self._streams else [i])])
 
     # -- engine calls ---------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from tokentape.engine.core.messages import (
 )
 from tokentape.engine.llm import LLM, TapeSpec
 from tokentape.engine.llm_engine import EngineDeadError
+from tokentape.engine.parallel_sampling import child_params, child_request_id
 
 SHUTDOWN = "shutdown"  # the call that ends the core
 
@@ -79,13 +80,29 @@ class EngineCore:
         """Add a request; a refused one (checked before anything is recorded) comes back as
         an error output."""
         try:
-            self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+            ids = self._add(req)
         except EngineDeadError:
             raise
         except REFUSALS as exc:
             return CoreOutput(req.request_id, [], error=error_of(exc))
-        self._sent[req.request_id] = 0
+        for req_id in ids:
+            self._sent[req_id] = 0
         return None
+
+    def _add(self, req: AddRequest) -> list[str]:
+        """Add the request, or for n > 1 its children "{i}_{id}" (each an n=1 request whose
+        deltas the frontend gathers, as vLLM's AsyncLLM fans out): checked together first, so
+        a refusal records none of them. The tape is the one LLM records for the same call."""
+        engine, params = self.engine, req.params
+        if params.n == 1:
+            engine.add_request(req.request_id, req.prompt_token_ids, params)
+            return [req.request_id]
+        engine.check_request(req.request_id, req.prompt_token_ids, params)
+        ids = [child_request_id(i, req.request_id) for i in range(params.n)]
+        for i, child_id in enumerate(ids):
+            engine.add_request(child_id, req.prompt_token_ids,
+                               child_params(params, i, engine.config.seed, req.prompt_token_ids))
+        return ids
 
     def abort(self, request_ids: list[str]) -> None:
         requests = self.engine.state.requests
@@ -156,8 +173,9 @@ class EngineCore:
             sent = self._sent.get(out.request_id, 0)
             tokens = req.output_token_ids
             lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
+            top = req.output_top_logprobs[sent:] if req.params.logprobs else None
             reason = out.outputs[0].finish_reason
-            deltas.append(CoreOutput(out.request_id, tokens[sent:], lps, reason))
+            deltas.append(CoreOutput(out.request_id, tokens[sent:], lps, reason, None, req.stop_str, top))
             if reason is None:
                 self._sent[out.request_id] = len(tokens)
             else:

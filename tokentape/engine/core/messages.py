@@ -51,6 +51,11 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     new_logprobs: list[float] | None = None
     finish_reason: str | None = None
     error: tuple[str, str] | None = None
+    # With finish_reason "stop" by a stop string: the string (the frontend cuts the text).
+    stop_reason: str | None = None
+    # With SamplingParams.logprobs = k > 0: per new token, the logprobs of the k most likely ids
+    # and the sampled one.
+    new_top_logprobs: list[dict[int, float]] | None = None
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
