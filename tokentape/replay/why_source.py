@@ -35,7 +35,7 @@ from tokentape.events.store import TapeError, decode_at
 from tokentape.replay.tape import Tape
 
 _WINDOW = 1024  # rows scanned by the first query for a request's events; doubled each time
-_MAX_WINDOW = 1 << 16
+_MAX_WINDOW = 1 << 13  # past the request's end, a window is scanned for nothing
 
 
 def cache_dir() -> str:
@@ -51,6 +51,77 @@ def _names(event: ev.Event, req_id: str) -> bool:
     return getattr(event, "req_id", None) == req_id
 
 
+class _RequestIndex:
+    """req_id -> position of its RequestAdded: in memory, or an SQLite file in the cache
+    directory (a primary-key lookup, nothing loaded whole)."""
+
+    def __init__(self, table: dict[str, int] | None, conn: sqlite3.Connection | None) -> None:
+        self.table, self.conn = table, conn
+
+    @staticmethod
+    def _file(key: str) -> str:
+        return os.path.join(cache_dir(), f"{key}.requests")
+
+    @classmethod
+    def load(cls, key: str) -> _RequestIndex | None:
+        path = cls._file(key)
+        if not os.path.exists(path):
+            return None
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            conn.execute("SELECT seq FROM requests LIMIT 1").fetchall()
+        except sqlite3.Error:
+            return None  # a damaged cache is rebuilt
+        return cls(None, conn)
+
+    @classmethod
+    def build(cls, tape: sqlite3.Connection, path: str | None, key: str | None) -> _RequestIndex:
+        table: dict[str, int] = {}
+        for seq, data in tape.execute("SELECT seq, data FROM events WHERE kind = 'RequestAdded'"):
+            table.setdefault(decode_at(data, seq, path).req_id, seq)  # type: ignore[attr-defined]
+        if key:
+            cls._store(key, table)
+        return cls(table, None)
+
+    @classmethod
+    def _store(cls, key: str, table: dict[str, int]) -> None:
+        path = cls._file(key)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            conn = sqlite3.connect(tmp)
+            try:
+                conn.execute("CREATE TABLE requests (req_id TEXT PRIMARY KEY, seq INTEGER) WITHOUT ROWID")
+                conn.executemany("INSERT INTO requests VALUES (?, ?)", table.items())
+                conn.commit()
+            finally:
+                conn.close()
+            os.replace(tmp, path)  # readers never see half a file
+        except (OSError, sqlite3.Error):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass  # no cache: the next call indexes again
+
+    def get(self, req_id: str) -> int | None:
+        if self.table is not None:
+            return self.table.get(req_id)
+        assert self.conn is not None
+        row = self.conn.execute("SELECT seq FROM requests WHERE req_id = ?", (req_id,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def first(self, limit: int) -> list[str]:
+        if self.table is not None:
+            return list(self.table)[:limit]
+        assert self.conn is not None
+        rows = self.conn.execute("SELECT req_id FROM requests ORDER BY seq LIMIT ?", (limit,))
+        return [r[0] for r in rows]
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
 class WhySource:
     """The events of one tape that name a request, in tape order, plus step lookups."""
 
@@ -61,6 +132,7 @@ class WhySource:
         self.num_events: int
         self.index_built = False  # whether this call had to build the request index
         self.rows_read = 0  # rows decoded (candidates, frames): the cost of the answer
+        self._index: _RequestIndex | None = None
         if isinstance(tape.reader, SQLiteTapeReader):
             self._conn = open_readonly(self.path)
             # The last seq, not COUNT(*): that would read every page of the table.
@@ -72,6 +144,8 @@ class WhySource:
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+        if self._index is not None:
+            self._index.close()
 
     # -- where a request starts --------------------------------------------------------------
 
@@ -88,29 +162,17 @@ class WhySource:
         """Some request ids of the tape, for an error message."""
         if self._conn is None:
             return [e.req_id for _, e in self.tape.events() if type(e) is ev.RequestAdded][:limit]
-        return list(self._request_index())[:limit]
+        return self._request_index().first(limit)
 
-    def _request_index(self) -> dict[str, int]:
-        assert self._conn is not None
-        if not hasattr(self, "_index"):
+    def _request_index(self) -> _RequestIndex:
+        if self._index is None:
+            assert self._conn is not None
             key = self._cache_key()
-            index = self._load_index(key) if key else None
-            if index is None:
-                index = self._build_index()
+            self._index = _RequestIndex.load(key) if key else None
+            if self._index is None:
+                self._index = _RequestIndex.build(self._conn, self.path, key)
                 self.index_built = True
-                if key:
-                    self._store_index(key, index)
-            self._index = index
         return self._index
-
-    def _build_index(self) -> dict[str, int]:
-        assert self._conn is not None
-        index: dict[str, int] = {}
-        rows = self._conn.execute("SELECT seq, data FROM events WHERE kind = 'RequestAdded'")
-        for seq, data in rows:
-            event = decode_at(data, seq, self.path)
-            index.setdefault(event.req_id, seq)  # type: ignore[attr-defined]
-        return index
 
     def _cache_key(self) -> str | None:
         if self.path is None:
@@ -123,30 +185,6 @@ class WhySource:
             return None
         ident = f"{os.path.realpath(self.path)}\0{st.st_size}\0{st.st_mtime_ns}\0{self.num_events}"
         return hashlib.sha256(ident.encode()).hexdigest()[:32]
-
-    def _cache_file(self, key: str) -> str:
-        return os.path.join(cache_dir(), f"{key}.requests")
-
-    def _load_index(self, key: str) -> dict[str, int] | None:
-        path = self._cache_file(key)
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path, "rb") as f:
-                return msgspec.msgpack.decode(f.read(), type=dict[str, int])
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            return None  # a damaged cache is rebuilt
-
-    def _store_index(self, key: str, index: dict[str, int]) -> None:
-        path = self._cache_file(key)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(msgspec.msgpack.encode(index))
-            os.replace(tmp, path)  # readers never see half a file
-        except OSError:
-            pass  # no cache: the next call indexes again
 
     # -- the request's events ------------------------------------------------------------------
 
