@@ -12,8 +12,12 @@ Reported: p50 and p99 time to first token (send to the first chunk with a token)
 inter-token latency (the gap between consecutive chunks of a stream, per token), output
 tokens/s of both (the best of `--repeats` rounds, alternating), what serving costs:
 1 - serve/generate, and the CPU seconds of each serving process in the best round (server,
-engine core, tape writer, and this script's clients: on a small machine they share its cores). Target: serving costs at most 10% (on the real model; the oracle's
-steps cost next to nothing, so there HTTP is the whole cost).
+engine core, tape writer, and this script's clients: on a small machine they share its
+cores). `cpu_us_per_token` gives each process's CPU microseconds per output token, the
+median over the rounds, beside `generate`'s (its process and tape writer): on a loaded
+machine walls vary from round to round, CPU per token much less, so compare those. Target:
+serving costs at most 10% (on the real model; the oracle's steps cost next to nothing, so
+there HTTP is the whole cost).
 
     python benchmarks/bench_serve.py                      # tiny, 64 clients x 64 tokens
     python benchmarks/bench_serve.py --num-clients 256 --max-tokens 32
@@ -35,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -73,17 +77,23 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 259) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
-def run_generate(model: str, prompts: list[list[int]], max_tokens: int, engine_args: list[str], tmp: str) -> tuple[float, list[list[int]]]:
+def run_generate(model: str, prompts: list[list[int]], max_tokens: int, engine_args: list[str],
+                 tmp: str) -> tuple[float, float, list[list[int]]]:
+    """The wall time, the CPU seconds (this process and its tape writer) and the streams."""
     from tokentape import LLM, SamplingParams
 
     kwargs = _engine_kwargs(engine_args)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    others = set(_children(os.getpid()))  # the server
     with LLM(model, tape=tempfile.mktemp(dir=tmp, suffix=".tape"), **kwargs) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        writers = [c for c in _children(os.getpid()) if c not in others]
+        cpu = time.process_time() + sum(map(_cpu_s, writers))
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
-    return wall, [o.outputs[0].token_ids for o in outs]
+        cpu = time.process_time() + sum(map(_cpu_s, writers)) - cpu
+    return wall, cpu, [o.outputs[0].token_ids for o in outs]
 
 
 def _engine_kwargs(engine_args: list[str]) -> dict[str, Any]:
@@ -129,29 +139,91 @@ class Server:
         self.proc.wait(120)
 
 
-async def sse_stream(host: str, port: int, body: bytes) -> AsyncIterator[bytes]:
-    """POST /v1/completions and yield each SSE event's JSON: a minimal HTTP/1.1 client (one
-    connection per request, chunked body), so the load generator, which shares the machine's
-    cores with the server, spends little CPU per token (httpx spends about 3x more)."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
-        head = await reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(head.decode(errors="replace") + (await reader.read()).decode(errors="replace"))
-        pending = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
-            if size == 0:
+class SSEClient(asyncio.Protocol):
+    """POST /v1/completions and hand each SSE event's JSON to `on_event`, as the bytes
+    arrive: a minimal HTTP/1.1 client (one connection per request, chunked body) that parses
+    in the transport's callback, with no coroutine switch per chunk, so the load generator,
+    which shares the machine's cores with the server, spends little CPU per token (httpx
+    spent about 3x what a StreamReader client did, and that one about 2x this)."""
+
+    def __init__(self, request: bytes, on_event: Callable[[bytes], None]) -> None:
+        self.request, self.on_event = request, on_event
+        self.buf = b""  # received, not parsed yet
+        self.events = b""  # the body so far, not yet split into events
+        self.head: bytes | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data
+        if self.head is None:
+            at = buf.find(b"\r\n\r\n")
+            if at < 0:
+                self.buf = buf
                 return
-            pending += (await reader.readexactly(size + 2))[:-2]
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                if event.startswith(b"data: {"):
-                    yield event[6:]
+            self.head, buf = buf[:at], buf[at + 4:]
+            if not self.head.startswith(b"HTTP/1.1 200"):
+                self._fail(RuntimeError(self.head.decode(errors="replace")))
+                return
+        pos = 0
+        body = self.events
+        while True:  # the complete chunks: SIZE\r\nDATA\r\n
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            size = int(buf[pos:eol], 16)
+            if size == 0:
+                self.buf = b""
+                self._events(body)
+                if not self.done.done():
+                    self.done.set_result(None)
+                return
+            if len(buf) < eol + 2 + size + 2:
+                break
+            body += buf[eol + 2:eol + 2 + size]
+            pos = eol + 2 + size + 2
+        self.buf = buf[pos:]
+        self.events = self._events(body)
+
+    def _events(self, body: bytes) -> bytes:
+        *events, rest = body.split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: {"):
+                self.on_event(event[6:])
+        return rest
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("the server closed the connection before the end of the stream"))
+
+
+async def sse_stream(host: str, port: int, body: bytes, on_event: Callable[[bytes], None]) -> None:
+    """Stream one POST /v1/completions, `on_event` called with each event's JSON."""
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+    transport, client = await asyncio.get_running_loop().create_connection(
+        lambda: SSEClient(request, on_event), host, port)
+    try:
+        await client.done
     finally:
-        writer.close()
+        transport.close()
+
+
+class _Choice(msgspec.Struct):
+    token_ids: list[int] = []
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice]
 
 
 async def clients(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -159,28 +231,32 @@ async def clients(url: str, model: str, prompts: list[list[int]], max_tokens: in
     itl: list[float] = []
     streams: list[list[int]] = [[] for _ in prompts]
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    decode = msgspec.json.Decoder().decode
+    decode = msgspec.json.Decoder(_Chunk).decode  # reads token_ids alone, skips the rest
     warm = msgspec.json.encode({"model": model, "prompt": prompts[0][:4], "max_tokens": 4, "stream": True})
-    async for _ in sse_stream(host, int(port), warm):
-        pass
+    await sse_stream(host, int(port), warm, lambda event: None)
 
     async def one(i: int) -> None:
         body = msgspec.json.encode({"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
                                     "temperature": 0, "ignore_eos": True, "stream": True,
                                     "return_token_ids": True})
         sent = time.perf_counter()
-        last = None
-        async for event in sse_stream(host, int(port), body):
-            got = decode(event)["choices"][0]["token_ids"]
+        last: float | None = None
+        stream = streams[i]
+
+        def on_event(event: bytes) -> None:
+            nonlocal last
+            got = decode(event).choices[0].token_ids
             if not got:
-                continue
+                return
             now = time.perf_counter()
             if last is None:
                 ttft.append(now - sent)
             else:
                 itl.extend([(now - last) / len(got)] * len(got))
             last = now
-            streams[i] += got
+            stream.extend(got)
+
+        await sse_stream(host, int(port), body, on_event)
 
     start = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -200,14 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workload(args.num_clients, args.seed)
     engine_args = ["--max-num-seqs", str(max(256, args.num_clients))]
     total = args.num_clients * args.max_tokens
-    gen_walls, serve_runs = [], []
+    gen_walls, gen_cpus, serve_runs = [], [], []
     reference: list[list[int]] | None = None
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         server = Server(args.model, os.path.join(tmp, "serve.tape"), engine_args)
         try:
             for _ in range(args.repeats):
-                wall, reference = run_generate(args.model, prompts, args.max_tokens, engine_args, tmp)
+                wall, cpu, reference = run_generate(args.model, prompts, args.max_tokens, engine_args, tmp)
                 gen_walls.append(wall)
+                gen_cpus.append(cpu)
                 before, mine = server.cpu(), time.process_time()
                 run = asyncio.run(clients(server.url, args.model, prompts, args.max_tokens))
                 after = server.cpu()
@@ -219,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     best = min(serve_runs, key=lambda r: r["wall"])
     same = sum(s == r for s, r in zip(best["streams"], reference or []))
     gen_tps, serve_tps = total / min(gen_walls), total / best["wall"]
+    per_token = {k: round(statistics.median(r["cpu"][k] for r in serve_runs) / total * 1e6, 1) for k in best["cpu"]}
+    per_token["serve_total"] = round(sum(per_token.values()), 1)
+    per_token["generate"] = round(statistics.median(gen_cpus) / total * 1e6, 1)
     result = {
         "model": args.model, "clients": args.num_clients, "max_tokens": args.max_tokens,
         "generate_tok_s": round(gen_tps, 1), "serve_tok_s": round(serve_tps, 1),
@@ -230,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "itl_mean_ms": round(statistics.fmean(best["itl"]) * 1e3, 3) if best["itl"] else None,
         "streams_equal_generate": f"{same}/{args.num_clients}",
         "serve_cpu_s": best["cpu"],  # the best round's CPU seconds per process
+        "cpu_us_per_token": per_token,  # medians over the rounds
         "generate_walls_s": [round(w, 3) for w in gen_walls],
         "serve_walls_s": [round(r["wall"], 3) for r in serve_runs],
     }
