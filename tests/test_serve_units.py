@@ -11,7 +11,9 @@ import pytest
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.entrypoints.api_server import _param_of
 from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
-from tokentape.entrypoints.serving import IncrementalDetokenizer
+from tokentape.entrypoints import protocol as p
+from tokentape.entrypoints.metrics import ServerMetrics
+from tokentape.entrypoints.serving import ByteDetokenizer, IncrementalDetokenizer, SSEFramer, detokenizer, sse_bytes
 
 
 def test_builtin_chat_template() -> None:
@@ -47,6 +49,48 @@ def test_incremental_detokenizer_holds_back_a_cut_character(chunk: int) -> None:
     d = IncrementalDetokenizer(tok.decode)
     deltas = [d.add(ids[i:i + chunk], i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
     assert "".join(deltas) == tok.decode(ids) and "\ufffd" not in "".join(deltas)
+
+
+def test_the_byte_detokenizer_gives_the_windowed_one_s_text() -> None:
+    """The byte tokenizer's fast path: the same text as the windowed detokenizer, whatever the
+    cuts, with invalid bytes, cut characters and special tokens."""
+    import random
+
+    tok, rng = ByteTokenizer(), random.Random(0)
+    assert isinstance(detokenizer(tok), ByteDetokenizer)
+    for trial in range(500):
+        ids = tok.encode("héllo wörld ✓ — 日本語🙂") if trial % 2 else [rng.randrange(0, 262) for _ in range(25)]
+        cuts = sorted(rng.sample(range(1, len(ids)), rng.randrange(0, 6)))
+        parts = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+        windowed, fast = IncrementalDetokenizer(tok.decode), ByteDetokenizer(tok)
+        texts = ["".join(d.add(part, i == len(parts) - 1) for i, part in enumerate(parts)) for d in (windowed, fast)]
+        assert texts[0] == texts[1] == tok.decode(ids)
+        assert windowed.num_chars == fast.num_chars == len(texts[0])
+
+
+def test_the_sse_framer_encodes_what_sse_bytes_does() -> None:
+    tricky = 'x"choices":[]\\'  # the key's text inside a string (an x-request-id is the client's)
+    framer = SSEFramer(p.CompletionResponse(tricky, 7, "m", []))
+    choice = p.CompletionChoice(0, 'a "b"', "stop", token_ids=[5, 6])
+    assert framer.chunk(choice) == sse_bytes(p.CompletionResponse(tricky, 7, "m", [choice]))
+    chat = SSEFramer(p.ChatCompletionChunk("c", 1, "m", []))
+    delta = p.ChatStreamChoice(0, p.ChatDelta(content="hi"), None)
+    assert chat.chunk(delta) == sse_bytes(p.ChatCompletionChunk("c", 1, "m", [delta]))
+
+
+def test_latency_histograms_render_cumulative_buckets() -> None:
+    from tokentape.engine.core.messages import SchedulerStats
+
+    m = ServerMetrics("tiny", SchedulerStats)
+    for seconds in (0.0005, 0.001, 0.003, 100.0):
+        m.itl.observe(seconds)
+    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in m.render().decode().splitlines()
+             if line.startswith("tokentape:inter_token_latency_seconds")}
+    assert lines['tokentape:inter_token_latency_seconds_bucket{le="0.001",model_name="tiny"}'] == 2  # le: <=
+    assert lines['tokentape:inter_token_latency_seconds_bucket{le="0.005",model_name="tiny"}'] == 3
+    assert lines['tokentape:inter_token_latency_seconds_bucket{le="+Inf",model_name="tiny"}'] == 4
+    assert lines['tokentape:inter_token_latency_seconds_count{model_name="tiny"}'] == 4
+    assert lines['tokentape:inter_token_latency_seconds_sum{model_name="tiny"}'] == pytest.approx(100.0045)
 
 
 def test_the_bad_field_of_a_body_is_named() -> None:

@@ -23,8 +23,11 @@ class ByteTokenizer:
         return [b + self._OFFSET for b in text.encode("utf-8")]
 
     def decode(self, token_ids: list[int]) -> str:
-        data = bytes(t - self._OFFSET for t in token_ids if self._OFFSET <= t < self.vocab_size)
-        return data.decode("utf-8", errors="replace")
+        return self.to_bytes(token_ids).decode("utf-8", errors="replace")
+
+    def to_bytes(self, token_ids: list[int]) -> bytes:
+        """The bytes the ids stand for; the special tokens stand for none."""
+        return bytes(t - self._OFFSET for t in token_ids if self._OFFSET <= t < self.vocab_size)
 
 
 class HFTokenizer:

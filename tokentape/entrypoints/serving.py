@@ -10,6 +10,7 @@ streams, which aborts their requests on the tape.
 from __future__ import annotations
 
 import asyncio
+import codecs
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from tokentape.engine.async_llm import AsyncLLM
 from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.outputs import RequestOutput
+from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
@@ -43,12 +45,13 @@ class IncrementalDetokenizer:
     """Text deltas of a growing token list, decoding only a short window (as vLLM does): the
     tokens since the last emitted text, after those before it (so a tokenizer that joins
     pieces with spaces decodes them in context). A byte sequence cut inside a UTF-8 character
-    is held back until the character is complete, or the stream ends."""
+    is held back until the character is complete, or the stream ends. `num_chars`: the
+    length of the text given out so far."""
 
-    __slots__ = ("decode", "tokens", "text", "prefix_offset", "read_offset")
+    __slots__ = ("decode", "tokens", "num_chars", "prefix_offset", "read_offset")
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode, self.tokens, self.text = decode, [], ""
+        self.decode, self.tokens, self.num_chars = decode, [], 0
         self.prefix_offset = self.read_offset = 0
 
     def add(self, new_tokens: list[int], final: bool) -> str:
@@ -60,8 +63,34 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
-        self.text += delta
+        self.num_chars += len(delta)
         return delta
+
+
+class ByteDetokenizer:
+    """IncrementalDetokenizer's deltas for the byte tokenizer (the built-in models and the
+    oracle), from an incremental UTF-8 decoder: each token is decoded once, and a character
+    cut between tokens is held back by the decoder itself until it is complete (or, at the
+    end, replaced)."""
+
+    __slots__ = ("to_bytes", "utf8", "num_chars")
+
+    def __init__(self, tokenizer: ByteTokenizer) -> None:
+        self.to_bytes = tokenizer.to_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.num_chars = 0
+
+    def add(self, new_tokens: list[int], final: bool) -> str:
+        delta = self.utf8.decode(self.to_bytes(new_tokens), final)
+        self.num_chars += len(delta)
+        return delta
+
+
+def detokenizer(tokenizer: Tokenizer) -> IncrementalDetokenizer | ByteDetokenizer:
+    """The incremental detokenizer of one stream."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return ByteDetokenizer(tokenizer)
+    return IncrementalDetokenizer(tokenizer.decode)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -194,6 +223,24 @@ class OpenAIServing:
 
 def sse_bytes(chunk: Any) -> bytes:
     return b"data: " + p.encode_json(chunk) + b"\n\n"
+
+
+class SSEFramer:
+    """The SSE events of one stream, whose chunks differ only in their choices: the envelope
+    (id, created, model, object, usage) is encoded once, and each chunk encodes its choices
+    alone between the envelope's two halves (the same JSON as sse_bytes of the whole)."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, envelope: Any) -> None:
+        """`envelope`: the response with no choices."""
+        raw = p.encode_json(envelope)
+        # The first '"choices":[]' is the key: inside a JSON string its quotes are escaped.
+        at = raw.index(b'"choices":[]') + len(b'"choices":[')
+        self.head, self.tail = b"data: " + raw[:at], raw[at:] + b"\n\n"
+
+    def chunk(self, choice: Any) -> bytes:
+        return self.head + p.encode_json(choice) + self.tail
 
 
 def usage_of(streams: list[PromptStream], generated: int) -> p.UsageInfo:

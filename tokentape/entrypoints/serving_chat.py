@@ -15,8 +15,9 @@ from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.serving import (
     SSE_DONE,
     APIError,
-    IncrementalDetokenizer,
     OpenAIServing,
+    SSEFramer,
+    detokenizer,
     merge_streams,
     sse_bytes,
     usage_of,
@@ -45,7 +46,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     streams = await serving.start(request, [tokens], params, request_id)
     created = int(time.time())
     decode = serving.engine.tokenizer.decode
-    detok = IncrementalDetokenizer(decode)
+    detok = detokenizer(serving.engine.tokenizer)
 
     def chat_logprobs(out: RequestOutput) -> p.ChatChoiceLogprobs | None:
         c = out.outputs[0]
@@ -62,16 +63,16 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
 
         async def sse() -> AsyncIterator[bytes]:
             role = p.ChatDelta("assistant", "")
-            yield sse_bytes(p.ChatCompletionChunk(request_id, created, serving.model_name,
-                                             [p.ChatStreamChoice(0, role, None)]))
+            framer = SSEFramer(p.ChatCompletionChunk(request_id, created, serving.model_name, []))
+            yield framer.chunk(p.ChatStreamChoice(0, role, None))
             generated = 0
             async for _, out in merge_streams(streams):
                 c = out.outputs[0]
                 generated += len(c.token_ids)
                 delta = p.ChatDelta(content=detok.add(c.token_ids, out.finished))
                 ch = p.ChatStreamChoice(0, delta, c.finish_reason, chat_logprobs(out),
-                                        list(c.token_ids) if req.return_token_ids else None)
-                yield sse_bytes(p.ChatCompletionChunk(request_id, created, serving.model_name, [ch]))
+                                        c.token_ids if req.return_token_ids else None)  # a copy already
+                yield framer.chunk(ch)
             if include_usage:
                 yield sse_bytes(p.ChatCompletionChunk(request_id, created, serving.model_name, [],
                                                  usage_of(streams, generated)))

@@ -15,8 +15,9 @@ from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.serving import (
     SSE_DONE,
     APIError,
-    IncrementalDetokenizer,
     OpenAIServing,
+    SSEFramer,
+    detokenizer,
     merge_streams,
     sse_bytes,
     usage_of,
@@ -55,20 +56,20 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
     streams = await serving.start(request, prompts, params, request_id)
     created = int(time.time())
     decode = serving.engine.tokenizer.decode
-    detoks = [IncrementalDetokenizer(decode) for _ in streams]
+    detoks = [detokenizer(serving.engine.tokenizer) for _ in streams]
 
     def choice(i: int, out: RequestOutput) -> p.CompletionChoice:
         c = out.outputs[0]
         text = detoks[i].add(c.token_ids, out.finished)
         lps = None
         if req.logprobs is not None and c.logprobs is not None:
-            offset = len(detoks[i].text) - len(text)
+            offset = detoks[i].num_chars - len(text)
             pieces = [decode([t]) for t in c.token_ids]
             offsets = [offset + sum(len(x) for x in pieces[:j]) for j in range(len(pieces))]
             lps = p.CompletionLogprobs(pieces, list(c.logprobs), offsets)
         return p.CompletionChoice(
             i, text, c.finish_reason, lps,
-            token_ids=list(c.token_ids) if req.return_token_ids else None,
+            token_ids=c.token_ids if req.return_token_ids else None,  # a copy already
             prompt_token_ids=None,
         )
 
@@ -78,13 +79,14 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
         async def sse() -> AsyncIterator[bytes]:
             first = [True] * len(streams)
             generated = 0
+            framer = SSEFramer(p.CompletionResponse(request_id, created, serving.model_name, []))
             async for i, out in merge_streams(streams):
                 ch = choice(i, out)
                 generated += len(out.outputs[0].token_ids)
                 if first[i] and req.return_token_ids:
                     ch.prompt_token_ids = streams[i].prompt_token_ids
                 first[i] = False
-                yield sse_bytes(p.CompletionResponse(request_id, created, serving.model_name, [ch]))
+                yield framer.chunk(ch)
             if include_usage:
                 usage = usage_of(streams, generated)
                 yield sse_bytes(p.CompletionResponse(request_id, created, serving.model_name, [], usage))
