@@ -190,7 +190,9 @@ class MPClient(CoreClient):
         self._reader = asyncio.get_running_loop().create_task(self._read(dispatch))
 
     async def _read(self, dispatch: Dispatch) -> None:
-        sock, decode = self._apull, message_decoder.decode
+        import zmq
+
+        sock, decode, recv = self._apull, message_decoder.decode, self._pull.recv
         while True:
             if not await sock.poll(1000):
                 code = self.proc.poll()
@@ -198,10 +200,16 @@ class MPClient(CoreClient):
                     dispatch(CoreDead(f"the engine core process exited with status {code}"))
                     return
                 continue
-            msg = decode(await sock.recv())
-            dispatch(msg)
-            if isinstance(msg, CoreDead):
-                return
+            # Everything that has arrived, in one wake of the loop (one message per step).
+            while True:
+                try:
+                    data = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = decode(data)
+                dispatch(msg)
+                if isinstance(msg, CoreDead):
+                    return
 
     def send(self, msg: CoreRequest) -> None:
         if self._closed:
