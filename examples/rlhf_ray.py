@@ -1,17 +1,18 @@
 """The RLHF loop on Ray: a trainer actor and N tokentape engine actors (AsyncLLM, each with its
 engine core process and its own tape), as vLLM's RLHF example runs vLLM under Ray.
 
-Each iteration: every engine starts its rollouts; once each rollout has a few tokens the
-trainer makes a deterministic weight update from them while the engines go on generating;
-every engine runs pause_generation(mode="keep", clear_cache=True); the new weights reach the
-engines through Ray's object store (default) or a torch.distributed broadcast (gloo, the CPU
-backend); every engine runs resume_generation() and finishes its rollouts with the new
-weights. Check: every engine reports the trainer's weights, and for every request the tokens
-after the resume equal what a fresh engine with the new weights gives when it continues from
-the same prefix (prompt plus the tokens delivered before the pause). Exit 0 when it held for
-every engine and iteration, 1 otherwise. Under `--discard-policy flag` (vLLM before #42117)
-with async scheduling (pipeline depth >= 2) it fails as vLLM #42043 did: the first valid
-token after the resume is thrown away and every later one shifts.
+Each iteration: every engine starts its rollouts; once each of its rollouts has a few tokens
+the engine runs pause_generation(mode="keep", clear_cache=True) at once, so every rollout is
+paused mid-generation; the trainer makes a deterministic weight update from those first
+tokens; the new weights reach the engines through Ray's object store (default) or a
+torch.distributed broadcast (gloo, the CPU backend); every engine runs resume_generation()
+and finishes its rollouts with the new weights. Check: every engine reports the trainer's
+weights, and for every request the tokens after the resume equal what a fresh engine with
+the new weights gives when it continues from the same prefix (prompt plus the tokens
+delivered before the pause). Exit 0 when it held for every engine and iteration, 1
+otherwise. Under `--discard-policy flag` (vLLM before #42117) with async scheduling
+(pipeline depth >= 2) it fails as vLLM #42043 did: the first valid token after the resume is
+thrown away and every later one shifts.
 
     python examples/rlhf_ray.py                                  # 2 engines, 2 iterations: holds
     python examples/rlhf_ray.py --discard-policy flag            # fails
@@ -156,13 +157,21 @@ def run(args: argparse.Namespace) -> int:
         for it in range(args.iterations):
             specs = {i: request_specs(i, it) for i in engines}
             ray.get([e.start.remote(specs[i]) for i, e in engines.items()])
-            rollouts = ray.get([e.wait_tokens.remote() for e in engines.values()])
-            if args.kill_engine is not None and it == 0:
-                # Mid-rollout, its requests running; the others go on (no wait here: their
-                # rollouts must still be running when the pause comes).
-                kill(engines.pop(args.kill_engine), args.kill_how)
-            trainer_id = ray.get(trainer.train_step.remote(it, rollouts))
-            prefixes = dict(zip(engines, ray.get([e.pause.remote() for e in engines.values()])))
+            doomed = args.kill_engine if it == 0 else None
+            # Each engine pauses itself once every rollout of its has its first tokens: no round
+            # trip (no trainer's step) in between, so they are mid-generation at the pause
+            # however busy the machine; the drill depends on it.
+            pausing = {i: e.pause_after_tokens.remote() for i, e in engines.items() if i != doomed}
+            first: dict[int, dict[str, list[int]]] = {}
+            if doomed is not None:
+                # Mid-rollout, its requests running (never paused); no wait for the death.
+                first[doomed] = ray.get(engines[doomed].wait_tokens.remote())
+                kill(engines.pop(doomed), args.kill_how)
+            prefixes: dict[int, dict[str, int]] = {}
+            for i, (tokens, at_pause) in zip(pausing, ray.get(list(pausing.values()))):
+                first[i], prefixes[i] = tokens, at_pause
+            rollouts = [first[i] for i in sorted(first)]
+            trainer_id = ray.get(trainer.train_step.remote(it, rollouts))  # the engines wait paused
             if broadcast:
                 meta = ray.get(trainer.weight_meta.remote())
                 got = ray.get([trainer.broadcast.remote()]
@@ -179,12 +188,14 @@ def run(args: argparse.Namespace) -> int:
                         n = prefixes[i][req_id]
                         tokens = streams[i][req_id]
                         cases.append((i, req_id, prompt, sampling_params(kw), tokens[:n], tokens[n:]))
-            resumed = sum(0 < len(c[4]) < c[3].max_tokens for c in cases)
+            mid = [c for c in cases if 0 < len(c[4]) < c[3].max_tokens]
+            resumed = len(mid)
             problems = check_against_fresh_engine(ray.get(trainer.state_dict.remote()), trainer_id,
                                                   dict(zip(engines, got)), cases)
-            if resumed == 0:
-                problems.append("no request was mid-generation at the pause: nothing was checked "
-                                "across the update (a machine too busy? lengthen ROLLOUT_TOKENS)")
+            for i in sorted(set(engines) - {c[0] for c in mid}):
+                problems.append(f"engine {i}: no request was mid-generation at the pause: nothing "
+                                "was checked across the update (a machine too busy? lengthen "
+                                "ROLLOUT_TOKENS)")
             print(f"iteration {it}: {len(engines)} engines, {len(cases)} requests ({resumed} paused "
                   f"mid-generation), weights {trainer_id[:19]}... via {args.weight_sync}: "
                   f"{'check held' if not problems else 'CHECK FAILED'}")

@@ -20,8 +20,9 @@ from tokentape import AsyncLLM, RequestOutputKind, SamplingParams
 from tokentape.engine.async_llm import frontend_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
-# Rollout lengths, per prompt: rollouts differ in length, and the longest is still being
-# generated when the pause comes, even on a machine too busy for the others.
+# Rollout lengths, per prompt: rollouts differ in length, and each is still being generated
+# when the pause comes (TOKENS_BEFORE_UPDATE tokens in), even with the engine's frontend
+# some steps behind its core on a busy machine.
 ROLLOUT_TOKENS = (64, 96, 128, 256)
 TOKENS_BEFORE_UPDATE = 8  # what the trainer learns from: each rollout's first tokens
 LEARNING_RATE = 0.05
@@ -126,6 +127,15 @@ class EngineWorker:
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
         return {r: t[:k] for r, t in self.tokens.items()}
+
+    async def pause_after_tokens(self, k: int = TOKENS_BEFORE_UPDATE
+                                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """wait_tokens(k), then pause at once: each rollout's first k tokens and the tokens
+        each had at the pause. Both here, with no round trip between them (a trainer's step in
+        between let most rollouts finish on a busy machine), so the pause finds them
+        mid-generation."""
+        first = await self.wait_tokens(k)
+        return first, await self.pause()
 
     async def pause(self) -> dict[str, int]:
         """pause(keep, clear_cache=True); the tokens each request had when it took effect."""

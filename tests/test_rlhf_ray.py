@@ -72,6 +72,7 @@ def test_the_flag_policy_fails_as_vllm_did(example: ModuleType, tmp_path: Path,
     tapes = tmp_path / "tapes"
     assert example.main(["--iterations", "1", "--discard-policy", "flag", "--tape-dir", str(tapes)]) == 1
     out = capsys.readouterr().out
+    assert "8 requests (8 paused mid-generation)" in out  # each engine pauses once all have tokens
     assert "via object-store: CHECK FAILED" in out and "where a fresh engine gives" in out
     report = fleet_postmortem(tapes, jobs=1)
     assert report.summary.failed == 2

@@ -182,3 +182,27 @@ def test_a_tampered_stop_finish_fails_verify(tmp_path) -> None:  # type: ignore[
     for e in events:
         forged.append(e)
     assert not verify(forged).ok
+
+
+def test_batched_processors_give_each_row_the_bits_it_gets_alone() -> None:
+    """The penalties run as torch ops over the batch; a row's result must not depend on the
+    other rows (batch invariance: a recomputed position is adjusted the same way)."""
+    import random
+
+    from tokentape.engine.model.logits_processors import RowContext, apply_logits_processors
+
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 259, generator=gen) * 4
+    rows: list[RowContext | None] = []
+    for i in range(9):
+        params = SamplingParams(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
+                                repetition_penalty=rng.uniform(0.5, 2), min_tokens=rng.choice([0, 50]), max_tokens=64,
+                                bad_words=[[7], [8, 9]] if i % 2 else [])
+        toks = [rng.randrange(3, 40) for _ in range(rng.randint(2, 30))]
+        rows.append(None if i == 4 else RowContext(params, (1, 12), toks, rng.randint(1, len(toks))))
+    batched = apply_logits_processors(logits, rows)
+    assert torch.equal(batched[4], logits[4])
+    for i, ctx in enumerate(rows):
+        alone = apply_logits_processors(logits[i:i + 1], [ctx])
+        assert torch.equal(batched[i], alone[0]), i

@@ -1,5 +1,5 @@
-"""vLLM's logits processors that change greedy sampling, applied per row in vLLM's order:
-bad words, min_tokens, then the repetition, frequency and presence penalties.
+"""vLLM's logits processors that change greedy sampling, in vLLM's order: bad words,
+min_tokens, then the repetition, frequency and presence penalties (batched torch ops).
 
 Each row's adjustment is a pure function of its own logits and its own tokens (the prompt and
 the output before the row's position), so it gives the same bits whatever else is in the
@@ -44,47 +44,81 @@ def banned_bad_words(bad_words: Sequence[Sequence[int]], tokens: Sequence[int]) 
     return banned
 
 
-def apply_penalties_row(logits: torch.Tensor, ctx: RowContext) -> None:
-    """In place on one float32 row [V], with vLLM's arithmetic: the repetition penalty scales
-    every token of the prompt or the output (a positive logit times 1/penalty, another times
-    the penalty), then frequency (times the count in the output) and presence (once per
-    token in the output) are subtracted."""
-    p = ctx.params
-    vocab, device = logits.shape[0], logits.device
-    output = torch.tensor(list(ctx.tokens[ctx.num_prompt:]), dtype=torch.int64)
-    counts = torch.zeros(vocab, dtype=torch.int64).index_add_(
-        0, output, torch.ones_like(output)).to(device)
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor(list(ctx.tokens[:ctx.num_prompt]), dtype=torch.int64)] = True
-        seen = seen.to(device) | (counts > 0)
-        penalty = torch.tensor(p.repetition_penalty, dtype=torch.float32, device=device)
-        penalties = torch.where(seen, penalty, torch.ones((), dtype=torch.float32, device=device))
-        logits *= torch.where(logits > 0, 1.0 / penalties, penalties)
-    if p.frequency_penalty != 0.0:
-        logits -= torch.tensor(p.frequency_penalty, dtype=torch.float32, device=device) * counts
-    if p.presence_penalty != 0.0:
-        logits -= torch.tensor(p.presence_penalty, dtype=torch.float32, device=device) * (counts > 0)
+def _row_token_mask(shape: tuple[int, int], rows: list[int], tokens: list[int], device: torch.device,
+                    counts: bool = False) -> torch.Tensor:
+    """[R, V]: how often (counts) or whether each (row, token) pair occurs in the flat lists."""
+    out = torch.zeros(shape, dtype=torch.int32 if counts else torch.bool)
+    if tokens:
+        index = (torch.tensor(rows, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int64))
+        if counts:
+            out.index_put_(index, torch.ones(len(tokens), dtype=torch.int32), accumulate=True)
+        else:
+            out[index] = True
+    return out.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, ctxs: Sequence[RowContext]) -> torch.Tensor:
+    """vLLM's penalties on float32 rows [R, V], one row per context, in one pass of torch
+    ops over the batch (vLLM's apply_penalties): the repetition penalty divides a positive
+    logit of a token in the prompt or the output and multiplies another; then frequency (times
+    the token's count in the output) and presence (once per token in the output) are
+    subtracted. Returns a new tensor."""
+    shape, device = (logits.shape[0], logits.shape[1]), logits.device
+    vocab = shape[1]
+    prompt_rows: list[int] = []
+    prompt_toks: list[int] = []
+    out_rows: list[int] = []
+    out_toks: list[int] = []
+    for i, ctx in enumerate(ctxs):  # flat (row, token) lists: the only per-row Python
+        prompt = [t for t in ctx.tokens[:ctx.num_prompt] if t < vocab]
+        output = [t for t in ctx.tokens[ctx.num_prompt:] if t < vocab]
+        prompt_toks += prompt
+        prompt_rows += [i] * len(prompt)
+        out_toks += output
+        out_rows += [i] * len(output)
+    counts = _row_token_mask(shape, out_rows, out_toks, device, counts=True)
+    in_output = counts > 0
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    rep = column([c.params.repetition_penalty for c in ctxs])
+    seen = _row_token_mask(shape, prompt_rows, prompt_toks, device) | in_output
+    penalties = torch.where(seen, rep, torch.ones((), dtype=torch.float32, device=device))
+    logits = torch.where(logits > 0, logits / penalties, logits * penalties)
+    logits = logits - column([c.params.frequency_penalty for c in ctxs]) * counts
+    return logits - column([c.params.presence_penalty for c in ctxs]) * in_output
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: Sequence[RowContext | None]) -> torch.Tensor:
     """The logits [S, V] (float32) with each row's processors applied; a row of None (or one
-    whose params ask for none) is left as it is. Returns a new tensor when any row changes."""
+    whose params ask for none) is left as it is. Returns a new tensor when any row changes.
+
+    Bad words and min_tokens ban tokens (-inf), gathered over the batch into one write; the
+    penalties then run as batched torch ops over the rows that have them (each row's result
+    still depends on its own logits and tokens only)."""
     todo = [(i, ctx) for i, ctx in enumerate(rows) if ctx is not None and needs_processing(ctx.params)]
     if not todo:
         return logits
     logits = logits.clone()
+    vocab = logits.shape[1]
+    ban_rows: list[int] = []
+    ban_toks: list[int] = []
     for i, ctx in todo:
-        row = logits[i]
         p = ctx.params
         banned = banned_bad_words(p.bad_words, ctx.tokens) if p.bad_words else set()
         if len(ctx.tokens) - ctx.num_prompt < p.min_tokens:
             banned.update(ctx.stop_ids)  # no stop before min_tokens (vLLM's MinTokensLogitsProcessor)
-        banned = {t for t in banned if t < row.shape[0]}
-        if banned:
-            row[torch.tensor(sorted(banned), dtype=torch.int64, device=row.device)] = float("-inf")
-        if p.has_penalties:
-            apply_penalties_row(row, ctx)
+        banned = sorted(t for t in banned if t < vocab)
+        ban_toks += banned
+        ban_rows += [i] * len(banned)
+    if ban_toks:
+        index = (torch.tensor(ban_rows, dtype=torch.int64), torch.tensor(ban_toks, dtype=torch.int64))
+        logits[tuple(x.to(logits.device) for x in index)] = float("-inf")
+    penalised = [(i, ctx) for i, ctx in todo if ctx.params.has_penalties]
+    if penalised:
+        index_t = torch.tensor([i for i, _ in penalised], dtype=torch.int64, device=logits.device)
+        logits[index_t] = apply_penalties(logits[index_t], [ctx for _, ctx in penalised])
     return logits
 
 
