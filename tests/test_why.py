@@ -79,7 +79,7 @@ def _flag_tapes(tmp_path):
     return tapes
 
 
-def test_flag_shift_is_explained(tmp_path):
+def test_flag_shift_is_explained(tmp_path, capsys):
     tapes = _flag_tapes(tmp_path)
     flag = why(tapes["flag"], "0", 6)
     roles = [x.role for x in flag.chain]
@@ -90,6 +90,10 @@ def test_flag_shift_is_explained(tmp_path):
     assert epoch.scheduled_for == 6 and "dropped" not in [x.role for x in epoch.chain]
     # Both tapes: the token at 6 is the token each produced; flag's is epoch's token 7.
     assert flag.token == load_tape(tapes["epoch"]).fold().requests["0"].output_token_ids[7]
+    assert main(["why", tapes["flag"], "0", "6"]) == 0  # text, plain when piped
+    text = capsys.readouterr().out
+    assert text.startswith("request '0', output position 6: token") and "#42043" in text
+    assert " dropped " in text and " delivered " in text
     # The seek path (SQLite) and the scan of an in-memory copy give one answer.
     assert why(_in_memory(tapes["flag"]), "0", 6).chain == flag.chain
 
