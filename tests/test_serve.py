@@ -106,8 +106,8 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(live: Live) -> 
         live.client.completions.create(model="oracle", prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="vocabulary"):
         live.client.completions.create(model="oracle", prompt=[5, 10**6], max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="stop strings"):
-        live.client.completions.create(model="oracle", prompt="x", max_tokens=2, stop=["\n"])
+    with pytest.raises(openai.BadRequestError, match="cannot honour presence_penalty"):  # no logits
+        live.client.completions.create(model="oracle", prompt="x", max_tokens=2, presence_penalty=0.5)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         live.client.completions.create(model="gpt-5", prompt="x", max_tokens=2)
     with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):

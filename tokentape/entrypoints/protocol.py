@@ -35,6 +35,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None  # vLLM's: strings, encoded by the engine's tokenizer
     user: str | None = None
 
 
@@ -86,6 +87,7 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    stop_reason: str | None = None  # vLLM's: the stop string that finished the choice
 
 
 class CompletionResponse(msgspec.Struct):
@@ -124,6 +126,7 @@ class ChatChoice(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None
     logprobs: ChatChoiceLogprobs | None = None
     token_ids: list[int] | None = None
+    stop_reason: str | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -141,6 +144,7 @@ class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None
     logprobs: ChatChoiceLogprobs | None = None
     token_ids: list[int] | None = None
+    stop_reason: str | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

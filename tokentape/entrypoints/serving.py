@@ -131,7 +131,7 @@ class PromptStream:
 
     async def _next(self) -> RequestOutput:
         out = await self.agen.__anext__()
-        self.timer.output(len(out.outputs[0].token_ids))
+        self.timer.output(sum(len(c.token_ids) for c in out.outputs))
         if out.finished:
             self.finished = True
             self.timer.finished(out.outputs[0].finish_reason or "abort", len(self.prompt_token_ids))
@@ -161,8 +161,6 @@ class OpenAIServing:
 
     def sampling_params(self, req: p._SamplingFields, max_tokens: int | None, num_prompt_tokens: int,
                         logprobs: int | None) -> SamplingParams:
-        if req.n != 1:
-            raise APIError(400, f"n must be 1 (one choice per prompt), got {req.n}", param="n")
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - num_prompt_tokens)
         top_k = 0 if req.top_k in (None, -1) else req.top_k
@@ -183,6 +181,8 @@ class OpenAIServing:
                 min_tokens=req.min_tokens,
                 stop=req.stop or (),
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                n=req.n,
+                bad_words=tuple(req.bad_words or ()),
             )
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None

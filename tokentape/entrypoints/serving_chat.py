@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: the messages through the chat template, one choice."""
+"""POST /v1/chat/completions: the messages through the chat template, n choices."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokentape.engine.outputs import RequestOutput
+from tokentape.engine.outputs import CompletionOutput
 from tokentape.entrypoints.chat_template import ChatTemplateError, message_text
 from tokentape.entrypoints import protocol as p
+from tokentape.entrypoints.choices import ChoiceText, chat_logprobs
 from tokentape.entrypoints.serving import (
     SSE_DONE,
     APIError,
@@ -25,7 +26,7 @@ from tokentape.entrypoints.serving import (
 
 
 async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, request: Request) -> Response:
-    """POST /v1/chat/completions: the messages through the chat template, one choice."""
+    """POST /v1/chat/completions: the messages through the chat template, n choices."""
     serving.check_model(req.model)
     if not req.messages:
         raise APIError(400, "messages must not be empty", param="messages")
@@ -45,18 +46,13 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     request_id = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
     streams = await serving.start(request, [tokens], params, request_id)
     created = int(time.time())
-    decode = serving.engine.tokenizer.decode
-    detok = detokenizer(serving.engine.tokenizer)
+    tokenizer, n, k = serving.engine.tokenizer, params.n, req.top_logprobs or 0
+    texts = [ChoiceText(detokenizer(tokenizer), tokenizer.decode, params) for _ in range(n)]
 
-    def chat_logprobs(out: RequestOutput) -> p.ChatChoiceLogprobs | None:
-        c = out.outputs[0]
+    def choice_logprobs(c: CompletionOutput) -> p.ChatChoiceLogprobs | None:
         if not req.logprobs or c.logprobs is None:
             return None
-        content = []
-        for t, lp in zip(c.token_ids, c.logprobs):
-            piece = decode([t])
-            content.append(p.ChatLogprob(piece, lp, list(piece.encode("utf-8", "replace"))))
-        return p.ChatChoiceLogprobs(content)
+        return p.ChatChoiceLogprobs(chat_logprobs(tokenizer.decode, c, k))
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -64,15 +60,17 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         async def sse() -> AsyncIterator[bytes]:
             role = p.ChatDelta("assistant", "")
             framer = SSEFramer(p.ChatCompletionChunk(request_id, created, serving.model_name, []))
-            yield framer.chunk(p.ChatStreamChoice(0, role, None))
+            for j in range(n):
+                yield framer.chunk(p.ChatStreamChoice(j, role, None))
             generated = 0
             async for _, out in merge_streams(streams):
-                c = out.outputs[0]
-                generated += len(c.token_ids)
-                delta = p.ChatDelta(content=detok.add(c.token_ids, out.finished))
-                ch = p.ChatStreamChoice(0, delta, c.finish_reason, chat_logprobs(out),
-                                        c.token_ids if req.return_token_ids else None)  # a copy already
-                yield framer.chunk(ch)
+                for c in out.outputs:  # n > 1: the choices with something new
+                    generated += len(c.token_ids)
+                    delta = p.ChatDelta(content=texts[c.index].add(c))
+                    ch = p.ChatStreamChoice(c.index, delta, c.finish_reason, choice_logprobs(c),
+                                            c.token_ids if req.return_token_ids else None,  # a copy already
+                                            c.stop_reason)
+                    yield framer.chunk(ch)
             if include_usage:
                 yield sse_bytes(p.ChatCompletionChunk(request_id, created, serving.model_name, [],
                                                  usage_of(streams, generated)))
@@ -81,19 +79,23 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     async def collect() -> p.ChatCompletionResponse:
-        out_tokens: list[int] = []
-        lps: list[p.ChatLogprob] = []
-        reason = None
+        merged = [CompletionOutput(j, None, [], None, [] if req.logprobs else None, None,
+                                   [] if logprobs else None) for j in range(n)]
         async for out in streams[0].outputs():
-            out_tokens += out.outputs[0].token_ids
-            got = chat_logprobs(out)
-            lps += got.content if got else ()
-            reason = out.outputs[0].finish_reason
-        message = p.ChatResponseMessage("assistant", detok.add(out_tokens, True))
-        ch = p.ChatChoice(0, message, reason, p.ChatChoiceLogprobs(lps) if req.logprobs else None,
-                          out_tokens if req.return_token_ids else None)
-        return p.ChatCompletionResponse(request_id, created, serving.model_name, [ch],
-                                        usage_of(streams, len(out_tokens)))
+            for c in out.outputs:
+                m = merged[c.index]
+                m.token_ids += c.token_ids
+                if m.logprobs is not None:
+                    m.logprobs += c.logprobs or ()
+                if m.top_logprobs is not None:
+                    m.top_logprobs.extend(c.top_logprobs or ())
+                m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
+        choices = [p.ChatChoice(m.index, p.ChatResponseMessage("assistant", texts[m.index].add(m)),
+                                m.finish_reason, choice_logprobs(m) if req.logprobs else None,
+                                m.token_ids if req.return_token_ids else None, m.stop_reason)
+                   for m in merged]
+        return p.ChatCompletionResponse(request_id, created, serving.model_name, choices,
+                                        usage_of(streams, sum(len(m.token_ids) for m in merged)))
 
     body = await serving.finish(request, streams, collect())
     return Response(p.encode_json(body), media_type="application/json")

@@ -1,4 +1,4 @@
-"""POST /v1/completions: a string, token ids, or a list of either (one choice per prompt)."""
+"""POST /v1/completions: a string, token ids, or a list of either (n choices per prompt)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokentape.engine.outputs import CompletionOutput, RequestOutput
+from tokentape.engine.outputs import CompletionOutput
 from tokentape.entrypoints import protocol as p
+from tokentape.entrypoints.choices import ChoiceText
 from tokentape.entrypoints.serving import (
     SSE_DONE,
     APIError,
@@ -46,7 +47,8 @@ def completion_prompts(serving: OpenAIServing, prompt: str | list[Any]) -> list[
     raise APIError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
 
 async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, request: Request) -> Response:
-    """POST /v1/completions: one choice per prompt, streamed as SSE or in one body."""
+    """POST /v1/completions: n choices per prompt (index prompt * n + j, as vLLM's), streamed
+    as SSE or in one body."""
     serving.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
@@ -55,38 +57,36 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
     request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.start(request, prompts, params, request_id)
     created = int(time.time())
-    decode = serving.engine.tokenizer.decode
-    detoks = [detokenizer(serving.engine.tokenizer) for _ in streams]
+    tokenizer, n = serving.engine.tokenizer, params.n
+    texts: dict[int, ChoiceText] = {}  # by choice index: prompt i's completion j is i * n + j
 
-    def choice(i: int, out: RequestOutput) -> p.CompletionChoice:
-        c = out.outputs[0]
-        text = detoks[i].add(c.token_ids, out.finished)
-        lps = None
-        if req.logprobs is not None and c.logprobs is not None:
-            offset = detoks[i].num_chars - len(text)
-            pieces = [decode([t]) for t in c.token_ids]
-            offsets = [offset + sum(len(x) for x in pieces[:j]) for j in range(len(pieces))]
-            lps = p.CompletionLogprobs(pieces, list(c.logprobs), offsets)
+    def choice(i: int, c: CompletionOutput) -> p.CompletionChoice:
+        index = i * n + c.index
+        text = texts.get(index)
+        if text is None:
+            text = texts[index] = ChoiceText(detokenizer(tokenizer), tokenizer.decode, params)
+        delta = text.add(c)
+        lps = text.completion_logprobs(c) if req.logprobs is not None and c.logprobs is not None else None
         return p.CompletionChoice(
-            i, text, c.finish_reason, lps,
+            index, delta, c.finish_reason, lps,
             token_ids=c.token_ids if req.return_token_ids else None,  # a copy already
-            prompt_token_ids=None,
+            prompt_token_ids=None, stop_reason=c.stop_reason,
         )
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def sse() -> AsyncIterator[bytes]:
-            first = [True] * len(streams)
             generated = 0
             framer = SSEFramer(p.CompletionResponse(request_id, created, serving.model_name, []))
             async for i, out in merge_streams(streams):
-                ch = choice(i, out)
-                generated += len(out.outputs[0].token_ids)
-                if first[i] and req.return_token_ids:
-                    ch.prompt_token_ids = streams[i].prompt_token_ids
-                first[i] = False
-                yield framer.chunk(ch)
+                for c in out.outputs:  # n > 1: the completions with something new
+                    first = i * n + c.index not in texts
+                    ch = choice(i, c)
+                    generated += len(c.token_ids)
+                    if first and req.return_token_ids:
+                        ch.prompt_token_ids = streams[i].prompt_token_ids
+                    yield framer.chunk(ch)
             if include_usage:
                 usage = usage_of(streams, generated)
                 yield sse_bytes(p.CompletionResponse(request_id, created, serving.model_name, [], usage))
@@ -98,20 +98,23 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
         choices: list[p.CompletionChoice] = []
         generated = 0
         for i, s in enumerate(streams):
-            tokens: list[int] = []
-            lps: list[float] = []
-            reason = None
+            merged = [CompletionOutput(j, None, [], None, [] if req.logprobs is not None else None, None,
+                                       [] if req.logprobs else None) for j in range(n)]
             async for out in s.outputs():
-                tokens += out.outputs[0].token_ids
-                lps += out.outputs[0].logprobs or ()
-                reason = out.outputs[0].finish_reason
-            generated += len(tokens)
-            merged = RequestOutput(out.request_id, s.prompt_token_ids, [CompletionOutput(
-                0, None, tokens, reason, lps if req.logprobs is not None else None)], True)
-            ch = choice(i, merged)
-            if req.return_token_ids:
-                ch.prompt_token_ids = s.prompt_token_ids
-            choices.append(ch)
+                for c in out.outputs:
+                    m = merged[c.index]
+                    m.token_ids += c.token_ids
+                    if m.logprobs is not None:
+                        m.logprobs += c.logprobs or ()
+                    if m.top_logprobs is not None:
+                        m.top_logprobs.extend(c.top_logprobs or ())
+                    m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
+            for m in merged:
+                generated += len(m.token_ids)
+                ch = choice(i, m)
+                if req.return_token_ids:
+                    ch.prompt_token_ids = s.prompt_token_ids
+                choices.append(ch)
         return p.CompletionResponse(request_id, created, serving.model_name, choices, usage_of(streams, generated))
 
     body = await serving.finish(request, streams, collect())
