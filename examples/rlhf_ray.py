@@ -29,6 +29,7 @@ must then be on storage every node sees).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -147,13 +148,13 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer.remote()  # type: ignore[attr-defined]
     engines = {i: EngineWorker.remote(i, paths[i], engine_args) for i in range(args.engines)}  # type: ignore[attr-defined]
     broadcast = args.weight_sync == "broadcast"
-    if broadcast:  # the trainer is rank 0 of a gloo group with every engine
-        address = ray.get(trainer.group_address.remote())
-        world = args.engines + 1
-        ray.get([trainer.join_group.remote(address, 0, world)]
-                + [e.join_group.remote(address, i + 1, world) for i, e in engines.items()])
     held = True
     try:
+        if broadcast:  # the trainer is rank 0 of a gloo group with every engine
+            address = ray.get(trainer.group_address.remote())
+            world = args.engines + 1
+            ray.get([trainer.join_group.remote(address, 0, world)]
+                    + [e.join_group.remote(address, i + 1, world) for i, e in engines.items()])
         for it in range(args.iterations):
             specs = {i: request_specs(i, it) for i in engines}
             ray.get([e.start.remote(specs[i]) for i, e in engines.items()])
@@ -207,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"engine {args.kill_engine} killed ({args.kill_how}) mid-rollout; "
                       f"its tape: {paths[args.kill_engine] or '(in memory, lost)'}")
     finally:
-        ray.get([e.shutdown.remote() for e in engines.values()])  # closes every tape
+        for e in engines.values():
+            with contextlib.suppress(ray.exceptions.RayActorError):  # one that died on its own
+                ray.get(e.shutdown.remote())  # closes its tape
         for actor in [*engines.values(), trainer]:
             ray.kill(actor)
     if args.tape_dir:
