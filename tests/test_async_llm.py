@@ -69,6 +69,68 @@ def test_output_kinds_give_the_oracle_stream(tmp_path: Any, multiprocess: bool) 
     assert verify(tape).ok
 
 
+@pytest.mark.parametrize("multiprocess", [True, False], ids=["process", "inproc"])
+def test_stream_interval_groups_tokens_and_a_pause_flushes_them(tmp_path: Any, multiprocess: bool) -> None:
+    """vLLM's stream_interval: the first tokens at once, then outputs of at least N tokens
+    (the last may have fewer), the same stream; a pause hands out what has gathered."""
+    tape = str(tmp_path / "run.tape")
+    engine = AsyncLLM("oracle", tape=tape, multiprocess_mode=multiprocess, stream_interval=4, **ORACLE)
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    params = SamplingParams(max_tokens=23, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main() -> list[list[Any]]:
+        return await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
+
+    try:
+        results = run(main())
+    finally:
+        engine.shutdown()
+    oracle = OracleRunner()
+    for prompt, outs in zip(prompts, results):
+        sizes = [len(o.outputs[0].token_ids) for o in outs]
+        assert [t for o in outs for t in o.outputs[0].token_ids] == oracle.expected_stream(prompt, params)
+        assert all(n >= 4 for n in sizes[1:-1]) and outs[-1].finished and len(outs) < 23, sizes
+    assert verify(tape).ok
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncLLM("oracle", tape=False, stream_interval=0)
+
+    # An interval no stream reaches: after its first output, only the pause hands tokens out.
+    tape = str(tmp_path / "paused.tape")
+    engine = AsyncLLM("oracle", tape=tape, multiprocess_mode=multiprocess, stream_interval=10**9, **ORACLE)
+    endless = SamplingParams(max_tokens=1_000_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def paused() -> list[int]:
+        seen: list[int] = []
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            async for out in engine.generate([9, 9, 9], endless, "p"):
+                seen.extend(out.outputs[0].token_ids)
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(first.wait(), 30)
+        await asyncio.sleep(0.05)  # more tokens gather
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        await asyncio.sleep(0.1)  # the consumer takes what the pause handed out
+        got = list(seen)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return got
+
+    try:
+        got = run(paused())
+    finally:
+        engine.shutdown()
+    emitted: list[int] = []  # what the engine gave the stream before the pause returned
+    for _, e in load_tape(tape).events():
+        if isinstance(e, ev.RequestAborted):
+            break
+        if isinstance(e, ev.OutputsEmitted):
+            emitted += [t for o in e.entries if o.req_id == "p" for t in o.token_ids]
+    assert len(got) > 1 and got == emitted
+
+
 def test_text_and_dict_prompts() -> None:
     engine = AsyncLLM("oracle", tape=False, multiprocess_mode=False, **ORACLE)
     params = SamplingParams(max_tokens=5)

@@ -102,6 +102,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
                        ("--max-model-len", "longest sequence (default: the KV capacity)")):
         srv.add_argument(flag, type=_int_at_least(1), default=None, metavar="N", help=what)
+    srv.add_argument("--stream-interval", type=_int_at_least(1), default=1, metavar="N",
+                     help="tokens per streamed chunk after a stream's first (vLLM's option): N > 1 "
+                     "sends fewer, larger chunks, so serving costs less CPU per token, and tokens "
+                     "arrive up to N - 1 steps later (default: 1)")
     srv.add_argument("--drain-timeout", type=_seconds, default=10.0, metavar="S",
                      help="on SIGTERM, seconds to let requests in flight finish before they are "
                      "aborted (default: 10)")
@@ -148,7 +152,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
         EngineConfig(model=args.model, **engine_args(args))  # bad arguments fail before the removal
         remove_for_overwrite(args.tape)
-    engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process, **engine_args(args))
+    engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process,
+                      stream_interval=args.stream_interval, **engine_args(args))
 
     def close_engine() -> None:
         engine.shutdown()  # aborts what is left (on the tape), closes the tape
