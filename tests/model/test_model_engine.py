@@ -130,6 +130,33 @@ def test_sharing_a_step_over_lanes_gives_the_same_bits(lanes: int) -> None:
     assert threads == expected
 
 
+def test_a_big_model_shares_its_matmuls_instead_of_the_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Above input_batch.LANES_MAX_WEIGHT_BYTES the step runs as one lane on all the threads
+    (intra-op): the same bits as one thread, logprobs included."""
+    from tokentape.engine.runners import input_batch
+
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(12)] + ["abcabcabcabc"] * 2
+    params = [msgspec.structs.replace(MIXED[i % len(MIXED)], logprobs=0) for i in range(14)]
+    kwargs = {"num_kv_blocks": 512, "max_num_batched_tokens": 64, "num_speculative_tokens": 2}
+    one = tiny_llm(cpu_threads=1, **kwargs).generate(prompts, params)
+    monkeypatch.setattr(input_batch, "LANES_MAX_WEIGHT_BYTES", 0)
+    llm = tiny_llm(cpu_threads=2, **kwargs)
+    runner = llm.engine.runner
+    assert runner._lanes == []
+    assert runner._worker.run(torch.get_num_threads) == 2
+    shared = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in one]
+    assert [o.outputs[0].logprobs for o in shared] == [o.outputs[0].logprobs for o in one]
+
+
+def test_choose_lanes() -> None:
+    from tokentape.engine.runners.input_batch import LANES_MAX_WEIGHT_BYTES, choose_lanes
+
+    assert choose_lanes(LANES_MAX_WEIGHT_BYTES, 2) == (2, 1)
+    assert choose_lanes(LANES_MAX_WEIGHT_BYTES + 1, 2) == (1, 2)
+    assert choose_lanes(1, 1) == (1, 1)
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_preemptions_and_pipelining_do_not_change_tokens(depth: int) -> None:
     prompts = [f"request {i}: " + "xyz" * i for i in range(12)]

@@ -20,6 +20,20 @@ from tokentape.events.schema import SamplingParams
 # matmul against about 12 GB/s. Only used to balance the lanes' shares of a step.
 FLOPS_PER_BYTE = 8
 
+# Lanes pay off while the weights stay in the caches: each lane's forward pass reads every
+# weight, so a model that must stream its weights from memory reads them once per lane. Above
+# this size a step runs as one lane whose matmuls share the threads (intra-op), each thread
+# reading its part of every weight (measured: docs/benchmarks.md, "Measurements that shaped
+# the code").
+LANES_MAX_WEIGHT_BYTES = 64 << 20
+
+
+def choose_lanes(weight_bytes: int, num_threads: int) -> tuple[int, int]:
+    """(lanes, threads per lane) for a CPU model of `weight_bytes` on `num_threads` threads."""
+    if num_threads <= 1 or weight_bytes > LANES_MAX_WEIGHT_BYTES:
+        return 1, max(num_threads, 1)
+    return num_threads, 1
+
 
 @dataclass(slots=True)
 class SeqState:

@@ -33,6 +33,7 @@ from tokentape.engine.runners.input_batch import (
     EntryInputs,
     SeqState,
     build_forward_batch,
+    choose_lanes,
     split_over_lanes,
 )
 from tokentape.engine.runners.worker import ModelWorker
@@ -65,14 +66,19 @@ class TorchModelRunner:
             # Padded matmuls alone would not do: the Triton attention path is not batch-invariant
             # (see tokentape/kernels/triton_decode.py).
             raise ValueError("batch_invariant=True is supported on the CPU only")
-        # On the CPU, `num_threads` lanes of one thread each share out every step's sequences
-        # (input_batch.split_over_lanes): a decode step's attention is bound by memory and its
-        # matmuls by compute, and lanes in different phases overlap them, where one pool of
-        # threads would run each phase in turn. The worker is the first lane.
-        lanes = (num_threads or 1) if self.device.type == "cpu" else 1
-        if kernels.resolve_backend(self.device, None, dtype) == "triton":
-            lanes = 1  # Triton's CPU interpreter (a debugging mode) keeps global state
-        self._worker = ModelWorker(1 if self.device.type == "cpu" else None)
+        # On the CPU, a small model runs `num_threads` lanes of one thread each that share out
+        # every step's sequences (input_batch.split_over_lanes): a decode step's attention is
+        # bound by memory and its matmuls by compute, and lanes in different phases overlap
+        # them, where one pool of threads would run each phase in turn. A model too big for the
+        # caches runs one lane on all the threads (input_batch.choose_lanes). The worker is
+        # the first lane.
+        lanes, lane_threads = 1, None
+        if self.device.type == "cpu":
+            weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            lanes, lane_threads = choose_lanes(weight_bytes, num_threads or 1)
+            if kernels.resolve_backend(self.device, None, dtype) == "triton":
+                lanes = 1  # Triton's CPU interpreter (a debugging mode) keeps global state
+        self._worker = ModelWorker(lane_threads)
         self._lanes = [ModelWorker(1, f"tokentape-model-lane-{i}") for i in range(1, lanes)]
         self.pad_rows_to = 0
         if batch_invariant:
