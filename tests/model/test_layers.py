@@ -71,3 +71,23 @@ def test_mlp_chunks_of_rows_give_each_row_its_unchunked_bits(
     assert chunked.shape == (x.shape[0], 32)
     assert torch.equal(chunked, whole)
     assert torch.equal(whole, formula)
+
+
+def test_the_calibrated_row_multiple_is_the_smallest_that_holds() -> None:
+    from tokentape.engine.model.layers import ROW_MULTIPLES, _measure_row_multiple, linear
+
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(96, 64, generator=gen), torch.randn(200, 96, generator=gen)]
+    found = _measure_row_multiple(weights)
+    assert found in ROW_MULTIPLES
+
+    def holds(c: int) -> bool:
+        for w in weights:
+            x = torch.randn(1024, w.shape[1], generator=gen)
+            ref = linear(x, w)
+            if not all(torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2)):
+                return False
+        return True
+
+    assert holds(found)
+    assert not any(holds(c) for c in ROW_MULTIPLES if c < found)

@@ -74,20 +74,22 @@ def calibrate_batch_invariant_rows(weights: list[torch.Tensor]) -> int | None:
 def _measure_row_multiple(weights: list[torch.Tensor]) -> int | None:
     gen = torch.Generator().manual_seed(0)
     shapes = {tuple(w.shape): w for w in weights}
-    candidates = list(ROW_MULTIPLES)
+    probes = []  # per shape: rows, the weight, and the first rows' results among 1024
     for w in shapes.values():
         x = torch.randn(1024, w.shape[1], generator=gen, dtype=w.dtype).to(w.device)
         ref = linear(x, w)
         if not all(torch.equal(linear(x[:m], w), ref[:m]) for m in (64, 256)):
             return None
-        candidates = [
-            c
-            for c in candidates
-            if all(torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2))
-        ]
-        if not candidates:
-            return None
-    return candidates[0]
+        need = 2 * ROW_MULTIPLES[-1] + 2
+        probes.append((x[:need], w, ref[:need].clone()))
+        del ref
+    # The smallest multiple that every shape passes, tried smallest first: most machines stop
+    # at the first (each try is up to 2c + 1 matmuls per shape, an LM head's among them).
+    for c in ROW_MULTIPLES:
+        if all(torch.equal(linear(x[:m], w, None, c), ref[:m])
+               for x, w, ref in probes for m in range(1, 2 * c + 2)):
+            return c
+    return None
 
 
 class Linear(nn.Linear):
