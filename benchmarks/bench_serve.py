@@ -105,10 +105,12 @@ def _engine_kwargs(engine_args: list[str]) -> dict[str, Any]:
 
 
 class Server:
-    def __init__(self, model: str, tape: str, engine_args: list[str], stream_interval: int = 1) -> None:
+    def __init__(self, model: str, tape: str, engine_args: list[str], stream_interval: int = 1,
+                 cpu_threads: int | None = None) -> None:
         cmd = [sys.executable, "-m", "tokentape.entrypoints.serve", "--model", model, "--host", "127.0.0.1",
-               "--port", "0", "--tape", tape, "--drain-timeout", "1", "--stream-interval", str(stream_interval),
-               *engine_args]
+               "--port", "0", "--tape", tape, "--drain-timeout", "1", *engine_args,
+               *(["--stream-interval", str(stream_interval)] if stream_interval != 1 else []),
+               *(["--cpu-threads", str(cpu_threads)] if cpu_threads else [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = ""
         ready = threading.Event()
@@ -275,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the server's --stream-interval: tokens per chunk after a stream's first (default 1)")
+    parser.add_argument("--serve-cpu-threads", type=int, default=None,
+                        help="the server's --cpu-threads (its engine core's lanes; default the server's: one "
+                        "per CPU less one); generate keeps one per CPU")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
     prompts = workload(args.num_clients, args.seed)
@@ -283,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     gen_walls, gen_cpus, serve_runs = [], [], []
     reference: list[list[int]] | None = None
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        server = Server(args.model, os.path.join(tmp, "serve.tape"), engine_args, args.stream_interval)
+        server = Server(args.model, os.path.join(tmp, "serve.tape"), engine_args, args.stream_interval,
+                        args.serve_cpu_threads)
         try:
             for _ in range(args.repeats):
                 wall, cpu, reference = run_generate(args.model, prompts, args.max_tokens, engine_args, tmp)
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token["generate"] = round(statistics.median(gen_cpus) / total * 1e6, 1)
     result = {
         "model": args.model, "clients": args.num_clients, "max_tokens": args.max_tokens,
-        "stream_interval": args.stream_interval,
+        "stream_interval": args.stream_interval, "serve_cpu_threads": args.serve_cpu_threads,
         "generate_tok_s": round(gen_tps, 1), "serve_tok_s": round(serve_tps, 1),
         "serving_cost": round(1 - serve_tps / gen_tps, 4),
         "ttft_p50_ms": round(percentile(best["ttft"], 50) * 1e3, 2),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -63,6 +64,8 @@ def test_models_health_and_metrics(live: Live) -> None:
     assert 'tokentape:request_success_total{finished_reason="length",model_name="oracle"}' in text
     assert "tokentape:time_to_first_token_seconds_bucket" in text
     assert "tokentape:num_requests_running" in text
+    # The engine core's lanes leave one CPU to the HTTP server (serve.server_cpu_threads).
+    assert load_tape(live.tape).header.config["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def test_completions_with_a_string_or_token_ids(live: Live) -> None:

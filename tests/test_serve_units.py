@@ -106,10 +106,13 @@ def test_the_serve_parser_and_its_errors(tmp_path: Path, capsys: pytest.CaptureF
     from tokentape.entrypoints.serve import add_parser, engine_args, main
 
     sub = argparse.ArgumentParser(prog="tokentape").add_subparsers()
-    args = add_parser(sub).parse_args(["--model", "oracle", "--port", "0", "--pipeline-depth", "3",
+    srv = add_parser(sub)
+    args = srv.parse_args(["--model", "oracle", "--port", "0", "--pipeline-depth", "3",
                                        "--max-model-len", "64", "--drain-timeout", "0.5"])
     assert (args.model, args.port, args.drain_timeout) == ("oracle", 0, 0.5)
     assert engine_args(args) == {"seed": 0, "pipeline_depth": 3, "max_model_len": 64}
+    lanes = srv.parse_args(["--cpu-threads", "1", "--stream-interval", "4"])
+    assert engine_args(lanes) == {"seed": 0, "cpu_threads": 1} and lanes.stream_interval == 4
     existing = tmp_path / "old.tape"
     existing.write_bytes(b"")
     assert main(["--model", "oracle", "--tape", str(existing)]) == 2  # before any process starts

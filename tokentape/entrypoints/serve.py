@@ -100,7 +100,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        ("--block-size", "tokens per KV block (engine default: 16)"),
                        ("--max-num-seqs", "most requests running at once (engine default: 256)"),
                        ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
-                       ("--max-model-len", "longest sequence (default: the KV capacity)")):
+                       ("--max-model-len", "longest sequence (default: the KV capacity)"),
+                       ("--cpu-threads", "CPU threads of the engine core, one model lane each (default: one "
+                        "per CPU less one, left to the HTTP server, at least one; one per CPU with "
+                        "--in-process)")):
         srv.add_argument(flag, type=_int_at_least(1), default=None, metavar="N", help=what)
     srv.add_argument("--stream-interval", type=_int_at_least(1), default=1, metavar="N",
                      help="tokens per streamed chunk after a stream's first (vLLM's option): N > 1 "
@@ -124,11 +127,20 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.sync:
         kwargs["async_scheduling"] = False
     for name in ("pipeline_depth", "num_speculative_tokens", "discard_policy", "num_kv_blocks",
-                 "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+                 "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "cpu_threads"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
     return kwargs
+
+
+def server_cpu_threads() -> int:
+    """The engine core's lanes beside the HTTP server: one per CPU less one, which the server's
+    event loop needs for every streamed token (as vLLM's CPU backend reserves one for its
+    frontend processes). Measured on 2 cores (bench_serve, alternating): with two lanes beside
+    the server the core spent 234-256 us of CPU per output token, with one 176-183, and serving
+    cost 13-23% of generate's throughput against -9% to 2% (docs/benchmarks.md, Serving)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def _default_tape_path() -> str:
@@ -152,8 +164,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
         EngineConfig(model=args.model, **engine_args(args))  # bad arguments fail before the removal
         remove_for_overwrite(args.tape)
+    kwargs = engine_args(args)
+    if args.cpu_threads is None and not args.in_process:
+        kwargs["cpu_threads"] = server_cpu_threads()
     engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process,
-                      stream_interval=args.stream_interval, **engine_args(args))
+                      stream_interval=args.stream_interval, **kwargs)
 
     def close_engine() -> None:
         engine.shutdown()  # aborts what is left (on the tape), closes the tape
