@@ -138,8 +138,9 @@ def server_cpu_threads() -> int:
     """The engine core's lanes beside the HTTP server: one per CPU less one, which the server's
     event loop needs for every streamed token (as vLLM's CPU backend reserves one for its
     frontend processes). Measured on 2 cores (bench_serve, alternating): with two lanes beside
-    the server the core spent 234-256 us of CPU per output token, with one 176-183, and serving
-    cost 13-23% of generate's throughput against -9% to 2% (docs/benchmarks.md, Serving)."""
+    the server the core spent 234-256 us of CPU per output token, with one 176-193, and serving
+    cost 13% and 23% of generate's throughput against -9% and 2% in the quieter of two batches
+    (docs/benchmarks.md, Serving)."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
