@@ -4,9 +4,9 @@ same run.
 
 Workload: N prompts (default 64) of seeded random token ids, 32 tokens each, each asking for
 M output tokens (default 64), greedy and ignore_eos, so both sides do the same work. The
-clients (httpx, one asyncio loop in this process) all start at once, stream with SSE, and
-read `token_ids` from each chunk (a minimal HTTP client: the load generator shares the
-machine's cores with the server); every stream is checked against the `generate` run's.
+clients (one asyncio loop in this process) all start at once, stream with SSE, and read
+`token_ids` from each chunk (a minimal HTTP client, SSEClient: the load generator shares
+the machine's cores with the server); every stream is checked against the `generate` run's.
 
 Reported: p50 and p99 time to first token (send to the first chunk with a token) and
 inter-token latency (the gap between consecutive chunks of a stream, per token), output
@@ -23,6 +23,7 @@ there HTTP is the whole cost).
     python benchmarks/bench_serve.py --num-clients 256 --max-tokens 32
     python benchmarks/bench_serve.py --model oracle       # the server's own overhead
     python benchmarks/bench_serve.py --stream-interval 4  # chunks of 4 tokens (vLLM's option)
+    python benchmarks/bench_serve.py --serve-cpu-threads 2  # the engine core on every CPU
 """
 
 from __future__ import annotations
