@@ -72,3 +72,39 @@ def test_256_streaming_clients_and_disconnects(tmp_path: Any) -> None:
     aborted = {e.req_id for _, e in load_tape(tape).events() if isinstance(e, ev.RequestAborted)}
     assert aborted == {f"leaver{i}-0" for i in range(NUM_LEAVERS)}
     assert elapsed < 120
+
+
+def test_stream_interval_sends_tokens_in_groups(tmp_path: Any) -> None:
+    """`serve --stream-interval 4`: after a stream's first chunk, chunks of at least 4 tokens
+    (the last may hold fewer), the same tokens and text as the oracle's, on both endpoints."""
+    tape = str(tmp_path / "grouped.tape")
+    tok, oracle = ByteTokenizer(), OracleRunner()
+    with ServerProcess("--model", "oracle", "--tape", tape, "--stream-interval", "4") as server:
+
+        async def chunks(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+            got = []
+            async with http.stream("POST", path, json={**body, "stream": True, "return_token_ids": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        got.append(json.loads(line[6:])["choices"][0])
+            return got
+
+        async def main() -> list[list[dict[str, Any]]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                return await asyncio.gather(
+                    *(chunks(http, "/v1/completions", {"prompt": f"group {i}", "max_tokens": 21}) for i in range(8)),
+                    chunks(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 21}))
+
+        results = asyncio.run(main())
+    for i, got in enumerate(results[:8]):
+        want = oracle.expected_stream(tok.encode(f"group {i}"), SamplingParams(max_tokens=21))
+        sizes = [len(c["token_ids"]) for c in got]
+        assert [t for c in got for t in c["token_ids"]] == want
+        assert "".join(c["text"] for c in got) == tok.decode(want)
+        assert all(n >= 4 for n in sizes[1:-1]) and len(got) <= 1 + -(-20 // 4), sizes
+    chat = [c for c in results[8] if c.get("token_ids")]
+    assert sum(len(c["token_ids"]) for c in chat) == 21 and all(len(c["token_ids"]) >= 4 for c in chat[1:-1])
+    assert "".join(c["delta"].get("content", "") for c in results[8]) == tok.decode([t for c in chat for t in c["token_ids"]])
+    assert verify(tape).ok
