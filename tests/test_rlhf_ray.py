@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,7 +73,11 @@ def test_the_flag_policy_fails_as_vllm_did(example: ModuleType, tmp_path: Path,
     tapes = tmp_path / "tapes"
     assert example.main(["--iterations", "1", "--discard-policy", "flag", "--tape-dir", str(tapes)]) == 1
     out = capsys.readouterr().out
-    assert "8 requests (8 paused mid-generation)" in out  # each engine pauses once all have tokens
+    # Each engine pauses once all its rollouts have tokens; the shorter ones may still end
+    # first if the machine stalls the actor while its core runs on, but every engine must have
+    # some paused mid-generation (the example says so otherwise), or nothing was tested.
+    paused = re.search(r"8 requests \((\d+) paused mid-generation\)", out)
+    assert paused and int(paused.group(1)) >= 2 and "no request was mid-generation" not in out, out
     assert "via object-store: CHECK FAILED" in out and "where a fresh engine gives" in out
     report = fleet_postmortem(tapes, jobs=1)
     assert report.summary.failed == 2
