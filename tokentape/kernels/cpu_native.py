@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from tokentape.kernels.reference import check_kv_write_shapes, prefill_attention_ref
+from tokentape.kernels.reference import prefill_attention_ref
+from tokentape.kernels.shapes import check_kv_write_shapes
 
 # Compiled into one library: the attention and KV write (here), the layers' row operations
 # (cpu_layers.py).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokentape.kernels.reference import check_attention_shapes
+from tokentape.kernels.shapes import check_attention_shapes
 
 
 LOG2_E = 1.4426950408889634  # the kernels use exp2: scores are scaled by log2(e) up front

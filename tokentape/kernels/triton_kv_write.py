@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokentape.kernels.reference import check_kv_write_shapes
+from tokentape.kernels.shapes import check_kv_write_shapes
 from tokentape.kernels.triton_common import check_cache_strides
 
 
