@@ -6,6 +6,10 @@ found as `RequestFinished(reason="stop", stop_reason=<the string>)`, so a fold o
 knows the finish without a tokenizer. The token ids stay as delivered (every token of the
 frame, as in vLLM); only the text is cut (`stop_text`), a pure function of the tokens, the
 params and the matched string.
+
+Decoding the whole output after every frame costs O(output) per frame; given the tokenizer's
+`safe_split` the check decodes only a window ending with the frame, with the same answer
+(tests/test_stop_strings.py; at 4096 output tokens 0.8 ms -> 11 us per frame, byte tokenizer).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from collections.abc import Callable, Sequence
 from tokentape.events.schema import SamplingParams
 
 Decode = Callable[[list[int]], str]
+# A tokenizer's safe_split(ids, pos): a k <= pos with decode(ids[:j]) == decode(ids[:k]) +
+# decode(ids[k:j]) for every k <= j <= len(ids) (0 always qualifies).
+SafeSplit = Callable[[list[int], int], int]
 
 
 def _earliest_match(text: str, start: int, stops: Sequence[str]) -> tuple[str, int] | None:
@@ -30,27 +37,48 @@ def _earliest_match(text: str, start: int, stops: Sequence[str]) -> tuple[str, i
     return best
 
 
-def find_stop_string(decode: Decode, params: SamplingParams, output: list[int], num_before: int) -> str | None:
+def find_stop_string(decode: Decode, params: SamplingParams, output: list[int], num_before: int,
+                     split: SafeSplit | None = None) -> str | None:
     """The stop string completed by the output tokens after `num_before` (the frame just
-    applied), or None. Text of the first min_tokens tokens cannot complete one."""
+    applied), or None. Text of the first min_tokens tokens cannot complete one.
+
+    With the tokenizer's `split` (its `safe_split`) only a window of the output is decoded:
+    one that ends with the frame and holds enough text before it for any stop string to begin
+    there. The tokenizer promises the text before the window is the same in the full decode,
+    so the answer is the full decode's; without `split` the whole output is decoded."""
     if not params.stop or len(output) <= params.min_tokens:
         return None
     checked = max(num_before, params.min_tokens)
-    start = len(decode(output[:checked])) if checked else 0
-    found = _earliest_match(decode(output), start, params.stop)
+    if split is None or not checked:
+        start = len(decode(output[:checked])) if checked else 0
+        found = _earliest_match(decode(output), start, params.stop)
+        return found[0] if found else None
+    # A match ending in the frame begins at most len(stop) - 1 characters before it.
+    need = max(map(len, params.stop)) - 1
+    span = need + 1  # tokens give at least a character each, mostly (more are taken if not)
+    while True:
+        k = split(output, max(0, checked - span))
+        head = decode(output[k:checked])
+        if k == 0 or len(head) >= need:
+            break
+        span *= 2
+    found = _earliest_match(decode(output[k:]), len(head), params.stop)
     return found[0] if found else None
+
+
+def _cut(text: str, start: int, params: SamplingParams, stop_str: str) -> str:
+    i = text.find(stop_str, max(0, start - len(stop_str) + 1))
+    if i == -1:  # cannot happen for a recorded match; keep the text whole
+        return text
+    return text[:i + len(stop_str)] if params.include_stop_str_in_output else text[:i]
 
 
 def stop_text(decode: Decode, params: SamplingParams, output: list[int], stop_str: str) -> str:
     """The output's text cut at the stop string that finished it: before the string, or
     after it with include_stop_str_in_output. Every check before the last found nothing, so
     the match is the string's first occurrence that ends after the min_tokens text."""
-    text = decode(output)
     start = len(decode(output[:params.min_tokens])) if params.min_tokens else 0
-    i = text.find(stop_str, max(0, start - len(stop_str) + 1))
-    if i == -1:  # cannot happen for a recorded match; keep the text whole
-        return text
-    return text[:i + len(stop_str)] if params.include_stop_str_in_output else text[:i]
+    return _cut(decode(output), start, params, stop_str)
 
 
 def stop_decoder(decode: Decode, params: SamplingParams, full_output: list[int], stop_str: str | None) -> Decode:
@@ -58,8 +86,9 @@ def stop_decoder(decode: Decode, params: SamplingParams, full_output: list[int],
     its stop string: the full output's text loses the same tail, a delta's text too."""
     if stop_str is None:
         return decode
-    full = decode(full_output)
-    cut = len(full) - len(stop_text(decode, params, full_output, stop_str))
+    full = decode(full_output)  # decoded once: stop_text's cut of the same text
+    start = len(decode(full_output[:params.min_tokens])) if params.min_tokens else 0
+    cut = len(full) - len(_cut(full, start, params, stop_str))
 
     def decode_cut(tokens: list[int]) -> str:
         text = decode(tokens)
