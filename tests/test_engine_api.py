@@ -350,3 +350,23 @@ def test_the_steps_in_flight_are_the_reducers_and_match_the_runner() -> None:
             seen.add(len(in_flight))
         assert not llm.engine.has_unfinished_requests()
         assert max(seen) == depth - 1  # the pipeline filled: one frame applied per step
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_generate_stopped_by_a_token_ends_with_a_complete_tape(tmp_path, depth: int) -> None:
+    """A request that stops on a stop token has steps scheduled after it in flight; generate
+    collects their frames before it returns, so the tape ends complete, not mid-run."""
+    from tokentape.postmortem import postmortem
+
+    probe = small_llm()
+    stream = probe.engine.runner.expected_stream([5, 6, 7], SamplingParams(max_tokens=30))
+    stop_at = next(i for i in range(3, 30) if stream[i] not in stream[:i])
+    params = SamplingParams(max_tokens=30, stop_token_ids=(stream[stop_at],))
+    llm = small_llm(pipeline_depth=depth, tape=str(tmp_path / "run.tape"))
+    out = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == stream[:stop_at + 1]
+    assert not llm.engine.state.in_flight_steps
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert [f.kind for f in report.findings] == []
+    assert verify(str(tmp_path / "run.tape")).ok

@@ -215,6 +215,12 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         finished.add(out.request_id)
                 bar.update(len(finished), output_tokens)
+            # A request that stops on a token leaves the steps scheduled after it in flight;
+            # with nothing else to run, collect their frames so the tape ends complete (else
+            # the postmortem reads the run as one stopped mid-run: tape_truncated).
+            state = engine.state
+            while state.in_flight_steps and not (state.waiting or state.running):
+                engine.step()
             bar.update(len(finished), output_tokens, force=True)
         engine.tape.flush()  # the run is complete in the tape file when generate returns
         results = []
