@@ -27,32 +27,37 @@ class Detokenizer(Protocol):
 
 
 class ChoiceText:
-    __slots__ = ("detok", "decode", "params", "holdback", "tokens", "text", "sent", "pieces_len")
+    __slots__ = ("detok", "decode", "params", "holdback", "tokens", "unsent", "sent", "pieces_len")
 
     def __init__(self, detok: Detokenizer, decode: Decode, params: SamplingParams) -> None:
         self.detok, self.decode, self.params = detok, decode, params
         stops = params.stop
         self.holdback = max(map(len, stops)) - 1 if stops and not params.include_stop_str_in_output else 0
-        self.tokens: list[int] = []
-        self.text = ""  # everything decoded so far
-        self.sent = 0  # characters of it given out
+        self.tokens: list[int] = []  # for the final cut at a stop string
+        # Only the decoded text not yet given out is kept (the holdback window): appending to
+        # an attribute copies it each time, quadratic over a long stream.
+        self.unsent = ""
+        self.sent = 0  # characters given out
         self.pieces_len = 0  # characters of the tokens' pieces so far (text_offset)
 
     def add(self, c: CompletionOutput) -> str:
         """The text delta of a DELTA completion (its finish_reason set on the last)."""
         final = c.finish_reason is not None
         self.tokens += c.token_ids
-        self.text += self.detok.add(c.token_ids, final)
+        unsent = self.unsent + self.detok.add(c.token_ids, final)
         if not final:
-            end = len(self.text) - self.holdback
-            if end <= self.sent:
+            end = len(unsent) - self.holdback
+            if end <= 0:
+                self.unsent = unsent
                 return ""
-            delta, self.sent = self.text[self.sent:end], end
+            delta, self.unsent = unsent[:end], unsent[end:]
+            self.sent += end
             return delta
-        text = self.text
+        delta = unsent
         if c.stop_reason is not None:
-            text = stop_text(self.decode, self.params, self.tokens, c.stop_reason)
-        delta, self.sent = text[self.sent:], len(text)
+            delta = stop_text(self.decode, self.params, self.tokens, c.stop_reason)[self.sent:]
+        self.unsent = ""
+        self.sent += len(delta)
         return delta
 
     def completion_logprobs(self, c: CompletionOutput) -> p.CompletionLogprobs:
