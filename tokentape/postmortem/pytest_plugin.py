@@ -10,7 +10,6 @@ are never written.
 from __future__ import annotations
 
 import re
-import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,7 +110,7 @@ def _has_tape(llm: LLM) -> bool:
 
 
 def _save_tape(llm: LLM, dest: Path) -> None:
-    from tokentape.events.sqlite_store import SQLiteTape, make_self_contained, remove_tape_files
+    from tokentape.events.sqlite_store import SQLiteTape, copy_tape, make_self_contained, remove_tape_files
     from tokentape.events.store import MemoryTape
 
     writer = llm.engine.tape
@@ -127,14 +126,7 @@ def _save_tape(llm: LLM, dest: Path) -> None:
         return
     assert isinstance(writer, SQLiteTape) and writer.path is not None
     writer.flush()  # everything the engine recorded is in the file (or its WAL); a no-op once closed
-    src = sqlite3.connect(f"file:{writer.path}?mode=ro", uri=True)
-    dst = sqlite3.connect(dest)
-    try:
-        src.backup(dst)  # a consistent copy, even of a tape still open for writing
-    finally:
-        src.close()
-        dst.close()
-    make_self_contained(dest)
+    copy_tape(writer.path, dest)  # one consistent file, even of a tape still open for writing
 
 
 def _write_postmortem(tape: Path, report_path: Path) -> None:
