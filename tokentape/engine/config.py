@@ -38,9 +38,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     batch_invariant: bool | None = None
-    # Threads the model runs on, on the CPU: lanes of one thread each that share out every
-    # step's sequences (engine/runners/input_batch.py); the engine's own thread count, not
-    # the process's. None or 0: one per CPU the process may run on.
+    # Threads the model runs on, on the CPU: for a small model lanes of one thread each that
+    # share out every step's sequences, for a big one threads that share each matmul
+    # (engine/runners/input_batch.py, choose_lanes); the engine's own thread count, not the
+    # process's. None or 0: one per CPU the process may run on.
     cpu_threads: int | None = None
     # Upstream bugs reproduced on purpose (tokentape.events.faults), for tapes and tests;
     # empty on every ordinary engine, and then nothing looks at it.

@@ -101,7 +101,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        ("--max-num-seqs", "most requests running at once (engine default: 256)"),
                        ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
                        ("--max-model-len", "longest sequence (default: the KV capacity)"),
-                       ("--cpu-threads", "CPU threads of the engine core, one model lane each (default: one "
+                       ("--cpu-threads", "CPU threads of the engine core (a small model's lanes; default: one "
                         "per CPU less one, left to the HTTP server, at least one; one per CPU with "
                         "--in-process)")):
         srv.add_argument(flag, type=_int_at_least(1), default=None, metavar="N", help=what)
