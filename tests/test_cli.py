@@ -109,6 +109,30 @@ def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], fragments: li
         assert fragment in out
 
 
+
+def test_every_command_and_option_has_a_help_line() -> None:
+    """`tokentape --help` lists every command with a one-line description, and every option
+    of every command (nested ones too) says what it does."""
+    import argparse
+
+    from tokentape.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        missing = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                described = {a.dest for a in action._choices_actions if a.help}
+                for name, sub in action.choices.items():
+                    if name not in described:
+                        missing.append(f"{path} {name}: no description")
+                    missing += walk(sub, f"{path} {name}")
+            elif action.option_strings and not action.help:
+                missing.append(f"{path} {action.option_strings[0]}: no help")
+        return missing
+
+    assert walk(build_parser(), "tokentape") == []
+
+
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in ([], ["replay"], ["frobnicate"], ["generate", "--max-tokens", "0"],
                  ["generate", "--sync", "--pipeline-depth", "2"],

@@ -93,7 +93,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     pipe.add_argument("--sync", action="store_true", help="synchronous scheduling")
     pipe.add_argument("--pipeline-depth", type=_int_at_least(1), default=None, metavar="N",
                       help="steps in flight with async scheduling (engine default: 2)")
-    srv.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=None, metavar="K")
+    srv.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=None, metavar="K",
+                     help="n-gram speculative tokens per decode (engine default: 0)")
     srv.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
                      help="epoch (default, exact); counter and flag reproduce vLLM's historical bugs")
     for flag, what in (("--num-kv-blocks", "KV cache blocks (engine default: 2048)"),
