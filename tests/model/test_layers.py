@@ -91,3 +91,24 @@ def test_the_calibrated_row_multiple_is_the_smallest_that_holds() -> None:
 
     assert holds(found)
     assert not any(holds(c) for c in ROW_MULTIPLES if c < found)
+
+
+def test_a_prepacked_linear_gives_the_plain_bits_and_follows_its_weight() -> None:
+    from tokentape.engine.model.layers import Linear, linear
+
+    for in_f, out_f in ((64, 96), (256, 768), (768, 256)):
+        lin = Linear(in_f, out_f, bias=False)
+        x = _randn(130, in_f, seed=in_f)
+        with torch.inference_mode():
+            lin.prepack()
+            # From 2 rows: a single row takes oneDNN's matrix-vector path on a plain weight
+            # (batch-invariant runs pad to 4 rows or more, measured on the packed weights).
+            for rows in (2, 3, 4, 16, 63, 64, 65, 130):
+                assert torch.equal(lin(x[:rows]), linear(x[:rows], lin.weight))
+            with torch.no_grad():
+                lin.weight.mul_(-0.5)  # changed in place: packed again before use
+            assert torch.equal(lin(x), linear(x, lin.weight))
+        lin.weight = torch.nn.Parameter(_randn(out_f, in_f, seed=7))  # replaced
+        with torch.inference_mode():
+            assert torch.equal(lin(x), linear(x, lin.weight))
+            assert lin.matmul_weight().is_mkldnn

@@ -166,6 +166,12 @@ class CausalLM(nn.Module):
                 m.pad_rows_to = pad_rows_to
         self.pad_rows_to = pad_rows_to
 
+    def prepack(self) -> None:
+        """Prepacked oneDNN copies of the layers' weights (CPU, float32; see layers.Linear)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepack()
+
     def forward(
         self,
         input_ids: torch.Tensor,

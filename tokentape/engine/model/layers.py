@@ -64,7 +64,7 @@ def calibrate_batch_invariant_rows(weights: list[torch.Tensor]) -> int | None:
     """The smallest row multiple in ROW_MULTIPLES for which every row of a padded matmul with
     these weights' shapes equals the same row computed among 64, 256 and 1024 rows; None if
     none does (this BLAS is not batch-invariant even for large batches)."""
-    key = (tuple(tuple(w.shape) for w in weights),
+    key = (tuple((tuple(w.shape), str(w.layout)) for w in weights),
            tuple(sorted({str(w.dtype) for w in weights})), tuple(sorted({str(w.device) for w in weights})))
     if key not in _calibrated:
         _calibrated[key] = _measure_row_multiple(weights)
@@ -92,12 +92,50 @@ def _measure_row_multiple(weights: list[torch.Tensor]) -> int | None:
     return None
 
 
+# oneDNN computes from its own blocked weight layout; handed a plain weight it reorders it at
+# every call. A prepacked copy gives the same bits and saves that (docs/benchmarks.md,
+# "Measurements that shaped the code"), for a second copy of the weights. The batch size is
+# only a hint for the layout.
+PACK_BATCH_HINT = 64
+
+
 class Linear(nn.Linear):
-    """nn.Linear with optional row padding for batch invariance (see above)."""
+    """nn.Linear with optional row padding for batch invariance (see above), and optionally a
+    prepacked oneDNN copy of its weight."""
 
     pad_rows_to: int = 0
+    # (packed weight, the weight it was packed from, its data_ptr and version then): a weight
+    # changed in place or replaced since then is packed again before use.
+    _packed: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+    def prepack(self) -> None:
+        """Keep a oneDNN-packed copy of the weight for float32 CPU inputs (see above). Not for
+        an inference tensor: it has no version counter to tell that it changed."""
+        w = self.weight
+        if (_USE_ONEDNN and w.device.type == "cpu" and w.dtype == torch.float32
+                and not w.is_inference()):
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+            self._packed = (packed, w, w.data_ptr(), w._version)
+        else:
+            self._packed = None
+
+    def matmul_weight(self) -> torch.Tensor:
+        """The weight the matmul reads: the packed copy if there is a current one."""
+        packed = self._packed
+        w = self.weight
+        if packed is not None and packed[1] is w and packed[2] == w.data_ptr() \
+                and not w.is_inference() and packed[3] == w._version:
+            return packed[0]
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed
+        if packed is not None and _linear_fn(x) is _onednn_linear:
+            if packed[0] is not self.matmul_weight():
+                self.prepack()
+                packed = self._packed
+            if packed is not None:
+                return linear(x, packed[0], self.bias, self.pad_rows_to)
         return linear(x, self.weight, self.bias, self.pad_rows_to)
 
 

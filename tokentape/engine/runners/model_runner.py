@@ -81,8 +81,11 @@ class TorchModelRunner:
         self._worker = ModelWorker(lane_threads)
         self._lanes = [ModelWorker(1, f"tokentape-model-lane-{i}") for i in range(1, lanes)]
         self.pad_rows_to = 0
+        if self.device.type == "cpu":
+            self.model.prepack()  # oneDNN's weight layout once, not at every matmul
         if batch_invariant:
-            weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
+            # The weights the matmuls will read: the prepacked ones where there are.
+            weights = [m.matmul_weight() for m in self.model.modules() if isinstance(m, Linear)]
             if model.config.tie_word_embeddings:
                 weights.append(self.model.model.embed_tokens.weight)
             # Measured where the steps run: the answer depends on the thread count.
