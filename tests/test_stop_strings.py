@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tokentape.engine.stop_strings import find_stop_string, stop_decoder
+from tokentape.engine.stop_strings import find_stop_string, stop_decoder, stop_text
 from tokentape.engine.tokenizer import ByteTokenizer, HFTokenizer
 from tokentape.events.schema import SamplingParams
 
@@ -76,6 +76,19 @@ def test_byte_tokenizer_finds_matches() -> None:
     got = [find_stop_string(tok.decode, params, out, before, split=tok.safe_split) for before in range(len(out))]
     assert got == [find_stop_string(tok.decode, params, out, before) for before in range(len(out))]
     assert got[:4] == ["c\u20ac"] * 4
+
+
+def test_a_character_completed_by_the_frame_can_complete_a_stop_string() -> None:
+    """'abc' and the first byte of the euro sign, then a frame with its other bytes: the text
+    before the frame ended in a replacement character, which the frame turned into the
+    euro sign, so "c\u20ac" ends in the frame's new text."""
+    tok = ByteTokenizer()
+    euro = tok.encode("\u20ac")
+    out = tok.encode("abc") + euro
+    params = SamplingParams(stop=("c\u20ac",), max_tokens=10)
+    assert find_stop_string(tok.decode, params, out, 4) == "c\u20ac"
+    assert find_stop_string(tok.decode, params, out, 4, split=tok.safe_split) == "c\u20ac"
+    assert stop_text(tok.decode, params, out, "c\u20ac") == "ab"
 
 
 def _safe_split_is_additive(tok: ByteTokenizer | HFTokenizer, out: list[int]) -> None:

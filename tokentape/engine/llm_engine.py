@@ -262,7 +262,8 @@ class LLMEngine:
                 continue
             if entry.req_id in before and req.stop_reason != "stop":  # a stop token wins
                 stop_str = find_stop_string(self._decode_for_stop, req.params, req.output_token_ids,
-                                            before.pop(entry.req_id))
+                                            before.pop(entry.req_id),
+                                            split=getattr(self.tokenizer, "safe_split", None))
                 if stop_str is not None:  # it overrides "length", as in vLLM
                     self.scheduler.finish(req, "stop", stop_str)
                     continue

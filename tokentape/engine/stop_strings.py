@@ -14,6 +14,7 @@ Decoding the whole output after every frame costs O(output) per frame; given the
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -50,20 +51,31 @@ def find_stop_string(decode: Decode, params: SamplingParams, output: list[int], 
         return None
     checked = max(num_before, params.min_tokens)
     if split is None or not checked:
-        start = len(decode(output[:checked])) if checked else 0
-        found = _earliest_match(decode(output), start, params.stop)
+        text = decode(output)
+        found = _earliest_match(text, _stable_len(decode(output[:checked]), text), params.stop)
         return found[0] if found else None
     # A match ending in the frame begins at most len(stop) - 1 characters before it.
     need = max(map(len, params.stop)) - 1
     span = need + 1  # tokens give at least a character each, mostly (more are taken if not)
     while True:
         k = split(output, max(0, checked - span))
-        head = decode(output[k:checked])
-        if k == 0 or len(head) >= need:
+        window = decode(output[k:])
+        start = _stable_len(decode(output[k:checked]), window)
+        if k == 0 or start >= need:
             break
         span *= 2
-    found = _earliest_match(decode(output[k:]), len(head), params.stop)
+    found = _earliest_match(window, start, params.stop)
     return found[0] if found else None
+
+
+def _stable_len(before: str, after: str) -> int:
+    """How much of the text before the frame the frame left as it was: all of it, less a
+    replacement character that stood for a multi-byte character the frame completed (whose
+    new text may complete a stop string)."""
+    n = min(len(before), len(after))
+    if before[:n] == after[:n]:
+        return n
+    return len(os.path.commonprefix([before, after]))
 
 
 def _cut(text: str, start: int, params: SamplingParams, stop_str: str) -> str:
@@ -77,8 +89,9 @@ def stop_text(decode: Decode, params: SamplingParams, output: list[int], stop_st
     """The output's text cut at the stop string that finished it: before the string, or
     after it with include_stop_str_in_output. Every check before the last found nothing, so
     the match is the string's first occurrence that ends after the min_tokens text."""
-    start = len(decode(output[:params.min_tokens])) if params.min_tokens else 0
-    return _cut(decode(output), start, params, stop_str)
+    text = decode(output)
+    start = _stable_len(decode(output[:params.min_tokens]), text) if params.min_tokens else 0
+    return _cut(text, start, params, stop_str)
 
 
 def stop_decoder(decode: Decode, params: SamplingParams, full_output: list[int], stop_str: str | None) -> Decode:
@@ -87,7 +100,7 @@ def stop_decoder(decode: Decode, params: SamplingParams, full_output: list[int],
     if stop_str is None:
         return decode
     full = decode(full_output)  # decoded once: stop_text's cut of the same text
-    start = len(decode(full_output[:params.min_tokens])) if params.min_tokens else 0
+    start = _stable_len(decode(full_output[:params.min_tokens]), full) if params.min_tokens else 0
     cut = len(full) - len(_cut(full, start, params, stop_str))
 
     def decode_cut(tokens: list[int]) -> str:
