@@ -227,6 +227,12 @@ def test_bad_engine_arguments_fail_before_any_process() -> None:
         AsyncLLM("no-such-model", tape=False)  # the core reports why it could not start
 
 
+def test_a_bad_checkpoint_folder_is_a_value_error_from_the_core(tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"CheckpointError: .*config.json: not valid JSON"):
+        AsyncLLM(str(tmp_path), tape=False)  # a CheckpointError in the core's process
+
+
 def test_a_dead_core_fails_the_streams_instead_of_hanging() -> None:
     engine = AsyncLLM("oracle", tape=False)
     assert isinstance(engine.engine_core, MPClient)

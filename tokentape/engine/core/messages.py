@@ -136,7 +136,15 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
 
 
 def error_of(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    """The error's name and message for the frontend: a subclass of a type the frontend
+    raises again goes as that type (a CheckpointError is a ValueError there), its own name
+    kept in the message."""
+    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    name = type(exc).__name__
+    base = next((t.__name__ for t in type(exc).__mro__ if t.__name__ in _ERROR_TYPES), None)
+    if base is not None and base != name and name != "EngineDeadError":
+        return base, f"{name}: {message}"
+    return name, message
 
 
 def rebuild_error(error: tuple[str, str]) -> Exception:
