@@ -19,21 +19,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tokentape.entrypoints.cli.common import int_at_least
+
 EXIT_OK = 0
 EXIT_ERROR = 2
-
-
-def _int_at_least(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _seconds(text: str) -> float:
@@ -80,7 +69,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, metavar="NAME",
                      help="the model name clients use (default: --model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    srv.add_argument("--port", type=_int_at_least(0), default=8000,
+    srv.add_argument("--port", type=int_at_least(0), default=8000,
                      help="port to bind; 0 picks a free one (default: 8000)")
     tape = srv.add_mutually_exclusive_group()
     tape.add_argument("--tape", metavar="PATH", default=None,
@@ -91,9 +80,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
     pipe = srv.add_mutually_exclusive_group()
     pipe.add_argument("--sync", action="store_true", help="synchronous scheduling")
-    pipe.add_argument("--pipeline-depth", type=_int_at_least(1), default=None, metavar="N",
+    pipe.add_argument("--pipeline-depth", type=int_at_least(1), default=None, metavar="N",
                       help="steps in flight with async scheduling (engine default: 2)")
-    srv.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=None, metavar="K",
+    srv.add_argument("--num-speculative-tokens", type=int_at_least(0), default=None, metavar="K",
                      help="n-gram speculative tokens per decode (engine default: 0)")
     srv.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
                      help="epoch (default, exact); counter and flag reproduce vLLM's historical bugs")
@@ -105,8 +94,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        ("--cpu-threads", "CPU threads of the engine core (a small model's lanes; default: one "
                         "per CPU less one, left to the HTTP server, at least one; one per CPU with "
                         "--in-process)")):
-        srv.add_argument(flag, type=_int_at_least(1), default=None, metavar="N", help=what)
-    srv.add_argument("--stream-interval", type=_int_at_least(1), default=1, metavar="N",
+        srv.add_argument(flag, type=int_at_least(1), default=None, metavar="N", help=what)
+    srv.add_argument("--stream-interval", type=int_at_least(1), default=1, metavar="N",
                      help="tokens per streamed chunk after a stream's first (vLLM's option): N > 1 "
                      "sends fewer, larger chunks, so serving costs less CPU per token, and tokens "
                      "arrive up to N - 1 steps later (default: 1)")
