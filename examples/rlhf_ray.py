@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 
-from rlhf_ray_actors import EngineWorker, Trainer, request_specs, sampling_params
+from rlhf_ray_actors import TOKENS_BEFORE_UPDATE, EngineWorker, Trainer, request_specs, sampling_params
 from tokentape import LLM, SamplingParams
 from tokentape.events.discard import DISCARD_POLICIES
 from tokentape.events.sqlite_reader import tape_file_status
@@ -157,12 +157,13 @@ def run(args: argparse.Namespace) -> int:
                     + [e.join_group.remote(address, i + 1, world) for i, e in engines.items()])
         for it in range(args.iterations):
             specs = {i: request_specs(i, it) for i in engines}
-            ray.get([e.start.remote(specs[i]) for i, e in engines.items()])
             doomed = args.kill_engine if it == 0 else None
-            # Each engine pauses itself once every rollout of its has its first tokens: no round
-            # trip (no trainer's step) in between, so they are mid-generation at the pause
-            # however busy the machine; the drill depends on it.
-            pausing = {i: e.pause_after_tokens.remote() for i, e in engines.items() if i != doomed}
+            # Each engine pauses itself once every rollout of its has its first tokens, watched
+            # from the call that starts them: no round trip (no trainer's step, no second call)
+            # in between, so they are mid-generation at the pause on a busy machine too.
+            ray.get([e.start.remote(specs[i], None if i == doomed else TOKENS_BEFORE_UPDATE)
+                     for i, e in engines.items()])
+            pausing = {i: e.paused.remote() for i, e in engines.items() if i != doomed}
             first: dict[int, dict[str, list[int]]] = {}
             if doomed is not None:
                 # Mid-rollout, its requests running (never paused); no wait for the death.

@@ -21,9 +21,11 @@ from tokentape.engine.async_llm import frontend_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
 # Rollout lengths, per prompt: rollouts differ in length, and each is still being generated
-# when the pause comes (TOKENS_BEFORE_UPDATE tokens in), even with the engine's frontend
-# some steps behind its core on a busy machine.
-ROLLOUT_TOKENS = (64, 96, 128, 256)
+# when the pause comes (TOKENS_BEFORE_UPDATE tokens in). The engine core runs on while the
+# actor's event loop waits for the CPU, so on a busy machine the frontend may see a rollout's
+# first tokens hundreds of steps late (CI once saw all of an engine's rollouts, 256 tokens at
+# most, end before its pause). The longest sets the time an iteration takes.
+ROLLOUT_TOKENS = (64, 128, 256, 512)
 TOKENS_BEFORE_UPDATE = 8  # what the trainer learns from: each rollout's first tokens
 LEARNING_RATE = 0.05
 WAIT_S = 300.0  # the longest a rollout may take to reach TOKENS_BEFORE_UPDATE tokens
@@ -105,22 +107,34 @@ class EngineWorker:
         self.llm = AsyncLLM("tiny", tape=tape, **engine_args)
         self.tokens: dict[str, list[int]] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.pausing: asyncio.Task[tuple[dict[str, list[int]], dict[str, int]]] | None = None
+        self.progress = asyncio.Event()  # set at every delivery to a rollout
 
-    async def start(self, specs: list[RequestSpec]) -> None:
+    async def start(self, specs: list[RequestSpec], pause_after: int | None = None) -> None:
+        """Start the rollouts; with `pause_after` k, pause as soon as each has its first k
+        tokens (`paused()` says when). The watch starts here, with the rollouts: a second
+        actor call to start it would arrive some steps late on a busy machine."""
         for req_id, prompt, kw in specs:
             params = SamplingParams(**kw, output_kind=RequestOutputKind.DELTA)
             self.tokens[req_id] = []
             self.tasks[req_id] = asyncio.create_task(self._stream(req_id, prompt, params))
+        self.pausing = (asyncio.create_task(self._pause_after_tokens(pause_after))
+                        if pause_after is not None else None)
 
     async def _stream(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
-        async for out in self.llm.generate(prompt, params, req_id):
-            self.tokens[req_id] += out.outputs[0].token_ids
+        try:
+            async for out in self.llm.generate(prompt, params, req_id):
+                self.tokens[req_id] += out.outputs[0].token_ids
+                self.progress.set()
+        finally:
+            self.progress.set()
 
     async def wait_tokens(self, k: int = TOKENS_BEFORE_UPDATE) -> dict[str, list[int]]:
         """Each running rollout's first k tokens, once it has them (they keep generating)."""
-        async def ready() -> None:
+        async def ready() -> None:  # checked at every delivery, not on a timer
             while any(len(self.tokens[r]) < k and not t.done() for r, t in self.tasks.items()):
-                await asyncio.sleep(0.002)
+                self.progress.clear()
+                await self.progress.wait()
 
         await asyncio.wait_for(ready(), WAIT_S)
         for task in self.tasks.values():
@@ -128,14 +142,16 @@ class EngineWorker:
                 raise task.exception()  # type: ignore[misc]
         return {r: t[:k] for r, t in self.tokens.items()}
 
-    async def pause_after_tokens(self, k: int = TOKENS_BEFORE_UPDATE
-                                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
-        """wait_tokens(k), then pause at once: each rollout's first k tokens and the tokens
-        each had at the pause. Both here, with no round trip between them (a trainer's step in
-        between let most rollouts finish on a busy machine), so the pause finds them
-        mid-generation."""
+    async def _pause_after_tokens(self, k: int) -> tuple[dict[str, list[int]], dict[str, int]]:
         first = await self.wait_tokens(k)
         return first, await self.pause()
+
+    async def paused(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Once the pause that `start(..., pause_after=k)` asked for took effect: each
+        rollout's first k tokens and the tokens each had at the pause."""
+        if self.pausing is None:
+            raise RuntimeError("paused(): start() was not given pause_after")
+        return await self.pausing
 
     async def pause(self) -> dict[str, int]:
         """pause(keep, clear_cache=True); the tokens each request had when it took effect."""
