@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokentape import kernels
@@ -87,28 +88,33 @@ class Attention(nn.Module):
         rope_tables: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        num_tokens: int,
     ) -> torch.Tensor:
-        """forward() with the q/k norms and RoPE in one compiled call (CPU, float32)."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        """forward() with the q/k norms and RoPE in one compiled call (CPU, float32). `x` may
+        have rows past the batch's `num_tokens` (row padding, see CausalLM._forward_fused):
+        they go through the matmuls and row operations, not into the cache or attention."""
+        rows, t = x.shape[0], num_tokens
+        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
         q_norm = self.q_norm.weight if self.qk_norm else None
         k_norm = self.k_norm.weight if self.qk_norm else None
         eps = self.q_norm.eps if self.qk_norm else 0.0
         cpu_layers.qk_norm_rope(q, k, q_norm, k_norm, eps, *rope_tables, positions)
         k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.write_kv_cache(k[:t], v[:t], k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
-            q,
+            q[:t],
             k_cache,
             v_cache,
             cu_seqlens_q=meta.cu_seqlens_q,
             seq_lens=meta.seq_lens,
             block_tables=meta.block_tables,
             scale=self.scale,
-        )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        ).view(t, self.num_heads * self.head_dim)
+        if rows > t:
+            out = F.pad(out, (0, 0, 0, rows - t))
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -201,17 +207,24 @@ class CausalLM(nn.Module):
         layers = self.model.layers
         rope_tables = (self.rope.cos_cached, self.rope.sin_cached)
         positions = positions.to(torch.int64)
-        residual = h  # a fresh tensor from the embedding lookup
+        t = h.shape[0]
+        # Batch-invariant row padding (layers.linear) done once here, not at every matmul:
+        # the padding rows go through the whole pass (rows do not mix outside attention,
+        # which reads the first t) and are cut off at the end.
+        pad = -t % self.pad_rows_to if self.pad_rows_to else 0
+        if pad:
+            h, positions = F.pad(h, (0, 0, 0, pad)), F.pad(positions, (0, pad))
+        residual = h  # a fresh tensor from the embedding lookup (or the padding)
         first = layers[0].input_layernorm
         x = cpu_layers.rms_norm(residual, first.weight, first.eps)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            a = layer.self_attn.forward_fused(x, positions, rope_tables, kv, meta)
+            a = layer.self_attn.forward_fused(x, positions, rope_tables, kv, meta, t)
             post = layer.post_attention_layernorm
             x = cpu_layers.add_rms_norm(a, residual, post.weight, post.eps)
             m = layer.mlp.forward_fused(x)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = cpu_layers.add_rms_norm(m, residual, norm.weight, norm.eps)
-        return x
+        return x[:t] if pad else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
