@@ -1,5 +1,6 @@
 """The compiled CPU kernels (`cpu/*.c`: the paged attention of decodes, the KV write, the layers'
-row operations): built at first use, called through ctypes.
+row operations; `cpu/vec.h`: their vectors, as wide as the CPU's registers): built at first
+use, called through ctypes.
 
 The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for
 this CPU (`-march=native`) and cached under `$TOKENTAPE_CACHE_DIR`, else
@@ -31,6 +32,7 @@ from tokentape.kernels.shapes import check_kv_write_shapes
 # Compiled into one library: the attention and KV write (here), the layers' row operations
 # (cpu_layers.py).
 SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "layers.c"))
+HEADERS = (Path(__file__).with_name("cpu") / "vec.h",)  # their shared vector helpers
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 # The kernel's return codes (TT_* in the C source).
@@ -61,7 +63,7 @@ def _cpu_identity() -> str:
 
 
 def _build(compiler: str) -> Path:
-    sources = [path.read_bytes() for path in SOURCES]
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])

@@ -10,41 +10,11 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-static inline vf16 ld16(const float *p) {
-    vf16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void st16(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
-
-static inline float sum16(vf16 v) {
-    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline float sum_of_squares(const float *x, int64_t n) {
-    int64_t i = 0;
-    float s = 0.0f;
-    if (n >= 16) {
-        vf16 acc = ld16(x) * ld16(x);
-        for (i = 16; i + 16 <= n; i += 16) acc += ld16(x + i) * ld16(x + i);
-        s = sum16(acc);
-    }
-    for (; i < n; i++) s += x[i] * x[i];
-    return s;
-}
+#include "vec.h"
 
 /* out = w * (x / sqrt(mean(x^2) + eps)), one row of n. */
 static inline void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
-    const float inv = 1.0f / sqrtf(sum_of_squares(x, n) / (float)n + eps);
+    const float inv = 1.0f / sqrtf(vdot(x, x, n) / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
 }
 
@@ -96,33 +66,12 @@ int tt_qk_norm_rope_f32(float *q, float *k, int64_t tokens, int64_t q_heads, int
     return 0;
 }
 
-/* exp on 16 lanes for any float (clamped to [-87.3, 88.7]): Cephes' expf polynomial. */
-static inline vf16 exp16(vf16 x) {
-    const vf16 lo = (vf16){0} - 87.3f, hi = (vf16){0} + 88.7f;
-    vi16 m = x < lo;
-    x = (vf16)(((vi16)x & ~m) | ((vi16)lo & m));
-    m = x > hi;
-    x = (vf16)(((vi16)x & ~m) | ((vi16)hi & m));
-    const float magic = 12582912.0f; /* 1.5 * 2^23: rounds to the nearest integer */
-    vf16 n = (x * 1.44269504088896341f + magic) - magic;
-    x = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf16 z = x * x;
-    vf16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return y * (vf16)bits;
-}
-
 /* out = silu(gate) * up over n floats (SwiGLU's middle). */
 void tt_silu_mul_f32(const float *gate, const float *up, float *out, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const vf16 g = ld16(gate + i);
-        st16(out + i, g / (1.0f + exp16((vf16){0} - g)) * ld16(up + i));
+    for (; i + TT_VW <= n; i += TT_VW) {
+        const vf g = vload(gate + i);
+        vstore(out + i, g / (1.0f + vexp((vf){0} - g)) * vload(up + i));
     }
     for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }

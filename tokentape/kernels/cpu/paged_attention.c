@@ -23,38 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 enum { TT_OK = 0, TT_BAD_SEQ_LEN = 1, TT_BAD_BLOCK_COUNT = 2, TT_BAD_BLOCK_ID = 3, TT_NO_MEMORY = 4 };
-
-/* 16 floats as one vector (GCC/Clang vector extensions: AVX-512 registers where there are
- * some, pairs or quads of narrower ones elsewhere); loaded and stored unaligned. */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-
-static inline vf16 load16(const float *p) {
-    vf16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum16(vf16 v) {
-    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    int64_t i = 0;
-    float tail = 0.0f;
-    if (n >= 16) {
-        vf16 acc = load16(a) * load16(b);
-        for (i = 16; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-        tail = hsum16(acc);
-    }
-    for (; i < n; i++) tail += a[i] * b[i];
-    return tail;
-}
 
 /* exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial: within 2 ulp of
  * expf, written so that the loops calling it vectorise (no libm call per element). */
@@ -76,52 +47,28 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-/* exp_nonpositive on 16 lanes: the same polynomial, rounding x * log2(e) to nearest with the
- * 1.5 * 2^23 trick (no floor in vector extensions). */
-static inline vf16 exp16_nonpositive(vf16 x) {
-    const vf16 lowest = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f,
-                         -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const vi16 below = x < lowest;
-    x = (vf16)(((vi16)x & ~below) | ((vi16)lowest & below));
-    const float magic = 12582912.0f; /* 1.5 * 2^23 */
-    vf16 n = (x * 1.44269504088896341f + magic) - magic;
-    x = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf16 z = x * x;
-    vf16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return y * (vf16)bits;
-}
-
 static void softmax_in_place(float *restrict s, int64_t n) {
     int64_t t = 0;
     float m = -INFINITY;
-    if (n >= 16) {
-        vf16 mv = load16(s);
-        for (t = 16; t + 16 <= n; t += 16) {
-            vf16 v = load16(s + t);
-            vi16 gt = v > mv;
-            mv = (vf16)(((vi16)v & gt) | ((vi16)mv & ~gt));
+    if (n >= TT_VW) {
+        vf mv = vload(s);
+        for (t = TT_VW; t + TT_VW <= n; t += TT_VW) {
+            vf v = vload(s + t);
+            mv = vselect(v > mv, v, mv);
         }
-        for (int i = 0; i < 16; i++) m = mv[i] > m ? mv[i] : m;
+        for (int i = 0; i < TT_VW; i++) m = mv[i] > m ? mv[i] : m;
     }
     for (; t < n; t++) m = s[t] > m ? s[t] : m;
     float sum = 0.0f;
     t = 0;
-    if (n >= 16) {
-        vf16 sv = {0};
-        for (; t + 16 <= n; t += 16) {
-            vf16 e = exp16_nonpositive(load16(s + t) - m);
-            memcpy(s + t, &e, sizeof e);
+    if (n >= TT_VW) {
+        vf sv = {0};
+        for (; t + TT_VW <= n; t += TT_VW) {
+            vf e = vexp(vload(s + t) - m); /* every input <= 0: vexp's upper clamp never acts */
+            vstore(s + t, e);
             sv += e;
         }
-        sum = hsum16(sv);
+        sum = vsum(sv);
     }
     for (; t < n; t++) {
         s[t] = exp_nonpositive(s[t] - m);
@@ -145,50 +92,54 @@ typedef struct {
     float scale;
 } Problem;
 
-/* One decode with head_dim = 16 * D16. Memory-bound: the sequence's K rows, then its V rows,
+/* One decode with head_dim = TT_VW * DV. Memory-bound: the sequence's K rows, then its V rows,
  * are read once each, token by token in cache-block order (each token's row holds every kv
  * head, so a block is one contiguous stream), with the next block prefetched: blocks lie
  * anywhere, and the hardware prefetcher starts cold on each. Scores and outputs stay in
- * `scores` and `acc` (L1-sized). Inlined with D16 a constant, so the row loops unroll. */
-static inline __attribute__((always_inline)) void attend_decode_v16(
-    const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t D16) {
-    const int64_t H = p->num_heads, D = 16 * D16, BS = p->block_size, Hkv = p->num_kv_heads;
+ * `scores` and `acc` (L1-sized). Inlined with DV a constant, so the row loops unroll. */
+static inline __attribute__((always_inline)) void attend_decode_vec(
+    const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t DV) {
+    const int64_t H = p->num_heads, D = TT_VW * DV, BS = p->block_size, Hkv = p->num_kv_heads;
     const int64_t G = H / Hkv, row_stride = Hkv * D, block_floats = BS * row_stride;
     const int64_t row = p->cu_seqlens_q[seq], seq_len = p->seq_lens[seq];
     const int64_t row_bytes = row_stride * (int64_t)sizeof(float);
     const int32_t *table = p->block_tables + seq * p->max_blocks;
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
-    for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
-        const int64_t in_block = (t % BS) * row_stride;
-        const float *krow = p->k_cache + (int64_t)table[t / BS] * block_floats + in_block;
-        if (t + BS < seq_len) prefetch_row(p->k_cache + (int64_t)table[t / BS + 1] * block_floats + in_block, row_bytes);
-        for (int64_t j = 0; j < Hkv; j++) {
-            vf16 kv[D16];
-            for (int64_t c = 0; c < D16; c++) kv[c] = load16(krow + j * D + 16 * c);
-            for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                const float *qh = qbuf + h * D;
-                vf16 a = load16(qh) * kv[0];
-                for (int64_t c = 1; c < D16; c++) a += load16(qh + 16 * c) * kv[c];
-                scores[h * seq_len + t] = hsum16(a);
+    const int64_t num_blocks = (seq_len + BS - 1) / BS;
+    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* scores[h][t] */
+        const float *block = p->k_cache + (int64_t)table[b] * block_floats;
+        const float *next = b + 1 < num_blocks ? p->k_cache + (int64_t)table[b + 1] * block_floats : NULL;
+        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
+            const float *krow = block + in_block;
+            if (next) prefetch_row(next + in_block, row_bytes);
+            for (int64_t j = 0; j < Hkv; j++) {
+                vf kv[DV];
+                for (int64_t c = 0; c < DV; c++) kv[c] = vload(krow + j * D + TT_VW * c);
+                for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                    const float *qh = qbuf + h * D;
+                    vf a = vload(qh) * kv[0];
+                    for (int64_t c = 1; c < DV; c++) a += vload(qh + TT_VW * c) * kv[c];
+                    scores[h * seq_len + t] = vsum(a);
+                }
             }
         }
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
-        const int64_t in_block = (t % BS) * row_stride;
-        const float *vrow = p->v_cache + (int64_t)table[t / BS] * block_floats + in_block;
-        if (t + BS < seq_len) prefetch_row(p->v_cache + (int64_t)table[t / BS + 1] * block_floats + in_block, row_bytes);
-        for (int64_t j = 0; j < Hkv; j++) {
-            vf16 vv[D16];
-            for (int64_t c = 0; c < D16; c++) vv[c] = load16(vrow + j * D + 16 * c);
-            for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                const float w = scores[h * seq_len + t];
-                float *o = acc + h * D;
-                for (int64_t c = 0; c < D16; c++) {
-                    vf16 oc = load16(o + 16 * c) + w * vv[c];
-                    memcpy(o + 16 * c, &oc, sizeof oc);
+    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* acc[h] = sum over t of p[h][t] * v[t] */
+        const float *block = p->v_cache + (int64_t)table[b] * block_floats;
+        const float *next = b + 1 < num_blocks ? p->v_cache + (int64_t)table[b + 1] * block_floats : NULL;
+        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
+            const float *vrow = block + in_block;
+            if (next) prefetch_row(next + in_block, row_bytes);
+            for (int64_t j = 0; j < Hkv; j++) {
+                vf vv[DV];
+                for (int64_t c = 0; c < DV; c++) vv[c] = vload(vrow + j * D + TT_VW * c);
+                for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                    const float w = scores[h * seq_len + t];
+                    float *o = acc + h * D;
+                    for (int64_t c = 0; c < DV; c++) vstore(o + TT_VW * c, vload(o + TT_VW * c) + w * vv[c]);
                 }
             }
         }
@@ -207,22 +158,31 @@ static void attend_decode_any(const Problem *p, int64_t seq, float *scores, floa
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
     const int64_t block_floats = BS * row_stride, row_bytes = row_stride * (int64_t)sizeof(float);
-    for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
-        const float *krow = p->k_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride;
-        if (t + BS < seq_len) prefetch_row(p->k_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_bytes);
-        for (int64_t h = 0; h < H; h++) scores[h * seq_len + t] = dot(qbuf + h * D, krow + (h / G) * D, D);
+    const int64_t num_blocks = (seq_len + BS - 1) / BS;
+    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* scores[h][t] */
+        const float *block = p->k_cache + (int64_t)table[b] * block_floats;
+        const float *next = b + 1 < num_blocks ? p->k_cache + (int64_t)table[b + 1] * block_floats : NULL;
+        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
+            const float *krow = block + in_block;
+            if (next) prefetch_row(next + in_block, row_bytes);
+            for (int64_t h = 0; h < H; h++) scores[h * seq_len + t] = vdot(qbuf + h * D, krow + (h / G) * D, D);
+        }
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
-        const float *vrow = p->v_cache + (int64_t)table[t / BS] * block_floats + (t % BS) * row_stride;
-        if (t + BS < seq_len) prefetch_row(p->v_cache + (int64_t)table[t / BS + 1] * block_floats + (t % BS) * row_stride, row_bytes);
-        for (int64_t h = 0; h < H; h++) {
-            const float w = scores[h * seq_len + t];
-            float *restrict o = acc + h * D;
-            const float *restrict v = vrow + (h / G) * D;
+    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* acc[h] = sum over t of p[h][t] * v[t] */
+        const float *block = p->v_cache + (int64_t)table[b] * block_floats;
+        const float *next = b + 1 < num_blocks ? p->v_cache + (int64_t)table[b + 1] * block_floats : NULL;
+        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
+            const float *vrow = block + in_block;
+            if (next) prefetch_row(next + in_block, row_bytes);
+            for (int64_t h = 0; h < H; h++) {
+                const float w = scores[h * seq_len + t];
+                float *restrict o = acc + h * D;
+                const float *restrict v = vrow + (h / G) * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
+                for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
+            }
         }
     }
     memcpy(p->out + row * H * D, acc, (size_t)(H * D) * sizeof(float));
@@ -269,11 +229,11 @@ int tt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
 #pragma omp atomic read
             skip = failed;
             if (skip || cu_seqlens_q[b + 1] - cu_seqlens_q[b] != 1) continue;
-            switch (head_dim) { /* the usual head sizes, specialised */
-            case 64: attend_decode_v16(&p, b, scores, qbuf, acc, 4); break;
-            case 128: attend_decode_v16(&p, b, scores, qbuf, acc, 8); break;
-            case 32: attend_decode_v16(&p, b, scores, qbuf, acc, 2); break;
-            case 16: attend_decode_v16(&p, b, scores, qbuf, acc, 1); break;
+            switch (head_dim) { /* the usual head sizes, specialised (each a multiple of TT_VW) */
+            case 64: attend_decode_vec(&p, b, scores, qbuf, acc, 64 / TT_VW); break;
+            case 128: attend_decode_vec(&p, b, scores, qbuf, acc, 128 / TT_VW); break;
+            case 32: attend_decode_vec(&p, b, scores, qbuf, acc, 32 / TT_VW); break;
+            case 16: attend_decode_vec(&p, b, scores, qbuf, acc, 16 / TT_VW); break;
             default: attend_decode_any(&p, b, scores, qbuf, acc);
             }
         }
