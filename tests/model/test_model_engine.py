@@ -115,6 +115,7 @@ def test_sharing_a_step_over_lanes_gives_the_same_bits(lanes: int) -> None:
     one = tiny_llm(cpu_threads=1, **kwargs).generate(prompts, params)
     llm = tiny_llm(cpu_threads=lanes, **kwargs)
     runner = llm.engine.runner
+    runner.min_lane_work = 0  # share out every step, however small (see the test below)
     threads: set[str] = set()
     logits = runner._logits
 
@@ -147,6 +148,26 @@ def test_a_big_model_shares_its_matmuls_instead_of_the_batch(monkeypatch) -> Non
     shared = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in one]
     assert [o.outputs[0].logprobs for o in shared] == [o.outputs[0].logprobs for o in one]
+
+
+def test_a_step_goes_to_another_lane_only_with_enough_work() -> None:
+    """A lane's pass has a fixed cost (input_batch.MIN_LANE_WORK): a small step stays on one
+    lane, a big one is shared out, each share past the first with at least the minimum."""
+    from tokentape.engine.runners.input_batch import FLOPS_PER_BYTE, EntryInputs, SeqState, split_over_lanes
+
+    def decodes(n: int, context: int) -> list[EntryInputs]:
+        seq = SeqState(SamplingParams(), 0, [1] * context, list(range(context // 16 + 1)), context - 1)
+        return [EntryInputs(f"r{i}", seq, [1], context - 1, [], samples=True) for i in range(n)]
+
+    def lanes(num_lanes: int, least: int) -> list[int]:  # 1,000 flops a token, 10 KV bytes
+        return [len(s) for s in split_over_lanes(decodes(8, 100), num_lanes, 16, 1_000, 10, least)]
+
+    total = 8 * (1_000 + 100 * 10 * FLOPS_PER_BYTE)  # each decode's token and its context
+    assert lanes(4, total + 1) == [8]
+    assert lanes(4, total // 2) == [4, 4]
+    assert lanes(4, total // 3) == [3, 3, 2]
+    assert lanes(4, 0) == [2, 2, 2, 2]
+    assert lanes(1, 0) == [8]
 
 
 def test_choose_lanes() -> None:
@@ -287,6 +308,7 @@ def test_the_worker_thread_runs_on_the_engines_cpu_threads() -> None:
     omp_max_threads = ctypes.CDLL(libs[0]).omp_get_max_threads
     llm = tiny_llm(pipeline_depth=2, cpu_threads=2)
     runner = llm.engine.runner
+    runner.min_lane_work = 0  # two prompts are too little to share out otherwise
     seen: list[tuple[str, int]] = []
     forward = runner.model.forward
 

@@ -30,6 +30,7 @@ from tokentape.engine.model.sampler import SamplingRows, position_key, sample, t
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
 from tokentape.engine.runners.input_batch import (
+    MIN_LANE_WORK,
     EntryInputs,
     SeqState,
     build_forward_batch,
@@ -80,6 +81,7 @@ class TorchModelRunner:
                 lanes = 1  # Triton's CPU interpreter (a debugging mode) keeps global state
         self._worker = ModelWorker(lane_threads)
         self._lanes = [ModelWorker(1, f"tokentape-model-lane-{i}") for i in range(1, lanes)]
+        self.min_lane_work = MIN_LANE_WORK  # the least work a step shares out to another lane
         self.pad_rows_to = 0
         if self.device.type == "cpu":
             self.model.prepack()  # oneDNN's weight layout once, not at every matmul
@@ -245,7 +247,8 @@ class TorchModelRunner:
     def _run(self, batch: ScheduledBatch) -> list[FrameEntry]:
         plan = self._plan(batch)
         shares = split_over_lanes(plan, 1 + len(self._lanes), self.block_size,
-                                  self._flops_per_token, self._kv_bytes_per_token)
+                                  self._flops_per_token, self._kv_bytes_per_token,
+                                  self.min_lane_work)
         for lane, share in zip(self._lanes, shares[1:]):
             lane.submit(lambda share=share: self._logits(share))
         parts = [self._logits(shares[0])]
