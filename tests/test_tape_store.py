@@ -611,12 +611,16 @@ def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
     assert committed > 0
     # The engine's tape writer process outlives it: it commits everything the engine handed
-    # over, checkpoints, and exits, which removes the -wal file.
+    # over, checkpoints, switches the file out of WAL mode and exits, which removes the -wal
+    # and -shm files (one after the other: wait for all of it, not for the -wal alone).
+    def one_file() -> bool:
+        return (tape_file_status(path).finished and not os.path.exists(f"{path}-wal")
+                and not os.path.exists(f"{path}-shm"))
+
     deadline = time.monotonic() + 30
-    while os.path.exists(f"{path}-wal") and time.monotonic() < deadline:
+    while not one_file() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not os.path.exists(f"{path}-wal"), "the tape writer did not finish after the engine died"
-    assert not os.path.exists(f"{path}-shm") and tape_file_status(path).finished  # one file
+    assert one_file(), f"the tape writer did not finish after the engine died: {tape_file_status(path)}"
     tape = load_tape(path)
     assert len(tape) >= committed
     state = tape.fold()
