@@ -30,9 +30,9 @@ LANES_MAX_WEIGHT_BYTES = 64 << 20
 # A lane's forward pass costs a fixed part whatever its share: its Python and the dispatch of
 # its ops, which every lane runs under the one GIL (about 3 ms a pass with the tiny model on
 # an AVX2 core, most of a small step's time). So a step is shared out only as far as each
-# lane gets this much work (in split_over_lanes' units: about 30 decodes of tiny at a context
-# of 250); with less, a second lane made the step slower (tiny: 1 lane against 2 at 4, 16
-# and 32 sequences: 6.1 vs 9.7, 8.8 vs 12.2, 11.8 vs 12.3 ms per step; docs/benchmarks.md).
+# lane gets this much work (in split_over_lanes' units: about 18 decodes of tiny at a context
+# of 250, so two lanes from about 36); with less, a second lane made the step slower (tiny: 1 lane against 2 at 4, 16
+# and 32 sequences: 6.1 vs 9.7, 8.5 vs 11.5, 11.8 vs 12.3 ms per step; docs/benchmarks.md).
 MIN_LANE_WORK = 1 << 28
 
 
