@@ -84,6 +84,39 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 3);
 }
 
+/* A sequence's rows of one cache (K or V), token by token in block order: next_row() gives
+ * the next token's row (every kv head of it) and prefetches the same row of the next block. */
+typedef struct {
+    const float *cache, *block, *next;
+    const int32_t *table;
+    int64_t b, num_blocks, in_block, block_floats, row_stride, row_bytes;
+} RowWalk;
+
+static inline const float *block_at(const RowWalk *w, int64_t b) {
+    return b < w->num_blocks ? w->cache + (int64_t)w->table[b] * w->block_floats : NULL;
+}
+
+static inline RowWalk row_walk(const float *cache, const int32_t *table, int64_t seq_len,
+                               int64_t block_size, int64_t row_stride) {
+    RowWalk w = {cache, NULL, NULL, table, 0, (seq_len + block_size - 1) / block_size, 0,
+                 block_size * row_stride, row_stride, row_stride * (int64_t)sizeof(float)};
+    w.block = block_at(&w, 0);
+    w.next = block_at(&w, 1);
+    return w;
+}
+
+static inline const float *next_row(RowWalk *w) {
+    if (w->in_block == w->block_floats) {
+        w->block = w->next;
+        w->next = block_at(w, ++w->b + 1);
+        w->in_block = 0;
+    }
+    const float *row = w->block + w->in_block;
+    if (w->next) prefetch_row(w->next + w->in_block, w->row_bytes);
+    w->in_block += w->row_stride;
+    return row;
+}
+
 typedef struct {
     const float *q, *k_cache, *v_cache;
     float *out;
@@ -94,53 +127,42 @@ typedef struct {
 
 /* One decode with head_dim = TT_VW * DV. Memory-bound: the sequence's K rows, then its V rows,
  * are read once each, token by token in cache-block order (each token's row holds every kv
- * head, so a block is one contiguous stream), with the next block prefetched: blocks lie
- * anywhere, and the hardware prefetcher starts cold on each. Scores and outputs stay in
+ * head, so a block is one contiguous stream; see RowWalk). Scores and outputs stay in
  * `scores` and `acc` (L1-sized). Inlined with DV a constant, so the row loops unroll. */
 static inline __attribute__((always_inline)) void attend_decode_vec(
     const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t DV) {
     const int64_t H = p->num_heads, D = TT_VW * DV, BS = p->block_size, Hkv = p->num_kv_heads;
-    const int64_t G = H / Hkv, row_stride = Hkv * D, block_floats = BS * row_stride;
+    const int64_t G = H / Hkv, row_stride = Hkv * D;
     const int64_t row = p->cu_seqlens_q[seq], seq_len = p->seq_lens[seq];
-    const int64_t row_bytes = row_stride * (int64_t)sizeof(float);
     const int32_t *table = p->block_tables + seq * p->max_blocks;
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
-    const int64_t num_blocks = (seq_len + BS - 1) / BS;
-    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* scores[h][t] */
-        const float *block = p->k_cache + (int64_t)table[b] * block_floats;
-        const float *next = b + 1 < num_blocks ? p->k_cache + (int64_t)table[b + 1] * block_floats : NULL;
-        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
-            const float *krow = block + in_block;
-            if (next) prefetch_row(next + in_block, row_bytes);
-            for (int64_t j = 0; j < Hkv; j++) {
-                vf kv[DV];
-                for (int64_t c = 0; c < DV; c++) kv[c] = vload(krow + j * D + TT_VW * c);
-                for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                    const float *qh = qbuf + h * D;
-                    vf a = vload(qh) * kv[0];
-                    for (int64_t c = 1; c < DV; c++) a += vload(qh + TT_VW * c) * kv[c];
-                    scores[h * seq_len + t] = vsum(a);
-                }
+    RowWalk keys = row_walk(p->k_cache, table, seq_len, BS, row_stride);
+    for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
+        const float *krow = next_row(&keys);
+        for (int64_t j = 0; j < Hkv; j++) {
+            vf kv[DV];
+            for (int64_t c = 0; c < DV; c++) kv[c] = vload(krow + j * D + TT_VW * c);
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                const float *qh = qbuf + h * D;
+                vf a = vload(qh) * kv[0];
+                for (int64_t c = 1; c < DV; c++) a += vload(qh + TT_VW * c) * kv[c];
+                scores[h * seq_len + t] = vsum(a);
             }
         }
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* acc[h] = sum over t of p[h][t] * v[t] */
-        const float *block = p->v_cache + (int64_t)table[b] * block_floats;
-        const float *next = b + 1 < num_blocks ? p->v_cache + (int64_t)table[b + 1] * block_floats : NULL;
-        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
-            const float *vrow = block + in_block;
-            if (next) prefetch_row(next + in_block, row_bytes);
-            for (int64_t j = 0; j < Hkv; j++) {
-                vf vv[DV];
-                for (int64_t c = 0; c < DV; c++) vv[c] = vload(vrow + j * D + TT_VW * c);
-                for (int64_t h = j * G; h < (j + 1) * G; h++) {
-                    const float w = scores[h * seq_len + t];
-                    float *o = acc + h * D;
-                    for (int64_t c = 0; c < DV; c++) vstore(o + TT_VW * c, vload(o + TT_VW * c) + w * vv[c]);
-                }
+    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
+    for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
+        const float *vrow = next_row(&values);
+        for (int64_t j = 0; j < Hkv; j++) {
+            vf vv[DV];
+            for (int64_t c = 0; c < DV; c++) vv[c] = vload(vrow + j * D + TT_VW * c);
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                const float w = scores[h * seq_len + t];
+                float *o = acc + h * D;
+                for (int64_t c = 0; c < DV; c++) vstore(o + TT_VW * c, vload(o + TT_VW * c) + w * vv[c]);
             }
         }
     }
@@ -157,32 +179,22 @@ static void attend_decode_any(const Problem *p, int64_t seq, float *scores, floa
 
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
-    const int64_t block_floats = BS * row_stride, row_bytes = row_stride * (int64_t)sizeof(float);
-    const int64_t num_blocks = (seq_len + BS - 1) / BS;
-    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* scores[h][t] */
-        const float *block = p->k_cache + (int64_t)table[b] * block_floats;
-        const float *next = b + 1 < num_blocks ? p->k_cache + (int64_t)table[b + 1] * block_floats : NULL;
-        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
-            const float *krow = block + in_block;
-            if (next) prefetch_row(next + in_block, row_bytes);
-            for (int64_t h = 0; h < H; h++) scores[h * seq_len + t] = vdot(qbuf + h * D, krow + (h / G) * D, D);
-        }
+    RowWalk keys = row_walk(p->k_cache, table, seq_len, BS, row_stride);
+    for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
+        const float *krow = next_row(&keys);
+        for (int64_t h = 0; h < H; h++) scores[h * seq_len + t] = vdot(qbuf + h * D, krow + (h / G) * D, D);
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t b = 0, t = 0; b < num_blocks; b++) { /* acc[h] = sum over t of p[h][t] * v[t] */
-        const float *block = p->v_cache + (int64_t)table[b] * block_floats;
-        const float *next = b + 1 < num_blocks ? p->v_cache + (int64_t)table[b + 1] * block_floats : NULL;
-        for (int64_t in_block = 0; in_block < block_floats && t < seq_len; in_block += row_stride, t++) {
-            const float *vrow = block + in_block;
-            if (next) prefetch_row(next + in_block, row_bytes);
-            for (int64_t h = 0; h < H; h++) {
-                const float w = scores[h * seq_len + t];
-                float *restrict o = acc + h * D;
-                const float *restrict v = vrow + (h / G) * D;
+    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
+    for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
+        const float *vrow = next_row(&values);
+        for (int64_t h = 0; h < H; h++) {
+            const float w = scores[h * seq_len + t];
+            float *restrict o = acc + h * D;
+            const float *restrict v = vrow + (h / G) * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
-            }
+            for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
         }
     }
     memcpy(p->out + row * H * D, acc, (size_t)(H * D) * sizeof(float));
