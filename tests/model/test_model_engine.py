@@ -152,7 +152,7 @@ def test_a_big_model_shares_its_matmuls_instead_of_the_batch(monkeypatch) -> Non
 
 def test_a_step_goes_to_another_lane_only_with_enough_work() -> None:
     """A lane's pass has a fixed cost (input_batch.MIN_LANE_WORK): a small step stays on one
-    lane, a big one is shared out, each share past the first with at least the minimum."""
+    lane, a big one is shared out over as many lanes as it holds the minimum of work."""
     from tokentape.engine.runners.input_batch import FLOPS_PER_BYTE, EntryInputs, SeqState, split_over_lanes
 
     def decodes(n: int, context: int) -> list[EntryInputs]:

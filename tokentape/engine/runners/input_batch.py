@@ -30,9 +30,10 @@ LANES_MAX_WEIGHT_BYTES = 64 << 20
 # A lane's forward pass costs a fixed part whatever its share: its Python and the dispatch of
 # its ops, which every lane runs under the one GIL (about 3 ms a pass with the tiny model on
 # an AVX2 core, most of a small step's time). So a step is shared out only as far as each
-# lane gets this much work (in split_over_lanes' units: about 18 decodes of tiny at a context
-# of 250, so two lanes from about 36); with less, a second lane made the step slower (tiny: 1 lane against 2 at 4, 16
-# and 32 sequences: 6.1 vs 9.7, 8.5 vs 11.5, 11.8 vs 12.3 ms per step; docs/benchmarks.md).
+# lane gets this much work (in split_over_lanes' units: about 18 decodes of tiny at a
+# context of 250, so two lanes from about 36); with less, a second lane made the step slower
+# (tiny, 1 lane against 2 at 4, 16 and 32 sequences: 6.1 vs 9.7, 8.5 vs 11.5, 11.8 vs 12.3
+# ms per step; docs/benchmarks.md).
 MIN_LANE_WORK = 1 << 28
 
 
@@ -131,8 +132,8 @@ def split_over_lanes(
     min_lane_work: int = MIN_LANE_WORK,
 ) -> list[list[EntryInputs]]:
     """The entries shared out over at most `num_lanes` lanes of about equal work, each share
-    in the step's order; every share holds at least one entry and, past the first, at least
-    `min_lane_work` of work.
+    in the step's order; every share holds at least one entry, and there are no more shares
+    than the step holds `min_lane_work` of work.
 
     An entry's work is its tokens' matmuls plus the K/V it reads (its whole context), weighed
     by FLOPS_PER_BYTE. Any split gives every sequence the same bits: a sequence's attention
@@ -141,15 +142,12 @@ def split_over_lanes(
     this same step: the reader goes in the writer's lane, where every layer writes the
     step's K/V before it attends.
     """
-    def work_of(e: EntryInputs) -> int:
-        return (len(e.inputs) * flops_per_token
-                + (e.start + len(e.inputs)) * kv_bytes_per_token * FLOPS_PER_BYTE)
-
     if num_lanes <= 1:
         return [entries]
-    worth = sum(map(work_of, entries)) // max(min_lane_work, 1)
+    works = [len(e.inputs) * flops_per_token
+             + (e.start + len(e.inputs)) * kv_bytes_per_token * FLOPS_PER_BYTE for e in entries]
     bundles = _bundles(entries, block_size)
-    num_lanes = min(num_lanes, len(bundles), max(worth, 1))
+    num_lanes = min(num_lanes, len(bundles), max(sum(works) // max(min_lane_work, 1), 1))
     if num_lanes <= 1:
         return [entries]
     lane_of: dict[int, int] = {}
@@ -158,7 +156,7 @@ def split_over_lanes(
         lane = work.index(min(work))
         for i in bundle:
             lane_of[i] = lane
-            work[lane] += work_of(entries[i])
+            work[lane] += works[i]
     shares: list[list[EntryInputs]] = [[] for _ in range(num_lanes)]
     for i, e in enumerate(entries):
         shares[lane_of[i]].append(e)
