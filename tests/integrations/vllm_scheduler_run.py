@@ -23,6 +23,7 @@ Spec: {"model": folder (its config.json shapes the KV spec), "tape", "async": bo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -77,6 +78,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(block_size, hash_fn)
+
+    # vLLM's pause(clear_cache) resets the connector too since 0.2x; 0.20 resets the prefix
+    # cache alone (and with no connector, a connector reset reads as a failed reset).
+    from vllm.v1.engine.core import EngineCore
+    reset_kwargs = {"reset_running_requests": True}
+    if "reset_connector" in inspect.signature(EngineCore._reset_caches).parameters:
+        reset_kwargs["reset_connector"] = True
 
     oracle = OracleRunner(cyclic=True, seed=0)
     keys: dict[str, int] = {}
@@ -154,8 +162,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 aborted(sched.finish_requests(None, RequestStatus.FINISHED_ABORTED))
             sched.set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
             drain()  # the pause completes once the engine has no work
-            if clear:
-                sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+            if clear:  # EngineCore._reset_caches, as this release has it
+                sched.reset_prefix_cache(**reset_kwargs)
             sched.set_pause_state(PauseState.UNPAUSED)
         engine_step()
         step += 1

@@ -22,6 +22,12 @@ of the reducer: they change request state only when the reducer calls them.
 The museum policies (`MUSEUM_POLICIES`) reproduce later bugs of the family, for tapes and
 tests only: selectable by name, never a default, not offered by the CLI.
 
+- `vllm-flag`, `vllm-counter`: vLLM's AsyncScheduler exactly as released before PR #42117
+  (0.20-0.21) and between #42117 and #48245 (0.22-0.26): the flag or the counter is set by a
+  reset's preemptions only; a KV-pressure preemption leaves the stale frame to be applied,
+  which vLLM's batch queue of depth 2 does before the request is scheduled again, so it is
+  delivered as under `deliver`. Tapes recorded from those releases name them.
+
 - `flag-reset-only`: vLLM #38624. The flag is set by a reset's preemptions only, so a
   KV-pressure preemption leaves its in-flight output to be applied: a token twice.
 - `counter-reset-only`: vLLM between #42117 and #48245 (#47900). The counter is set by a
@@ -42,6 +48,7 @@ from tokentape.events.state import RequestState
 
 class DiscardPolicy(Protocol):
     name: str
+    mechanism: str  # what drops frames, in vLLM's words, for the postmortem's messages
     may_drop_fresh: bool  # False when only stale frames are ever dropped
     # True: a stale frame the policy keeps is delivered by design, and leaves the placeholders
     # alone (zeroed at preemption). False: a stale frame that gets through is a failure of the
@@ -57,9 +64,38 @@ class DiscardPolicy(Protocol):
         """Called for each frame of an unfinished request that is stale or that the policy
         may drop fresh; `stale` is the truth, `num_tokens` the frame's length."""
 
+    def discard_count(self, req: RequestState) -> int:
+        """The request's discard count as the policy keeps it (the debugger's `discard`)."""
 
-class EpochPolicy:
+    def fresh_drop_bug(self, spec_in_flight: bool, counter_left: int) -> str | None:
+        """The upstream bug a fresh frame dropped after a preemption matches: `spec_in_flight`,
+        an entry in flight then had drafts; `counter_left`, the count it found undrained."""
+
+    def stale_bug(self, reason: str, counter_left: int) -> str | None:
+        """The upstream bug a stale frame applied after a preemption for `reason` matches."""
+
+
+class _Policy:
+    """What the policies share: no discard count of their own, no upstream bug."""
+
+    name = ""
+    mechanism = ""
+
+    def discard_count(self, req: RequestState) -> int:
+        return req.num_stale_in_flight
+
+    def fresh_drop_bug(self, spec_in_flight: bool, counter_left: int) -> str | None:
+        return None
+
+    def stale_bug(self, reason: str, counter_left: int) -> str | None:
+        if counter_left > 0:
+            return "vllm#42117-overwrite"
+        return "vllm#47900" if reason == "kv_pressure" else None
+
+
+class EpochPolicy(_Policy):
     name = "epoch"
+    mechanism = "the epoch check"
     may_drop_fresh = False
     delivers_stale = False
 
@@ -70,8 +106,9 @@ class EpochPolicy:
         return stale
 
 
-class CounterPolicy:
+class CounterPolicy(_Policy):
     name = "counter"
+    mechanism = "the discard counter (async_tokens_to_discard)"
     may_drop_fresh = True
     delivers_stale = False
 
@@ -86,9 +123,18 @@ class CounterPolicy:
             return True
         return False
 
+    def discard_count(self, req: RequestState) -> int:
+        return req.async_tokens_to_discard
 
-class FlagPolicy:
+    def fresh_drop_bug(self, spec_in_flight: bool, counter_left: int) -> str | None:
+        if spec_in_flight:
+            return "vllm#42117-spec-units"
+        return "vllm#42117-overwrite" if counter_left > 0 else None
+
+
+class FlagPolicy(_Policy):
     name = "flag"
+    mechanism = "the preemption flag (discard_latest_async_tokens)"
     may_drop_fresh = True
     delivers_stale = False
 
@@ -101,9 +147,21 @@ class FlagPolicy:
             return True
         return False
 
+    def discard_count(self, req: RequestState) -> int:
+        return int(req.discard_latest_async_tokens)
 
-class DeliverPolicy:
+    def fresh_drop_bug(self, spec_in_flight: bool, counter_left: int) -> str | None:
+        return "vllm#42043"
+
+    def stale_bug(self, reason: str, counter_left: int) -> str | None:
+        if reason == "kv_pressure":
+            return "vllm#47900"
+        return "vllm#42043-one-frame"  # one flag for a reset that left several stale frames
+
+
+class DeliverPolicy(_Policy):
     name = "deliver"
+    mechanism = "drop_stale_output"
     may_drop_fresh = False
     delivers_stale = True
 
@@ -116,6 +174,9 @@ class DeliverPolicy:
     def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
         return stale and req.drop_stale_output
 
+    def discard_count(self, req: RequestState) -> int:  # the stale frames it will drop
+        return req.num_stale_in_flight if req.drop_stale_output else 0
+
 
 class FlagResetOnlyPolicy(FlagPolicy):
     name = "flag-reset-only"
@@ -123,6 +184,11 @@ class FlagResetOnlyPolicy(FlagPolicy):
     def on_preempt(self, req: RequestState, reason: str) -> None:
         if reason == "reset_prefix_cache":  # #38624: the KV-pressure path sets nothing
             req.discard_latest_async_tokens = True
+
+    def stale_bug(self, reason: str, counter_left: int) -> str | None:
+        if reason == "kv_pressure":
+            return "vllm#38624"
+        return _Policy.stale_bug(self, reason, counter_left)
 
 
 class CounterResetOnlyPolicy(CounterPolicy):
@@ -132,9 +198,46 @@ class CounterResetOnlyPolicy(CounterPolicy):
         if reason == "reset_prefix_cache":  # #47900: the KV-pressure path sets nothing
             super().on_preempt(req, reason)
 
+    def stale_bug(self, reason: str, counter_left: int) -> str | None:
+        return "vllm#47900" if reason == "kv_pressure" else super().stale_bug(reason, counter_left)
+
+
+class VllmFlagPolicy(FlagResetOnlyPolicy):
+    """vLLM 0.20-0.21 as released: the reset's flag; KV-pressure output delivered."""
+
+    name = "vllm-flag"
+    delivers_stale = True
+
+    def on_preempt(self, req: RequestState, reason: str) -> None:
+        super().on_preempt(req, reason)
+        # The flag drops the reset's stale frame, so the request may be scheduled at once
+        # (what drop_stale_output tells the scheduler).
+        req.drop_stale_output = reason == "reset_prefix_cache"
+
+    def stale_bug(self, reason: str, counter_left: int) -> str | None:
+        # Applied only once scheduled again before it drained (a KV-pressure preemption: what
+        # #38624 describes), or a second stale frame behind the one the reset's flag dropped.
+        if reason == "kv_pressure":
+            return super().stale_bug(reason, counter_left)
+        return FlagPolicy.stale_bug(self, reason, counter_left)
+
+
+class VllmCounterPolicy(CounterResetOnlyPolicy):
+    """vLLM 0.22-0.26 as released: the reset's counter; KV-pressure output delivered."""
+
+    name = "vllm-counter"
+    delivers_stale = True
+
+    def on_preempt(self, req: RequestState, reason: str) -> None:
+        super().on_preempt(req, reason)
+        req.drop_stale_output = reason == "reset_prefix_cache"
+
 
 class CounterSpecBudgetPolicy(CounterPolicy):
     name = "counter-spec-budget"
+
+    def fresh_drop_bug(self, spec_in_flight: bool, counter_left: int) -> str | None:
+        return "vllm#41190"
 
     def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
         if req.async_tokens_to_discard > 0:
@@ -150,7 +253,8 @@ DISCARD_POLICIES: dict[str, DiscardPolicy] = {
 # Later bugs of the family, reproduced on purpose (tests/tapes/regenerate.py): selectable by
 # name like the others, but not in DISCARD_POLICIES (the CLI's choices, chaos grids).
 MUSEUM_POLICIES: dict[str, DiscardPolicy] = {
-    p.name: p for p in (FlagResetOnlyPolicy(), CounterResetOnlyPolicy(), CounterSpecBudgetPolicy())
+    p.name: p for p in (FlagResetOnlyPolicy(), CounterResetOnlyPolicy(), CounterSpecBudgetPolicy(),
+                        VllmFlagPolicy(), VllmCounterPolicy())
 }
 ALL_POLICIES: dict[str, DiscardPolicy] = {**DISCARD_POLICIES, **MUSEUM_POLICIES}
 

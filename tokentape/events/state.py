@@ -134,13 +134,9 @@ class EngineState:
 
     def discard_count(self, req: RequestState) -> int:
         """The derived discard count of a request under this tape's policy."""
-        if self.discard_policy == "epoch":
-            return req.num_stale_in_flight
-        if self.discard_policy.startswith("counter"):  # counter and its museum variants
-            return req.async_tokens_to_discard
-        if self.discard_policy == "deliver":  # the stale entries whose frames will be dropped
-            return req.num_stale_in_flight if req.drop_stale_output else 0
-        return int(req.discard_latest_async_tokens)
+        from tokentape.events.discard import get_policy  # discard.py reads RequestState
+
+        return get_policy(self.discard_policy).discard_count(req)
 
     def in_flight_entries(self, req_id: str) -> list[tuple[int, ScheduledEntry]]:
         """(step, entry) for each of the request's entries still in flight, oldest first."""

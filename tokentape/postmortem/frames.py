@@ -132,20 +132,11 @@ class FrameChecker(Checker):
 
     def _fresh_dropped(self, seq: int, e: ev.FrameProduced, req: RequestState,
                        scheduled: tuple[int, ev.Event] | None, p: Preemption | None) -> None:
-        policy = self.state.discard_policy
-        why = {"flag": "the preemption flag (discard_latest_async_tokens)",
-               "counter": "the discard counter (async_tokens_to_discard)"}.get(policy, f"policy {policy!r}")
+        policy = get_policy(self.state.discard_policy)
+        why = policy.mechanism or f"policy {policy.name!r}"
         excerpt = [cite(p), self.ctx.last_resume if p and p.resumed else None,
                    scheduled, (seq, e)]
-        bug = None
-        if policy == "flag":
-            bug = "vllm#42043"
-        elif policy == "counter-spec-budget":
-            bug = "vllm#41190"
-        elif policy == "counter" and p is not None and p.spec_in_flight:
-            bug = "vllm#42117-spec-units"
-        elif policy == "counter" and p is not None and p.counter_left > 0:
-            bug = "vllm#42117-overwrite"
+        bug = policy.fresh_drop_bug(p is not None and p.spec_in_flight, p.counter_left if p else 0)
         if p is not None and p.resumed and p.fresh_frames == 0:
             self.ctx.report(
                 "post_resume_token_dropped", "error", [req.req_id], e.step,
@@ -176,24 +167,11 @@ class FrameChecker(Checker):
             [scheduled, cite(p), (seq, e)], bug, seq)
 
 
-# Museum policies whose discard is set by a reset's preemptions only: a stale frame of a
-# KV-pressure preemption gets through (tokentape.events.discard).
-_RESET_ONLY = {"flag-reset-only": "vllm#38624", "counter-reset-only": "vllm#47900"}
-
-
 def stale_bug_class(p: Preemption | None, policy: str) -> str | None:
     """The upstream bug that a stale frame getting through after preemption `p` matches."""
     if p is None:
         return None
-    if p.event.reason == "kv_pressure" and policy in _RESET_ONLY:
-        return _RESET_ONLY[policy]
-    if p.counter_left > 0:
-        return "vllm#42117-overwrite"
-    if p.event.reason == "kv_pressure":
-        return "vllm#47900"
-    if policy == "flag":  # one flag for a reset that left several stale frames in flight
-        return "vllm#42043-one-frame"
-    return None
+    return get_policy(policy).stale_bug(p.event.reason, p.counter_left)
 
 
 _COUNTS = ("num_output_placeholders", "async_tokens_to_discard", "num_stale_in_flight",

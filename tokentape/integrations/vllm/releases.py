@@ -1,0 +1,84 @@
+"""The vLLM releases the recorder was taught, and what differs between them.
+
+vLLM's scheduler kept its shape from 0.20 to 0.33; what changed is how its AsyncScheduler
+throws away output that was in flight when a request was preempted, which is what a tape's
+reducer must re-apply (its discard policy, in the tape's header):
+
+- 0.20-0.21, before PR #42117: `Request.discard_latest_async_tokens`, a bool set by
+  `reset_prefix_cache(reset_running_requests=True)` on every request it preempts; the next
+  frame is dropped, stale or not (#42043). Policy `vllm-flag`.
+- 0.22-0.26, #42117 until #48245: `Request.async_tokens_to_discard`, set to the output
+  placeholders by the same reset and drained one frame at a time. Policy `vllm-counter`.
+- 0.27-0.33, since #48245: `_preempt_request(..., drop_stale_output)`; stale output is
+  delivered uncounted, a reset's dropped. Policy `deliver`.
+
+Preemption under KV pressure never touched the discard state before #48245; its stale frame
+was applied, which vLLM's batch queue of depth 2 always does before the request can be
+scheduled again (the policies say so). Each release is recognised by its version and its
+code must agree: a release outside the taught range, or one whose scheduler does not look
+as its range says, is refused by name rather than recorded under the wrong semantics.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A range of vLLM releases with one discard mechanism."""
+
+    first: tuple[int, int]  # (major, minor) of the first release, inclusive
+    last: tuple[int, int]  # of the last release taught, inclusive (every patch release)
+    discard_policy: str  # the reducer's policy that re-applies it
+    mechanism: str  # what the recorder looks for in vLLM's code
+
+
+RELEASES = (
+    Release((0, 20), (0, 21), "vllm-flag", "Request.discard_latest_async_tokens"),
+    Release((0, 22), (0, 26), "vllm-counter", "Request.async_tokens_to_discard"),
+    Release((0, 27), (0, 33), "deliver", "Scheduler._preempt_request(..., drop_stale_output)"),
+)
+TAUGHT = f"{RELEASES[0].first[0]}.{RELEASES[0].first[1]}.0 to {RELEASES[-1].last[0]}.{RELEASES[-1].last[1]}.x"
+
+_VERSION = re.compile(r"(\d+)\.(\d+)")
+
+
+def release_of(version: str) -> Release:
+    """The taught range holding `version` (e.g. "0.20.0", "0.32.0+cpu", "0.33.1rc1")."""
+    match = _VERSION.match(version)
+    if match is None:
+        raise UnsupportedByRecorder(f"vLLM {version!r}: the recorder cannot read this version")
+    minor = (int(match.group(1)), int(match.group(2)))
+    for release in RELEASES:
+        if release.first <= minor <= release.last:
+            return release
+    raise UnsupportedByRecorder(f"vLLM {version} is not a release the tokentape recorder was taught "
+                                f"(it records vLLM {TAUGHT})")
+
+
+def mechanism_in(scheduler_cls: type, request_cls: type) -> str | None:
+    """The discard mechanism vLLM's code has, named as in RELEASES (None: none known)."""
+    preempt = getattr(scheduler_cls, "_preempt_request", None)
+    if preempt is not None and "drop_stale_output" in inspect.signature(preempt).parameters:
+        return RELEASES[2].mechanism
+    request_init = inspect.getsource(request_cls.__init__)
+    for release in RELEASES[:2]:
+        if f"self.{release.mechanism.split('.')[1]} =" in request_init:
+            return release.mechanism
+    return None
+
+
+def check_release(version: str, scheduler_cls: type, request_cls: type) -> Release:
+    """The release the running vLLM is; refused when its code disagrees with its version."""
+    release = release_of(version)
+    found = mechanism_in(scheduler_cls, request_cls)
+    if found != release.mechanism:
+        raise UnsupportedByRecorder(
+            f"vLLM {version}: the recorder expects {release.mechanism} in this release, but its "
+            f"scheduler has {found or 'no discard mechanism the recorder knows'}")
+    return release
+
