@@ -12,6 +12,7 @@ from tokentape.engine.model.decoder import CausalLM
 def dense_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
     """Logits [len(tokens), vocab] from a plain causal forward pass (no KV cache, SDPA)."""
     cfg = model.config
+    model.rope.extend(len(tokens))  # the engine's runner sizes it to its KV cache
     with torch.no_grad():
         ids = torch.tensor(tokens)
         pos = torch.arange(len(tokens))

@@ -10,64 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import WORDS, small_config, write_checkpoint
 from dense_reference import dense_greedy, dense_logits
 from safetensors.torch import save_file
 
 from tokentape import LLM, SamplingParams
-from tokentape.engine.model.config import CheckpointError, ModelConfig
+from tokentape.engine.model.config import CheckpointError
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import init_weights, load_checkpoint
 from tokentape.replay import verify
-
-WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
-
-
-def small_config(model_type: str, tie: bool = False) -> ModelConfig:
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-        attention_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        bos_token_id=None,
-        eos_token_id=1,
-    )
-
-
-def write_checkpoint(path: Path, config: ModelConfig, seed: int = 1) -> CausalLM:
-    model = CausalLM(config)
-    init_weights(model, seed)
-    with torch.no_grad():  # non-zero biases and norms, so that a mix-up would show
-        for name, p in model.named_parameters():
-            if name.endswith((".bias", "norm.weight")):
-                p.add_(torch.linspace(-0.3, 0.3, p.numel()).view(p.shape))
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    names = sorted(tensors)
-    shards = {
-        "model-00001-of-00002.safetensors": names[: len(names) // 2],
-        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
-    }
-    for file, keys in shards.items():
-        save_file({k: tensors[k] for k in keys}, str(path / file))
-    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    return model
 
 
 @pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("qwen3", False)])
@@ -216,7 +167,7 @@ def test_an_integer_tensor_in_a_checkpoint_is_refused_not_cast(tmp_path: Path) -
     from safetensors.torch import load_file
 
     tensors = load_file(str(shard))
-    name = sorted(tensors)[0]
+    name = min(tensors)
     tensors[name] = tensors[name].to(torch.int32)
     save_file(tensors, str(shard))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{name}' is torch.int32, not floating point"):

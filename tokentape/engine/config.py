@@ -26,7 +26,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_blocks: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # defaults to the KV capacity
+    # None: LLM sets the model's context length (as vLLM derives it from its config),
+    # capped at the KV capacity; the oracle's, and old tapes', is the KV capacity.
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     # n-gram (prompt lookup) drafter: the longest and shortest suffix it tries to match

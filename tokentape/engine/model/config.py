@@ -1,4 +1,5 @@
-"""Model configs: the built-in ones and Hugging Face `config.json` parsing.
+"""Model configs: the built-in ones, their checks, and their Hugging Face `config.json` form
+(reading a checkpoint's config.json is hf_config.py's job).
 
 Field names follow Hugging Face's so a config converts both ways (the benchmark and the
 logits cross-check build a transformers model from the same config).
@@ -6,12 +7,23 @@ logits cross-check build a transformers model from the same config).
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tokentape.engine.checkpoint_error import CheckpointError
+from tokentape.engine.model.rope import (
+    DYNAMIC_LIMIT,
+    RopeScaling,
+    context_length,
+    context_length_source,
+)
 from tokentape.engine.tokenizer import ByteTokenizer
+
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings")
 
 # model_type -> the Hugging Face architecture it loads as
 SUPPORTED_MODEL_TYPES = {
@@ -19,10 +31,6 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the file and the tensor."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +45,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
@@ -53,16 +62,48 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.head_dim % 2:  # RoPE rotates pairs of dimensions
+            raise ValueError(f"head_dim must be even, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"{name} must be a token id or null, got {value!r}")
+
+    @property
+    def derived_max_model_len(self) -> int:
+        """The model's context length, as vLLM derives it (max_position_embeddings, extended
+        by a linear or YaRN RoPE scaling; rope.context_length)."""
+        return context_length(self.max_position_embeddings, self.rope_scaling)
+
+    @property
+    def context_length_source(self) -> str:
+        """Where derived_max_model_len comes from (config.json's fields), for messages."""
+        source = context_length_source(self.max_position_embeddings, self.rope_scaling)
+        source += " in the model's config"
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "dynamic":
+            source += f"; {DYNAMIC_LIMIT}"
+        return source
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The equivalent Hugging Face config.json contents."""
+        """The equivalent Hugging Face config.json contents, as transformers 4 writes them
+        (top-level rope_theta and rope_scaling; transformers 5 reads them too)."""
         d = asdict(self)
         d.pop("qk_norm")
+        d["rope_scaling"] = self.rope_scaling.to_hf_dict() if self.rope_scaling else None
         extra = d.pop("extra_eos_token_ids")
         if extra:
             d["eos_token_id"] = [self.eos_token_id, *extra]
@@ -114,86 +155,12 @@ QWEN3_0_6B = ModelConfig(
 )
 
 BUILTIN_CONFIGS = {"tiny": TINY, "qwen3-0.6b": QWEN3_0_6B}
+__all__ = ["BUILTIN_CONFIGS", "CheckpointError", "ModelConfig", "config_from_hf"]
 
 
 def config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
-    """Parse `config.json` of a Llama, Qwen2 or Qwen3 checkpoint folder."""
-    file = os.path.join(path, "config.json")
-    try:
-        with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: missing (a checkpoint folder needs config.json)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{file}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    rope_scaling = raw.get("rope_scaling")
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
-        None,
-        "default",
-    ):
-        raise CheckpointError(f"{file}: rope_scaling {rope_scaling!r} is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(
-            f"{file}: hidden_act {raw['hidden_act']!r} is not supported (silu only)"
-        )
-    try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        eos_ids = _checkpoint_eos_token_ids(path, raw, file)
-        return ModelConfig(
-            model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos_ids[0] if eos_ids else None,
-            extra_eos_token_ids=tuple(eos_ids[1:]),
-        )
-    except KeyError as exc:
-        raise CheckpointError(f"{file}: missing required field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{file}: {exc}") from None
+    """Parse `config.json` (and generation_config.json's EOS ids) of a Llama, Qwen2 or Qwen3
+    checkpoint folder; a CheckpointError names the file and the problem."""
+    from tokentape.engine.model.hf_config import read_model_config
 
-
-def _checkpoint_eos_token_ids(
-    path: str | os.PathLike[str], raw: dict[str, Any], file: str
-) -> list[int]:
-    """The end-of-sequence ids of config.json, then those only generation_config.json adds
-    (vLLM reads both; Llama 3 lists several ids in each)."""
-    ids = _eos_ids(raw.get("eos_token_id"), file)
-    gen_file = os.path.join(path, "generation_config.json")
-    if os.path.exists(gen_file):
-        try:
-            with open(gen_file, encoding="utf-8") as f:
-                gen = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{gen_file}: not valid JSON ({exc})") from None
-        if isinstance(gen, dict):
-            ids += [i for i in _eos_ids(gen.get("eos_token_id"), gen_file) if i not in ids]
-    return ids
-
-
-def _eos_ids(value: object, file: str) -> list[int]:
-    """`eos_token_id` as config files write it: absent, one id or a list of ids."""
-    if value is None:
-        return []
-    ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
-    return list(dict.fromkeys(ids))
+    return read_model_config(path)

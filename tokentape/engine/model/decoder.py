@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokentape import kernels
-from tokentape.kernels import cpu_layers
 from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.layers import (
     MLP,
@@ -25,6 +24,7 @@ from tokentape.engine.model.layers import (
     apply_rotary,
     linear,
 )
+from tokentape.kernels import cpu_layers
 
 
 @dataclass(slots=True)
@@ -162,7 +162,11 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
         )
 
     def set_batch_invariant(self, pad_rows_to: int) -> None:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokentape.engine.model.rope import RopeScaling, inverse_frequencies
+
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -156,12 +158,21 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (NeoX layout, as HF's rotate_half), cos/sin cached per position."""
+    """Rotary position embedding (NeoX layout, as HF's rotate_half), cos/sin cached per position,
+    with a checkpoint's RoPE scaling (rope.py): its inverse frequencies, and its attention
+    factor multiplied into the cached cos and sin as transformers multiplies them."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+        max_position_embeddings: int | None = None,
+    ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        inv_freq, self.attention_factor = inverse_frequencies(
+            head_dim, theta, scaling, max_position_embeddings or max_positions
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos_cached", torch.empty(0), persistent=False)
@@ -177,7 +188,10 @@ class RotaryEmbedding(nn.Module):
             torch.arange(num_positions, dtype=torch.float32, device=inv_freq.device), inv_freq
         )
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cached, self.sin_cached = emb.cos(), emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:  # YaRN's mscale
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.cos_cached, self.sin_cached = cos, sin
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # Keep the tables in float32 when the model is cast (HF computes RoPE in float32).
