@@ -250,6 +250,10 @@ def _on_error(state: EngineState, e: ev.EngineError) -> None:
     state.error = f"{e.error_type}: {e.message}"
 
 
+def _on_recording_stopped(state: EngineState, e: ev.RecordingStopped) -> None:
+    state.recording_stopped = e.reason
+
+
 _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.RequestAdded: _on_added,
     ev.RequestAborted: _on_aborted,
@@ -263,6 +267,7 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.FrameProduced: _on_frame,
     ev.OutputsEmitted: _on_outputs,
     ev.EngineError: _on_error,
+    ev.RecordingStopped: _on_recording_stopped,
 }
 
 

@@ -217,6 +217,14 @@ class EngineError(Event, tag="EngineError"):
     message: str
 
 
+class RecordingStopped(Event, tag="RecordingStopped"):
+    """The recorder of another engine stopped here and the run went on unrecorded: something
+    changed the engine's state outside the calls the recorder follows (a test setting vLLM's
+    scheduler state by hand), so the tape could no longer describe it. The last event."""
+
+    reason: str
+
+
 AnyEvent = (
     RequestAdded
     | RequestAborted
@@ -230,6 +238,7 @@ AnyEvent = (
     | FrameProduced
     | OutputsEmitted
     | EngineError
+    | RecordingStopped
 )
 
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]

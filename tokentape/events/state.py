@@ -131,6 +131,7 @@ class EngineState:
     weights_id: str | None = None
     num_events: int = 0
     error: str | None = None
+    recording_stopped: str | None = None  # why another engine's recorder stopped (its last event)
 
     def discard_count(self, req: RequestState) -> int:
         """The derived discard count of a request under this tape's policy."""

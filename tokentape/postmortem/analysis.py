@@ -41,7 +41,14 @@ class EngineErrorChecker(Checker):
     _frame: tuple[int, ev.FrameProduced, list[str]] | None = None  # the latest frame, its aborted requests
 
     def after(self) -> dict[type, Hook]:
-        return {ev.EngineError: self._error, ev.FrameProduced: self._frame_applied}
+        return {ev.EngineError: self._error, ev.FrameProduced: self._frame_applied,
+                ev.RecordingStopped: self._stopped}
+
+    def _stopped(self, seq: int, e: ev.RecordingStopped) -> None:
+        """Not a failure of the run: the recorder lost track of it, and says where and why."""
+        self.ctx.report("recording_stopped", "warning", sorted(self.state.running)[:8], e.step,
+                        f"the recording stops at step {e.step}, the run went on unrecorded: "
+                        f"{' '.join(e.reason.split())}", [(seq, e)], None, seq, per_request=False)
 
     def _frame_applied(self, seq: int, e: ev.FrameProduced) -> None:
         requests = self.state.requests
@@ -169,8 +176,8 @@ def _check_end(ctx: Context, last: Item | None) -> None:
     """A tape read to its end that stops mid-run, without the EngineError a failing engine
     records: say where it ends and why (a killed engine or tape writer leaves exactly this)."""
     state = ctx.state
-    if state.error is not None or last is None:
-        return  # an engine_error finding says why it ended
+    if state.error is not None or state.recording_stopped is not None or last is None:
+        return  # an engine_error or recording_stopped finding says why it ended
     unfinished = [r.req_id for r in state.unfinished]
     in_flight = [s.step for s in state.in_flight_steps]
     if not unfinished and not in_flight and not state.pending_output:

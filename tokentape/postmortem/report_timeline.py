@@ -19,7 +19,7 @@ MAX_EVENTS = 6000  # events drawn; a longer tape is windowed around the first fi
 _PHASE_COLOURS = {"waiting": "#c8c8c8", "prefill": "#6fa8dc", "decode": "#76b86a",
                   "preempted": "#f0a040", "paused": "#a98bd0"}
 _ENGINE_MARKERS = {"reset": "#d03030", "pause": "#7050b0", "resume": "#2f8f4f",
-                   "weights": "#505050", "error": "#000000"}
+                   "weights": "#505050", "error": "#000000", "stopped": "#909090"}
 
 e = html.escape
 

@@ -52,6 +52,7 @@ class VerifyResult:
     num_events: int  # recorded events reproduced (or, for another engine's tape, checked)
     first_divergence: Divergence | None = None
     ended_with_error: str | None = None  # the recorded run stopped on an EngineError
+    recording_stopped: str | None = None  # another engine's recorder stopped (RecordingStopped)
     # For a tape another engine recorded (header source, e.g. vllm): what verify checked,
     # since it cannot re-run that engine's scheduler. None for tokentape's own tapes.
     statement: str | None = None
@@ -112,14 +113,16 @@ class RecordedStream:
                                    actual_label=actual_label))
 
     def ended_with_error(self, statement: str | None = None) -> VerifyResult:
-        """The recorded run stopped on an EngineError (next on the stream): a failed engine
-        records nothing more, so it must be the last event."""
-        _, error = self.take()
-        assert isinstance(error, ev.EngineError)
+        """The recorded run stopped on an EngineError or RecordingStopped (next on the
+        stream): nothing is recorded after either, so it must be the last event."""
+        _, last = self.take()
+        assert isinstance(last, (ev.EngineError, ev.RecordingStopped))
         if self.peek() is not None:
-            d = self.diverged("an event follows the EngineError that ended the recorded run", None)
+            d = self.diverged(f"an event follows the {ev.kind_of(last)} that ended the recording", None)
             return VerifyResult(False, self.consumed, d.divergence, statement=statement)
-        return VerifyResult(True, self.consumed, None, f"{error.error_type}: {error.message}", statement)
+        if isinstance(last, ev.RecordingStopped):
+            return VerifyResult(True, self.consumed, None, statement=statement, recording_stopped=last.reason)
+        return VerifyResult(True, self.consumed, None, f"{last.error_type}: {last.message}", statement)
 
 
 def header_divergence(tape: Tape) -> Divergence | None:

@@ -90,6 +90,8 @@ def describe_event(event: ev.Event) -> str:
             )
         case ev.EngineError(error_type=t, message=m):
             body = f"{t}: {m}"
+        case ev.RecordingStopped(reason=reason):
+            body = reason
         case _:
             body = ""
     return f"{kind}(step={event.step}) {body}".rstrip()

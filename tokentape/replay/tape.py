@@ -19,6 +19,12 @@ PROGRESS_EVERY = 1 << 16  # events folded between progress callbacks
 MAX_KV_BLOCKS = 1 << 22  # 4M blocks (64M tokens of 16): a header claiming more is damaged
 
 
+def state_before_events(header: ev.TapeHeader, config: EngineConfig) -> EngineState:
+    """The state a tape with this header starts its fold from."""
+    return initial_state(header.discard_policy, config.effective_pipeline_depth > 1,
+                         header.eos_token_id, config.effective_max_model_len, config.faults)
+
+
 class Tape:
     """A read-only view of a tape: its header, its events in order, and folds over them."""
 
@@ -47,13 +53,7 @@ class Tape:
         return self.reader.iter_events(start)
 
     def initial_state(self) -> EngineState:
-        return initial_state(
-            self.header.discard_policy,
-            self.config.effective_pipeline_depth > 1,
-            self.header.eos_token_id,
-            self.config.effective_max_model_len,
-            self.config.faults,
-        )
+        return state_before_events(self.header, self.config)
 
     def fold(self, until_seq: int | None = None,
              progress: Callable[[int], None] | None = None) -> EngineState:

@@ -23,7 +23,8 @@ A finished request has no span after its finish; a span still open at the end of
 ends at `Timeline.num_events` with `open=True`.
 
 Markers (`Marker.kind`): `reset` (PrefixCacheReset, engine-wide), `pause`, `resume`,
-`weights` (WeightsUpdated), `error` (EngineError), all engine-wide (`req_id` None); and per
+`weights` (WeightsUpdated), `error` (EngineError), `stopped` (RecordingStopped: another engine's
+recorder stopped there), all engine-wide (`req_id` None); and per
 request: `preempt` (detail: the reason), `discarded` (a frame thrown away by the discard
 policy; detail `stale`, or `fresh` when a valid frame was lost: the #42043 signature),
 `finish` (detail: stop, length or abort).
@@ -42,10 +43,11 @@ from tokentape.events.state import EngineState, RequestState, RequestStatus
 from tokentape.events.store import MemoryTape
 
 Phase = Literal["waiting", "prefill", "decode", "preempted", "paused"]
-MarkerKind = Literal["reset", "pause", "resume", "weights", "error", "preempt", "discarded", "finish"]
+MarkerKind = Literal["reset", "pause", "resume", "weights", "error", "stopped", "preempt", "discarded",
+                     "finish"]
 
 PHASES: tuple[Phase, ...] = ("waiting", "prefill", "decode", "preempted", "paused")
-ENGINE_MARKERS: frozenset[str] = frozenset({"reset", "pause", "resume", "weights", "error"})
+ENGINE_MARKERS: frozenset[str] = frozenset({"reset", "pause", "resume", "weights", "error", "stopped"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +182,8 @@ class _Builder:
                 self.markers.append(Marker("weights", seq, step, None, w))
             case ev.EngineError(error_type=t, message=m):
                 self.markers.append(Marker("error", seq, step, None, f"{t}: {m}"))
+            case ev.RecordingStopped(reason=reason):
+                self.markers.append(Marker("stopped", seq, step, None, reason))
             case ev.RequestPreempted(req_id=r, reason=reason):
                 self.markers.append(Marker("preempt", seq, step, r, reason))
             case ev.RequestFinished(req_id=r, reason=reason):

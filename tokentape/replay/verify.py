@@ -167,7 +167,7 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape,
         while (nxt := stream.peek()) is not None:
             event = nxt[1]
             kind = ev.kind_of(event)
-            if isinstance(event, ev.EngineError):
+            if isinstance(event, (ev.EngineError, ev.RecordingStopped)):
                 return stream.ended_with_error()
             before = stream.consumed
             try:

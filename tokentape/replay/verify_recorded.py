@@ -19,7 +19,8 @@ vLLM since #48245), and every fact the fold derives is checked against what was 
 - frame tokens lie in the vocabulary, and the reducer accepts every event.
 
 The first fact that fails is reported as a Divergence whose `actual` is the derived event
-where there is one (`actual_label` "derived").
+where there is one (`actual_label` "derived"). `ConsistencyChecker` makes the same checks one
+event at a time: the vLLM recorder runs it live where vLLM's state can change behind its back.
 """
 
 from __future__ import annotations
@@ -52,33 +53,53 @@ def verify_recorded(tape: Tape, progress: Callable[[int], None] | None = None) -
     if bad_header is not None:
         return VerifyResult(False, 0, bad_header, statement=statement)
     stream = RecordedStream(tape.events(), progress)
-    checker = _Checker(tape, stream)
+    checker = ConsistencyChecker(tape.initial_state(), tape.config.max_num_batched_tokens,
+                                 tape.config.max_num_seqs, tape.header.vocab_size)
     try:
         while (nxt := stream.peek()) is not None:
-            seq, event = nxt
-            if isinstance(event, ev.EngineError):
+            event = nxt[1]
+            if isinstance(event, (ev.EngineError, ev.RecordingStopped)):
                 return stream.ended_with_error(statement)
-            checker.check(seq, event)
-            stream.take()
-        checker.end_of_reset()
+            try:
+                checker.check(event)
+                stream.take()
+            except Inconsistent as exc:
+                raise stream.diverged(exc.message, exc.derived, DERIVED) from None
+        try:
+            checker.end_of_reset()
+        except Inconsistent as exc:
+            raise stream.diverged(exc.message, exc.derived, DERIVED) from None
     except Diverged as d:
         return VerifyResult(False, stream.consumed, d.divergence, statement=statement)
     return VerifyResult(True, stream.consumed, statement=statement)
 
 
-class _Checker:
-    def __init__(self, tape: Tape, stream: RecordedStream) -> None:
-        self.stream = stream
-        self.state: EngineState = tape.initial_state()
-        self.max_tokens = tape.config.max_num_batched_tokens
-        self.max_seqs = tape.config.max_num_seqs
-        self.vocab_size = tape.header.vocab_size
+class Inconsistent(Exception):
+    """A recorded event that the fold of the events before it contradicts."""
+
+    def __init__(self, message: str, derived: ev.Event | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.derived = derived  # what the fold derives instead, where there is one event
+
+
+class ConsistencyChecker:
+    """Folds recorded events one at a time, each checked against the fold of those before it.
+    `check` raises Inconsistent for one that contradicts it; the fold may then hold part of
+    that event, so checking stops there."""
+
+    def __init__(self, state: EngineState, max_num_batched_tokens: int, max_num_seqs: int,
+                 vocab_size: int) -> None:
+        self.state = state
+        self.max_tokens = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.vocab_size = vocab_size
         self.resetting = False  # inside a reset that preempts every running request
 
-    def fail(self, message: str, derived: ev.Event | None = None) -> Diverged:
-        return self.stream.diverged(message, derived, DERIVED)
+    def fail(self, message: str, derived: ev.Event | None = None) -> Inconsistent:
+        return Inconsistent(message, derived)
 
-    def check(self, seq: int, e: ev.Event) -> None:
+    def check(self, e: ev.Event) -> None:
         if self.resetting and not (isinstance(e, ev.RequestPreempted) and e.reason == "reset_prefix_cache"):
             self.end_of_reset()
         before = _BEFORE.get(type(e))
@@ -95,6 +116,8 @@ class _Checker:
             self.resetting = True
 
     def end_of_reset(self) -> None:
+        if not self.resetting:
+            return
         self.resetting = False
         if self.state.running:
             raise self.fail(f"a prefix-cache reset with reset_running_requests left "
@@ -209,13 +232,13 @@ def _describe(out: ev.EmittedOutput | None) -> str:
     return f"tokens {out.token_ids}" + (f", finished ({out.finish_reason})" if out.finished else ", not finished")
 
 
-_BEFORE: dict[type, Callable[[_Checker, Any], None]] = {
-    ev.StepScheduled: _Checker.scheduled,
-    ev.RequestPreempted: _Checker.preempted,
-    ev.PrefixCacheReset: _Checker.reset,
-    ev.RequestFinished: _Checker.finished,
-    ev.RequestAborted: _Checker.aborted,
-    ev.GenerationResumed: _Checker.resumed,
-    ev.FrameProduced: _Checker.frame,
-    ev.OutputsEmitted: _Checker.outputs,
+_BEFORE: dict[type, Callable[[ConsistencyChecker, Any], None]] = {
+    ev.StepScheduled: ConsistencyChecker.scheduled,
+    ev.RequestPreempted: ConsistencyChecker.preempted,
+    ev.PrefixCacheReset: ConsistencyChecker.reset,
+    ev.RequestFinished: ConsistencyChecker.finished,
+    ev.RequestAborted: ConsistencyChecker.aborted,
+    ev.GenerationResumed: ConsistencyChecker.resumed,
+    ev.FrameProduced: ConsistencyChecker.frame,
+    ev.OutputsEmitted: ConsistencyChecker.outputs,
 }

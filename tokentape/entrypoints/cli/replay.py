@@ -78,6 +78,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         line = f"ok: {result.num_events} events {done}"
         if result.ended_with_error:
             line += f" (the recorded run stopped on an engine error: {result.ended_with_error})"
+        if result.recording_stopped:
+            line += f" (the recording stopped there, the run went on: {result.recording_stopped})"
         print(safe_text(line))
         if result.statement is not None:
             print(safe_text(result.statement))
