@@ -20,6 +20,7 @@ import tempfile
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from typing import NoReturn
 
 import msgspec
@@ -34,6 +35,7 @@ from tokentape.events.store import TapeError
 __all__ = [
     "SQLiteTape", "SQLiteTapeReader", "TapeFileStatus", "TapeWarning", "TapeWriterError",
     "copy_tape", "make_self_contained", "remove_tape_files", "repair_tape", "tape_file_status",
+    "write_tape",
 ]
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -232,6 +234,29 @@ def _stop_writer(writer: subprocess.Popen[bytes]) -> tuple[int, str]:
     """Close the writer's input (it commits everything sent, then exits) and wait for it."""
     _, err = writer.communicate()
     return writer.returncode, err.decode(errors="replace").strip()
+
+
+def write_tape(path: str | os.PathLike[str], header: ev.TapeHeader, events: Iterable[ev.Event]) -> int:
+    """Write a whole tape at once, in this process, as one finished file: for a tape recorded
+    in memory and kept afterwards (no writer process to start). Refuses an existing `path`.
+    Returns the number of events written."""
+    path = os.fspath(path)
+    if os.path.lexists(path):
+        raise TapeError(path, "a tape already exists here")
+    _create_tape_file(path, header)
+    rows = [(seq, e.step, ev.kind_of(e), ev.encode(e)) for seq, e in enumerate(events)]
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            conn.execute("BEGIN")
+            conn.executemany(sqlite_writer.INSERT_EVENT, rows)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+    except BaseException:
+        remove_tape_files(path)
+        raise
+    return len(rows)
 
 
 def remove_tape_files(path: str | os.PathLike[str]) -> None:

@@ -1,6 +1,8 @@
-"""pytest plugin (entry point `pytest11`): `--tokentape-dir DIR` keeps, for every failing
-test, the tape of every `LLM` the test created, with the postmortem's HTML report beside it,
-and adds both paths to the test's JUnit XML properties (`record_property`), so CI shows them.
+"""The postmortem's pytest keepers: `--tokentape-dir DIR` keeps, for every failing test, the
+tape of every `LLM` the test created, with the postmortem's HTML report beside it, and adds
+both paths to the test's JUnit XML properties (`record_property`), so CI shows them. The
+options are added by the plugin, tokentape/pytest_plugin.py; the helpers below serve the vLLM
+recorder's keeper too (tokentape/integrations/vllm/pytest_recorder.py).
 
 Engines with an in-memory tape (the default, `tape=None`) are written out as SQLite tapes;
 a file tape is copied; `tape=False` records nothing and keeps nothing. Tapes of passing tests
@@ -17,26 +19,27 @@ import pytest
 
 if TYPE_CHECKING:
     from tokentape.engine.llm import LLM
+    from tokentape.postmortem.findings import Report
 
-# tokentape itself is imported only when the option is on: the plugin loads in every pytest
+# tokentape itself is imported only when an option is on: the plugin loads in every pytest
 # run of an environment where tokentape is installed.
 
-_FAILED = pytest.StashKey[bool]()
+FAILED = pytest.StashKey[bool]()
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("tokentape")
-    group.addoption(
-        "--tokentape-dir", metavar="DIR", default=None,
-        help="record a tape for every tokentape engine a test creates; keep the tapes of failing "
-        "tests in DIR, each with its postmortem report (.html) beside it",
-    )
+def test_failed(item: pytest.Item, call: pytest.CallInfo[None]) -> bool:
+    """Whether the test failed in any phase so far (called as its teardown report is made)."""
+    return item.stash.get(FAILED, False) or call.excinfo is not None
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    directory = config.getoption("tokentape_dir", None)
-    if directory:
-        config.pluginmanager.register(TapeKeeper(Path(directory)), "tokentape-tape-keeper")
+def note_failure(item: pytest.Item, outcome: object) -> None:
+    if outcome.get_result().failed:  # type: ignore[attr-defined]
+        item.stash[FAILED] = True
+
+
+def tape_name(nodeid: str) -> str:
+    """A file name for a test's tapes: its id, with what a path cannot hold replaced."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[-120:]
 
 
 class TapeKeeper:
@@ -60,17 +63,15 @@ class TapeKeeper:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-        if call.when == "teardown" and self.engines and (item.stash.get(_FAILED, False) or call.excinfo):
+        if call.when == "teardown" and self.engines and test_failed(item, call):
             # Before the teardown report is made: it carries the test's properties to JUnit XML.
             for name, value in self._keep(item):
                 item.user_properties.append((name, value))
-        outcome = yield
-        if outcome.get_result().failed:
-            item.stash[_FAILED] = True
+        note_failure(item, (yield))
 
     def _keep(self, item: pytest.Item) -> list[tuple[str, str]]:
         self.directory.mkdir(parents=True, exist_ok=True)
-        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid).strip("_")[-120:]
+        base = tape_name(item.nodeid)
         properties = []
         engines = [llm for llm in self.engines if _has_tape(llm)]
         for i, llm in enumerate(engines):
@@ -84,7 +85,7 @@ class TapeKeeper:
             properties.append(("tokentape_tape", str(tape)))
             report = tape.with_suffix(".html")
             try:
-                _write_postmortem(tape, report)
+                write_postmortem(tape, html=report)
             except Exception as exc:
                 properties.append(("tokentape_error", f"{name}: no postmortem report: {exc}"))
                 self.kept.append((item.nodeid, tape, None))
@@ -110,29 +111,30 @@ def _has_tape(llm: LLM) -> bool:
 
 
 def _save_tape(llm: LLM, dest: Path) -> None:
-    from tokentape.events.sqlite_store import SQLiteTape, copy_tape, make_self_contained, remove_tape_files
+    from tokentape.events.sqlite_store import SQLiteTape, copy_tape, remove_tape_files, write_tape
     from tokentape.events.store import MemoryTape
 
     writer = llm.engine.tape
     remove_tape_files(dest)  # a tape kept by an earlier run of the same test
     if isinstance(writer, MemoryTape):
-        out = SQLiteTape(dest, writer.header)
-        try:
-            for _, event in writer.iter_events():
-                out.append(event)
-        finally:
-            out.close()
-        make_self_contained(dest)
+        write_tape(dest, writer.header, (event for _, event in writer.iter_events()))
         return
     assert isinstance(writer, SQLiteTape) and writer.path is not None
     writer.flush()  # everything the engine recorded is in the file (or its WAL); a no-op once closed
     copy_tape(writer.path, dest)  # one consistent file, even of a tape still open for writing
 
 
-def _write_postmortem(tape: Path, report_path: Path) -> None:
+def write_postmortem(tape: Path, html: Path, text: Path | None = None) -> Report:
+    """The postmortem of a kept tape, as an HTML report (and a text one); the report."""
     from tokentape.postmortem.analysis import postmortem
+    from tokentape.postmortem.cli import print_report
     from tokentape.postmortem.report_html import write_report
     from tokentape.replay.tape import load_tape
 
     loaded = load_tape(tape)
-    write_report(postmortem(loaded), loaded, report_path)
+    report = postmortem(loaded)
+    write_report(report, loaded, html)
+    if text is not None:
+        with open(text, "w", encoding="utf-8") as out:
+            print_report(report, out)
+    return report

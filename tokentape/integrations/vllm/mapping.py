@@ -47,9 +47,11 @@ def finish_reason(reason: Any) -> ev.FinishReason | None:
 
 
 def engine_config(vllm_config: Any, block_size: int, num_blocks: int, max_num_scheduled_tokens: int,
-                  discard_policy: str) -> EngineConfig:
+                  discard_policy: str, asynchronous: bool) -> EngineConfig:
     """The EngineConfig a vLLM run corresponds to: what the reducer and the checkers read;
-    `discard_policy` re-applies the release's discard mechanism (releases.py)."""
+    `discard_policy` re-applies the release's discard mechanism (releases.py), `asynchronous`
+    says whether the scheduler is an AsyncScheduler (vLLM's CPU platform turns the config's
+    async_scheduling off, but a caller may still build one)."""
     model, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
     parallel, spec = vllm_config.parallel_config, vllm_config.speculative_config
     for name, size in (("pipeline_parallel_size", parallel.pipeline_parallel_size),
@@ -66,8 +68,8 @@ def engine_config(vllm_config: Any, block_size: int, num_blocks: int, max_num_sc
     try:
         return EngineConfig(
             model=str(model.model),
-            async_scheduling=bool(sched.async_scheduling),
-            pipeline_depth=2 if sched.async_scheduling else 1,  # vLLM's batch queue without PP
+            async_scheduling=asynchronous,
+            pipeline_depth=2 if asynchronous else 1,  # vLLM's batch queue without PP
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             discard_policy=discard_policy,
             block_size=block_size,

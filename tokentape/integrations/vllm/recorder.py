@@ -17,13 +17,21 @@ methods; it reads vLLM's objects by attribute and never changes them.
 
 Requests go on the tape under the id their client gave (vLLM's engine core sees it with a
 random suffix; see mapping.client_request_id), so that a vLLM tape and a tokentape tape of the
-same workload diff request by request; a client id used twice keeps vLLM's own id.
+same workload diff request by request; a client id used twice keeps vLLM's own id, and an id
+vLLM itself sees again (after its first request finished) gets `~2`, `~3`, ... on the tape.
 
 Each call ends with a commit, so a killed engine leaves a tape complete to its last call.
+
+With a `checker` (tokentape.replay.verify_recorded.ConsistencyChecker), every event is checked
+against the fold of those before it as it is recorded: where vLLM's state was changed outside
+the calls the recorder follows (a test setting a request's position by hand), `_append` raises
+RecordingLost instead of writing an event the tape cannot explain, and `stop` ends the tape with
+a RecordingStopped that says why.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,10 +40,15 @@ from typing import Any
 from tokentape.events import schema as ev
 from tokentape.events.store import TapeWriter
 from tokentape.integrations.vllm.mapping import client_request_id
+from tokentape.replay.verify_recorded import ConsistencyChecker, Inconsistent
 
 
 class RecorderError(RuntimeError):
     """vLLM called the scheduler in an order the recorder cannot follow."""
+
+
+class RecordingLost(RecorderError):
+    """The next event would contradict the tape: vLLM's state changed behind the recorder."""
 
 
 @dataclass(slots=True)
@@ -48,8 +61,10 @@ class _Flight:
 
 
 class TapeRecorder:
-    def __init__(self, tape: TapeWriter, vocab_size: int, randomized_ids: bool = True) -> None:
+    def __init__(self, tape: TapeWriter, vocab_size: int, randomized_ids: bool = True,
+                 checker: ConsistencyChecker | None = None) -> None:
         self.tape = tape
+        self.checker = checker
         self.vocab_size = vocab_size
         self.randomized_ids = randomized_ids
         self.ids: dict[str, str] = {}  # vLLM's request id -> the id on the tape
@@ -61,7 +76,20 @@ class TapeRecorder:
         self.paused: ev.PauseMode | None = None
         self._reset_preemptions: list[ev.Event] | None = None  # held while a reset runs
 
+    def _tape_id(self, internal: str) -> str:
+        try:
+            return self.ids[internal]
+        except KeyError:
+            raise RecordingLost(f"vLLM's scheduler has request {internal!r}, which was never added "
+                                "through add_request") from None
+
     def _append(self, event: ev.Event) -> None:
+        if self.checker is not None:
+            try:
+                self.checker.check(event)
+            except Inconsistent as exc:
+                raise RecordingLost(f"vLLM's scheduler state changed outside the calls the recorder "
+                                    f"follows: {exc.message}") from None
         self.tape.append(event)
 
     # -- commands --------------------------------------------------------------------------------
@@ -71,6 +99,8 @@ class TapeRecorder:
         rid = client_request_id(internal, self.randomized_ids)
         if rid != internal and rid in self.tape_ids:
             rid = internal  # the client reused its id: keep vLLM's, which is unique
+        if rid in self.tape_ids:  # vLLM's own id again, after its request finished
+            rid = next(f"{rid}~{n}" for n in itertools.count(2) if f"{rid}~{n}" not in self.tape_ids)
         self.ids[internal] = rid
         self.tape_ids.add(rid)
         self._append(ev.RequestAdded(self.step, rid, list(request.prompt_token_ids), params))
@@ -122,7 +152,7 @@ class TapeRecorder:
     def preempted(self, request: Any) -> None:
         """Called as vLLM preempts a request (inside schedule() or reset_prefix_cache())."""
         internal = request.request_id
-        rid = self.ids[internal]
+        rid = self._tape_id(internal)
         in_flight = sum(1 for f in self.in_flight if f.step is not None and internal in f.output.num_scheduled_tokens)
         if self._reset_preemptions is not None:
             self._reset_preemptions.append(ev.RequestPreempted(self.step, rid, "reset_prefix_cache", in_flight))
@@ -139,13 +169,12 @@ class TapeRecorder:
         cached = output.scheduled_cached_reqs
         blocks.update(zip(cached.req_ids, cached.new_block_ids))
         spec: dict[str, list[int]] = output.scheduled_spec_decode_tokens
-        ids = self.ids
         entries, sampling = [], []
         for internal, n in counts.items():
             req = requests[internal]
             groups = blocks.get(internal)
             drafts = spec.get(internal, ())
-            entries.append(ev.ScheduledEntry(ids[internal], req.num_preemptions, req.num_computed_tokens - n,
+            entries.append(ev.ScheduledEntry(self._tape_id(internal), req.num_preemptions, req.num_computed_tokens - n,
                                              n, len(drafts), list(groups[0]) if groups else []))
             if not req.is_prefill_chunk:
                 # Under async scheduling the drafts are -1 placeholders, filled in on the device.
@@ -166,7 +195,7 @@ class TapeRecorder:
         logprobs = runner_output.logprobs
         entries = []
         for internal, drafts in flight.sampling:
-            rid = self.ids[internal]
+            rid = self._tape_id(internal)
             i = index.get(internal)
             tokens = [int(t) for t in sampled[i]] if i is not None and sampled else []
             lps = None
@@ -193,7 +222,12 @@ class TapeRecorder:
 
     def error(self, exc: BaseException) -> None:
         """vLLM's scheduler raised: the run ends here, as tokentape's engine records it."""
-        self._append(ev.EngineError(self.step, type(exc).__name__, str(exc)))
+        self.tape.append(ev.EngineError(self.step, type(exc).__name__, str(exc)))
+        self.tape.flush()
+
+    def stop(self, reason: str) -> None:
+        """The recorder lost track of the run: the tape ends here and says why."""
+        self.tape.append(ev.RecordingStopped(self.step, reason))
         self.tape.flush()
 
     def close(self) -> None:

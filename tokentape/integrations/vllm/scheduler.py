@@ -5,21 +5,29 @@ vLLM builds its scheduler in the engine core process from a class path, and pick
 AsyncScheduler only when `scheduler_cls` is None. So `RecordingScheduler` is one class path
 for both: built with a config that schedules asynchronously it is an AsyncRecordingScheduler
 (a subclass of vLLM's AsyncScheduler), otherwise a SyncRecordingScheduler (of Scheduler).
-Both are RecordingSchedulers, and each can also be named directly.
+Both are RecordingSchedulers, and each can also be named directly; `recording_class` makes
+the recording subclass of any other scheduler class (what a recording session builds).
 
-The tape goes to the path in $TOKENTAPE_TAPE (the engine core runs in its own process), which
-must not exist yet. A configuration the recorder cannot describe (pipeline or data
-parallelism, KV connectors, several KV cache groups) is refused when the engine starts, and a
-request it cannot record (pooling, prompt embeddings, streaming input) when it is added:
-before anything is recorded. A tape that cannot be written stops the engine, as tokentape's
-own: a run is never served unrecorded.
+Two ways to record:
+- an engine (the default): the tape goes to the path in $TOKENTAPE_TAPE (the engine core runs
+  in its own process), which must not exist yet. A configuration the recorder cannot describe
+  (pipeline or data parallelism, KV connectors, several KV cache groups) is refused when the
+  engine starts, and a request it cannot record (pooling, prompt embeddings, streaming input)
+  when it is added: before anything is recorded. A tape that cannot be written stops the
+  engine, as tokentape's own: a run is never served unrecorded.
+- inside a recording session (session.py: vLLM's own tests under the pytest plugin): the tape
+  is kept in memory for the session, each event is checked against the fold of the tape so
+  far, and nothing the recorder does ever fails vLLM's code. A scheduler it cannot describe
+  is not recorded; where the run leaves what the tape can describe (a test setting vLLM's
+  state by hand), the tape ends with a RecordingStopped that says why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
+from functools import cache
 from typing import Any
 
 import vllm
@@ -30,10 +38,13 @@ from vllm.v1.request import Request
 
 from tokentape.engine.llm import check_tape_path
 from tokentape.events.sqlite_store import SQLiteTape
-from tokentape.integrations.vllm import mapping
+from tokentape.events.store import MemoryTape
+from tokentape.integrations.vllm import mapping, session
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
-from tokentape.integrations.vllm.recorder import TapeRecorder
+from tokentape.integrations.vllm.recorder import RecorderError, TapeRecorder
 from tokentape.integrations.vllm.releases import check_release
+from tokentape.replay.tape import state_before_events
+from tokentape.replay.verify_recorded import ConsistencyChecker
 
 TAPE_ENV = "TOKENTAPE_TAPE"
 
@@ -45,72 +56,134 @@ class RecordingScheduler(Scheduler):
         if cls is RecordingScheduler:  # the one class path: dispatch on the scheduling mode
             config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
             cls = AsyncRecordingScheduler if config.scheduler_config.async_scheduling else SyncRecordingScheduler
-        return super().__new__(cls)
+        return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        release = check_release(vllm.__version__, Scheduler, Request)
-        path = os.environ.get(TAPE_ENV)
-        if not path:
-            raise UnsupportedByRecorder(f"set ${TAPE_ENV} to the path of the tape to write (a new file)")
-        check_tape_path(path)  # before vLLM builds anything more
+        self._recorder: TapeRecorder | None = None
+        self._in_update = False
+        active = session.current()
+        self._tolerant = active is not None
+        if active is None:
+            release = check_release(vllm.__version__, Scheduler, Request)
+            path = os.environ.get(TAPE_ENV)
+            if not path:
+                raise UnsupportedByRecorder(f"set ${TAPE_ENV} to the path of the tape to write (a new file)")
+            check_tape_path(path)  # before vLLM builds anything more
+            super().__init__(*args, **kwargs)
+            self._recorder = self._new_recorder(release.discard_policy, lambda h: SQLiteTape(path, h))
+            return
         super().__init__(*args, **kwargs)
-        if self.connector is not None or self.ec_connector is not None:
+        try:
+            release = check_release(vllm.__version__, Scheduler, Request)
+            self._recorder = self._new_recorder(release.discard_policy, MemoryTape, checked=True)
+        except UnsupportedByRecorder as exc:
+            vllm_class = next(c for c in type(self).__mro__ if not issubclass(c, RecordingScheduler))
+            active.not_recorded(vllm_class.__name__, str(exc))
+            return
+        active.recording(self, self._recorder)
+
+    def _new_recorder(self, discard_policy: str, open_tape: Callable[[Any], Any],
+                      checked: bool = False) -> TapeRecorder:
+        if self.connector is not None or getattr(self, "ec_connector", None) is not None:
             raise UnsupportedByRecorder("the tokentape recorder does not record runs with KV or EC connectors")
         groups = self.kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise UnsupportedByRecorder(f"the tokentape recorder records models with one KV cache group, "
                                         f"not {len(groups)}")
         config = mapping.engine_config(self.vllm_config, self.block_size, self.kv_cache_config.num_blocks,
-                                       self.max_num_scheduled_tokens, release.discard_policy)
+                                       self.max_num_scheduled_tokens, discard_policy,
+                                       isinstance(self, AsyncScheduler))
         header = mapping.make_header(config, self.vllm_config, vllm.__version__)
+        checker = None
+        if checked:
+            checker = ConsistencyChecker(state_before_events(header, config), config.max_num_batched_tokens,
+                                         config.max_num_seqs, header.vocab_size)
         randomized = not vllm.envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
-        self._recorder = TapeRecorder(SQLiteTape(path, header), header.vocab_size, randomized)
-        self._in_update = False
+        return TapeRecorder(open_tape(header), header.vocab_size, randomized, checker)
 
-    @contextlib.contextmanager
-    def _failures_recorded(self) -> Iterator[None]:
+    def detach_recorder(self) -> None:
+        """Record nothing more (the session closed this scheduler's tape)."""
+        self._recorder = None
+
+    # -- how a call is recorded ------------------------------------------------------------------
+
+    def _record(self, what: Callable[[TapeRecorder], None]) -> None:
+        """Record with the recorder, if any. Its failure stops an engine (a run is never served
+        unrecorded); in a session it ends the tape with why, and vLLM goes on."""
+        recorder = self._recorder
+        if recorder is None:
+            return
         try:
-            yield
-        except UnsupportedByRecorder:
-            raise  # refused before anything was recorded
-        except BaseException as exc:
+            what(recorder)
+        except UnsupportedByRecorder as exc:
+            if not self._tolerant:
+                raise  # refused before anything was recorded
+            self._stop(str(exc))
+        except Exception as exc:
+            if not self._tolerant:
+                with contextlib.suppress(Exception):
+                    recorder.error(exc)
+                raise
+            self._stop(str(exc) if isinstance(exc, RecorderError)
+                       else f"the recorder could not follow vLLM: {type(exc).__name__}: {exc}")
+
+    def _stop(self, reason: str) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
             with contextlib.suppress(Exception):
-                self._recorder.error(exc)
+                recorder.stop(reason)
+
+    def _vllm(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """vLLM's own method; if it raises, the run ends there on the tape (EngineError)."""
+        try:
+            return call(*args, **kwargs)
+        except BaseException as exc:
+            self._failed(exc)
             raise
+
+    def _failed(self, exc: BaseException) -> None:
+        recorder = self._recorder
+        if recorder is not None:
+            with contextlib.suppress(Exception):
+                recorder.error(exc)
+            if self._tolerant:
+                self._recorder = None  # nothing follows an EngineError on a tape
 
     # -- commands --------------------------------------------------------------------------------
 
     def add_request(self, request: Any) -> None:
-        if request.request_id in self.requests:
-            raise UnsupportedByRecorder(f"request id {request.request_id!r} is already in use "
-                                        "(streaming-input sessions cannot be recorded)")
-        params = mapping.sampling_params(request, self._recorder.vocab_size)
-        with self._failures_recorded():
-            super().add_request(request)
-            self._recorder.added(request, params)
+        params: list[Any] = []
+
+        def check(recorder: TapeRecorder) -> None:
+            if request.request_id in self.requests:
+                raise UnsupportedByRecorder(f"request id {request.request_id!r} is already in use "
+                                            "(streaming-input sessions cannot be recorded)")
+            params.append(mapping.sampling_params(request, recorder.vocab_size))
+
+        self._record(check)
+        self._vllm(super().add_request, request)
+        if params:
+            self._record(lambda r: r.added(request, params[0]))
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: Any) -> list[Any]:
-        with self._failures_recorded():
-            finished = super().finish_requests(request_ids, finished_status)
-            self._recorder.finished_by_call(finished, mapping.status_reason(finished_status),
-                                            deliver=not self._in_update)
+        finished = self._vllm(super().finish_requests, request_ids, finished_status)
+        self._record(lambda r: r.finished_by_call(finished, mapping.status_reason(finished_status),
+                                                  deliver=not self._in_update))
         return finished
 
     def set_pause_state(self, pause_state: Any) -> None:
-        super().set_pause_state(pause_state)
-        with self._failures_recorded():
-            self._recorder.pause_state(pause_state.name)
+        self._vllm(super().set_pause_state, pause_state)
+        self._record(lambda r: r.pause_state(pause_state.name))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        recorder = self._recorder
-        recorder.begin_reset()
+        self._record(lambda r: r.begin_reset())
         try:
             ok = super().reset_prefix_cache(reset_running_requests, reset_connector)
-        except BaseException:
-            recorder.end_reset(reset_running_requests, False)
+        except BaseException as exc:
+            self._record(lambda r: r.end_reset(reset_running_requests, False))
+            self._failed(exc)
             raise
-        with self._failures_recorded():
-            recorder.end_reset(reset_running_requests, ok)
+        self._record(lambda r: r.end_reset(reset_running_requests, ok))
         return ok
 
     # -- the scheduler's decisions and the runner's frames ------------------------------------
@@ -118,30 +191,31 @@ class RecordingScheduler(Scheduler):
     def _preempt_request(self, request: Any, timestamp: float, *args: Any, **kwargs: Any) -> None:
         # vLLM since #48245 passes drop_stale_output too; earlier releases, only these two.
         super()._preempt_request(request, timestamp, *args, **kwargs)
-        self._recorder.preempted(request)
+        self._record(lambda r: r.preempted(request))
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        with self._failures_recorded():
-            output = super().schedule(*args, **kwargs)
-            self._recorder.scheduled(output, self.requests)
+        output = self._vllm(super().schedule, *args, **kwargs)
+        self._record(lambda r: r.scheduled(output, self.requests))
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        with self._failures_recorded():
-            framed = self._recorder.frame(scheduler_output, model_runner_output)
-            self._in_update = True
-            try:
-                outputs = super().update_from_output(scheduler_output, model_runner_output)
-            finally:
-                self._in_update = False
-            self._recorder.delivered(outputs, mapping.finish_reason, framed)
+        framed: list[bool] = []
+        self._record(lambda r: framed.append(r.frame(scheduler_output, model_runner_output)))
+        self._in_update = True
+        try:
+            outputs = self._vllm(super().update_from_output, scheduler_output, model_runner_output)
+        finally:
+            self._in_update = False
+        if framed:
+            self._record(lambda r: r.delivered(outputs, mapping.finish_reason, framed[0]))
         return outputs
 
     def shutdown(self) -> None:
         try:
             super().shutdown()
         finally:
-            self._recorder.close()
+            if not self._tolerant and self._recorder is not None:
+                self._recorder.close()
 
 
 class SyncRecordingScheduler(RecordingScheduler):
@@ -150,3 +224,15 @@ class SyncRecordingScheduler(RecordingScheduler):
 
 class AsyncRecordingScheduler(RecordingScheduler, AsyncScheduler):
     """vLLM's AsyncScheduler, recorded (async scheduling)."""
+
+
+@cache
+def recording_class(base: type) -> type:
+    """The recording subclass of a vLLM scheduler class (vLLM's own two have theirs)."""
+    if issubclass(base, RecordingScheduler):
+        return base
+    if base is Scheduler:
+        return SyncRecordingScheduler
+    if base is AsyncScheduler:
+        return AsyncRecordingScheduler
+    return type(f"Recording{base.__name__}", (RecordingScheduler, base), {"__module__": __name__})
