@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from tokentape.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from tokentape.events.validation import check_str, shown
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -15,10 +15,10 @@ PromptType = str | Sequence[int] | Mapping[str, Any]
 
 def frontend_tokenizer(model: str) -> Tokenizer:
     """The tokenizer the engine uses, without loading the model: a checkpoint folder's
-    tokenizer.json, else the byte tokenizer (the built-in models and the oracle)."""
-    file = os.path.join(model, "tokenizer.json")
-    if os.path.isdir(model) and os.path.exists(file):
-        return HFTokenizer(file)
+    (tokenizer.checkpoint_tokenizer: its tokenizer.json, or one that refuses text when it has
+    none), else the byte tokenizer (the built-in models and the oracle)."""
+    if os.path.isdir(model):
+        return checkpoint_tokenizer(model)
     return ByteTokenizer()
 
 

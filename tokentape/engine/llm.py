@@ -7,6 +7,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Callable, Sequence
+from typing import Self
 
 import msgspec
 
@@ -18,7 +19,7 @@ from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.scenario import Scenario
 from tokentape.engine.stop_strings import stop_text
-from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
+from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.state import RequestState
@@ -44,8 +45,10 @@ def make_runner(config: EngineConfig) -> ModelRunner:
             prompt_lookup_max=config.prompt_lookup_max,
             prompt_lookup_min=config.prompt_lookup_min,
         )
+    from tokentape.engine.model.loader import check_model_folder
     from tokentape.engine.runners.model_runner import build_model_runner
 
+    check_model_folder(config.model)  # "no such folder" rather than "unknown model"
     return build_model_runner(config)
 
 
@@ -139,8 +142,11 @@ class LLM:
         except BaseException:
             runner.close()
             raise
+        # A checkpoint without tokenizer.json: the engine gets none, so it refuses stop
+        # strings and string bad words rather than look for them in empty text.
+        engine_tokenizer = None if isinstance(self.tokenizer, MissingTokenizer) else self.tokenizer
         try:
-            self.engine = LLMEngine(self.config, runner, writer, self.tokenizer)
+            self.engine = LLMEngine(self.config, runner, writer, engine_tokenizer)
         except BaseException:
             # Leave nothing behind: no writer process, no tape holding a header and no run.
             runner.close()
@@ -272,7 +278,7 @@ class LLM:
     def close(self) -> None:
         self.engine.close()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

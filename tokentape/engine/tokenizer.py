@@ -1,10 +1,13 @@
-"""Tokenizers: the built-in byte-level one (token id = byte + 3, three special tokens) and a
-checkpoint's tokenizer.json."""
+"""Tokenizers: the built-in byte-level one (token id = byte + 3, three special tokens), a
+checkpoint's tokenizer.json, and the stand-in for a checkpoint that has none."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
+
+from tokentape.engine.checkpoint_error import CheckpointError
 
 
 class Tokenizer(Protocol):
@@ -83,6 +86,63 @@ class HFTokenizer:
             table.append(first & 0xC0 != 0x80)
         self._lead_table = table
         return table
+
+
+def byte_tokenizer_json() -> str:
+    """ByteTokenizer as a tokenizer.json (byte-level BPE without merges, each byte's id its
+    value + 3, the three special tokens first), for checkpoint folders written from the
+    built-in models: `tokenizers` encodes and decodes text with it as ByteTokenizer does
+    (except that the special tokens' own text in a prompt, as in every tokenizer.json, is
+    read as those tokens; their names make that a deliberate act)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizerFile
+
+    specials = ["<|tokentape:bos|>", "<|tokentape:eos|>", "<|tokentape:pad|>"]
+    vocab = {name: i for i, name in enumerate(specials)}
+    vocab.update({char: byte + ByteTokenizer._OFFSET
+                  for char, byte in _byte_level_alphabet().items()})
+    tok = HFTokenizerFile(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in specials])
+    return tok.to_str()
+
+
+class MissingTokenizer:
+    """A checkpoint folder without tokenizer.json. Its model's ids mean nothing to the byte
+    tokenizer, so rather than garbage text: text prompts are refused (naming the folder),
+    token-id prompts run, and outputs carry token ids with empty text, as vLLM's
+    skip_tokenizer_init gives. LLM hands the engine no tokenizer, which refuses stop strings
+    and string bad words."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def encode(self, text: str) -> list[int]:
+        raise CheckpointError(
+            f"{os.path.join(self.folder, 'tokenizer.json')}: missing, so text cannot be "
+            "encoded for this checkpoint; pass prompts as token ids, or add the tokenizer.json "
+            "the model was trained with"
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        return ""
+
+
+def checkpoint_tokenizer(folder: str | os.PathLike[str]) -> HFTokenizer | MissingTokenizer:
+    """A checkpoint folder's tokenizer: its tokenizer.json, read by the `tokenizers` library
+    (a file it cannot read is a CheckpointError naming it), or MissingTokenizer."""
+    file = os.path.join(folder, "tokenizer.json")
+    if not os.path.lexists(file):
+        return MissingTokenizer(os.fspath(folder))
+    if os.path.isdir(file):
+        raise CheckpointError(f"{file}: is a directory, not a JSON file")
+    try:
+        return HFTokenizer(file)
+    except Exception as exc:  # noqa: BLE001 (`tokenizers` raises a bare Exception)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{file}: not a tokenizer the tokenizers library can read "
+                              f"({reason})") from None
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -64,6 +64,8 @@ def read_model_config(path: str | os.PathLike[str]) -> ModelConfig:
     heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
     rope_theta, rope_scaling = rope_from_hf(raw, file)
     eos_ids = _checkpoint_eos_token_ids(path, raw, file)
+    rms_norm_eps = _float(raw, "rms_norm_eps", 1e-6, file)
+    tie, bias = _bool(raw, "tie_word_embeddings", file), _bool(raw, "attention_bias", file)
     try:
         return ModelConfig(
             model_type=model_type,
@@ -74,12 +76,12 @@ def read_model_config(path: str | os.PathLike[str]) -> ModelConfig:
             num_attention_heads=heads,  # type: ignore[arg-type]
             num_key_value_heads=ints["num_key_value_heads"] or heads,  # type: ignore[arg-type]
             head_dim=ints["head_dim"] or hidden // heads,  # type: ignore[operator]
-            rms_norm_eps=_float(raw, "rms_norm_eps", 1e-6, file),
+            rms_norm_eps=rms_norm_eps,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=ints["max_position_embeddings"] or 4096,
-            tie_word_embeddings=_bool(raw, "tie_word_embeddings", file),
-            attention_bias=model_type == "qwen2" or _bool(raw, "attention_bias", file),
+            tie_word_embeddings=tie,
+            attention_bias=model_type == "qwen2" or bias,
             qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids[0] if eos_ids else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 
 import torch
@@ -17,11 +18,20 @@ from tokentape.engine.model.config import (
     config_from_hf,
 )
 from tokentape.engine.model.decoder import CausalLM
+from tokentape.engine.model.hf_config import read_json_object
+from tokentape.engine.tokenizer import (
+    ByteTokenizer,
+    Tokenizer,
+    byte_tokenizer_json,
+    checkpoint_tokenizer,
+)
 
 WeightsSource = Mapping[str, torch.Tensor] | str | os.PathLike[str]
 
 # Buffers older checkpoints carry that this model computes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+_SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def expected_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
@@ -51,6 +61,53 @@ def builtin_model(name: str, seed: int = 0) -> tuple[ModelConfig, CausalLM]:
     return config, model
 
 
+def check_model_folder(name: str) -> None:
+    """Refuse a model name that is neither built in nor an existing folder, saying which: a
+    path that does not exist, a file, or an unknown name."""
+    if name in BUILTIN_CONFIGS or os.path.isdir(name):
+        return
+    if os.path.lexists(name):
+        raise CheckpointError(f"{name}: not a folder (a checkpoint is a folder holding "
+                              "config.json and *.safetensors)")
+    if os.sep in name or "/" in name or name.startswith((".", "~")):
+        raise CheckpointError(f"{name}: no such folder (tokentape loads local checkpoint "
+                              "folders; it downloads nothing)")
+    raise ValueError(
+        f"unknown model {name!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
+        "'oracle-random' or a local Hugging Face checkpoint folder"
+    )
+
+
+def check_checkpoint_files(name: str) -> None:
+    """What `name` needs to load, checked without reading any weights (so, in milliseconds,
+    before a command touches its outputs): a built-in name, or a folder whose config.json
+    parses and whose weight files are all there."""
+    check_model_folder(name)
+    if name not in BUILTIN_CONFIGS:
+        config_from_hf(name)
+        weight_files(name)
+
+
+def weight_files(path: str | os.PathLike[str]) -> list[str]:
+    """The folder's *.safetensors files; every shard its index names must be there."""
+    files = sorted(glob.glob(os.path.join(glob.escape(os.fspath(path)), "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.lexists(index):
+        weight_map = read_json_object(index, "").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: has no weight_map object")
+        for shard in sorted(set(map(str, weight_map.values()))):
+            if os.path.join(path, shard) not in files:
+                raise CheckpointError(f"{os.path.join(path, shard)}: missing (named by {index})")
+    if not files:
+        pattern = os.path.join(path, "*.safetensors")
+        if glob.glob(os.path.join(glob.escape(os.fspath(path)), "*.bin")):
+            raise CheckpointError(f"{pattern}: missing; the folder holds PyTorch .bin weights, "
+                                  "and tokentape reads safetensors only")
+        raise CheckpointError(f"{pattern}: missing (no weight files in the checkpoint folder)")
+    return files
+
+
 def read_checkpoint(
     path: str | os.PathLike[str],
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
@@ -58,14 +115,9 @@ def read_checkpoint(
     from safetensors import safe_open
 
     config = config_from_hf(path)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise CheckpointError(
-            f"{os.path.join(path, '*.safetensors')}: no weight files in the checkpoint folder"
-        )
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
-    for file in files:
+    for file in weight_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
@@ -81,13 +133,15 @@ def read_checkpoint(
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, CausalLM]:
-    """Build the model of a Hugging Face checkpoint folder (Llama, Qwen2, Qwen3) on the CPU."""
+    """Build the model of a Hugging Face checkpoint folder (Llama, Qwen2, Qwen3) on the CPU.
+    Names, shapes, dtypes and values (no NaN or infinity) are checked before it is built."""
     config, tensors, origin = read_checkpoint(path)
-    model = CausalLM(config)
-    shapes = expected_shapes(model)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # the same tensor as the embeddings
     where = os.path.join(path, "*.safetensors")
+    _check_layer_count(config, tensors, where)
+    with torch.device("meta"):  # the shapes without allocating: config.json may be wrong
+        shapes = expected_shapes(CausalLM(config))
     for name in shapes:
         if name not in tensors:
             raise CheckpointError(f"{where}: missing tensor {name!r}")
@@ -102,26 +156,72 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, CausalLM
                 f"config.json implies {shapes[name]}"
             )
         if not t.is_floating_point():  # as update_weights refuses it: a cast would hide the error
-            raise CheckpointError(f"{origin[name]}: tensor {name!r} is {t.dtype}, not floating point")
+            raise CheckpointError(
+                f"{origin[name]}: tensor {name!r} is {t.dtype}, not floating point"
+            )
+    bad = first_non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"{origin[bad]}: tensor {bad!r} {non_finite_values(tensors[bad])}")
+    model = CausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name].to(torch.float32))
     return config, model
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> object | None:
-    """The folder's tokenizer.json through `tokenizers`, or None when it has none."""
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(file):
-        return None
-    from tokentape.engine.tokenizer import HFTokenizer
+def _check_layer_count(config: ModelConfig, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Layers config.json names that the weights lack, found from the names alone (building
+    even an empty model of, say, a billion layers would take minutes)."""
+    layers = {int(m.group(1)) for m in map(_LAYER_NAME.match, tensors) if m}
+    if layers and config.num_hidden_layers > max(layers) + 1:
+        raise CheckpointError(
+            f"{where}: missing tensor 'model.layers.{max(layers) + 1}.*' (config.json says "
+            f"num_hidden_layers = {config.num_hidden_layers}; the weights hold {len(layers)})"
+        )
 
-    return HFTokenizer(file)
+
+def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The first tensor holding a NaN or an infinity, or None. One pass over each tensor: its
+    sum, which any NaN or infinity makes non-finite (a sum that merely overflows is checked
+    again element by element); the sums go to the host together, one sync on a GPU."""
+    if not tensors:
+        return None
+    sums = torch.stack([_sum(t) for t in tensors.values()])
+    suspects = torch.nonzero(~torch.isfinite(sums)).flatten().tolist()
+    names = list(tensors)
+    for i in suspects:
+        if not bool(torch.isfinite(tensors[names[i]]).all()):
+            return names[i]
+    return None
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    # torch accumulates a half sum in float32 and rounds the result: a float16 sum past 65504
+    # is rechecked, which is cheaper than sum(dtype=float32) (25x slower on the CPU).
+    if t.dtype in _SUMMABLE:
+        return t.sum().float()
+    return t.float().sum()  # float8 and the like have no sum of their own
+
+
+def non_finite_values(t: torch.Tensor) -> str:
+    """What is wrong with a tensor first_non_finite named, for the message."""
+    t = t.float()
+    nan = int(torch.isnan(t).sum())
+    inf = int(torch.isinf(t).sum())
+    parts = [f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else ""]
+    return f"holds {' and '.join(p for p in parts if p)} value(s) out of {t.numel()}"
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """The folder's tokenizer.json through `tokenizers`; without one, a tokenizer that refuses
+    text (tokenizer.checkpoint_tokenizer)."""
+    return checkpoint_tokenizer(path)
 
 
 def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.Tensor]:
     """Validate a weight update against the model without touching it: names known, shapes
-    equal, floating point; returns the tensors cast to the model's dtype and device."""
+    equal, floating point, no NaN or infinity once cast; returns the tensors cast to the
+    model's dtype and device."""
     if isinstance(weights, (str, os.PathLike)):
         _, tensors, origin = read_checkpoint(weights)
     elif isinstance(weights, Mapping):
@@ -155,6 +255,13 @@ def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.T
                 f"{tuple(p.shape)}; nothing was changed"
             )
         out[name] = t.detach().to(device=p.device, dtype=p.dtype)
+    # Checked as the model would hold them: a cast to a narrower dtype can overflow.
+    bad = first_non_finite(out)
+    if bad is not None:
+        where = f"{origin[bad]}: " if bad in origin else ""
+        cast = f" once cast to {out[bad].dtype}" if out[bad].dtype != tensors[bad].dtype else ""
+        raise ValueError(f"{where}update_weights: tensor {bad!r} "
+                         f"{non_finite_values(out[bad])}{cast}; nothing was changed")
     return out
 
 
@@ -175,10 +282,15 @@ def weights_hash(model: CausalLM) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def save_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> str:
+def save_checkpoint(
+    model: CausalLM, path: str | os.PathLike[str], byte_tokenizer: bool = True
+) -> str:
     """Write `model` as a Hugging Face checkpoint folder (config.json, model.safetensors) that
     this loader, transformers and vLLM all read; returns the folder's path. Tied embeddings
-    are written once, as Hugging Face does."""
+    are written once, as Hugging Face does. `byte_tokenizer`: the built-in models' tokenizer
+    goes with them as tokenizer.json (when the vocabulary holds its ids), so the folder
+    encodes text as the built-in model does; pass False for a model with a tokenizer of its
+    own, and copy that."""
     import json
 
     from safetensors.torch import save_file
@@ -187,6 +299,9 @@ def save_checkpoint(model: CausalLM, path: str | os.PathLike[str]) -> str:
     config = model.config
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config.to_hf_dict(), f, indent=2)
+    if byte_tokenizer and config.vocab_size >= ByteTokenizer.vocab_size:
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write(byte_tokenizer_json())
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

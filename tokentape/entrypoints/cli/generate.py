@@ -21,7 +21,11 @@ from tokentape.entrypoints.cli.common import (
     positive_int,
     remove_for_overwrite,
 )
-from tokentape.entrypoints.cli.generate_script import add_script_arguments, scenario_of, warn_pending
+from tokentape.entrypoints.cli.generate_script import (
+    add_script_arguments,
+    scenario_of,
+    warn_pending,
+)
 from tokentape.replay.render import safe_text
 
 DEFAULT_PROMPTS = (
@@ -182,12 +186,30 @@ def _has_random_weights(model: str) -> bool:
     return model in BUILTIN_CONFIGS
 
 
+def _check_model(model: str) -> None:
+    """A model that cannot load fails before the tape is touched (--force would have removed
+    the old one), with the file at fault named: a checked CheckpointError, one error line.
+    The prompts are text, so a checkpoint needs its tokenizer.json."""
+    from tokentape.engine.config import ORACLE_MODELS
+
+    if model in ORACLE_MODELS:
+        return  # and the model package (torch) is not loaded for the oracle
+    from tokentape.engine.model.loader import check_checkpoint_files
+    from tokentape.engine.tokenizer import MissingTokenizer, checkpoint_tokenizer
+
+    check_checkpoint_files(model)
+    if not _has_random_weights(model) and isinstance(checkpoint_tokenizer(model), MissingTokenizer):
+        raise CLIError(f"{os.path.join(model, 'tokenizer.json')}: missing; the prompts of "
+                       "`tokentape generate` are text, which this checkpoint cannot encode")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokentape import LLM, EngineConfig, SamplingParams
 
     prompts = _collect_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     EngineConfig(model=args.model, **_engine_args(args))  # bad engine arguments fail here
+    _check_model(args.model)
     scenario = scenario_of(args)
     scenario.check_requests([str(i) for i in range(len(prompts))])
     tape = _tape_path(args)
