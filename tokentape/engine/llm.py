@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -12,6 +11,7 @@ from typing import Self
 import msgspec
 
 from tokentape.engine.config import ORACLE_MODELS, EngineConfig
+from tokentape.engine.context_length import with_model_max_len
 from tokentape.engine.llm_engine import LLMEngine, make_header
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
@@ -28,7 +28,6 @@ from tokentape.events.validation import check_str, short_repr, shown
 from tokentape.progress import RequestProgress
 
 TapeSpec = str | os.PathLike[str] | None | bool
-_log = logging.getLogger(__name__)
 
 # Called with every new LLM. The postmortem's pytest plugin (--tokentape-dir) uses it to keep
 # the tape of every engine a failing test created.
@@ -50,30 +49,6 @@ def make_runner(config: EngineConfig) -> ModelRunner:
 
     check_model_folder(config.model)  # "no such folder" rather than "unknown model"
     return build_model_runner(config)
-
-
-def with_model_max_len(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
-    """The config with max_model_len defaulted as vLLM defaults it: the model's context length
-    (its config's derived_max_model_len), capped, with a warning, at what the KV cache holds.
-    A max_model_len above the model's context length is refused. The oracle has no context
-    length: its default stays the KV capacity."""
-    model_config = getattr(runner, "config", None)
-    derived: int | None = getattr(model_config, "derived_max_model_len", None)
-    if derived is None:
-        return config
-    source: str = model_config.context_length_source  # type: ignore[union-attr]
-    if config.max_model_len is not None:
-        if config.max_model_len > derived:
-            raise ValueError(f"max_model_len ({config.max_model_len}) is greater than the model's "
-                             f"context length ({derived}: {source})")
-        return config
-    capacity = config.kv_capacity
-    if derived > capacity:
-        _log.warning("max_model_len %d: the model's context length is %d (%s), but the KV cache "
-                     "holds %d tokens (num_kv_blocks=%d x block_size=%d); raise num_kv_blocks to "
-                     "serve the whole context", capacity, derived, source, capacity,
-                     config.num_kv_blocks, config.block_size)
-    return msgspec.structs.replace(config, max_model_len=min(derived, capacity))
 
 
 def check_tape_path(tape: TapeSpec) -> None:
