@@ -74,6 +74,9 @@ def test_both_forms_read_the_same() -> None:
     assert rope_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "c") \
         == (1e6, None)
     assert rope_from_hf({}, "c") == (10000.0, None)
+    # a top-level original length (Phi-3's spelling) is the one transformers takes
+    top = {"original_max_position_embeddings": 64, "rope_scaling": {"type": "yarn", "factor": 2}}
+    assert rope_from_hf(top, "c") == (10000.0, RopeScaling("yarn", 2.0, 64))
     # both forms written, agreeing (a legacy `type` beside `rope_type`, as transformers 5 keeps)
     both = {"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0},
             "rope_parameters": {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
@@ -117,6 +120,9 @@ def test_both_forms_read_the_same() -> None:
     ({"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
       "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
      r"rope_scaling = .* and rope_parameters = .* disagree"),
+    ({"original_max_position_embeddings": 64, "rope_scaling": LLAMA31},
+     (r"original_max_position_embeddings = 64 must be a positive integer that agrees with "
+     r"rope_scaling\['original_max_position_embeddings'\] = 32")),
     ({"rope_theta": -1.0}, r"rope_theta = -1.0 must be a number > 0"),
     ({"rope_theta": "1e6"}, r"rope_theta = '1e6' must be a number > 0"),
 ])

@@ -9,7 +9,7 @@ into `rope_parameters` ({"rope_type": ..., "rope_theta": ..., <the scaling's key
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ _REQUIRED: dict[str, frozenset[str]] = {
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor"}),
 }
 ROPE_TYPES = tuple(_KEYS)
+_ORIGINAL_LEN = ("llama3", "yarn")  # the types with a pretraining length of their own
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,7 +92,17 @@ def rope_from_hf(raw: dict[str, Any], file: str) -> tuple[float, RopeScaling | N
                 "(transformers reads rope_scaling, with rope_theta from it or the top level, "
                 "and drops rope_parameters); keep one of them")
     theta = DEFAULT_ROPE_THETA if theta is None else _number("rope_theta", theta, file, 0)
-    return theta, _scaling(where, chosen, file)
+    scaling = _scaling(where, chosen, file)
+    top_original = raw.get("original_max_position_embeddings")
+    if scaling is not None and top_original is not None and scaling.rope_type in _ORIGINAL_LEN:
+        # transformers takes a top-level original length over the scaling's own (Phi-3 style)
+        given = scaling.original_max_position_embeddings
+        if type(top_original) is not int or top_original < 1 or given not in (None, top_original):
+            raise CheckpointError(
+                f"{file}: original_max_position_embeddings = {top_original!r} must be a positive "
+                f"integer that agrees with {where}['original_max_position_embeddings'] = {given!r}")
+        scaling = replace(scaling, original_max_position_embeddings=top_original)
+    return theta, scaling
 
 
 def _scaling(where: str, given: dict[str, Any], file: str) -> RopeScaling | None:
