@@ -38,9 +38,10 @@ def resolve_bad_words(params: SamplingParams, encode: Encode | None) -> Sampling
     if encode is None:
         raise ValueError("bad_words given as strings need a tokenizer, and this engine has none "
                          "(pass token-id sequences instead)")
-    words: list[tuple[int, ...]] = []
+    # vLLM drops repeated words; a dict keeps the first of each in order, in linear time (a
+    # scan of the list for each word took 8 s for 40,000 words, inside the engine core).
+    words: dict[tuple[int, ...], None] = {}
     for word in params.bad_words:
         for ids in encode_bad_word(word, encode) if isinstance(word, str) else [word]:
-            if ids not in words:  # vLLM drops repeated words
-                words.append(ids)
+            words[tuple(ids)] = None
     return msgspec.structs.replace(params, bad_words=tuple(words))

@@ -45,6 +45,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (engine/runners/input_batch.py, choose_lanes); the engine's own thread count, not the
     # process's. None or 0: one per CPU the process may run on.
     cpu_threads: int | None = None
+    # The most log-probabilities a request may ask for per token (vLLM's max_logprobs, 20 by
+    # default); -1: as many as the vocabulary holds.
+    max_logprobs: int = 20
     # Upstream bugs reproduced on purpose (tokentape.events.faults), for tapes and tests;
     # empty on every ordinary engine, and then nothing looks at it.
     faults: list[str] = []  # a list, as it reads back from the header
@@ -68,6 +71,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
         check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         check_int("cpu_threads", self.cpu_threads, 0, optional=True)
+        check_int("max_logprobs", self.max_logprobs, -1)
 
         def need(ok: bool, message: str) -> None:
             if not ok:

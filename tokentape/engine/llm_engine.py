@@ -15,11 +15,12 @@ from collections.abc import Iterator, Sequence
 import msgspec
 
 from tokentape import __version__
-from tokentape.engine.bad_words import has_text_bad_words, resolve_bad_words
+from tokentape.engine.bad_words import has_text_bad_words
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import RequestOutput, build_request_output
 from tokentape.engine.parallel_sampling import ParentRequest, child_params, child_request_id
+from tokentape.engine.request_checks import check_request, resolved_bad_words
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.stop_strings import find_stop_string, stop_decoder
@@ -28,7 +29,7 @@ from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
-from tokentape.events.validation import check_bool, check_int, check_str, shown
+from tokentape.events.validation import check_bool
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -47,7 +48,7 @@ def make_header(config: EngineConfig, runner: ModelRunner) -> ev.TapeHeader:
         package_version=__version__,
         eos_token_id=runner.eos_token_id,
         vocab_size=runner.vocab_size,
-        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
 
 
@@ -132,10 +133,7 @@ class LLMEngine:
         """String bad words as token ids, encoded by this engine's tokenizer (bad_words.py)."""
         if not has_text_bad_words(params):
             return params
-        try:
-            return resolve_bad_words(params, None if self.tokenizer is None else self.tokenizer.encode)
-        except (ValueError, UnicodeError) as exc:
-            raise ValueError(f"request {request_id!r}: {exc}") from None
+        return resolved_bad_words(self, request_id, params)
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
         """The model's other EOS ids join the request's stop_token_ids (unless ignore_eos), as
@@ -146,58 +144,14 @@ class LLMEngine:
         return msgspec.structs.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
     def check_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Refuse a request the engine could not serve or the tape could not hold, before
-        anything is recorded (SamplingParams checked its own fields when it was built)."""
-        check_str("request_id", request_id)
-        if not request_id:
-            raise ValueError("request_id must be a non-empty string, got ''")
-        if request_id in self.state.requests or request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use on this engine")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {request_id!r}: params must be a SamplingParams, got {shown(params)}")
-        if params.n > 1:
-            for i in range(params.n):
-                if child_request_id(i, request_id) in self.state.requests:
-                    raise ValueError(f"request {request_id!r} with n={params.n}: its child id "
-                                     f"{child_request_id(i, request_id)!r} is already in use on this engine")
-            child_params(params, params.n - 1, self.config.seed, ())  # the seeds fit
-        prompt = prompt_token_ids
-        if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)):
-            raise TypeError(
-                f"request {request_id!r}: prompt_token_ids must be a list of token ids, got {shown(prompt)}"
-                + (" (encode text with the tokenizer first)" if isinstance(prompt, str) else "")
-            )
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.runner.vocab_size
-        # One pass at C speed for the usual good prompt; the slow search only names a bad token.
-        if not (all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) < vocab):
-            for i, t in enumerate(prompt):
-                name = f"request {request_id!r}: prompt_token_ids[{i}]"
-                check_int(name, t, 0)  # the type (a bool is not a token id), then the vocabulary
-                if t >= vocab:
-                    raise ValueError(f"{name} must be a token id in the vocabulary [0, {vocab}), got {t!r}")
-        for i, word in enumerate(self._resolve_bad_words(request_id, params).bad_words):
-            for j, t in enumerate(word):
-                if t >= vocab:
-                    raise ValueError(f"request {request_id!r}: bad_words[{i}][{j}] must be a token id "
-                                     f"in the vocabulary [0, {vocab}), got {t!r}")
-        check_params = getattr(self.runner, "check_params", None)  # options a runner cannot honour
-        if check_params is not None:
-            try:
-                check_params(params)
-            except ValueError as exc:
-                raise ValueError(f"request {request_id!r}: {exc}") from None
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this "
-                             "engine has none (pass stop_token_ids instead)")
-        max_len = self.config.effective_max_model_len
-        if len(prompt) >= max_len:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {len(prompt)} tokens, but the engine holds "
-                f"at most {max_len} per sequence (KV capacity {self.config.kv_capacity} tokens); "
-                "raise num_kv_blocks or shorten the prompt"
-            )
+        """Refuse a request the engine could not serve or the tape could not hold, or whose
+        per-step work would exceed the limits, before anything is recorded (request_checks.py;
+        SamplingParams checked its own fields when it was built)."""
+        check_request(self, request_id, prompt_token_ids, params)
+
+    def has_parent(self, request_id: str) -> bool:
+        """Whether `request_id` is an unfinished request of n > 1 (its children run)."""
+        return request_id in self._parents
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.get(request_id)
@@ -385,9 +339,15 @@ class LLMEngine:
             self._emit(ev.WeightsUpdated(self.state.step, weights_id))
         return weights_id
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve any more (its failure is on the tape), or None."""
+        return self._dead
+
     def fail(self, error_type: str, message: str) -> None:
-        """End the engine on a failure found outside it (its frontend died): recorded on the
-        tape as an EngineError, as an internal failure is; it serves no more."""
+        """End the engine on a failure found outside it (its frontend died, or the engine core
+        failed around a step): recorded on the tape as an EngineError, with the requests as
+        they stand, as an internal failure is; it serves no more."""
         if self._dead is not None:
             return
         self._dead = f"{error_type}: {message}"

@@ -29,6 +29,7 @@ from tokentape.engine.model.logits_processors import (
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
+from tokentape.engine.runners.devices import cpu_threads, resolve_device
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
     EntryInputs,
@@ -40,6 +41,8 @@ from tokentape.engine.runners.input_batch import (
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
+
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
 
 class TorchModelRunner:
@@ -263,12 +266,15 @@ class TorchModelRunner:
             p, seq = e.seq.params, e.seq
             stop_ids = p.stop_token_ids if p.ignore_eos or self.eos_token_id is None \
                 else (*p.stop_token_ids, self.eos_token_id)
+            # Below SAMPLING_EPS a temperature is greedy, as vLLM's: dividing by 1e-39
+            # overflows the logits to inf and the draw to garbage.
+            temperature = p.temperature if p.temperature >= SAMPLING_EPS else 0.0
             for j in range(1 + len(e.drafts)):  # the token at position len(tokens) + j
-                rows.temperatures.append(p.temperature)
+                rows.temperatures.append(temperature)
                 rows.top_ks.append(p.top_k)
                 rows.top_ps.append(p.top_p)
                 rows.keys.append(
-                    position_key(seq.seed, len(seq.tokens) + j) if p.temperature > 0 else (0, 0)
+                    position_key(seq.seed, len(seq.tokens) + j) if temperature > 0 else (0, 0)
                 )
                 # A draft row sees the drafts before it: they are its history if accepted.
                 contexts.append(RowContext(p, stop_ids, seq.tokens + e.drafts[:j], seq.num_prompt)
@@ -314,6 +320,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     from tokentape.engine.model.config import BUILTIN_CONFIGS
     from tokentape.engine.model.loader import builtin_model, load_checkpoint, load_tokenizer
 
+    device = resolve_device(config.device)  # before the model is built: a ValueError naming it
     tokenizer = None
     if config.model in BUILTIN_CONFIGS:
         _, model = builtin_model(config.model, config.seed)
@@ -327,10 +334,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
             f"unknown model {config.model!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
             "'oracle-random' or a local Hugging Face checkpoint folder"
         )
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    threads = config.cpu_threads or len(os.sched_getaffinity(0))  # every CPU we may run on
+    threads = cpu_threads(config.cpu_threads)  # at most every CPU we may run on
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
