@@ -20,13 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncGenerator, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from typing import Any, Self
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.client import CoreClient, InprocClient, MPClient
-from tokentape.engine.core.messages import CoreDead, CoreMessage, CoreOutputs, SchedulerStats, AddRequest
-from tokentape.engine.frontend_inputs import PromptType, frontend_tokenizer, prompt_token_ids, state_dict_bytes
+from tokentape.engine.core.messages import (
+    AddRequest,
+    CoreDead,
+    CoreMessage,
+    CoreOutputs,
+    SchedulerStats,
+)
+from tokentape.engine.frontend_inputs import (
+    PromptType,
+    check_prompt_tokens,
+    frontend_tokenizer,
+    prompt_token_ids,
+    state_dict_bytes,
+)
 from tokentape.engine.llm import TapeSpec, check_tape_path
 from tokentape.engine.llm_engine import PAUSE_MODES, EngineDeadError
 from tokentape.engine.output_assembly import RequestOutputAssembler
@@ -71,6 +83,10 @@ class AsyncLLM:
         self._routes: dict[str, tuple[RequestOutputCollector, int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
+        # Why the engine core failed while serving (None: it did not; a shutdown is no
+        # failure), and who wants to know at once (a server stops taking requests).
+        self.failure: str | None = None
+        self.failure_callbacks: list[Callable[[str], None]] = []
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -114,7 +130,16 @@ class AsyncLLM:
                         collector.flush()
                 self.engine_core.resolve(msg.utility.call_id, msg.utility.result, msg.utility.error)
         elif isinstance(msg, CoreDead):
-            self._fail_all(msg.message)
+            self._core_failed(msg.message)
+
+    def _core_failed(self, reason: str) -> None:
+        """The core died while serving: every stream and call ends with EngineDeadError."""
+        first = self._dead is None
+        self._fail_all(reason)
+        if first:
+            self.failure = reason
+            for callback in self.failure_callbacks:
+                callback(reason)
 
     def _fail_all(self, reason: str) -> None:
         if self._dead is None:
@@ -147,6 +172,7 @@ class AsyncLLM:
         if request_id in self._streams or request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in use on this engine")
         tokens, text = prompt_token_ids(self.tokenizer, prompt)
+        self.check_prompt(tokens)
         n = params.n
         core_ids = [request_id] if n == 1 else [child_request_id(i, request_id) for i in range(n)]
         for core_id in core_ids:
@@ -161,11 +187,18 @@ class AsyncLLM:
         assembler = RequestOutputAssembler(request_id, tokens, text, params, self.tokenizer)
         finished = False
         try:
-            self.engine_core.add_request(AddRequest(request_id, tokens, params))
+            try:
+                self.engine_core.add_request(AddRequest(request_id, tokens, params))
+            except EngineDeadError as exc:  # the core is gone, though its death is not read yet
+                self._core_failed(str(exc))
+                raise
+            except ValueError:
+                finished = True  # refused before it reached the core: nothing to abort
+                raise
             while not finished:
                 try:
                     deltas = await collector.get()
-                except (ValueError, TypeError, KeyError, EngineDeadError):
+                except (ValueError, TypeError, KeyError, RuntimeError):
                     finished = True  # refused (nothing recorded), or the engine is gone
                     raise
                 out = assembler.add(deltas)
@@ -177,7 +210,15 @@ class AsyncLLM:
             for core_id in (*core_ids, request_id):
                 self._routes.pop(core_id, None)
             if not finished and self._dead is None:  # cancelled, or the consumer left
-                self.engine_core.abort(core_ids)
+                try:
+                    self.engine_core.abort(core_ids)
+                except EngineDeadError as exc:
+                    self._core_failed(str(exc))
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Refuse a prompt the core would refuse (ids outside the vocabulary or past 64 bits,
+        empty, too long), here, before anything is sent (ValueError, TypeError)."""
+        check_prompt_tokens(prompt_token_ids, self.vocab_size, self.max_model_len)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (on the tape); their streams end with finish_reason 'abort'.
@@ -226,18 +267,20 @@ class AsyncLLM:
 
     # -- lifetime -------------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Abort what is left, close the tape (in the core) and stop the core. Idempotent."""
-        self.engine_core.shutdown()
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Abort what is left, close the tape (in the core) and stop the core: a core that has
+        not stopped after `timeout_s` is told to stop between steps, then killed
+        (MPClient.shutdown). Idempotent."""
+        self.engine_core.shutdown(timeout_s)
         self._fail_all("the engine was shut down")
 
-    def __enter__(self) -> AsyncLLM:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    async def __aenter__(self) -> AsyncLLM:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer, checkpoint_tokenizer
-from tokentape.events.validation import check_str, shown
+from tokentape.events.validation import check_int, check_str, short_repr, shown
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
 
@@ -39,6 +39,30 @@ def prompt_token_ids(tokenizer: Tokenizer, prompt: PromptType) -> tuple[list[int
     return list(cast(Sequence[int], prompt)), None
 
 
+def check_token_ids(name: str, token_ids: Sequence[object], vocab_size: int) -> None:
+    """Every id an int of the vocabulary (one pass at C speed for the usual good list)."""
+    if all(type(t) is int for t in token_ids) and (
+            not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)):  # type: ignore[type-var]
+        return
+    for i, t in enumerate(token_ids):
+        check_int(f"{name}[{i}]", t, 0)  # the type (a bool is not a token id), then the vocabulary
+        if t >= vocab_size:  # type: ignore[operator]
+            raise ValueError(f"{name}[{i}] must be a token id in the vocabulary [0, {vocab_size}), "
+                             f"got {short_repr(t)}")
+
+
+def check_prompt_tokens(token_ids: Sequence[object], vocab_size: int, max_model_len: int) -> None:
+    """What the core checks of a prompt, checked before it is sent: its ids (one past 64
+    bits could not even be sent) and its length (so a request of several prompts is refused
+    whole, before any of them is recorded)."""
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    check_token_ids("prompt_token_ids", token_ids, vocab_size)
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens, but the engine holds at most "
+                         f"{max_model_len} per sequence")
+
+
 def state_dict_bytes(weights: Mapping[str, Any]) -> bytes:
     """A state_dict as safetensors bytes, to cross the process boundary (tied tensors are
     copied apart: safetensors refuses shared storage)."""
@@ -48,6 +72,7 @@ def state_dict_bytes(weights: Mapping[str, Any]) -> bytes:
     tensors = {}
     for name, t in weights.items():
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"update_weights: {name!r} is not a tensor ({shown(t)}); nothing was changed")
+            raise ValueError(  # noqa: TRY004 - a refused update is a ValueError, as the core's
+                f"update_weights: {name!r} is not a tensor ({shown(t)}); nothing was changed")
         tensors[name] = t.detach().to("cpu").contiguous().clone()
     return save(tensors)

@@ -38,6 +38,12 @@ from tokentape.engine.core.messages import (
 )
 
 SHUTDOWN = "shutdown"
+# Seconds a core whose stdin ended gets to close its tape before it is killed: it reads
+# stdin between steps, so only a core stuck in a step is killed.
+STOP_GRACE_S = 5.0
+# Seconds a send waits for the core's input socket when it has no peer and the core's process
+# still runs; past it the core is taken for gone.
+SEND_WAIT_S = 1.0
 Dispatch = Callable[[CoreMessage], None]
 
 
@@ -66,7 +72,11 @@ class CoreClient:
     async def call(self, method: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
         fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self.send(UtilityCall(call_id, method, list(args)))
+        try:
+            self.send(UtilityCall(call_id, method, list(args)))
+        except BaseException:
+            del self._calls[call_id]
+            raise
         return await fut
 
     def resolve(self, call_id: int, result: Any, error: tuple[str, str] | None) -> None:
@@ -83,7 +93,7 @@ class CoreClient:
             if not fut.done():
                 fut.set_exception(exc)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 60.0) -> None:
         raise NotImplementedError
 
 
@@ -122,7 +132,9 @@ class InprocClient(CoreClient):
                 return
             await asyncio.sleep(0)  # let the consumers and new requests in
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Abort what is left and close the tape, here and now (`timeout_s` is the
+        background core's: this core runs in the caller's thread)."""
         if self._task is not None:
             self._task.cancel()
         self.core.shutdown()
@@ -169,11 +181,18 @@ class MPClient(CoreClient):
             raise
 
     def _wait_ready(self, timeout_s: float) -> CoreInfo:
+        import zmq
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._pull.poll(100):
                 msg = message_decoder.decode(self._pull.recv())
                 if isinstance(msg, CoreReady):
+                    # The core's input socket is connected before it says so, but our end may
+                    # not have the peer yet: wait for it, so the first send finds it.
+                    left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    if not self._push.poll(left_ms, zmq.POLLOUT):
+                        raise TimeoutError("the engine core did not connect to its input socket")
                     return msg.info
                 if isinstance(msg, CoreFailed):
                     raise rebuild_error((msg.error_type, msg.message))
@@ -212,19 +231,47 @@ class MPClient(CoreClient):
                     return
 
     def send(self, msg: CoreRequest) -> None:
-        if self._closed:
-            from tokentape.engine.llm_engine import EngineDeadError
+        """Hand a message to the core without ever blocking: a PUSH socket with no peer (the
+        core's end is closed: it died) would wait forever, and the event loop with it."""
+        from tokentape.engine.llm_engine import EngineDeadError
 
+        if self._closed:
             raise EngineDeadError("the engine has been shut down")
-        self._push.send(request_encoder.encode(msg))
+        try:
+            data = request_encoder.encode(msg)
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # checked before; to be sure
+            raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
+        if not self._send_bounded(data):
+            code = self.proc.poll()
+            state = "does not read its input" if code is None else f"exited with status {code}"
+            raise EngineDeadError(f"the engine core {state}: it takes no more requests")
+
+    def _send_bounded(self, data: bytes) -> bool:
+        """Send without blocking; with no peer (zmq.Again), wait up to SEND_WAIT_S for one if
+        the core's process still runs (a reconnect), else give up: the core is gone."""
+        import zmq
+
+        for attempt in range(2):
+            try:
+                self._push.send(data, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if attempt or self.proc.poll() is not None:
+                    return False
+                self._push.poll(int(SEND_WAIT_S * 1000), zmq.POLLOUT)
+        return False
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Ask the core to close its tape and exit; wait for it (kill it past the timeout)."""
+        """Ask the core to abort what is left, close its tape and exit; wait for it `timeout_s`,
+        then end its stdin (it stops between two steps) and, past STOP_GRACE_S, kill it. Never
+        blocks on a dead core: the request is sent without waiting."""
         if self._closed:
             return
         if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self._push.send(request_encoder.encode(UtilityCall(-1, SHUTDOWN, [])))
+            import zmq
+
+            with contextlib.suppress(zmq.ZMQError):
+                self._send_bounded(request_encoder.encode(UtilityCall(-1, SHUTDOWN, [])))
         self._close_process(timeout_s)
 
     def _close_process(self, timeout_s: float) -> None:
@@ -236,9 +283,9 @@ class MPClient(CoreClient):
         except subprocess.TimeoutExpired:
             _let_go(self.proc)  # the core closes its tape and exits
             try:
-                self.proc.wait(10)
+                self.proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.proc.kill()  # its tape verifies up to its last committed step
                 self.proc.wait()
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):

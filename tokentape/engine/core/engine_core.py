@@ -7,6 +7,7 @@ frontend's own event loop (the in-process mode, for debugging).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -31,9 +32,10 @@ from tokentape.engine.parallel_sampling import child_params, child_request_id
 
 SHUTDOWN = "shutdown"  # the call that ends the core
 
-# What a refused request or call raises before anything is recorded: reported to the caller,
-# and the core keeps serving. Anything else ends the engine (it is on the tape).
-REFUSALS = (ValueError, TypeError, KeyError, RuntimeError, OSError)
+# A command (an add, an abort, a call) that raises is refused: its caller gets the error's
+# type and message, and the engine serves on, unless the failure ended the engine (a broken
+# tape, or a failure inside the recorded part of the command: then it is on the tape).
+# A failure inside a step is always fatal.
 
 
 def load_weights_arg(arg: object) -> object:
@@ -78,12 +80,11 @@ class EngineCore:
 
     def add_request(self, req: AddRequest) -> CoreOutput | None:
         """Add a request; a refused one (checked before anything is recorded) comes back as
-        an error output."""
+        an error output. EngineDeadError: the add ended the engine (it is on the tape)."""
         try:
             ids = self._add(req)
-        except EngineDeadError:
-            raise
-        except REFUSALS as exc:
+        except Exception as exc:  # noqa: BLE001 - any refusal goes back to its caller
+            self._raise_if_dead()
             return CoreOutput(req.request_id, [], error=error_of(exc))
         for req_id in ids:
             self._sent[req_id] = 0
@@ -100,8 +101,13 @@ class EngineCore:
         engine.check_request(req.request_id, req.prompt_token_ids, params)
         ids = [child_request_id(i, req.request_id) for i in range(params.n)]
         for i, child_id in enumerate(ids):
-            engine.add_request(child_id, req.prompt_token_ids,
-                               child_params(params, i, engine.config.seed, req.prompt_token_ids))
+            try:
+                engine.add_request(child_id, req.prompt_token_ids,
+                                   child_params(params, i, engine.config.seed, req.prompt_token_ids))
+            except Exception:
+                if engine.dead_reason is None:  # refused: the children added before it go too
+                    self.abort(ids[:i])
+                raise
         return ids
 
     def abort(self, request_ids: list[str]) -> None:
@@ -129,11 +135,12 @@ class EngineCore:
                     if refused is not None:
                         pending.append(refused)
                 elif isinstance(msg, AbortRequests):
-                    self.abort(msg.request_ids)
+                    self._abort_quietly(msg.request_ids)
                 elif isinstance(msg, UtilityCall):
                     if msg.method == SHUTDOWN:
                         self.shutdown()
-                        messages.append(CoreOutputs(pending, self.stats(), UtilityResult(msg.call_id, True)))
+                        done = UtilityResult(msg.call_id, True)
+                        messages.append(CoreOutputs(pending, self.stats(), done))
                         return messages, True
                     result = self._call(msg)
                     # What the call produced (a pause's drained tokens) goes before its answer.
@@ -143,20 +150,41 @@ class EngineCore:
                     pending = []
             if self.has_work() or requests:
                 pending += self.step()
-        except Exception as exc:  # the engine failed: it is on the tape; nothing more comes
-            text = str(exc) if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
-            messages.append(CoreDead(text))
+        except Exception as exc:  # noqa: BLE001 - the engine failed: on the tape, nothing more
+            messages.append(CoreDead(self._record_failure(exc)))
             return messages, True
         if pending:
             messages.append(CoreOutputs(pending, self.stats()))
         return messages, False
 
+    def _raise_if_dead(self) -> None:
+        """After a command raised: re-raise as fatal when it ended the engine."""
+        reason = self.engine.dead_reason
+        if reason is not None:
+            raise EngineDeadError(f"the engine failed earlier and cannot continue: {reason}")
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        """An abort has no caller waiting for an answer: a refused one changes nothing."""
+        try:
+            self.abort(request_ids)
+        except Exception:  # noqa: BLE001 - refused, unless it ended the engine
+            self._raise_if_dead()
+
+    def _record_failure(self, exc: Exception) -> str:
+        """A fatal failure, on the tape as an EngineError whatever raised it (the engine's own
+        recorded part has put it there already), with the requests as they stand."""
+        if isinstance(exc, EngineDeadError):
+            return str(exc)
+        if self.engine.dead_reason is None:
+            with contextlib.suppress(Exception):  # a tape that cannot take it is dead already
+                self.engine.fail(type(exc).__name__, f"engine core: {exc}")
+        return f"{type(exc).__name__}: {exc}"
+
     def _call(self, msg: UtilityCall) -> UtilityResult:
         try:
             return UtilityResult(msg.call_id, self.call(msg.method, msg.args))
-        except EngineDeadError:
-            raise
-        except REFUSALS as exc:  # refused before any change: the engine serves on
+        except Exception as exc:  # noqa: BLE001 - refused; the engine serves on unless it ended
+            self._raise_if_dead()
             return UtilityResult(msg.call_id, None, error_of(exc))
 
     def step(self) -> list[CoreOutput]:
@@ -188,9 +216,10 @@ class EngineCore:
         more; `shutdown` then closes the tape as it stands."""
         engine = self.engine
         if not self._closed and engine.has_unfinished_requests():
-            engine.fail("FrontendDied", "the frontend (AsyncLLM) went away without shutdown(), with "
-                        f"{engine.get_num_unfinished_requests()} request(s) unfinished: its process "
-                        "died or was killed")
+            with contextlib.suppress(Exception):  # a broken tape: shutdown closes what it can
+                engine.fail("FrontendDied", "the frontend (AsyncLLM) went away without shutdown(), with "
+                            f"{engine.get_num_unfinished_requests()} request(s) unfinished: its "
+                            "process died or was killed")
 
     def shutdown(self) -> None:
         """Abort what is left (on the tape), apply the frames still in flight, close the tape.
@@ -200,13 +229,13 @@ class EngineCore:
         self._closed = True
         engine = self.engine
         try:
-            if engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() and engine.dead_reason is None:
                 self.abort([r.req_id for r in engine.state.unfinished])
                 for _ in range(engine.depth + 2):  # the in-flight steps, then nothing
                     if not engine.has_unfinished_requests():
                         break
                     engine.step()
-        except EngineDeadError:
-            pass  # the failure is on the tape already
+        except Exception as exc:  # noqa: BLE001 - on the tape; the tape is closed all the same
+            self._record_failure(exc)
         finally:
             self.llm.close()

@@ -58,9 +58,16 @@ def serve(core: object, pull: zmq.Socket, push: zmq.Socket, stdin_fd: int) -> bo
         requests = []
         while True:
             try:
-                requests.append(decode(pull.recv(zmq.NOBLOCK)))
+                data = pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            try:
+                requests.append(decode(data))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # The frontend encodes only what it checked; a message that still does not
+                # decode is dropped (it has no id to answer), and the engine serves on.
+                print(f"engine core: dropped a message that does not decode: {exc}",
+                      file=sys.stderr, flush=True)
         messages, done = core.run_once(requests)  # type: ignore[attr-defined]
         for msg in messages:
             send(_encode(msg))
@@ -82,7 +89,7 @@ def main() -> int:
         from tokentape.engine.core.engine_core import EngineCore
 
         core = EngineCore(setup.model, setup.tape, setup.engine_args)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the frontend reports it
         push.send(_encode(CoreFailed(*error_of(exc))))
         pull.close(0)
         push.close()
