@@ -16,17 +16,21 @@ _SERVING = re.compile(r"serving on (http://[0-9.]+:[0-9]+)")
 
 
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout_s: float = 120.0) -> None:
-        cmd = [sys.executable, "-m", "tokentape.entrypoints.serve", "--host", "127.0.0.1", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def __init__(self, *args: str, startup_timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 port: int = 0) -> None:
+        cmd = [sys.executable, "-m", "tokentape.entrypoints.serve", "--host", "127.0.0.1", "--port", str(port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=None if env is None else {**os.environ, **env})
         self.lines: list[str] = []
         self._url = threading.Event()
         self.url = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._url.wait(startup_timeout_s):
-            self.stop(timeout_s=10)
-            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
+        started = time.monotonic()
+        while not self._url.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() - started > startup_timeout_s:
+                self.stop(timeout_s=10)
+                raise RuntimeError("the server did not start:\n" + "".join(self.lines))
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -40,6 +44,17 @@ class ServerProcess:
     @property
     def stderr(self) -> str:
         return "".join(self.lines)
+
+    @property
+    def core_pid(self) -> int:
+        """The pid of the server's engine core process (its only child that is Python's)."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"tokentape.engine.core.proc" in f.read():
+                    return pid
+        raise RuntimeError(f"no engine core among the server's children {children}")
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Until the engine runs nothing and nothing waits (read from /metrics): a client that

@@ -40,7 +40,8 @@ async def stream(http: httpx.AsyncClient, i: int) -> tuple[list[int], str, str |
 
 
 async def leave(http: httpx.AsyncClient, i: int) -> None:
-    body = {"model": "oracle", "prompt": f"leaver {i}", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    # Long enough to be still running when it leaves; within the context (32,768 tokens).
+    body = {"model": "oracle", "prompt": f"leaver {i}", "max_tokens": 30_000, "ignore_eos": True, "stream": True}
     async with http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"leaver{i}"}) as r:
         seen = 0
         async for line in r.aiter_lines():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokentape.engine.tokenizer import ByteTokenizer
-from tokentape.entrypoints.api_server import _param_of
+from tokentape.entrypoints.request_body import param_of_validation as _param_of
 from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.metrics import ServerMetrics

@@ -1,17 +1,17 @@
 """The FastAPI app of `tokentape serve`: OpenAI's /v1/completions, /v1/chat/completions and
-/v1/models; /health and /metrics; vLLM's RL endpoints by vLLM's names (/pause, /resume,
-/is_paused, /reset_prefix_cache, /update_weights). Every error is an OpenAI-style JSON body
-({"error": {"message", "type", "param", "code"}}), and the server keeps serving.
+/v1/models; /health and /metrics; vLLM's RL endpoints (rl_endpoints.py) when asked for, and
+API keys (auth.py). Every error is an OpenAI-style JSON body ({"error": {"message", "type",
+"param", "code"}}), and the server keeps serving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Literal, TypeVar
+from typing import TypeVar
 
-import msgspec
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -19,8 +19,11 @@ from starlette.responses import Response
 from tokentape.engine.async_llm import AsyncLLM
 from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.entrypoints import protocol as p
+from tokentape.entrypoints.auth import APIKeyMiddleware
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import ServerMetrics
+from tokentape.entrypoints.request_body import decode_body
+from tokentape.entrypoints.rl_endpoints import RL_PATHS, add_rl_endpoints
 from tokentape.entrypoints.serving import APIError, ClientGone, OpenAIServing
 from tokentape.entrypoints.serving_chat import create_chat_completion
 from tokentape.entrypoints.serving_completion import create_completion
@@ -39,30 +42,27 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
 
 
 async def read_body(request: Request, body_type: type[T]) -> T:
-    """The JSON body as `body_type`: malformed JSON is a 400, a body of the wrong shape a 422."""
-    data = await request.body()
-    try:
-        return msgspec.json.decode(data, type=body_type)
-    except msgspec.ValidationError as exc:
-        raise APIError(422, f"invalid request body: {exc}", param=_param_of(str(exc))) from None
-    except msgspec.DecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    """The JSON body as `body_type` (request_body.decode_body: 400 or 422 with its field)."""
+    return decode_body(await request.body(), body_type)
 
 
-def _param_of(message: str) -> str | None:
-    """msgspec names the bad field as `$.field`; OpenAI's `param` is the field's name."""
-    at = message.rfind("`$.")
-    if at >= 0:
-        return message[at + 3:message.index("`", at + 1)].split("[")[0].split(".")[0]
-    missing = message.find("missing required field `")
-    if missing >= 0:
-        start = missing + len("missing required field `")
-        return message[start:message.index("`", start)]
-    return None
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """Who may call what (README, "Serve": the threat model). `api_keys`: a Bearer token
+    one of them for every /v1 route and RL endpoint (none: no key asked for);
+    `enable_rl_endpoints`: serve /pause, /resume, /is_paused, /reset_prefix_cache and
+    /update_weights; `allowed_weight_dirs`: the folders /update_weights may load from."""
+
+    api_keys: tuple[str, ...] = ()
+    enable_rl_endpoints: bool = False
+    allowed_weight_dirs: tuple[str, ...] = ()
 
 
-def build_app(engine: AsyncLLM, model_name: str | None = None, chat_template: ChatTemplate | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, model_name: str | None = None,
+              chat_template: ChatTemplate | None = None,
+              options: ServerOptions | None = None) -> FastAPI:
     """The app over a started AsyncLLM. The caller owns the engine (and shuts it down)."""
+    options = options or ServerOptions()
     name = model_name or engine.model
     metrics = ServerMetrics(name, lambda: engine.stats)
     serving = OpenAIServing(engine, name, chat_template or ChatTemplate.for_model(engine.model), metrics)
@@ -72,6 +72,10 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, chat_template: Ch
     def error(status: int, message: str, type: str, param: str | None = None) -> Response:
         metrics.errors.labels(status=str(status)).inc()
         return error_response(status, message, type, param)
+
+    def unauthorized() -> Response:
+        return error(401, "Unauthorized: this route needs a valid API key (Authorization: "
+                     "Bearer <key>)", "AuthenticationError")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -132,37 +136,10 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, chat_template: Ch
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # -- vLLM's RL endpoints -----------------------------------------------------------------------
-
-    @app.post("/pause")
-    async def pause(mode: Literal["abort", "wait", "keep"] = Query("abort"),
-                    clear_cache: bool = Query(True)) -> Response:
-        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
-        return json_response({"status": "paused"})
-
-    @app.post("/resume")
-    async def resume() -> Response:
-        await engine.resume_generation()
-        return json_response({"status": "resumed"})
-
-    @app.get("/is_paused")
-    async def is_paused() -> Response:
-        return json_response({"is_paused": await engine.is_paused()})
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(reset_running_requests: bool = Query(False)) -> Response:
-        ok = await engine.reset_prefix_cache(reset_running_requests)
-        return json_response({"success": ok})
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> Response:
-        req = await read_body(request, p.UpdateWeightsRequest)
-        try:
-            weights_id = await engine.update_weights(req.path)
-        except EngineDeadError:
-            raise
-        except (ValueError, TypeError, RuntimeError, OSError) as exc:  # refused, nothing changed
-            raise APIError(400, str(exc), param="path") from None
-        return json_response({"status": "ok", "weights_id": weights_id})
-
+    if options.enable_rl_endpoints:
+        add_rl_endpoints(app, engine, options.allowed_weight_dirs, json_response)
+    if options.api_keys:
+        app.add_middleware(
+            APIKeyMiddleware, keys=options.api_keys, protected_paths=RL_PATHS,
+            error=unauthorized)
     return app

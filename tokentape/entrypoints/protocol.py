@@ -41,15 +41,24 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # A string, a list of token ids, or a list of either (one choice per prompt). msgspec
-    # takes one array type in a union, so the items are checked in serving_completion.
-    prompt: str | list[Any]
+    # takes one array type in a union, so a list's items are checked in serving_completion.
+    # Typed to two levels: a deeper body is refused as it is decoded, not recursed into.
+    prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
     echo: bool = False
 
 
+class ContentPart(msgspec.Struct):
+    """A part of a message's content; only text parts are supported (other fields of a part
+    are skipped as it is decoded)."""
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(msgspec.Struct):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

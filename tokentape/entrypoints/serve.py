@@ -6,7 +6,9 @@ process writing the tape.
 
 Once listening it prints `serving on http://HOST:PORT` on stderr. SIGTERM or Ctrl-C stops
 new work, lets what is in flight finish for --drain-timeout seconds, aborts the rest (on the
-tape) and closes the tape, which then verifies.
+tape) and closes the tape, which then verifies (server_lifecycle.py: how it stops, its exit
+statuses). Who may call what: API keys (auth.py), the RL endpoints only when asked for
+(rl_endpoints.py), and the README's threat model.
 """
 
 from __future__ import annotations
@@ -17,12 +19,24 @@ import datetime
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokentape.entrypoints.cli.common import int_at_least
+from tokentape.entrypoints.server_lifecycle import (
+    CORE_STOP_TIMEOUT_S,
+    EXIT_ENGINE_FAILED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    StartupError,
+    StoppedBeforeServing,
+    bind_socket,
+    make_server,
+    sigterm_stops_startup,
+)
 
-EXIT_OK = 0
-EXIT_ERROR = 2
+if TYPE_CHECKING:
+    from tokentape.entrypoints.api_server import ServerOptions
 
 
 def _seconds(text: str) -> float:
@@ -48,19 +62,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "Serve the engine over HTTP: /v1/completions (a string or token-id prompt; SSE with\n"
             "stream), /v1/chat/completions (the checkpoint's chat template; a simple built-in one\n"
             "for the built-in models and the oracle), /v1/models, /health, /metrics (Prometheus),\n"
-            "and vLLM's RL endpoints: POST /pause?mode=abort|wait|keep&clear_cache=true|false,\n"
-            "POST /resume, GET /is_paused, POST /reset_prefix_cache, POST /update_weights\n"
-            '(JSON {"path": CHECKPOINT_FOLDER}). The engine core runs in a background process\n'
-            "and records every request, abort and pause on the tape. Prints 'serving on\n"
+            "and, with --enable-rl-endpoints (or VLLM_SERVER_DEV_MODE=1), vLLM's RL endpoints:\n"
+            "POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume, GET\n"
+            "/is_paused, POST /reset_prefix_cache, POST /update_weights (JSON {\"path\": FOLDER},\n"
+            "a folder under --allowed-weight-dirs). With an API key (--api-key, or the\n"
+            "TOKENTAPE_API_KEY or VLLM_API_KEY environment variable) every /v1 route and RL\n"
+            "endpoint needs 'Authorization: Bearer KEY'. The engine core runs in a background\n"
+            "process and records every request, abort and pause on the tape. Prints 'serving on\n"
             "http://HOST:PORT' on stderr once listening. SIGTERM or Ctrl-C: stop taking requests,\n"
             "let those in flight finish for --drain-timeout seconds, abort the rest (on the tape),\n"
-            "close the tape."
+            "close the tape.\n"
+            "\n"
+            "exit status: 0 when stopped by SIGTERM (the tape closed), 1 when the engine core\n"
+            "failed while serving (open streams end with an error event; the server drains and\n"
+            "stops), 2 when it cannot start (bad arguments, a port in use, a model that does not\n"
+            "load), 130 on Ctrl-C."
         ),
         epilog=(
             "examples:\n"
             "  tokentape serve --model tiny --tape run.tape --port 8000\n"
             "  tokentape serve --model oracle --port 0 --no-tape\n"
-            "  curl -X POST 'localhost:8000/pause?mode=keep&clear_cache=true'"
+            "  TOKENTAPE_API_KEY=secret tokentape serve --enable-rl-endpoints \\\n"
+            "      --allowed-weight-dirs /ckpt\n"
+            "  curl -X POST -H 'Authorization: Bearer secret' \\\n"
+            "      'localhost:8000/pause?mode=keep&clear_cache=true'"
         ),
     )
     srv.add_argument("--model", default="tiny",
@@ -91,14 +116,28 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        ("--max-num-seqs", "most requests running at once (engine default: 256)"),
                        ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
                        ("--max-model-len", "longest sequence (default: the KV capacity)"),
-                       ("--cpu-threads", "CPU threads of the engine core (a small model's lanes; default: one "
-                        "per CPU less one, left to the HTTP server, at least one; one per CPU with "
-                        "--in-process)")):
+                       ("--cpu-threads", ("CPU threads of the engine core (a small model's lanes; "
+                        "default: one per CPU less one, left to the HTTP server, at least one; one "
+                        "per CPU with --in-process)"))):
         srv.add_argument(flag, type=int_at_least(1), default=None, metavar="N", help=what)
     srv.add_argument("--stream-interval", type=int_at_least(1), default=1, metavar="N",
                      help="tokens per streamed chunk after a stream's first (vLLM's option): N > 1 "
                      "sends fewer, larger chunks, so serving costs less CPU per token, and tokens "
                      "arrive up to N - 1 steps later (default: 1)")
+    srv.add_argument("--max-logprobs", type=int_at_least(-1), default=None, metavar="N",
+                     help="the most log-probabilities a request may ask for per token (vLLM's "
+                     "option; -1: no limit but the vocabulary; engine default: 20)")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every /v1 route and RL endpoint "
+                     "(default: the TOKENTAPE_API_KEY environment variable, else VLLM_API_KEY; "
+                     "prefer them: a command line is visible to every user of the machine)")
+    srv.add_argument("--enable-rl-endpoints", action="store_true",
+                     help="serve vLLM's RL endpoints (/pause, /resume, /is_paused, "
+                     "/reset_prefix_cache, /update_weights), which change what every client gets; "
+                     "also on with VLLM_SERVER_DEV_MODE=1 (default: off)")
+    srv.add_argument("--allowed-weight-dirs", nargs="+", default=[], metavar="DIR",
+                     help="the folders /update_weights may load checkpoints from (their "
+                     "subfolders too); any other path is refused (default: none)")
     srv.add_argument("--drain-timeout", type=_seconds, default=10.0, metavar="S",
                      help="on SIGTERM, seconds to let requests in flight finish before they are "
                      "aborted (default: 10)")
@@ -117,7 +156,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.sync:
         kwargs["async_scheduling"] = False
     for name in ("pipeline_depth", "num_speculative_tokens", "discard_policy", "num_kv_blocks",
-                 "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "cpu_threads"):
+                 "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "cpu_threads",
+                 "max_logprobs"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
@@ -143,6 +183,22 @@ def _default_tape_path() -> str:
     return path
 
 
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """Who may call what, from the flags and the environment."""
+    from tokentape.entrypoints.api_server import ServerOptions
+    from tokentape.entrypoints.auth import api_keys_from
+    from tokentape.entrypoints.rl_endpoints import dev_mode
+
+    for folder in args.allowed_weight_dirs:
+        if not os.path.isdir(folder):
+            raise StartupError(f"--allowed-weight-dirs: {folder} is not a directory")
+    return ServerOptions(
+        api_keys=tuple(api_keys_from(args.api_key)),
+        enable_rl_endpoints=args.enable_rl_endpoints or dev_mode(),
+        allowed_weight_dirs=tuple(args.allowed_weight_dirs),
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -151,6 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokentape.entrypoints.api_server import build_app
     from tokentape.entrypoints.cli.common import check_output_path, remove_for_overwrite
 
+    options = server_options(args)
     tape: str | None = None if args.no_tape else (args.tape or _default_tape_path())
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
         EngineConfig(model=args.model, **engine_args(args))  # bad arguments fail before the removal
@@ -158,47 +215,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = engine_args(args)
     if args.cpu_threads is None and not args.in_process:
         kwargs["cpu_threads"] = server_cpu_threads()
-    engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process,
-                      stream_interval=args.stream_interval, **kwargs)
+    sock = bind_socket(args.host, args.port)  # a port in use fails before the engine is built
+    try:
+        with sigterm_stops_startup():
+            engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process,
+                              stream_interval=args.stream_interval, **kwargs)
+    except StoppedBeforeServing:
+        sock.close()
+        return EXIT_OK
+    except BaseException:
+        sock.close()
+        raise
 
     def close_engine() -> None:
-        engine.shutdown()  # aborts what is left (on the tape), closes the tape
+        engine.shutdown(CORE_STOP_TIMEOUT_S)  # aborts what is left (on the tape), closes it
         if engine.tape_path:
             print(f"tape: {engine.tape_path}", file=sys.stderr, flush=True)
 
     try:
-        app = build_app(engine, args.served_model_name)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+        app = build_app(engine, args.served_model_name, options=options)
+        config = uvicorn.Config(app, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.drain_timeout, lifespan="off")
-        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, so the engine closes inside
-        # its shutdown, after the connections are drained (or cancelled: their requests abort).
-        # uvicorn's own loop (uvloop when installed); its run() would also bind the socket.
+        server = make_server(config, close_engine)
+        # A core that fails while serving: stop as SIGTERM does (open streams have ended with
+        # an error event), then exit 1.
+        engine.failure_callbacks.append(lambda reason: setattr(server, "should_exit", True))
+        # uvicorn re-raises SIGINT once it has shut down, so the engine closes inside its
+        # shutdown, after the connections are drained (or cancelled: their requests abort).
+        # uvicorn's own loop (uvloop when installed).
         with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-            runner.run(_make_server(config, close_engine).serve())
+            runner.run(server.serve(sockets=[sock]))
     finally:
-        engine.shutdown()  # a no-op when the server closed it
+        engine.shutdown(CORE_STOP_TIMEOUT_S)  # a no-op when the server closed it
+        sock.close()
+    if engine.failure is not None:
+        print(f"error: the engine core failed while serving: {engine.failure}", file=sys.stderr,
+              flush=True)
+        return EXIT_ENGINE_FAILED
     return EXIT_OK
-
-
-def _make_server(config: Any, on_shutdown: Any) -> Any:
-    """uvicorn's Server, announcing the bound address (a --port 0 server's real port) and
-    closing the engine when it shuts down; uvicorn is imported here, not with the CLI."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.started and self.servers and self.servers[0].sockets:
-                host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"serving on http://{host}:{port}", file=sys.stderr, flush=True)
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            try:
-                await super().shutdown(sockets)
-            finally:
-                on_shutdown()
-
-    return Server(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,11 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return cmd_serve(args)
-    except (CLIError, ValueError, TypeError, OSError, RuntimeError) as exc:
+    except (CLIError, StartupError, ValueError, TypeError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

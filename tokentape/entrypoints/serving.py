@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -23,18 +24,14 @@ from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
+from tokentape.entrypoints.refusals import APIError, check_fits_context, refusal
 from tokentape.events.schema import RequestOutputKind, SamplingParams
+
+__all__ = ["APIError", "ClientGone", "OpenAIServing", "PromptStream", "guarded_sse"]
 
 T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-class APIError(Exception):
-    """An OpenAI-style error response: status, message, type, param."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type, param
+logger = logging.getLogger("tokentape.serve")
 
 
 class ClientGone(Exception):
@@ -48,7 +45,7 @@ class IncrementalDetokenizer:
     is held back until the character is complete, or the stream ends. `num_chars`: the
     length of the text given out so far."""
 
-    __slots__ = ("decode", "tokens", "num_chars", "prefix_offset", "read_offset")
+    __slots__ = ("decode", "num_chars", "prefix_offset", "read_offset", "tokens")
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode, self.tokens, self.num_chars = decode, [], 0
@@ -73,7 +70,7 @@ class ByteDetokenizer:
     cut between tokens is held back by the decoder itself until it is complete (or, at the
     end, replaced)."""
 
-    __slots__ = ("to_bytes", "utf8", "num_chars")
+    __slots__ = ("num_chars", "to_bytes", "utf8")
 
     def __init__(self, tokenizer: ByteTokenizer) -> None:
         self.to_bytes = tokenizer.to_bytes
@@ -160,12 +157,15 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
     def sampling_params(self, req: p._SamplingFields, max_tokens: int | None, num_prompt_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, aliases: Mapping[str, str]) -> SamplingParams:
+        """The request's SamplingParams; a refused value is a 400 naming its field (as the
+        endpoint calls it: `aliases`), and so is a max_tokens past the context (vLLM's)."""
+        asked = max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - num_prompt_tokens)
         top_k = 0 if req.top_k in (None, -1) else req.top_k
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -185,10 +185,21 @@ class OpenAIServing:
                 bad_words=tuple(req.bad_words or ()),
             )
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from None
+            raise refusal(exc, aliases) from None
+        check_fits_context(num_prompt_tokens, asked, self.engine.max_model_len,
+                           aliases.get("max_tokens", "max_tokens"))
+        return params
 
     async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
-                     request_id: str) -> list[PromptStream]:
+                    request_id: str, aliases: Mapping[str, str]) -> list[PromptStream]:
+        """Start every prompt's stream and take its first output: a refusal by the engine
+        (nothing recorded) is a 400 naming its field, a dead engine a 503. Every prompt is
+        checked first, so a request of several is refused whole, none of it recorded."""
+        for tokens in prompts:
+            try:
+                self.engine.check_prompt(tokens)
+            except (ValueError, TypeError) as exc:
+                raise refusal(exc, aliases) from None
         streams = [
             PromptStream(self.engine.generate(tokens, params, f"{request_id}-{i}"), tokens, RequestTimer(self.metrics))
             for i, tokens in enumerate(prompts)
@@ -208,7 +219,7 @@ class OpenAIServing:
         try:
             await until_disconnect(request, start_all())
         except (ValueError, TypeError) as exc:  # refused by the engine, nothing recorded
-            raise APIError(400, str(exc)) from None
+            raise refusal(exc, aliases) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "ServiceUnavailableError") from None
         return streams
@@ -223,6 +234,27 @@ class OpenAIServing:
 
 def sse_bytes(chunk: Any) -> bytes:
     return b"data: " + p.encode_json(chunk) + b"\n\n"
+
+
+def sse_error(message: str, type: str, status: int) -> bytes:
+    """vLLM's error event in a stream: the OpenAI error body as an SSE event."""
+    return sse_bytes(p.ErrorResponse(p.ErrorInfo(message, type, None, status)))
+
+
+async def guarded_sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream that fails after its response started ends as vLLM's does: an error event,
+    then [DONE], so the client reads a clean end rather than a cut connection. A client
+    that leaves cancels it (its requests are aborted), as before."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except EngineDeadError as exc:
+        yield sse_error(str(exc), "ServiceUnavailableError", 503)
+        yield SSE_DONE
+    except Exception as exc:
+        logger.exception("a stream failed after its response started")
+        yield sse_error(f"{type(exc).__name__}: {exc}", "InternalServerError", 500)
+        yield SSE_DONE
 
 
 class SSEFramer:
@@ -261,7 +293,7 @@ async def merge_streams(streams: list[PromptStream]) -> AsyncIterator[tuple[int,
         try:
             async for out in s.outputs():
                 queue.put_nowait((i, out))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(None)

@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokentape.engine.outputs import CompletionOutput
-from tokentape.entrypoints.chat_template import ChatTemplateError, message_text
 from tokentape.entrypoints import protocol as p
+from tokentape.entrypoints.chat_template import ChatTemplateError, message_text
 from tokentape.entrypoints.choices import ChoiceText, chat_logprobs
 from tokentape.entrypoints.serving import (
     SSE_DONE,
@@ -19,10 +19,28 @@ from tokentape.entrypoints.serving import (
     OpenAIServing,
     SSEFramer,
     detokenizer,
+    guarded_sse,
     merge_streams,
     sse_bytes,
     usage_of,
 )
+
+
+def param_aliases(req: p.ChatCompletionRequest) -> dict[str, str]:
+    """The engine's names of a refused field, as this chat request calls them."""
+    aliases = {"prompt_token_ids": "messages", "prompt": "messages"}
+    if req.top_logprobs is not None:
+        aliases["logprobs"] = "top_logprobs"
+    if req.max_completion_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    return aliases
+
+
+def content_of(message: p.ChatMessage) -> str | list[dict[str, object]] | None:
+    """A message's content as the chat template's message_text takes it."""
+    if isinstance(message.content, list):
+        return [{"type": part.type, "text": part.text} for part in message.content]
+    return message.content
 
 
 async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, request: Request) -> Response:
@@ -31,20 +49,21 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     if not req.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     try:
-        messages = [message_text(m.role, m.content) for m in req.messages]
+        messages = [message_text(m.role, content_of(m)) for m in req.messages]
         text = serving.chat_template.render(messages, req.add_generation_prompt)
         tokens = serving.engine.tokenizer.encode(text)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    except UnicodeError as exc:
+    except ValueError as exc:  # a lone surrogate; a checkpoint without a tokenizer
         raise APIError(400, f"the messages cannot be encoded: {exc}", param="messages") from None
     if not tokens:
         raise APIError(400, "the rendered chat prompt is empty", param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = serving.sampling_params(req, max_tokens, len(tokens), logprobs)
+    aliases = param_aliases(req)
+    params = serving.sampling_params(req, max_tokens, len(tokens), logprobs, aliases)
     request_id = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await serving.start(request, [tokens], params, request_id)
+    streams = await serving.start(request, [tokens], params, request_id, aliases)
     created = int(time.time())
     tokenizer, n, k = serving.engine.tokenizer, params.n, req.top_logprobs or 0
     texts = [ChoiceText(detokenizer(tokenizer), tokenizer.decode, params) for _ in range(n)]
@@ -76,7 +95,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
                                                  usage_of(streams, generated)))
             yield SSE_DONE
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return StreamingResponse(guarded_sse(sse()), media_type="text/event-stream")
 
     async def collect() -> p.ChatCompletionResponse:
         merged = [CompletionOutput(j, None, [], None, [] if req.logprobs else None, None,

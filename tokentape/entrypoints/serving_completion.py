@@ -19,20 +19,25 @@ from tokentape.entrypoints.serving import (
     OpenAIServing,
     SSEFramer,
     detokenizer,
+    guarded_sse,
     merge_streams,
     sse_bytes,
     usage_of,
 )
 
+# The engine's names of a refused field, as a completion request calls them.
+PARAM_ALIASES = {"prompt_token_ids": "prompt"}
+
 
 def completion_prompts(serving: OpenAIServing, prompt: str | list[Any]) -> list[list[int]]:
+    """The prompts as token ids: a string, token ids, or a list of either."""
     encode = serving.engine.tokenizer.encode
 
     def one(x: Any) -> list[int]:
         if isinstance(x, str):
             try:
                 return encode(x)
-            except UnicodeError as exc:
+            except ValueError as exc:  # a lone surrogate; a checkpoint without a tokenizer
                 raise APIError(400, f"the prompt cannot be encoded: {exc}", param="prompt") from None
         return x
 
@@ -46,6 +51,7 @@ def completion_prompts(serving: OpenAIServing, prompt: str | list[Any]) -> list[
         return [one(x) for x in prompt]
     raise APIError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
 
+
 async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, request: Request) -> Response:
     """POST /v1/completions: n choices per prompt (index prompt * n + j, as vLLM's), streamed
     as SSE or in one body."""
@@ -53,9 +59,10 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
     prompts = completion_prompts(serving, req.prompt)
-    params = serving.sampling_params(req, req.max_tokens, max(map(len, prompts)), req.logprobs)
+    params = serving.sampling_params(req, req.max_tokens, max(map(len, prompts)), req.logprobs,
+                                     PARAM_ALIASES)
     request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-    streams = await serving.start(request, prompts, params, request_id)
+    streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES)
     created = int(time.time())
     tokenizer, n = serving.engine.tokenizer, params.n
     texts: dict[int, ChoiceText] = {}  # by choice index: prompt i's completion j is i * n + j
@@ -92,7 +99,7 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
                 yield sse_bytes(p.CompletionResponse(request_id, created, serving.model_name, [], usage))
             yield SSE_DONE
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return StreamingResponse(guarded_sse(sse()), media_type="text/event-stream")
 
     async def collect() -> p.CompletionResponse:
         choices: list[p.CompletionChoice] = []

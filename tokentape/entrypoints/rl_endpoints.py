@@ -1,0 +1,104 @@
+"""vLLM's RL endpoints, by vLLM's names: POST /pause, POST /resume, GET /is_paused, POST
+/reset_prefix_cache, POST /update_weights.
+
+They change what every client gets (a pause freezes every stream; new weights change every
+later token), so a server attaches them only when asked (`--enable-rl-endpoints`, or vLLM's
+dev-mode variable VLLM_SERVER_DEV_MODE=1), behind the API key when there is one, and
+/update_weights loads only folders under `--allowed-weight-dirs`: a path elsewhere is refused
+with one message whether or not it exists, so the endpoint says nothing of the rest of the
+disk. An update the engine refuses (a bad checkpoint, not paused) is a 400; the engine
+serves on with its old weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from fastapi import FastAPI, Query, Request
+from starlette.responses import Response
+
+from tokentape.engine.async_llm import AsyncLLM
+from tokentape.engine.llm_engine import EngineDeadError
+from tokentape.entrypoints import protocol as p
+from tokentape.entrypoints.refusals import APIError
+from tokentape.entrypoints.request_body import decode_body
+
+RL_PATHS = ("/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/update_weights")
+DEV_MODE_ENV_VAR = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode(environ: dict[str, str] | None = None) -> bool:
+    """vLLM's dev mode, which serves its RL and sleep endpoints: VLLM_SERVER_DEV_MODE=1."""
+    env = os.environ if environ is None else environ
+    return env.get(DEV_MODE_ENV_VAR, "").strip().lower() in ("1", "true")
+
+
+def weight_dirs(dirs: Sequence[str]) -> list[str]:
+    """The allowed folders, resolved once (symbolic links followed), as absolute paths."""
+    return [os.path.realpath(os.path.abspath(d)) for d in dirs]
+
+
+def allowed_weights_path(path: str, allowed: Sequence[str]) -> str:
+    """The checkpoint folder to load: `path` resolved (links followed) when it lies under an
+    allowed folder. Otherwise an APIError that is the same whatever exists at `path`."""
+    if not allowed:
+        raise APIError(
+            403,
+            "/update_weights loads no path: the server was started without --allowed-weight-dirs",
+            param="path",
+        )
+    if "\0" in path or not os.path.isabs(path):
+        raise APIError(400, "path must be an absolute path", param="path")
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, d]) == d for d in allowed):
+        raise APIError(
+            403,
+            "path is not under a folder the server allows (--allowed-weight-dirs)",
+            param="path",
+        )
+    return real
+
+
+def add_rl_endpoints(
+    app: FastAPI,
+    engine: AsyncLLM,
+    allowed_weight_dirs: Sequence[str],
+    json_response: Callable[[object], Response],
+) -> None:
+    """Attach the RL endpoints to `app` (the caller decides whether to)."""
+    allowed = weight_dirs(allowed_weight_dirs)
+
+    @app.post("/pause")
+    async def pause(
+        mode: Literal["abort", "wait", "keep"] = Query("abort"), clear_cache: bool = Query(True)
+    ) -> Response:
+        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
+        return json_response({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        await engine.resume_generation()
+        return json_response({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused() -> Response:
+        return json_response({"is_paused": await engine.is_paused()})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False)) -> Response:
+        ok = await engine.reset_prefix_cache(reset_running_requests)
+        return json_response({"success": ok})
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> Response:
+        req = decode_body(await request.body(), p.UpdateWeightsRequest)
+        folder = allowed_weights_path(req.path, allowed)
+        try:
+            weights_id = await engine.update_weights(folder)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the update raised, it was refused
+            raise APIError(400, str(exc), param="path") from None
+        return json_response({"status": "ok", "weights_id": weights_id})
