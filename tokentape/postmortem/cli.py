@@ -150,7 +150,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
             print(safe_text(f"report: {args.html}"))
     unreadable = [(name, row) for name, row in report.summary.engines.items() if row.ended in UNREADABLE_ENDS]
     if unreadable:
-        name, row = unreadable[0]
+        _, row = unreadable[0]
         more = f" (and {len(unreadable) - 1} more unreadable tape(s))" if len(unreadable) > 1 else ""
         raise CLIError(f"{row.tape}: {row.where}{more}")
     return EXIT_OK if report.ok else EXIT_FINDINGS
@@ -168,6 +168,8 @@ def print_report(report: Report, stream: TextIO) -> None:
     out = SafeWriter(stream)
     s = report.summary
     state = "complete" if s.complete else "stopped early"
+    if s.complete and any(f.kind == "tape_truncated" for f in report.findings):
+        state = "ends mid-run"  # read to its end, which is not the run's: still written, or cut
     out.write(f"{s.tape}: {plural(s.num_events, 'event')} ({state}), {plural(s.num_steps, 'step')}, "
               f"{plural(s.num_requests, 'request')}, policy {s.discard_policy}, model {s.model_id}, "
               f"reference {s.reference or 'none'}\n")

@@ -67,6 +67,8 @@ def whatif_config(tape: Tape, discard_policy: str | None = None, pipeline_depth:
     if pipeline_depth is not None:
         changes["pipeline_depth"] = pipeline_depth
         changes["async_scheduling"] = pipeline_depth > 1
+    if "max_logprobs" not in tape.header.config:
+        changes["max_logprobs"] = -1  # recorded before the limit: its requests had none
     model = tape.config.model
     if runner == "oracle" and model not in ORACLE_MODELS:
         changes["model"] = "oracle"
@@ -76,6 +78,20 @@ def whatif_config(tape: Tape, discard_policy: str | None = None, pipeline_depth:
         return msgspec.structs.replace(tape.config, **changes)
     except (ValueError, TypeError) as exc:
         raise WhatIfError(f"invalid what-if configuration: {exc}") from None
+
+
+def on_this_machine(config: EngineConfig, runner: str) -> tuple[EngineConfig, str | None]:
+    """The config with a device this machine lacks (a tape recorded on CUDA, replayed on a
+    CPU-only laptop) replaced by the CPU, and a note saying so; the oracle needs no device."""
+    if runner != "model":
+        return config, None
+    from tokentape.engine.runners.devices import device_problem
+
+    problem = device_problem(config.device)
+    if problem is None:
+        return config, None
+    note = f"{problem}: replayed on the CPU instead (tokens may differ from the recording's)"
+    return msgspec.structs.replace(config, device="cpu"), note
 
 
 def _make_runner(config: EngineConfig, runner: str) -> ModelRunner:
@@ -161,13 +177,14 @@ def whatif(
     """
     original = load_tape(source)
     runner = recorded_runner(original) if runner is None else runner
-    config = whatif_config(original, discard_policy, pipeline_depth, runner)
+    config, device_note = on_this_machine(
+        whatif_config(original, discard_policy, pipeline_depth, runner), runner)
     engine_runner = _make_runner(config, runner)
     writer = open_tape_writer(None if out is None else os.fspath(out), config, engine_runner)
     engine = LLMEngine(config, engine_runner, writer)
     # Generous: a changed pipeline may need more steps than the recording, never unboundedly more.
     limit = 10 * len(original) + 10_000
-    notes: list[str] = []
+    notes: list[str] = [device_note] if device_note else []
     try:
         for command in recorded_commands(original):
             _advance_to(engine, command.step, limit)

@@ -4,7 +4,9 @@ requests; `print_diff` also prints `replay whatif`'s diff."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from tokentape.entrypoints.cli.common import EXIT_DIVERGED, EXIT_OK, open_tape
@@ -51,10 +53,44 @@ def print_diff(text: str) -> None:
         out.line(line, style=style)
 
 
+class PinnedReader:
+    """A tape reader that sees only the tape's first `length` events, in every pass: a tape
+    still being written is compared as it stood when the command began (read twice, A then B,
+    it had grown in between, and `diff live.tape live.tape` found a divergence)."""
+
+    def __init__(self, reader: Any, length: int) -> None:
+        self._reader, self._length = reader, length
+        self.path, self.header = reader.path, reader.header
+
+    def __len__(self) -> int:
+        return self._length
+
+    def iter_events(self, start: int = 0) -> Iterator[tuple[int, Any]]:
+        for seq, event in self._reader.iter_events(start):
+            if seq >= self._length:
+                return
+            yield seq, event
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def pinned_tapes(path_a: str, path_b: str) -> tuple[Any, Any]:
+    """Both tapes, each pinned at its length now; one file given twice is pinned once."""
+    from tokentape.replay.tape import Tape
+
+    a, b = open_tape(path_a), open_tape(path_b)
+    len_a, len_b = len(a), len(b)
+    if os.path.samefile(path_a, path_b):
+        len_a = len_b = min(len_a, len_b)
+    return (Tape(PinnedReader(a.reader, len_a), a.snapshot_interval),
+            Tape(PinnedReader(b.reader, len_b), b.snapshot_interval))
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     from tokentape.replay.diff import diff
 
-    a, b = open_tape(args.a), open_tape(args.b)
+    a, b = pinned_tapes(args.a, args.b)
     with progress(2 * (len(a) + len(b)), "checking and reading the tapes") as update:
         result = diff(a, b, update)
     print_diff(result.format())
