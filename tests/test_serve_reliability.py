@@ -5,6 +5,7 @@ the ways that used to give 500s, and the exit statuses the CLI documents."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -308,3 +309,34 @@ def test_a_core_that_dies_mid_stream_ends_each_stream_cleanly(tmp_path: Path) ->
     assert "engine core failed while serving" in server.stderr
     assert "response already started" not in server.stderr and "Traceback" not in server.stderr
     assert verify(tape).ok
+
+
+def test_health_turns_503_when_the_core_dies() -> None:
+    """In-process (the server itself stops at once when its core dies, so /health is read
+    here, over the app): 200 while serving, 503 once the core is gone, and requests a 503."""
+    from tokentape import AsyncLLM
+    from tokentape.entrypoints.api_server import build_app
+
+    engine = AsyncLLM("oracle", tape=False)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=build_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            body = {"prompt": [5, 6], "max_tokens": 2}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            assert (await http.get("/health")).status_code == 200
+            os.kill(engine.engine_core.proc.pid, 9)  # type: ignore[attr-defined]
+            for _ in range(100):
+                if engine.errored:
+                    break
+                await asyncio.sleep(0.05)
+            health = await http.get("/health")
+            assert health.status_code == 503, health.text
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert engine.failure is not None and "exited" in engine.failure

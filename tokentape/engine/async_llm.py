@@ -231,6 +231,12 @@ class AsyncLLM:
         # A request of n > 1 is its children on the engine.
         self.engine_core.abort([c for i in ids for c in (self._streams[i][1] if i in self._streams else [i])])
 
+    async def abort_all(self) -> None:
+        """Abort every request this frontend is streaming (a server's drain ran out); their
+        streams end with finish_reason 'abort'. Nothing to do on a dead engine."""
+        if self._dead is None and self._streams:
+            await self.abort(list(self._streams))
+
     # -- engine calls ---------------------------------------------------------------------------
 
     async def _call(self, method: str, *args: Any) -> Any:

@@ -234,15 +234,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         app = build_app(engine, args.served_model_name, options=options)
-        config = uvicorn.Config(app, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.drain_timeout, lifespan="off")
-        server = make_server(config, close_engine)
+        config = uvicorn.Config(app, log_level=args.log_level, lifespan="off")
+        server = make_server(config, args.drain_timeout, engine.abort_all, close_engine)
         # A core that fails while serving: stop as SIGTERM does (open streams have ended with
         # an error event), then exit 1.
         engine.failure_callbacks.append(lambda reason: setattr(server, "should_exit", True))
-        # uvicorn re-raises SIGINT once it has shut down, so the engine closes inside its
-        # shutdown, after the connections are drained (or cancelled: their requests abort).
-        # uvicorn's own loop (uvloop when installed).
+        # The engine closes inside uvicorn's shutdown, after the connections are drained (or
+        # their requests aborted). uvicorn's own loop (uvloop when installed).
         with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
             runner.run(server.serve(sockets=[sock]))
     finally:

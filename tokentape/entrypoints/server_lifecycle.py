@@ -3,20 +3,21 @@ built (a port in use is an error at once, exit 2), uvicorn's server announcing i
 and the exit status of how it stopped.
 
 Stopping: SIGTERM or Ctrl-C stops taking requests and lets those in flight finish for the
-drain timeout; then the engine core aborts what is left and closes the tape, within
-CORE_STOP_TIMEOUT_S (then it is told to stop between steps, and killed past
-client.STOP_GRACE_S). SIGTERM then exits 0 (uvicorn would re-raise it and die by the signal);
+drain timeout; then the rest are aborted (their streams end with finish_reason "abort"),
+and the engine core closes the tape within CORE_STOP_TIMEOUT_S (then it is told to stop
+between steps, and killed past client.STOP_GRACE_S). SIGTERM then exits 0 (uvicorn would re-raise it and die by the signal);
 Ctrl-C stays an interrupt (130). An engine core that fails while serving makes the server
 stop as a SIGTERM does and exit 1.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 EXIT_OK = 0
@@ -25,6 +26,8 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 # Seconds the engine core gets, after the drain, to abort what is left and close its tape.
 CORE_STOP_TIMEOUT_S = 5.0
+# Seconds the streams aborted at the end of the drain get to send their last chunk and [DONE].
+ABORT_FLUSH_S = 2.0
 
 
 class StartupError(Exception):
@@ -68,11 +71,17 @@ def sigterm_stops_startup() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def make_server(config: Any, on_shutdown: Callable[[], None]) -> Any:
-    """uvicorn's Server, announcing the bound address (a --port 0 server's real port),
-    closing the engine when it shuts down, and not re-raising SIGTERM once it has (the
-    process exits 0 after a clean stop). uvicorn is imported here, not with the CLI."""
+def make_server(config: Any, drain_timeout_s: float, abort_all: Callable[[], Awaitable[None]],
+                on_shutdown: Callable[[], None]) -> Any:
+    """uvicorn's Server, announcing the bound address (a --port 0 server's real port); on
+    shutdown it lets requests finish for `drain_timeout_s`, then aborts the rest through the
+    engine (their streams end with finish_reason "abort" and [DONE], not a cut connection;
+    uvicorn cancels what is still open ABORT_FLUSH_S later), then closes the engine; it does
+    not re-raise SIGTERM (the process exits 0 after a clean stop). uvicorn is imported here,
+    not with the CLI."""
     import uvicorn
+
+    config.timeout_graceful_shutdown = drain_timeout_s + ABORT_FLUSH_S
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -82,9 +91,12 @@ def make_server(config: Any, on_shutdown: Callable[[], None]) -> Any:
                 print(f"serving on http://{host}:{port}", file=sys.stderr, flush=True)
 
         async def shutdown(self, sockets: Any = None) -> None:
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(drain_timeout_s, lambda: loop.create_task(abort_all()))
             try:
                 await super().shutdown(sockets)
             finally:
+                timer.cancel()
                 on_shutdown()
 
         @contextlib.contextmanager
