@@ -176,8 +176,9 @@ class MPClient(CoreClient):
             self.proc.stdin.write(len(setup).to_bytes(4, "little") + setup)
             self.proc.stdin.flush()  # stays open: its end tells the core the frontend is gone
             self.info = self._wait_ready(startup_timeout_s)
-        except BaseException:
-            self._close_process(timeout_s=5.0)
+        except BaseException:  # interrupted, or the core failed: it aborts its build and exits
+            _let_go(self.proc)
+            self._close_process(timeout_s=STOP_GRACE_S)
             raise
 
     def _wait_ready(self, timeout_s: float) -> CoreInfo:
