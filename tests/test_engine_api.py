@@ -207,7 +207,7 @@ def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> None:
         e.abort_request("nope")
     with pytest.raises(ValueError, match="already in use"):
         e.add_request("ok", [5], SamplingParams())
-    with pytest.raises(ValueError, match="32 per sequence"):
+    with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
         e.add_request("long", list(range(3, 40)), SamplingParams())
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)

@@ -176,7 +176,7 @@ def test_update_weights_loads_only_under_the_allowed_folders(live: Live, tmp_pat
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x" * 300}]},
             "messages",
-            "the prompt has",
+            "input tokens. Please reduce",
         ),
     ],
 )

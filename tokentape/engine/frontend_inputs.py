@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from tokentape.events.validation import check_int, check_str, short_repr, shown
 
@@ -58,9 +59,7 @@ def check_prompt_tokens(token_ids: Sequence[object], vocab_size: int, max_model_
     if not token_ids:
         raise ValueError("the prompt is empty")
     check_token_ids("prompt_token_ids", token_ids, vocab_size)
-    if len(token_ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(token_ids)} tokens, but the engine holds at most "
-                         f"{max_model_len} per sequence")
+    check_prompt_fits(len(token_ids), max_model_len)
 
 
 def state_dict_bytes(weights: Mapping[str, Any]) -> bytes:

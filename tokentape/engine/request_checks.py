@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokentape.engine.bad_words import resolve_bad_words
+from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.events.schema import SamplingParams
 from tokentape.events.validation import check_int, check_str, shown
@@ -75,9 +76,7 @@ def check_request_limits(params: SamplingParams, max_logprobs: int, vocab_size: 
         )
 
 
-def check_prompt(
-    request_id: str, prompt: object, vocab_size: int, max_model_len: int, kv_capacity: int
-) -> None:
+def check_prompt(request_id: str, prompt: object, vocab_size: int, max_model_len: int) -> None:
     """A non-empty list of token ids of the vocabulary, shorter than the context."""
     if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)):
         hint = " (encode text with the tokenizer first)" if isinstance(prompt, str) else ""
@@ -96,12 +95,10 @@ def check_prompt(
                 raise ValueError(
                     f"{name} must be a token id in the vocabulary [0, {vocab_size}), got {t!r}"
                 )
-    if len(prompt) >= max_model_len:
-        raise ValueError(
-            f"request {request_id!r}: the prompt has {len(prompt)} tokens, but the engine holds "
-            f"at most {max_model_len} per sequence (KV capacity {kv_capacity} tokens); "
-            "raise num_kv_blocks or shorten the prompt"
-        )
+    try:
+        check_prompt_fits(len(prompt), max_model_len)  # vLLM's words (context_length.py)
+    except ValueError as exc:
+        raise ValueError(f"request {request_id!r}: {exc}") from None
 
 
 def check_request(
@@ -132,9 +129,7 @@ def check_request(
                     f"{child_request_id(i, request_id)!r} is already in use on this engine"
                 )
         child_params(params, params.n - 1, config.seed, ())  # the seeds fit
-    check_prompt(
-        request_id, prompt_token_ids, vocab, config.effective_max_model_len, config.kv_capacity
-    )
+    check_prompt(request_id, prompt_token_ids, vocab, config.effective_max_model_len)
     for i, word in enumerate(resolved_bad_words(engine, request_id, params).bad_words):
         for j, t in enumerate(word):
             if t >= vocab:

@@ -50,6 +50,8 @@ def param_of(message: str, aliases: Mapping[str, str] | None = None) -> str | No
         name = word.group()
         if name in KNOWN_PARAMS:
             return (aliases or {}).get(name, name)
+    if "input tokens" in rest:  # vLLM's words for a prompt past the context
+        return (aliases or {}).get("prompt", "prompt")
     return None
 
 
