@@ -6,6 +6,7 @@ threads) runs on this machine's CPU, saying so in one line."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -20,6 +21,7 @@ from tokentape import LLM, SamplingParams, cli
 from tokentape.entrypoints.cli import diff as diff_cli
 from tokentape.events import schema as ev
 from tokentape.replay import load_tape
+from tokentape.replay.whatif import whatif
 
 
 @contextlib.contextmanager
@@ -121,3 +123,8 @@ def test_whatif_of_a_cuda_tape_with_5000_threads_runs_on_this_cpu(
     assert code == 0, out + err
     assert "note: device 'cuda' is not available" in out and "replayed on the CPU" in out
     assert "Traceback" not in err and time.perf_counter() - start < 60
+    result = whatif(str(crafted))
+    assert result.config.device == "cpu" and result.config.cpu_threads == len(
+        os.sched_getaffinity(0)
+    )
+    assert result.diff.identical  # the same greedy tokens on the CPU it was recorded on

@@ -14,10 +14,10 @@ import pytest
 from tokentape import LLM, SamplingParams
 from tokentape.engine import request_checks as limits
 from tokentape.engine.bad_words import resolve_bad_words
-from tokentape.engine.runners.devices import cpu_threads, device_problem
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.runners.devices import clamped_cpu_threads, device_problem
 from tokentape.engine.tokenizer import ByteTokenizer
-from tokentape.events import schema as ev
-from tokentape.replay import load_tape
+from tokentape.replay.whatif import on_this_machine
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,9 @@ def test_limits_at_their_bound_are_served(tiny: Any) -> None:
 
 
 def test_max_logprobs_is_an_engine_argument() -> None:
-    with LLM("oracle", tape=None, max_logprobs=2) as llm, pytest.raises(
-        ValueError, match="logprobs must be at most 2"
+    with (
+        LLM("oracle", tape=None, max_logprobs=2) as llm,
+        pytest.raises(ValueError, match="logprobs must be at most 2"),
     ):
         llm.engine.add_request("r", [5], SamplingParams(logprobs=3))
     with LLM("tiny", tape=None, device="cpu", num_kv_blocks=64, max_logprobs=-1) as llm:
@@ -130,13 +131,13 @@ def test_an_unavailable_device_is_a_value_error_naming_it() -> None:
     assert device_problem("cpu") is None and device_problem("auto") is None
 
 
-def test_cpu_threads_are_clamped_to_the_machine(tmp_path: Any) -> None:
+def test_a_header_s_cpu_threads_are_clamped_to_the_machine() -> None:
+    """A tape header is read, not asked for: a what-if runs it on the CPUs here (an engine
+    built by its user keeps what it asked for; tests share steps over more lanes than CPUs)."""
     available = len(os.sched_getaffinity(0))
-    assert cpu_threads(5000) == available and cpu_threads(None) == available
-    assert cpu_threads(1) == 1
-    tape = str(tmp_path / "t.tape")
-    with LLM("tiny", tape=tape, device="cpu", num_kv_blocks=64, cpu_threads=5000) as llm:
-        assert len(llm.engine.runner._lanes) + 1 <= available  # type: ignore[attr-defined]
-        llm.generate([[5, 6]], SamplingParams(max_tokens=2))
-    assert load_tape(tape).header.config["cpu_threads"] == 5000  # the tape says what was asked
-    assert [e for _, e in load_tape(tape).events() if isinstance(e, ev.RequestAdded)]
+    assert clamped_cpu_threads(5000) == available and clamped_cpu_threads(1) == 1
+    assert clamped_cpu_threads(None) is None and clamped_cpu_threads(0) == 0
+    fitted, note = on_this_machine(EngineConfig(model="tiny", cpu_threads=5000), "model")
+    assert fitted.cpu_threads == available and note is None
+    oracle, _ = on_this_machine(EngineConfig(model="oracle", cpu_threads=5000), "oracle")
+    assert oracle.cpu_threads == 5000  # the oracle runs no threads

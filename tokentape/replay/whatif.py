@@ -81,12 +81,14 @@ def whatif_config(tape: Tape, discard_policy: str | None = None, pipeline_depth:
 
 
 def on_this_machine(config: EngineConfig, runner: str) -> tuple[EngineConfig, str | None]:
-    """The config with a device this machine lacks (a tape recorded on CUDA, replayed on a
-    CPU-only laptop) replaced by the CPU, and a note saying so; the oracle needs no device."""
+    """The header's config as this machine can run it: CPU threads at most its CPUs, and a
+    device it lacks (a tape recorded on CUDA, replayed on a CPU-only laptop) replaced by the
+    CPU, with a note saying so; the oracle needs neither."""
     if runner != "model":
         return config, None
-    from tokentape.engine.runners.devices import device_problem
+    from tokentape.engine.runners.devices import clamped_cpu_threads, device_problem
 
+    config = msgspec.structs.replace(config, cpu_threads=clamped_cpu_threads(config.cpu_threads))
     problem = device_problem(config.device)
     if problem is None:
         return config, None

@@ -1,5 +1,5 @@
 """Where the real model runs: the device an engine asks for, checked against this machine, and
-its CPU thread count clamped to the CPUs the process may use."""
+a tape header's CPU thread count clamped to the CPUs the process may use."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ def cpus_available() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def cpu_threads(requested: int | None) -> int:
-    """The model's CPU threads: every CPU the process may use when none (or 0) is asked for,
-    and never more (a crafted tape header asking for 5,000 made a what-if 3x slower)."""
-    available = cpus_available()
-    return min(requested, available) if requested else available
+def clamped_cpu_threads(requested: int | None) -> int | None:
+    """A CPU thread count read from a tape header, clamped to the CPUs this process may use
+    (a crafted header asking for 5,000 made a what-if 3x slower). An engine built by its
+    user keeps what it was asked for: tests share steps over more lanes than CPUs."""
+    return min(requested, cpus_available()) if requested else requested
 
 
 def device_problem(name: str) -> str | None:

@@ -29,7 +29,7 @@ from tokentape.engine.model.logits_processors import (
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
-from tokentape.engine.runners.devices import cpu_threads, resolve_device
+from tokentape.engine.runners.devices import cpus_available, resolve_device
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
     EntryInputs,
@@ -334,7 +334,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
             f"unknown model {config.model!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
             "'oracle-random' or a local Hugging Face checkpoint folder"
         )
-    threads = cpu_threads(config.cpu_threads)  # at most every CPU we may run on
+    threads = config.cpu_threads or cpus_available()  # every CPU we may run on
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
