@@ -89,3 +89,16 @@ def test_async_llm_reports_the_resolved_length(tmp_path: Path) -> None:
         assert engine.max_model_len == 256
     finally:
         engine.shutdown()
+
+
+def test_a_prompt_past_the_context_is_refused_in_vllms_words(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "ckpt", small_config("llama"))
+    llm = LLM(model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=128)
+    for length in (256, 300):  # a prompt of 256 leaves no position for the output
+        with pytest.raises(ValueError, match=rf"request '\d+': This model's maximum context "
+                           rf"length is 256 tokens. However, your request has {length} input "
+                           r"tokens. Please reduce the length of the input messages."):
+            llm.generate([[5] * length], SamplingParams(max_tokens=1))
+    assert not llm.engine.state.requests and len(llm.engine.tape) == 0  # nothing recorded
+    out = llm.generate([[5] * 255], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
