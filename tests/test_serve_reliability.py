@@ -340,3 +340,16 @@ def test_health_turns_503_when_the_core_dies() -> None:
     finally:
         engine.shutdown()
     assert engine.failure is not None and "exited" in engine.failure
+
+
+def test_a_missing_allowed_weight_dir_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokentape import cli
+
+    missing = str(tmp_path / "missing")
+    code = cli.main(["serve", "--model", "oracle", "--no-tape", "--allowed-weight-dirs", missing])
+    assert code == 2
+    assert (
+        capsys.readouterr().err == f"error: --allowed-weight-dirs: {missing} is not a directory\n"
+    )

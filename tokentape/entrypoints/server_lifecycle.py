@@ -20,6 +20,8 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from tokentape.entrypoints.cli.common import CLIError
+
 EXIT_OK = 0
 EXIT_ENGINE_FAILED = 1
 EXIT_ERROR = 2
@@ -30,8 +32,8 @@ CORE_STOP_TIMEOUT_S = 5.0
 ABORT_FLUSH_S = 2.0
 
 
-class StartupError(Exception):
-    """The server cannot start (its address cannot be bound): exit 2."""
+class StartupError(CLIError):
+    """The server cannot start (its address cannot be bound): one line, exit 2."""
 
 
 class StoppedBeforeServing(BaseException):
