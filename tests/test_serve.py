@@ -215,7 +215,7 @@ def test_rl_loop_over_http_with_a_checkpoint(tmp_path: Any, checkpoints: tuple[s
     old, new = checkpoints
     tape = str(tmp_path / "rl.tape")
     prompts = ["The capital of France is", "Once upon a time"]
-    max_tokens = 192  # long enough that the pause comes mid-stream, even on a busy machine
+    max_tokens = 384  # long enough that the pause comes mid-stream, even on a busy machine
     with ServerProcess("--model", old, "--tape", tape, "--enable-rl-endpoints",
                        "--allowed-weight-dirs", os.path.dirname(new)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
