@@ -223,3 +223,62 @@ def test_the_debugger_steps_through_a_vllm_tape() -> None:
         dbg.onecmd(dbg.precmd(command))
         assert dbg.state == tape.fold(until_seq=dbg.pos), command
     assert dbg.pos == len(events) and "error" not in out.getvalue()
+
+
+# -- tapes recorded from the other releases the recorder knows -----------------------------------
+
+
+def test_vllm_0_20_0_drops_the_first_token_after_a_pause_and_resume() -> None:
+    """vLLM 0.20.0's own AsyncScheduler, recorded: pause(keep, clear_cache) with two requests
+    decoding, resume. The postmortem names the seed bug without anyone reading vLLM's code."""
+    tape = load_tape(TAPES / "0.20.0_pause_resume.tape")
+    assert (tape.header.source_version, tape.header.discard_policy) == ("0.20.0", "vllm-flag")
+    assert verify(tape).ok
+    report = postmortem(tape)
+    dropped = [f for f in report.findings if f.kind == "post_resume_token_dropped"]
+    assert sorted(r for f in dropped for r in f.request_ids) == ["a", "b"]
+    assert {f.bug_class for f in dropped} == {"vllm#42043"} and report.summary.complete
+    newer = load_tape(TAPES / "0.33.0_pause_resume.tape")
+    assert newer.header.source_version == "0.33.0" and postmortem(newer).findings == []
+    # The same requests: 0.33.0's clients got every token, 0.20.0's lost one each.
+    d = diff(tape, newer)
+    assert not d.identical and d.first is not None and d.first.req_id == "a"
+
+
+def test_vllm_0_20_0_leaves_a_request_hung_after_the_dropped_token() -> None:
+    """async_scheduler's scenario on vLLM 0.20.0: its pause drops a token (#42043), and a
+    request that lost it one token short of max_tokens keeps a placeholder for it, which vLLM's
+    async max_tokens guard counts: it is never scheduled again (the driver gave up waiting)."""
+    tape = load_tape(TAPES / "0.20.0_preemptions.tape")
+    assert verify(tape).ok
+    report = postmortem(tape)
+    phantom = [f for f in report.findings if f.kind == "phantom_placeholders"]
+    assert len(phantom) == 1 and phantom[0].severity == "error" and phantom[0].bug_class == "vllm#42043"
+    assert "hangs" in phantom[0].message
+    assert {f.kind for f in report.findings} >= {"post_resume_token_dropped", "tape_truncated"}
+
+
+def test_vllm_0_24_0_handles_the_same_preemptions_cleanly() -> None:
+    """vLLM 0.24.0 (the counter of #42117) on the same scenario: stale frames dropped after the
+    reset, delivered after KV-pressure preemptions, nothing lost; its clients got what the 0.32.0
+    run's got."""
+    tape = load_tape(TAPES / "0.24.0_preemptions.tape")
+    assert tape.header.discard_policy == "vllm-counter" and verify(tape).ok
+    report = postmortem(tape)
+    assert report.findings == [] and report.summary.tokens["dropped_stale"] > 0
+    d = diff(tape, TAPES / "async_scheduler.tape")
+    assert d.identical, d.format()
+
+
+def test_the_recorder_knows_each_release_and_refuses_the_others_by_name() -> None:
+    from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
+    from tokentape.integrations.vllm.releases import release_of
+
+    policies = {v: release_of(v).discard_policy for v in ("0.20.0", "0.21.0", "0.22.0", "0.26.0",
+                                                          "0.27.0", "0.32.0+cpu", "0.33.1rc1")}
+    assert policies == {"0.20.0": "vllm-flag", "0.21.0": "vllm-flag", "0.22.0": "vllm-counter",
+                        "0.26.0": "vllm-counter", "0.27.0": "deliver", "0.32.0+cpu": "deliver",
+                        "0.33.1rc1": "deliver"}
+    for version in ("0.19.1", "0.34.0", "1.0.0"):
+        with pytest.raises(UnsupportedByRecorder, match=rf"vLLM {version} is not a release"):
+            release_of(version)

@@ -65,16 +65,28 @@ def aborts_scenario(model: str, asynchronous: bool = True) -> dict[str, Any]:
             "abort_at": [[6, "b1"]], "pause_at": [[12, "wait", False], [25, "abort", True]]}
 
 
+def pause_resume_scenario(model: str) -> dict[str, Any]:
+    """The seed bug's scenario (vLLM #42043): two requests decoding under async scheduling (a
+    batch queue of depth 2), pause(keep, clear_cache=True) at step 6, resume. vLLM 0.20-0.21
+    drop each request's first token after the resume."""
+    return {"model": model, "async": True, "num_blocks": 64, "block_size": 16, "max_num_seqs": 8,
+            "max_num_batched_tokens": 256, "max_model_len": 128,
+            "requests": [{"id": "a", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 16},
+                         {"id": "b", "prompt": [21, 22, 23, 24, 25, 26], "max_tokens": 16}],
+            "pause_at": [[6, "keep", True]]}
+
+
 def run_vllm(python: str, driver: Path, spec: dict[str, Any], workdir: Path, name: str,
-             tape: bool = True, timeout: float = 900) -> dict[str, Any]:
-    """Run a driver in vLLM's Python; returns its result with "tape" (the path, or None)."""
+             tape: bool = True, timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a driver in vLLM's Python (with `env` added: another release's overlay,
+    benchmarks/baselines/vllm_releases.py); returns its result with "tape" (the path, or None)."""
     spec = {**spec, "tape": str(workdir / f"{name}.tape") if tape else None, "out": str(workdir / f"{name}.json")}
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.run([python, str(driver), str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, **VLLM_ENV}, cwd=workdir, timeout=timeout)
+                              env={**os.environ, **VLLM_ENV, **(env or {})}, cwd=workdir, timeout=timeout)
     if proc.returncode != 0:
         tail = log_path.read_bytes()[-3000:].decode(errors="replace")
         raise RuntimeError(f"{driver.name} {name} failed (exit {proc.returncode}); end of {log_path}:\n{tail}")

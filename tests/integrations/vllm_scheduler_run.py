@@ -18,7 +18,9 @@ Spec: {"model": folder (its config.json shapes the KV spec), "tape", "async": bo
 "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
 "requests": [{"id", "prompt", "max_tokens", "add_at"}], "reset_at": [step],
 "pause_at": [[step, mode, clear_cache]], "abort_at": [[step, id]], "out"}. Writes
-{"outputs": {id: {"tokens", "finish_reason"}}, "scheduler": class name, "steps": n}.
+{"outputs": {id: {"tokens", "finish_reason"}}, "scheduler": class name, "steps": n, "hung":
+[ids]}: where requests remain but HUNG_AFTER engine steps in a row run nothing (vLLM 0.20's
+#42043 leaves a request whose placeholders block it for ever), the run stops there.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections import deque
 from typing import Any
 
 RECORDER = "tokentape.integrations.vllm.RecordingScheduler"
+HUNG_AFTER = 100  # engine steps in a row that run nothing while requests remain: a hang
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +102,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=tokens)
 
-    def apply_oldest() -> None:
+    def apply_oldest() -> bool:
+        """Apply the oldest step's output; whether that step ran anything."""
         out, before, partial = queue.popleft()
         for eco in sched.update_from_output(out, runner_output(out, before, partial)).values():
             for o in eco.outputs:
@@ -107,6 +111,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 got["tokens"] += list(o.new_token_ids)
                 if o.finish_reason is not None:
                     got["finish_reason"] = str(o.finish_reason)
+        return out.total_num_scheduled_tokens > 0
 
     def schedule() -> bool:
         """Schedule one step; whether the model would have run it."""
@@ -118,21 +123,24 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         queue.append((out, before, partial))
         return out.total_num_scheduled_tokens > 0
 
-    def engine_step() -> None:
-        """EngineCore.step (depth 1) or step_with_batch_queue (depth 2)."""
+    def engine_step() -> bool:
+        """EngineCore.step (depth 1) or step_with_batch_queue (depth 2); whether a step that
+        ran anything was scheduled or came back."""
+        executed = False
         if sched.has_requests():
             executed = schedule()
             if len(queue) < depth and (executed or sched.has_requests()):
-                return
+                return executed
         elif not queue:
-            return
-        apply_oldest()
+            return False
+        return apply_oldest() or executed
 
     def aborted(requests: list[Any]) -> None:
         """What their clients get: vLLM's front end finishes a request it aborts itself, and
         the engine core sends the others an abort output."""
-        for r in requests:
-            outputs.setdefault(r.request_id, {"tokens": [], "finish_reason": None})["finish_reason"] = "abort"
+        for r in requests:  # Requests, or (id, client index) pairs before vLLM 0.26
+            rid = r[0] if isinstance(r, tuple) else r.request_id
+            outputs.setdefault(rid, {"tokens": [], "finish_reason": None})["finish_reason"] = "abort"
 
     def drain() -> None:
         while queue or sched.has_requests():
@@ -144,7 +152,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     aborts: dict[int, list[str]] = {}
     for s, rid in spec.get("abort_at", ()):
         aborts.setdefault(s, []).append(rid)
-    step = 0
+    step = idle = 0
+    hung: list[str] = []
     while pending or queue or sched.has_requests():
         while pending and pending[0].get("add_at", 0) <= step:
             r = pending.pop(0)
@@ -165,10 +174,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             if clear:  # EngineCore._reset_caches, as this release has it
                 sched.reset_prefix_cache(**reset_kwargs)
             sched.set_pause_state(PauseState.UNPAUSED)
-        engine_step()
+        idle = 0 if engine_step() or pending else idle + 1
         step += 1
+        if idle >= HUNG_AFTER:  # EngineCore would spin here for ever
+            hung = sorted(r for r, o in outputs.items() if o["finish_reason"] is None)
+            break
     sched.shutdown()
-    return {"outputs": outputs, "scheduler": type(sched).__name__, "steps": step}
+    return {"outputs": outputs, "scheduler": type(sched).__name__, "steps": step, "hung": hung}
 
 
 if __name__ == "__main__":

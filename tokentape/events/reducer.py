@@ -211,8 +211,10 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
             if req.stop_reason is not None:  # too late to count, but the placeholders return
                 req.num_output_placeholders -= 1 + num_spec
                 continue
-            if num_spec:  # rejected draft positions were counted as computed
-                req.num_computed_tokens -= num_spec - frame.num_accepted
+        if not frame.token_ids:
+            continue  # nothing sampled (vLLM: an aborted or failed request): nothing to apply
+        if num_spec and not stale:  # rejected draft positions were counted as computed
+            req.num_computed_tokens -= num_spec - frame.num_accepted
         if (stale or may_drop_fresh) and should_drop(req, stale, len(frame.token_ids)):
             req.num_frames_dropped += 1
             continue

@@ -189,6 +189,7 @@ def _check_end(ctx: Context, last: Item | None) -> None:
     if state.pending_output:
         parts.append(f"output of {len(state.pending_output)} request(s) never delivered")
     paused = f", generation paused ({state.paused})" if state.paused is not None else ""
+    _check_phantom_placeholders(ctx, last)
     ctx.report(
         "tape_truncated", "warning", unfinished, max(state.step - 1, 0),
         f"the tape ends at event {seq} ({ev.kind_of(event)} of step {event.step}) after step "
@@ -196,6 +197,26 @@ def _check_end(ctx: Context, last: Item | None) -> None:
         "the recording stopped mid-run (the engine process or its tape writer was killed, or the "
         "engine was closed before its requests finished)",
         [last], None, seq, per_request=False)
+
+
+def _check_phantom_placeholders(ctx: Context, last: Item) -> None:
+    """Running requests left with output placeholders but no step in flight when the tape
+    ends: the placeholders stand for a token that never comes (a dropped fresh frame does not
+    return its placeholder), and vLLM's async scheduler does not schedule a request whose
+    placeholders already reach max_tokens, so such a request hangs one token short."""
+    state = ctx.state
+    for req_id in state.running:
+        req = state.requests[req_id]
+        if req.num_in_flight or req.num_output_placeholders <= 0:
+            continue
+        short = req.max_output_tokens - len(req.output_token_ids)
+        hangs = (f"; {short} token(s) short of its limit, which the placeholders reach, so vLLM's "
+                 "async scheduler never schedules it again and it hangs") \
+            if 0 < short <= req.num_output_placeholders else ""
+        ctx.report("phantom_placeholders", "error" if hangs else "warning", [req_id], state.step,
+                   f"request {req_id!r} is running at the end of the tape with nothing in flight but "
+                   f"{req.num_output_placeholders} output placeholder(s), for tokens that never come{hangs}",
+                   [last], ctx.bug_class_of(req_id), last[0])
 
 
 def _check_replay(tape: Tape, ctx: Context, stopped_at: int | None, progress: Progress | None) -> None:

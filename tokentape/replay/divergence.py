@@ -52,10 +52,10 @@ class VerifyResult:
     num_events: int  # recorded events reproduced (or, for another engine's tape, checked)
     first_divergence: Divergence | None = None
     ended_with_error: str | None = None  # the recorded run stopped on an EngineError
-    recording_stopped: str | None = None  # another engine's recorder stopped (RecordingStopped)
     # For a tape another engine recorded (header source, e.g. vllm): what verify checked,
     # since it cannot re-run that engine's scheduler. None for tokentape's own tapes.
     statement: str | None = None
+    recording_stopped: str | None = None  # another engine's recorder stopped (RecordingStopped)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -121,8 +121,9 @@ class RecordedStream:
             d = self.diverged(f"an event follows the {ev.kind_of(last)} that ended the recording", None)
             return VerifyResult(False, self.consumed, d.divergence, statement=statement)
         if isinstance(last, ev.RecordingStopped):
-            return VerifyResult(True, self.consumed, None, statement=statement, recording_stopped=last.reason)
-        return VerifyResult(True, self.consumed, None, f"{last.error_type}: {last.message}", statement)
+            return VerifyResult(True, self.consumed, statement=statement, recording_stopped=last.reason)
+        return VerifyResult(True, self.consumed, ended_with_error=f"{last.error_type}: {last.message}",
+                            statement=statement)
 
 
 def header_divergence(tape: Tape) -> Divergence | None:

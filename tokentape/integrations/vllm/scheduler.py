@@ -86,6 +86,9 @@ class RecordingScheduler(Scheduler):
                       checked: bool = False) -> TapeRecorder:
         if self.connector is not None or getattr(self, "ec_connector", None) is not None:
             raise UnsupportedByRecorder("the tokentape recorder does not record runs with KV or EC connectors")
+        if getattr(self, "num_sampled_tokens_per_step", 1) != 1:
+            raise UnsupportedByRecorder("the tokentape recorder records autoregressive models (one "
+                                        "sampled token per step), not diffusion canvases")
         groups = self.kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise UnsupportedByRecorder(f"the tokentape recorder records models with one KV cache group, "
