@@ -21,18 +21,24 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("tokentape")
     group.addoption(
-        "--tokentape-dir", metavar="DIR", default=None,
+        "--tokentape-dir",
+        metavar="DIR",
+        default=None,
         help="record a tape for every tokentape engine a test creates; keep the tapes of failing "
         "tests in DIR, each with its postmortem report (.html) beside it",
     )
     group.addoption(
-        "--tokentape-record-vllm", metavar="DIR", default=None,
+        "--tokentape-record-vllm",
+        metavar="DIR",
+        default=None,
         help="record every vLLM Scheduler/AsyncScheduler built during the session on a tape named "
         "after its test; keep the tapes of failing tests in DIR with their postmortem reports "
         "(.txt and .html)",
     )
     group.addoption(
-        "--tokentape-keep-all", action="store_true", default=False,
+        "--tokentape-keep-all",
+        action="store_true",
+        default=False,
         help="with --tokentape-record-vllm: keep the tapes of every test, not only failing ones",
     )
 

@@ -99,7 +99,8 @@ class TapeKeeper:
             return
         terminalreporter.section("tokentape: tapes of failing tests")
         for nodeid, tape, report in self.kept:
-            terminalreporter.write_line(f"{nodeid}: {tape}" + (f" (postmortem: {report})" if report else ""))
+            shown = f" (postmortem: {report})" if report else ""
+            terminalreporter.write_line(f"{nodeid}: {tape}{shown}")
 
 
 def _has_tape(llm: LLM) -> bool:
@@ -120,7 +121,7 @@ def _save_tape(llm: LLM, dest: Path) -> None:
         write_tape(dest, writer.header, (event for _, event in writer.iter_events()))
         return
     assert isinstance(writer, SQLiteTape) and writer.path is not None
-    writer.flush()  # everything the engine recorded is in the file (or its WAL); a no-op once closed
+    writer.flush()  # what the engine recorded is in the file (or its WAL); a no-op once closed
     copy_tape(writer.path, dest)  # one consistent file, even of a tape still open for writing
 
 

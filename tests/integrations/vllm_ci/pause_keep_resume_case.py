@@ -43,8 +43,11 @@ class _BatchQueueEngine:
             end = before[req_id] + out.num_scheduled_tokens[req_id]
             is_chunk = self.scheduler.requests[req_id].is_prefill_chunk
             sampled.append([] if is_chunk else [_token(req_id, end)])
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled)
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+        )
 
     def step(self) -> None:
         if self.scheduler.has_requests():
@@ -72,8 +75,9 @@ class _BatchQueueEngine:
 @pytest.mark.parametrize("pause_after_steps", [4, 9])
 def test_pause_keep_resume_loses_no_token(pause_after_steps: int):
     scheduler = create_scheduler(async_scheduling=True)
-    requests = create_requests(num_requests=2, num_tokens=PROMPT_LEN, max_tokens=MAX_TOKENS,
-                               ignore_eos=True)
+    requests = create_requests(
+        num_requests=2, num_tokens=PROMPT_LEN, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
     for request in requests:
         scheduler.add_request(request)
     engine = _BatchQueueEngine(scheduler)

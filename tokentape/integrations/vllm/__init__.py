@@ -17,8 +17,13 @@ from typing import Any
 
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 
-__all__ = ["TAPE_ENV", "AsyncRecordingScheduler", "RecordingScheduler", "SyncRecordingScheduler",
-           "UnsupportedByRecorder"]
+__all__ = [
+    "TAPE_ENV",
+    "AsyncRecordingScheduler",
+    "RecordingScheduler",
+    "SyncRecordingScheduler",
+    "UnsupportedByRecorder",
+]
 
 
 def __getattr__(name: str) -> Any:

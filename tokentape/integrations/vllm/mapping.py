@@ -17,11 +17,19 @@ from tokentape.events import schema as ev
 # vLLM's RequestStatus and FinishReason names, as tokentape's finish reasons. The tape knows
 # stop, length and abort: an error finish reads as an abort, repetition detection as a stop.
 _STATUS_REASONS: dict[str, ev.FinishReason] = {
-    "FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
-    "FINISHED_IGNORED": "abort", "FINISHED_ERROR": "abort", "FINISHED_REPETITION": "stop",
+    "FINISHED_STOPPED": "stop",
+    "FINISHED_LENGTH_CAPPED": "length",
+    "FINISHED_ABORTED": "abort",
+    "FINISHED_IGNORED": "abort",
+    "FINISHED_ERROR": "abort",
+    "FINISHED_REPETITION": "stop",
 }
 _FINISH_REASONS: dict[str, ev.FinishReason] = {
-    "STOP": "stop", "LENGTH": "length", "ABORT": "abort", "ERROR": "abort", "REPETITION": "stop",
+    "STOP": "stop",
+    "LENGTH": "length",
+    "ABORT": "abort",
+    "ERROR": "abort",
+    "REPETITION": "stop",
 }
 
 
@@ -46,19 +54,33 @@ def finish_reason(reason: Any) -> ev.FinishReason | None:
     return None if reason is None else _FINISH_REASONS[reason.name]
 
 
-def engine_config(vllm_config: Any, block_size: int, num_blocks: int, max_num_scheduled_tokens: int,
-                  discard_policy: str, asynchronous: bool) -> EngineConfig:
+def engine_config(
+    vllm_config: Any,
+    block_size: int,
+    num_blocks: int,
+    max_num_scheduled_tokens: int,
+    discard_policy: str,
+    asynchronous: bool,
+) -> EngineConfig:
     """The EngineConfig a vLLM run corresponds to: what the reducer and the checkers read;
     `discard_policy` re-applies the release's discard mechanism (releases.py), `asynchronous`
     says whether the scheduler is an AsyncScheduler (vLLM's CPU platform turns the config's
     async_scheduling off, but a caller may still build one)."""
-    model, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
+    model, sched, cache = (
+        vllm_config.model_config,
+        vllm_config.scheduler_config,
+        vllm_config.cache_config,
+    )
     parallel, spec = vllm_config.parallel_config, vllm_config.speculative_config
-    for name, size in (("pipeline_parallel_size", parallel.pipeline_parallel_size),
-                       ("data_parallel_size", parallel.data_parallel_size)):
+    for name, size in (
+        ("pipeline_parallel_size", parallel.pipeline_parallel_size),
+        ("data_parallel_size", parallel.data_parallel_size),
+    ):
         if size != 1:
-            raise UnsupportedByRecorder(f"the tokentape recorder records one engine core without "
-                                        f"pipeline or data parallelism; {name} is {size}")
+            raise UnsupportedByRecorder(
+                f"the tokentape recorder records one engine core without "
+                f"pipeline or data parallelism; {name} is {size}"
+            )
     lookup: dict[str, int] = {}
     if spec is not None:
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
@@ -84,7 +106,9 @@ def engine_config(vllm_config: Any, block_size: int, num_blocks: int, max_num_sc
             **lookup,
         )
     except (TypeError, ValueError) as exc:
-        raise UnsupportedByRecorder(f"this vLLM configuration cannot be described on a tape: {exc}") from None
+        raise UnsupportedByRecorder(
+            f"this vLLM configuration cannot be described on a tape: {exc}"
+        ) from None
 
 
 def make_header(config: EngineConfig, vllm_config: Any, vllm_version: str) -> ev.TapeHeader:
@@ -112,10 +136,14 @@ def sampling_params(request: Any, vocab_size: int) -> ev.SamplingParams:
     rid = request.request_id
     p = request.sampling_params
     if p is None or request.pooling_params is not None:
-        raise UnsupportedByRecorder(f"request {rid!r}: pooling requests cannot be recorded (no sampling)")
+        raise UnsupportedByRecorder(
+            f"request {rid!r}: pooling requests cannot be recorded (no sampling)"
+        )
     if request.prompt_token_ids is None:
-        raise UnsupportedByRecorder(f"request {rid!r}: a prompt given as embeddings cannot be recorded "
-                                    "(the tape holds token ids)")
+        raise UnsupportedByRecorder(
+            f"request {rid!r}: a prompt given as embeddings cannot be recorded "
+            "(the tape holds token ids)"
+        )
     if getattr(request, "resumable", False):
         raise UnsupportedByRecorder(f"request {rid!r}: streaming-input sessions cannot be recorded")
     stop = list(p.stop_token_ids or ())
@@ -124,8 +152,15 @@ def sampling_params(request: Any, vocab_size: int) -> ev.SamplingParams:
     logprobs = p.logprobs if p.logprobs is None or p.logprobs >= 0 else vocab_size  # -1: all
     try:
         return ev.SamplingParams(
-            max_tokens=request.max_tokens, temperature=p.temperature, top_p=p.top_p,
-            top_k=max(p.top_k, 0), seed=p.seed, stop_token_ids=tuple(stop),
-            ignore_eos=p.ignore_eos, logprobs=logprobs, output_kind=p.output_kind.value)
+            max_tokens=request.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=max(p.top_k, 0),
+            seed=p.seed,
+            stop_token_ids=tuple(stop),
+            ignore_eos=p.ignore_eos,
+            logprobs=logprobs,
+            output_kind=p.output_kind.value,
+        )
     except (TypeError, ValueError) as exc:
         raise UnsupportedByRecorder(f"request {rid!r}: {exc}") from None

@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 from tokentape.integrations.vllm.session import Recording, RecordingSession
-from tokentape.postmortem.pytest_plugin import note_failure, tape_name, test_failed, write_postmortem
+from tokentape.postmortem.pytest_plugin import (
+    note_failure,
+    tape_name,
+    test_failed,
+    write_postmortem,
+)
 
 
 @dataclass(slots=True)
@@ -70,16 +75,21 @@ class VllmTapeKeeper:
                 remove_tape_files(tape)  # a tape kept by an earlier run of the same test
                 write_tape(tape, recording.tape.header, events)
             except Exception as exc:  # keeping a tape must never break the test run
-                properties.append(("tokentape_error", f"{tape.name}: the tape could not be kept: {exc}"))
+                properties.append(
+                    ("tokentape_error", f"{tape.name}: the tape could not be kept: {exc}")
+                )
                 continue
             properties.append(("tokentape_tape", str(tape)))
             summary = ""
             if failed:
                 try:
-                    report = write_postmortem(tape, html=tape.with_suffix(".html"),
-                                              text=tape.with_suffix(".txt"))
+                    report = write_postmortem(
+                        tape, html=tape.with_suffix(".html"), text=tape.with_suffix(".txt")
+                    )
                 except Exception as exc:
-                    properties.append(("tokentape_error", f"{tape.name}: no postmortem report: {exc}"))
+                    properties.append(
+                        ("tokentape_error", f"{tape.name}: no postmortem report: {exc}")
+                    )
                 else:
                     properties.append(("tokentape_report", str(tape.with_suffix(".html"))))
                     summary = _first_finding(report)
@@ -90,15 +100,23 @@ class VllmTapeKeeper:
         session = self.session
         terminalreporter.section("tokentape: vLLM's schedulers, recorded")
         line = terminalreporter.write_line
-        line(f"{session.num_recorded} scheduler(s) recorded; {len(self.kept)} tape(s) kept in "
-             f"{self.directory}" + (f", {self.num_stopped} of them stopped where the recording "
-                                    "lost track" if self.num_stopped else ""))
+        line(
+            f"{session.num_recorded} scheduler(s) recorded; {len(self.kept)} tape(s) kept in "
+            f"{self.directory}"
+            + (
+                f", {self.num_stopped} of them stopped where the recording lost track"
+                if self.num_stopped
+                else ""
+            )
+        )
         for reason, count in session.not_recorded_reasons.most_common():
             line(f"not recorded ({count}): {reason}")
         for kept in self.kept:
             if kept.failed:
-                line(f"FAILED {kept.test}: {kept.tape} (postmortem: {kept.tape.with_suffix('.txt')})"
-                     + (f"\n  {kept.summary}" if kept.summary else ""))
+                line(
+                    f"FAILED {kept.test}: {kept.tape} (postmortem: {kept.tape.with_suffix('.txt')})"
+                    + (f"\n  {kept.summary}" if kept.summary else "")
+                )
 
 
 def _first_finding(report: Any) -> str:
@@ -108,6 +126,8 @@ def _first_finding(report: Any) -> str:
     for severity in ("error", "warning"):
         for f in report.findings:
             if f.severity == severity:
-                bug = f" -- matches {BUG_CLASSES[f.bug_class]}" if f.bug_class in BUG_CLASSES else ""
+                bug = (
+                    f" -- matches {BUG_CLASSES[f.bug_class]}" if f.bug_class in BUG_CLASSES else ""
+                )
                 return f"[{severity}] {f.kind}: {f.message}{bug}"
     return "the postmortem has no finding"

@@ -61,8 +61,13 @@ class _Flight:
 
 
 class TapeRecorder:
-    def __init__(self, tape: TapeWriter, vocab_size: int, randomized_ids: bool = True,
-                 checker: ConsistencyChecker | None = None) -> None:
+    def __init__(
+        self,
+        tape: TapeWriter,
+        vocab_size: int,
+        randomized_ids: bool = True,
+        checker: ConsistencyChecker | None = None,
+    ) -> None:
         self.tape = tape
         self.checker = checker
         self.vocab_size = vocab_size
@@ -80,16 +85,20 @@ class TapeRecorder:
         try:
             return self.ids[internal]
         except KeyError:
-            raise RecordingLost(f"vLLM's scheduler has request {internal!r}, which was never added "
-                                "through add_request") from None
+            raise RecordingLost(
+                f"vLLM's scheduler has request {internal!r}, which was never added "
+                "through add_request"
+            ) from None
 
     def _append(self, event: ev.Event) -> None:
         if self.checker is not None:
             try:
                 self.checker.check(event)
             except Inconsistent as exc:
-                raise RecordingLost(f"vLLM's scheduler state changed outside the calls the recorder "
-                                    f"follows: {exc.message}") from None
+                raise RecordingLost(
+                    f"vLLM's scheduler state changed outside the calls the recorder "
+                    f"follows: {exc.message}"
+                ) from None
         self.tape.append(event)
 
     # -- commands --------------------------------------------------------------------------------
@@ -100,7 +109,9 @@ class TapeRecorder:
         if rid != internal and rid in self.tape_ids:
             rid = internal  # the client reused its id: keep vLLM's, which is unique
         if rid in self.tape_ids:  # vLLM's own id again, after its request finished
-            rid = next(f"{rid}~{n}" for n in itertools.count(2) if f"{rid}~{n}" not in self.tape_ids)
+            rid = next(
+                f"{rid}~{n}" for n in itertools.count(2) if f"{rid}~{n}" not in self.tape_ids
+            )
         self.ids[internal] = rid
         self.tape_ids.add(rid)
         self._append(ev.RequestAdded(self.step, rid, list(request.prompt_token_ids), params))
@@ -108,7 +119,9 @@ class TapeRecorder:
             self.with_logprobs.add(rid)
         self.tape.commit()
 
-    def finished_by_call(self, finished: Iterable[Any], reason: ev.FinishReason, deliver: bool) -> None:
+    def finished_by_call(
+        self, finished: Iterable[Any], reason: ev.FinishReason, deliver: bool
+    ) -> None:
         """What vLLM's finish_requests returned: the Requests it finished (0.26 on), or their
         (request id, client index) pairs (before). `deliver`: record what their clients are
         given now (False inside update_from_output, whose outputs say it)."""
@@ -118,8 +131,11 @@ class TapeRecorder:
             if rid is None or rid in self.finished:
                 continue
             self.finished.add(rid)
-            self._append(ev.RequestAborted(self.step, rid) if reason == "abort"
-                         else ev.RequestFinished(self.step, rid, reason))
+            self._append(
+                ev.RequestAborted(self.step, rid)
+                if reason == "abort"
+                else ev.RequestFinished(self.step, rid, reason)
+            )
             entries.append(ev.EmittedOutput(rid, [], True, reason))
         if deliver and entries:
             self._append(ev.OutputsEmitted(self.step, entries))
@@ -154,9 +170,15 @@ class TapeRecorder:
         """Called as vLLM preempts a request (inside schedule() or reset_prefix_cache())."""
         internal = request.request_id
         rid = self._tape_id(internal)
-        in_flight = sum(1 for f in self.in_flight if f.step is not None and internal in f.output.num_scheduled_tokens)
+        in_flight = sum(
+            1
+            for f in self.in_flight
+            if f.step is not None and internal in f.output.num_scheduled_tokens
+        )
         if self._reset_preemptions is not None:
-            self._reset_preemptions.append(ev.RequestPreempted(self.step, rid, "reset_prefix_cache", in_flight))
+            self._reset_preemptions.append(
+                ev.RequestPreempted(self.step, rid, "reset_prefix_cache", in_flight)
+            )
         else:
             self._append(ev.RequestPreempted(self.step, rid, "kv_pressure", in_flight))
 
@@ -175,8 +197,16 @@ class TapeRecorder:
             req = requests[internal]
             groups = blocks.get(internal)
             drafts = spec.get(internal, ())
-            entries.append(ev.ScheduledEntry(self._tape_id(internal), req.num_preemptions, req.num_computed_tokens - n,
-                                             n, len(drafts), list(groups[0]) if groups else []))
+            entries.append(
+                ev.ScheduledEntry(
+                    self._tape_id(internal),
+                    req.num_preemptions,
+                    req.num_computed_tokens - n,
+                    n,
+                    len(drafts),
+                    list(groups[0]) if groups else [],
+                )
+            )
             if not req.is_prefill_chunk:
                 # Under async scheduling the drafts are -1 placeholders, filled in on the device.
                 sampling.append((internal, [] if any(d < 0 for d in drafts) else list(drafts)))
@@ -187,8 +217,10 @@ class TapeRecorder:
     def frame(self, output: Any, runner_output: Any) -> bool:
         """Before update_from_output applies `runner_output`; False for an empty step."""
         if not self.in_flight or self.in_flight[0].output is not output:
-            raise RecorderError("update_from_output() was given a SchedulerOutput other than the oldest "
-                                "one schedule() returned (built by hand, or out of order)")
+            raise RecorderError(
+                "update_from_output() was given a SchedulerOutput other than the oldest "
+                "one schedule() returned (built by hand, or out of order)"
+            )
         flight = self.in_flight.popleft()
         if flight.step is None:
             return False
@@ -217,7 +249,11 @@ class TapeRecorder:
                 if reason in ("stop", "length") and rid not in self.finished:
                     self.finished.add(rid)
                     self._append(ev.RequestFinished(self.step, rid, reason))
-                entries.append(ev.EmittedOutput(rid, [int(t) for t in out.new_token_ids], reason is not None, reason))
+                entries.append(
+                    ev.EmittedOutput(
+                        rid, [int(t) for t in out.new_token_ids], reason is not None, reason
+                    )
+                )
         if framed or entries:
             self._append(ev.OutputsEmitted(self.step, entries))
         self.tape.commit()

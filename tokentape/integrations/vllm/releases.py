@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
+
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 
 
@@ -42,7 +43,7 @@ RELEASES = (
     Release((0, 22), (0, 26), "vllm-counter", "Request.async_tokens_to_discard"),
     Release((0, 27), (0, 33), "deliver", "Scheduler._preempt_request(..., drop_stale_output)"),
 )
-TAUGHT = f"{RELEASES[0].first[0]}.{RELEASES[0].first[1]}.0 to {RELEASES[-1].last[0]}.{RELEASES[-1].last[1]}.x"
+TAUGHT = "{}.{}.0 to {}.{}.x".format(*RELEASES[0].first, *RELEASES[-1].last)
 
 _VERSION = re.compile(r"(\d+)\.(\d+)")
 
@@ -56,8 +57,10 @@ def release_of(version: str) -> Release:
     for release in RELEASES:
         if release.first <= minor <= release.last:
             return release
-    raise UnsupportedByRecorder(f"vLLM {version} is not a release the tokentape recorder was taught "
-                                f"(it records vLLM {TAUGHT})")
+    raise UnsupportedByRecorder(
+        f"vLLM {version} is not a release the tokentape recorder was taught "
+        f"(it records vLLM {TAUGHT})"
+    )
 
 
 def mechanism_in(scheduler_cls: type, request_cls: type) -> str | None:
@@ -79,6 +82,6 @@ def check_release(version: str, scheduler_cls: type, request_cls: type) -> Relea
     if found != release.mechanism:
         raise UnsupportedByRecorder(
             f"vLLM {version}: the recorder expects {release.mechanism} in this release, but its "
-            f"scheduler has {found or 'no discard mechanism the recorder knows'}")
+            f"scheduler has {found or 'no discard mechanism the recorder knows'}"
+        )
     return release
-

@@ -55,7 +55,11 @@ class RecordingScheduler(Scheduler):
     def __new__(cls, *args: Any, **kwargs: Any) -> RecordingScheduler:
         if cls is RecordingScheduler:  # the one class path: dispatch on the scheduling mode
             config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-            cls = AsyncRecordingScheduler if config.scheduler_config.async_scheduling else SyncRecordingScheduler
+            cls = (
+                AsyncRecordingScheduler
+                if config.scheduler_config.async_scheduling
+                else SyncRecordingScheduler
+            )
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -67,40 +71,61 @@ class RecordingScheduler(Scheduler):
             release = check_release(vllm.__version__, Scheduler, Request)
             path = os.environ.get(TAPE_ENV)
             if not path:
-                raise UnsupportedByRecorder(f"set ${TAPE_ENV} to the path of the tape to write (a new file)")
+                raise UnsupportedByRecorder(
+                    f"set ${TAPE_ENV} to the path of the tape to write (a new file)"
+                )
             check_tape_path(path)  # before vLLM builds anything more
             super().__init__(*args, **kwargs)
-            self._recorder = self._new_recorder(release.discard_policy, lambda h: SQLiteTape(path, h))
+            self._recorder = self._new_recorder(
+                release.discard_policy, lambda h: SQLiteTape(path, h)
+            )
             return
         super().__init__(*args, **kwargs)
         try:
             release = check_release(vllm.__version__, Scheduler, Request)
             self._recorder = self._new_recorder(release.discard_policy, MemoryTape, checked=True)
         except UnsupportedByRecorder as exc:
-            vllm_class = next(c for c in type(self).__mro__ if not issubclass(c, RecordingScheduler))
+            vllm_class = next(
+                c for c in type(self).__mro__ if not issubclass(c, RecordingScheduler)
+            )
             active.not_recorded(vllm_class.__name__, str(exc))
             return
         active.recording(self, self._recorder)
 
-    def _new_recorder(self, discard_policy: str, open_tape: Callable[[Any], Any],
-                      checked: bool = False) -> TapeRecorder:
+    def _new_recorder(
+        self, discard_policy: str, open_tape: Callable[[Any], Any], checked: bool = False
+    ) -> TapeRecorder:
         if self.connector is not None or getattr(self, "ec_connector", None) is not None:
-            raise UnsupportedByRecorder("the tokentape recorder does not record runs with KV or EC connectors")
+            raise UnsupportedByRecorder(
+                "the tokentape recorder does not record runs with KV or EC connectors"
+            )
         if getattr(self, "num_sampled_tokens_per_step", 1) != 1:
-            raise UnsupportedByRecorder("the tokentape recorder records autoregressive models (one "
-                                        "sampled token per step), not diffusion canvases")
+            raise UnsupportedByRecorder(
+                "the tokentape recorder records autoregressive models (one "
+                "sampled token per step), not diffusion canvases"
+            )
         groups = self.kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise UnsupportedByRecorder(f"the tokentape recorder records models with one KV cache group, "
-                                        f"not {len(groups)}")
-        config = mapping.engine_config(self.vllm_config, self.block_size, self.kv_cache_config.num_blocks,
-                                       self.max_num_scheduled_tokens, discard_policy,
-                                       isinstance(self, AsyncScheduler))
+            raise UnsupportedByRecorder(
+                f"the tokentape recorder records models with one KV cache group, not {len(groups)}"
+            )
+        config = mapping.engine_config(
+            self.vllm_config,
+            self.block_size,
+            self.kv_cache_config.num_blocks,
+            self.max_num_scheduled_tokens,
+            discard_policy,
+            isinstance(self, AsyncScheduler),
+        )
         header = mapping.make_header(config, self.vllm_config, vllm.__version__)
         checker = None
         if checked:
-            checker = ConsistencyChecker(state_before_events(header, config), config.max_num_batched_tokens,
-                                         config.max_num_seqs, header.vocab_size)
+            checker = ConsistencyChecker(
+                state_before_events(header, config),
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                header.vocab_size,
+            )
         randomized = not vllm.envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
         return TapeRecorder(open_tape(header), header.vocab_size, randomized, checker)
 
@@ -127,8 +152,11 @@ class RecordingScheduler(Scheduler):
                 with contextlib.suppress(Exception):
                     recorder.error(exc)
                 raise
-            self._stop(str(exc) if isinstance(exc, RecorderError)
-                       else f"the recorder could not follow vLLM: {type(exc).__name__}: {exc}")
+            self._stop(
+                str(exc)
+                if isinstance(exc, RecorderError)
+                else f"the recorder could not follow vLLM: {type(exc).__name__}: {exc}"
+            )
 
     def _stop(self, reason: str) -> None:
         recorder, self._recorder = self._recorder, None
@@ -159,8 +187,10 @@ class RecordingScheduler(Scheduler):
 
         def check(recorder: TapeRecorder) -> None:
             if request.request_id in self.requests:
-                raise UnsupportedByRecorder(f"request id {request.request_id!r} is already in use "
-                                            "(streaming-input sessions cannot be recorded)")
+                raise UnsupportedByRecorder(
+                    f"request id {request.request_id!r} is already in use "
+                    "(streaming-input sessions cannot be recorded)"
+                )
             params.append(mapping.sampling_params(request, recorder.vocab_size))
 
         self._record(check)
@@ -168,17 +198,24 @@ class RecordingScheduler(Scheduler):
         if params:
             self._record(lambda r: r.added(request, params[0]))
 
-    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: Any) -> list[Any]:
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: Any
+    ) -> list[Any]:
         finished = self._vllm(super().finish_requests, request_ids, finished_status)
-        self._record(lambda r: r.finished_by_call(finished, mapping.status_reason(finished_status),
-                                                  deliver=not self._in_update))
+        self._record(
+            lambda r: r.finished_by_call(
+                finished, mapping.status_reason(finished_status), deliver=not self._in_update
+            )
+        )
         return finished
 
     def set_pause_state(self, pause_state: Any) -> None:
         self._vllm(super().set_pause_state, pause_state)
         self._record(lambda r: r.pause_state(pause_state.name))
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         self._record(lambda r: r.begin_reset())
         try:
             ok = super().reset_prefix_cache(reset_running_requests, reset_connector)

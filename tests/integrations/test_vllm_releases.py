@@ -1,0 +1,153 @@
+"""The recorder on every kind of vLLM release it was taught (marker vllm): the seed bug,
+recorded from the release that shipped it.
+
+vLLM 0.20.0 (the reset's discard flag, before #42117), 0.24.0 (its counter, #42117) and 0.33.0
+(the newest) run as overlays on the vLLM venv (benchmarks/setup_vllm_venv.sh makes them); 0.32.0
+is the venv's own. Each runs vLLM's own AsyncScheduler under tests/integrations/
+vllm_scheduler_run.py with the same scenario spec, only PYTHONPATH changing:
+- the seed bug's scenario (two requests decoding, pause(keep, clear_cache), resume): on 0.20.0
+  the postmortem names vLLM #42043 for both requests and `why` shows the dropped frame; on the
+  others the tape is clean and every client got tokentape's stream;
+- KV-pressure preemptions with steps in flight, a reset with a step in flight, then a pause:
+  every release's tape verifies under its own discard semantics. On 0.20.0 the pause drops a
+  token (#42043) and leaves a request hung one token short of its limit, which the tape shows.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(Path(__file__).parent)]
+
+from baselines.locate import find_vllm  # noqa: E402
+from baselines.vllm_releases import overlay_dir, release_env  # noqa: E402
+from vllm_scenarios import (  # noqa: E402
+    SCHEDULER_DRIVER,
+    async_scenario,
+    pause_resume_scenario,
+    run_tokentape,
+    run_vllm,
+)
+
+from tokentape.engine.model.loader import builtin_model, save_checkpoint  # noqa: E402
+from tokentape.postmortem import postmortem  # noqa: E402
+from tokentape.replay import diff, load_tape, verify  # noqa: E402
+
+FOUND, WHERE = find_vllm()
+VENV = Path(FOUND.python).parents[1] if FOUND is not None else None
+RELEASES = ["0.20.0", "0.24.0", None, "0.33.0"]  # None: the venv's own (0.32.0)
+POLICIES = {"0.20.0": "vllm-flag", "0.24.0": "vllm-counter", None: "deliver", "0.33.0": "deliver"}
+
+
+def _skip_reason(version: str | None) -> str | None:
+    if FOUND is None:
+        return WHERE
+    probe = subprocess.run(
+        [FOUND.python, "-c", "import tokentape.events.sqlite_store"], capture_output=True
+    )
+    if probe.returncode != 0:
+        return f"tokentape is not on {FOUND.python}'s path: run benchmarks/setup_vllm_venv.sh"
+    assert VENV is not None
+    if version is not None and not (overlay_dir(VENV, version) / ".complete").exists():
+        return f"no vLLM {version} in {overlay_dir(VENV, version)}: run setup_vllm_venv.sh"
+    return None
+
+
+def _release(version: str | None) -> Any:
+    reason = _skip_reason(version)
+    return pytest.param(
+        version,
+        id=version or "venv",
+        marks=pytest.mark.skipif(reason is not None, reason=reason or ""),
+    )
+
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-releases")
+
+
+@pytest.fixture(scope="module")
+def model(work: Path) -> str:
+    return str(save_checkpoint(builtin_model("tiny", 0)[1], work / "tiny"))
+
+
+def _run(version: str | None, spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    assert FOUND is not None and VENV is not None
+    env = release_env(VENV, version)
+    result = run_vllm(
+        FOUND.python, SCHEDULER_DRIVER, spec, work, f"{name}-{version or 'venv'}", env=env
+    )
+    tape = load_tape(result["tape"])
+    assert tape.header.source == "vllm" and tape.header.discard_policy == POLICIES[version]
+    assert tape.header.source_version == (version or FOUND.version)
+    return result
+
+
+@pytest.mark.parametrize("version", [_release(v) for v in RELEASES])
+def test_the_seed_bug_recorded_from_the_release_that_shipped_it(
+    work: Path, model: str, version: str | None
+) -> None:
+    spec = pause_resume_scenario(model)
+    result = _run(version, spec, work, "pause")
+    tape = result["tape"]
+    assert verify(tape).ok
+    report = postmortem(tape)
+    if version != "0.20.0":
+        assert report.findings == [], [f.message for f in report.findings]
+        ours = work / f"pause-tokentape-{version or 'venv'}.tape"
+        got = run_tokentape(spec, "oracle", ours)
+        assert {r: o["tokens"] for r, o in result["outputs"].items()} == got
+        d = diff(tape, ours)
+        assert d.identical, d.format()
+        return
+    dropped = [f for f in report.findings if f.kind == "post_resume_token_dropped"]
+    assert sorted(r for f in dropped for r in f.request_ids) == ["a", "b"]
+    assert {f.bug_class for f in dropped} == {"vllm#42043"}
+    # Each client lost the first token after the resume: its stream is the oracle's with that
+    # token missing, and the run took one more step to deliver max_tokens.
+    ours = run_tokentape(spec, "oracle", work / "pause-tokentape-0.20.0.tape")
+    lost = {}
+    for rid, out in result["outputs"].items():
+        got = out["tokens"]
+        lost[rid] = next(i for i, (a, b) in enumerate(zip(got, ours[rid])) if a != b)
+        assert got[lost[rid] : -1] == ours[rid][lost[rid] + 1 :]  # every later token moved up
+    why = subprocess.run(
+        [sys.executable, "-m", "tokentape.cli", "why", tape, "a", str(lost["a"])],
+        capture_output=True,
+        text=True,
+    )
+    assert why.returncode == 0, why.stderr
+    assert "the shift of vLLM #42043" in why.stdout and "dropped" in why.stdout
+
+
+@pytest.mark.parametrize("version", [_release(v) for v in RELEASES])
+def test_every_release_records_preemptions_with_steps_in_flight(
+    work: Path, model: str, version: str | None
+) -> None:
+    result = _run(version, async_scenario(model), work, "async")
+    checked = verify(result["tape"])
+    assert checked.ok, checked.first_divergence.format() if checked.first_divergence else ""
+    report = postmortem(result["tape"])
+    kinds = {f.kind for f in report.findings}
+    if version != "0.20.0":
+        assert kinds == set() and result["hung"] == [], [f.message for f in report.findings]
+        assert report.summary.tokens["dropped_stale"] > 0  # the reset's stale frames
+        return
+    # The pause at step 30 drains, then its reset's flag drops a fresh token per request; a
+    # request that lost it one token before max_tokens is never scheduled again (vLLM's
+    # placeholder guard counts the token that never came): vLLM 0.20.0 hangs on it.
+    assert "post_resume_token_dropped" in kinds
+    assert result["hung"], "the scenario no longer leaves a request hung on vLLM 0.20.0"
+    phantom = [f for f in report.findings if f.kind == "phantom_placeholders"]
+    assert sorted(r for f in phantom for r in f.request_ids) == result["hung"]
+    assert all(f.severity == "error" and f.bug_class == "vllm#42043" for f in phantom)
