@@ -76,6 +76,16 @@ def pause_resume_scenario(model: str) -> dict[str, Any]:
             "pause_at": [[6, "keep", True]]}
 
 
+def spec_reset_scenario(model: str) -> dict[str, Any]:
+    """Speculative decoding (2 drafts) under async scheduling, with resets of running requests
+    while a step is in flight (steps 9 and 21): the step in flight holds 1 + 2 placeholders per
+    request. vLLM 0.22-0.26 set the discard counter to them and drain it one frame at a time,
+    so after the stale frame two fresh ones are dropped (#42117's token-unit counter, #41190)."""
+    return {"model": model, "async": True, "num_blocks": 64, "block_size": 16, "max_num_seqs": 8,
+            "max_num_batched_tokens": 256, "max_model_len": 128, "num_speculative_tokens": 2,
+            "requests": requests(6, seed=11, prefix="s"), "reset_at": [9, 21]}
+
+
 def run_vllm(python: str, driver: Path, spec: dict[str, Any], workdir: Path, name: str,
              tape: bool = True, timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run a driver in vLLM's Python (with `env` added: another release's overlay,

@@ -17,7 +17,8 @@ Runs in vLLM's Python with tokentape installed (`python vllm_scheduler_run.py SP
 Spec: {"model": folder (its config.json shapes the KV spec), "tape", "async": bool,
 "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
 "requests": [{"id", "prompt", "max_tokens", "add_at"}], "reset_at": [step],
-"pause_at": [[step, mode, clear_cache]], "abort_at": [[step, id]], "out"}. Writes
+"pause_at": [[step, mode, clear_cache]], "abort_at": [[step, id]], "num_speculative_tokens": k
+(n-gram drafts: the model accepts a seeded random number of them), "seed", "out"}. Writes
 {"outputs": {id: {"tokens", "finish_reason"}}, "scheduler": class name, "steps": n, "hung":
 [ids]}: where requests remain but HUNG_AFTER engine steps in a row run nothing (vLLM 0.20's
 #42043 leaves a request whose placeholders block it for ever), the run stops there.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import random
 import sys
 from collections import deque
 from typing import Any
@@ -38,7 +40,7 @@ HUNG_AFTER = 100  # engine steps in a row that run nothing while requests remain
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -56,7 +58,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     else:  # the recorder must refuse to start without a tape path
         os.environ.pop("TOKENTAPE_TAPE", None)
     block_size, num_blocks = spec["block_size"], spec["num_blocks"]
+    k = spec.get("num_speculative_tokens", 0)
+    speculative = SpeculativeConfig(model="ngram", num_speculative_tokens=k) if k else None
     vllm_config = VllmConfig(
+        speculative_config=speculative,
         scheduler_config=SchedulerConfig(
             max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
             max_model_len=spec["max_model_len"], is_encoder_decoder=False, scheduler_cls=RECORDER),
@@ -92,20 +97,41 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     oracle = OracleRunner(cyclic=True, seed=0)
     keys: dict[str, int] = {}
     outputs: dict[str, dict[str, Any]] = {}
-    queue: deque[tuple[Any, dict[str, int], set[str]]] = deque()
+    queue: deque[tuple[Any, Any]] = deque()
     depth = 2 if spec["async"] else 1
+    # The model, as the device sees each sequence: the position of its next sampled token and
+    # the epoch it was computed in. Under async scheduling with drafts the scheduler counts
+    # every draft as accepted until the output comes back, while the device continues from
+    # what was accepted (vLLM's runner corrects the positions); a dropped token was still used.
+    next_position: dict[str, tuple[int, int]] = {}
+    accept = random.Random(spec.get("seed", 0))
 
-    def runner_output(out: Any, before: dict[str, int], partial: set[str]) -> Any:
+    def run_model(out: Any) -> Any:
+        """The runner's output for a step, computed as it is scheduled (the device runs it)."""
+        before = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
         ids = list(out.num_scheduled_tokens)
-        tokens = [[] if r in partial else [oracle.token_at(keys[r], before[r] + out.num_scheduled_tokens[r])]
-                  for r in ids]
+        tokens = []
+        for r in ids:
+            req = sched.requests[r]
+            if req.is_prefill_chunk:
+                tokens.append([])
+                continue
+            n, drafts = out.num_scheduled_tokens[r], len(out.scheduled_spec_decode_tokens.get(r, ()))
+            position, epoch = next_position.get(r, (-1, -1))
+            if epoch != req.num_preemptions or not drafts:  # a prefill, or a decode without drafts
+                position = before[r] + n - drafts
+            accepted = accept.randint(0, drafts)
+            tokens.append([oracle.token_at(keys[r], position + i) for i in range(accepted + 1)])
+            next_position[r] = (position + accepted + 1, req.num_preemptions)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=tokens)
 
     def apply_oldest() -> bool:
         """Apply the oldest step's output; whether that step ran anything."""
-        out, before, partial = queue.popleft()
-        for eco in sched.update_from_output(out, runner_output(out, before, partial)).values():
+        out, model_output = queue.popleft()
+        for eco in sched.update_from_output(out, model_output).values():
             for o in eco.outputs:
                 got = outputs.setdefault(o.request_id, {"tokens": [], "finish_reason": None})
                 got["tokens"] += list(o.new_token_ids)
@@ -116,11 +142,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     def schedule() -> bool:
         """Schedule one step; whether the model would have run it."""
         out = sched.schedule()
-        before = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        partial = {r for r in out.num_scheduled_tokens if sched.requests[r].is_prefill_chunk}
-        queue.append((out, before, partial))
+        queue.append((out, run_model(out)))
         return out.total_num_scheduled_tokens > 0
 
     def engine_step() -> bool:

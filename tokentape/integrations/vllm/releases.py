@@ -36,11 +36,15 @@ class Release:
     last: tuple[int, int]  # of the last release taught, inclusive (every patch release)
     discard_policy: str  # the reducer's policy that re-applies it
     mechanism: str  # what the recorder looks for in vLLM's code
+    # Whether a tape re-applies its speculative decoding under async scheduling. Before #48245
+    # a frame the discard drops still gave its rejected drafts back to the request (#46066;
+    # 0.25 skipped that while the counter ran), arithmetic the policies do not model yet.
+    async_drafts: bool = True
 
 
 RELEASES = (
-    Release((0, 20), (0, 21), "vllm-flag", "Request.discard_latest_async_tokens"),
-    Release((0, 22), (0, 26), "vllm-counter", "Request.async_tokens_to_discard"),
+    Release((0, 20), (0, 21), "vllm-flag", "Request.discard_latest_async_tokens", False),
+    Release((0, 22), (0, 26), "vllm-counter", "Request.async_tokens_to_discard", False),
     Release((0, 27), (0, 33), "deliver", "Scheduler._preempt_request(..., drop_stale_output)"),
 )
 TAUGHT = "{}.{}.0 to {}.{}.x".format(*RELEASES[0].first, *RELEASES[-1].last)
@@ -73,6 +77,15 @@ def mechanism_in(scheduler_cls: type, request_cls: type) -> str | None:
         if f"self.{release.mechanism.split('.')[1]} =" in request_init:
             return release.mechanism
     return None
+
+
+def check_drafts(release: Release, version: str, asynchronous: bool, num_drafts: int) -> None:
+    """Refuse what the tape cannot re-apply for this release (Release.async_drafts)."""
+    if asynchronous and num_drafts and not release.async_drafts:
+        raise UnsupportedByRecorder(
+            f"vLLM {version} with speculative decoding under async scheduling: a tape does not "
+            "yet re-apply how this release gives back a dropped frame's rejected drafts (#46066)"
+        )
 
 
 def check_release(version: str, scheduler_cls: type, request_cls: type) -> Release:

@@ -42,7 +42,7 @@ from tokentape.events.store import MemoryTape
 from tokentape.integrations.vllm import mapping, session
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 from tokentape.integrations.vllm.recorder import RecorderError, TapeRecorder
-from tokentape.integrations.vllm.releases import check_release
+from tokentape.integrations.vllm.releases import Release, check_drafts, check_release
 from tokentape.replay.tape import state_before_events
 from tokentape.replay.verify_recorded import ConsistencyChecker
 
@@ -77,13 +77,13 @@ class RecordingScheduler(Scheduler):
             check_tape_path(path)  # before vLLM builds anything more
             super().__init__(*args, **kwargs)
             self._recorder = self._new_recorder(
-                release.discard_policy, lambda h: SQLiteTape(path, h)
+                release, lambda h: SQLiteTape(path, h)
             )
             return
         super().__init__(*args, **kwargs)
         try:
             release = check_release(vllm.__version__, Scheduler, Request)
-            self._recorder = self._new_recorder(release.discard_policy, MemoryTape, checked=True)
+            self._recorder = self._new_recorder(release, MemoryTape, checked=True)
         except UnsupportedByRecorder as exc:
             vllm_class = next(
                 c for c in type(self).__mro__ if not issubclass(c, RecordingScheduler)
@@ -93,7 +93,7 @@ class RecordingScheduler(Scheduler):
         active.recording(self, self._recorder)
 
     def _new_recorder(
-        self, discard_policy: str, open_tape: Callable[[Any], Any], checked: bool = False
+        self, release: Release, open_tape: Callable[[Any], Any], checked: bool = False
     ) -> TapeRecorder:
         if self.connector is not None or getattr(self, "ec_connector", None) is not None:
             raise UnsupportedByRecorder(
@@ -109,14 +109,16 @@ class RecordingScheduler(Scheduler):
             raise UnsupportedByRecorder(
                 f"the tokentape recorder records models with one KV cache group, not {len(groups)}"
             )
+        asynchronous = isinstance(self, AsyncScheduler)
         config = mapping.engine_config(
             self.vllm_config,
             self.block_size,
             self.kv_cache_config.num_blocks,
             self.max_num_scheduled_tokens,
-            discard_policy,
-            isinstance(self, AsyncScheduler),
+            release.discard_policy,
+            asynchronous,
         )
+        check_drafts(release, vllm.__version__, asynchronous, config.num_speculative_tokens)
         header = mapping.make_header(config, self.vllm_config, vllm.__version__)
         checker = None
         if checked:
