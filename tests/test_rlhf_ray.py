@@ -104,11 +104,15 @@ def test_a_killed_engine_leaves_a_tape_that_says_where_it_ended(example: ModuleT
     s = fleet_postmortem(tapes, jobs=2).summary
     row = s.engines["engine-1"]
     assert s.engines["engine-0"].ended == "complete" and row.last_seq == last_seq
+    # How many rollouts a busy machine leaves unfinished when the kill lands varies; the report
+    # must say what the tape holds (the requests unfinished where it ends), and at least one.
+    unfinished = len(load_tape(killed).fold().unfinished)
+    assert unfinished >= 1
     if how == "ray.kill":
         assert (row.ended, row.errors, s.errors) == ("truncated", 0, 0)
         assert row.where.startswith(f"stopped mid-run at event {last_seq} after step {row.last_step} was "
-                                    "scheduled, 4 request(s) unfinished")
+                                    f"scheduled, {unfinished} request(s) unfinished")
     else:
         assert (row.ended, row.errors, s.errors) == ("engine_error", 1, 1)
         assert row.where.startswith(f"the engine failed at step {row.last_step + 1}: FrontendDied: ")
-        assert "4 request(s) unfinished" in row.where
+        assert f"{unfinished} request(s) unfinished" in row.where

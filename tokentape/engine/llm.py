@@ -108,6 +108,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny", *, tape: TapeSpec = None, **engine_args: object) -> None:
         self.config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
+        self.config.check_runnable()  # before the model is built
         check_tape_path(tape)  # before the model is built: a bad path fails in milliseconds
         runner = make_runner(self.config)
         self.tokenizer: Tokenizer = getattr(runner, "tokenizer", None) or ByteTokenizer()

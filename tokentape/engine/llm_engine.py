@@ -60,6 +60,7 @@ class LLMEngine:
         tape: TapeWriter,
         tokenizer: Tokenizer | None = None,
     ) -> None:
+        config.check_runnable()
         self.config = config
         self.runner = runner
         self.tape = tape

@@ -115,7 +115,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        ("--block-size", "tokens per KV block (engine default: 16)"),
                        ("--max-num-seqs", "most requests running at once (engine default: 256)"),
                        ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
-                       ("--max-model-len", "longest sequence (default: the KV capacity)"),
+                       ("--max-model-len", ("longest sequence (default: the model's context length, capped "
+                                            "at the KV capacity)")),
                        ("--cpu-threads", ("CPU threads of the engine core (a small model's lanes; "
                         "default: one per CPU less one, left to the HTTP server, at least one; one "
                         "per CPU with --in-process)"))):
