@@ -30,6 +30,10 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # run as a script, this folder is not a package on the path
+    from baselines.locate import Found
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HF_CONFIGS = REPO_ROOT / "tests" / "integrations" / "vllm_ci" / "hf_configs"
@@ -56,6 +60,21 @@ def release_env(venv: Path, version: str | None) -> dict[str, str]:
     if version is not None:
         env.update(PYTHONPATH=str(overlay_dir(venv, version)), VLLM_TARGET_DEVICE="cpu")
     return env
+
+
+def recorder_missing(found: Found | None, where: str, *folders: Path) -> str | None:
+    """Why tokentape's recorder cannot run in the vLLM found (find_vllm's answer), or with
+    these folders beside its venv (overlay_dir, vllm_tests_dir); None when it can."""
+    if found is None:
+        return where
+    probe = subprocess.run([found.python, "-c", "import tokentape.events.sqlite_store"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return f"tokentape is not on {found.python}'s path: run benchmarks/setup_vllm_venv.sh"
+    for folder in folders:
+        if not (folder / _DONE).exists():
+            return f"{folder} is missing: run benchmarks/setup_vllm_venv.sh"
+    return None
 
 
 def pytest_plugin_flag(python: str) -> str:

@@ -31,6 +31,7 @@ from baselines.locate import find_vllm  # noqa: E402
 from baselines.vllm_releases import (  # noqa: E402
     overlay_dir,
     pytest_plugin_flag,
+    recorder_missing,
     release_env,
     vllm_tests_dir,
 )
@@ -46,14 +47,8 @@ VLLM_TESTS = ["tests/v1/core/test_scheduler.py", "tests/v1/core/test_async_sched
 def _skip_reason() -> str | None:
     if FOUND is None or VENV is None:
         return WHERE
-    for needed in (
-        vllm_tests_dir(VENV, FOUND.version),
-        vllm_tests_dir(VENV, "0.20.0"),
-        overlay_dir(VENV, "0.20.0"),
-    ):
-        if not (needed / ".complete").exists():
-            return f"{needed} is missing: run benchmarks/setup_vllm_venv.sh"
-    return None
+    return recorder_missing(FOUND, WHERE, vllm_tests_dir(VENV, FOUND.version),
+                            vllm_tests_dir(VENV, "0.20.0"), overlay_dir(VENV, "0.20.0"))
 
 
 REASON = _skip_reason()

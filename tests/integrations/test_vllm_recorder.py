@@ -13,7 +13,6 @@ requests. tests/test_vllm_tapes.py checks tapes recorded the same way without vL
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(Path(__file__).parent)]
 
 from baselines.locate import find_vllm  # noqa: E402
+from baselines.vllm_releases import recorder_missing  # noqa: E402
 from vllm_scenarios import (  # noqa: E402
     ENGINE_DRIVER,
     SCHEDULER_DRIVER,
@@ -43,18 +43,7 @@ from tokentape.replay.diff import client_streams  # noqa: E402
 FOUND, WHERE = find_vllm()
 
 
-def _recorder_reason() -> str | None:
-    """Why the recorder cannot run in vLLM's Python, or None."""
-    if FOUND is None:
-        return WHERE
-    probe = subprocess.run([FOUND.python, "-c", "import tokentape.events.sqlite_store"], capture_output=True)
-    if probe.returncode != 0:
-        return (f"tokentape is not installed in vLLM's Python {FOUND.python}: "
-                "benchmarks/setup_vllm_venv.sh installs it")
-    return None
-
-
-REASON = _recorder_reason()
+REASON = recorder_missing(FOUND, WHERE)
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(Path(__file__).parent)]
 
 from baselines.locate import find_vllm  # noqa: E402
-from baselines.vllm_releases import overlay_dir, release_env  # noqa: E402
+from baselines.vllm_releases import overlay_dir, recorder_missing, release_env  # noqa: E402
 from vllm_scenarios import (  # noqa: E402
     SCHEDULER_DRIVER,
     async_scenario,
@@ -48,17 +48,8 @@ POLICIES = {"0.20.0": "vllm-flag", "0.24.0": "vllm-counter", None: "deliver", "0
 
 
 def _skip_reason(version: str | None) -> str | None:
-    if FOUND is None:
-        return WHERE
-    probe = subprocess.run(
-        [FOUND.python, "-c", "import tokentape.events.sqlite_store"], capture_output=True
-    )
-    if probe.returncode != 0:
-        return f"tokentape is not on {FOUND.python}'s path: run benchmarks/setup_vllm_venv.sh"
-    assert VENV is not None
-    if version is not None and not (overlay_dir(VENV, version) / ".complete").exists():
-        return f"no vLLM {version} in {overlay_dir(VENV, version)}: run setup_vllm_venv.sh"
-    return None
+    overlays = [overlay_dir(VENV, version)] if VENV is not None and version is not None else []
+    return recorder_missing(FOUND, WHERE, *overlays)
 
 
 def _release(version: str | None) -> Any:
