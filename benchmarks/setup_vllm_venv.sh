@@ -11,7 +11,7 @@
 #   benchmarks/setup_vllm_venv.sh [DIR]     # DIR defaults to .venv-vllm in the repository root
 #
 # The scripts find it there, or through --vllm-python DIR/bin/python or
-# $TOKENTAPE_VLLM_PYTHON. About 5 minutes on a 2-core machine (mostly downloads); run again,
+# $TOKENTAPE_VLLM_PYTHON. 94 s from scratch on a 2-core machine (mostly downloads); run again,
 # it reuses what is there and completes what is not.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
