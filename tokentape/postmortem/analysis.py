@@ -210,13 +210,15 @@ def _check_phantom_placeholders(ctx: Context, last: Item) -> None:
         if req.num_in_flight or req.num_output_placeholders <= 0:
             continue
         short = req.max_output_tokens - len(req.output_token_ids)
-        hangs = (f"; {short} token(s) short of its limit, which the placeholders reach, so vLLM's "
-                 "async scheduler never schedules it again and it hangs") \
-            if 0 < short <= req.num_output_placeholders else ""
+        hangs = 0 < short <= req.num_output_placeholders
+        message = (f"request {req_id!r} is running at the end of the tape with nothing in flight "
+                   f"but {req.num_output_placeholders} output placeholder(s), for tokens that "
+                   "never come")
+        if hangs:
+            message += (f"; {short} token(s) short of its limit, which the placeholders reach, so "
+                        "vLLM's async scheduler never schedules it again and it hangs")
         ctx.report("phantom_placeholders", "error" if hangs else "warning", [req_id], state.step,
-                   f"request {req_id!r} is running at the end of the tape with nothing in flight but "
-                   f"{req.num_output_placeholders} output placeholder(s), for tokens that never come{hangs}",
-                   [last], ctx.bug_class_of(req_id), last[0])
+                   message, [last], ctx.bug_class_of(req_id), last[0])
 
 
 def _check_replay(tape: Tape, ctx: Context, stopped_at: int | None, progress: Progress | None) -> None:
