@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from baselines import procstat
+
 from tokentape.events.sqlite_store import remove_tape_files
 
 T = TypeVar("T")
@@ -31,8 +32,12 @@ T = TypeVar("T")
 
 def parse_args(description: str, default_repeats: int) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--repeats", type=int, default=default_repeats,
-                   help=f"timed repeats per variant, best kept (default {default_repeats})")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=default_repeats,
+        help=f"timed repeats per variant, best kept (default {default_repeats})",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return p.parse_args()
 
@@ -110,8 +115,9 @@ class TempDir:
 
 def cache_dir(arg: str | None = None) -> str:
     """Where large recorded tapes are kept between runs (never committed)."""
-    base = arg or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                               "tokentape")
+    base = arg or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokentape"
+    )
     os.makedirs(base, exist_ok=True)
     return base
 
@@ -250,8 +256,9 @@ def measure_decode_steps(
         step()
     state = engine.state
     assert not state.waiting and len(state.running) == num_requests, "not all requests running"
-    assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in state.requests.values()), \
+    assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in state.requests.values()), (
         "a prefill is still pending"
+    )
     step_before = state.step
     writer_pid: int | None = getattr(engine.tape, "writer_pid", None)
     # An SQLite tape's writer process starts alongside the engine (tens of ms): the window
@@ -271,8 +278,9 @@ def measure_decode_steps(
         writer_cpu = procstat.cpu_seconds(writer_pid) - w0 if writer_pid else 0.0
         stop()
     assert state.step - step_before == WINDOW_CALLS, "a step scheduled nothing"
-    assert all(r.num_preemptions == 0 and not r.is_finished for r in state.requests.values()), \
+    assert all(r.num_preemptions == 0 and not r.is_finished for r in state.requests.values()), (
         "a request was preempted or finished inside the timed window"
+    )
     while engine.has_unfinished_requests():
         step()
     assert all(len(r.output_token_ids) == MAX_TOKENS for r in state.requests.values())

@@ -21,8 +21,13 @@ VLLM_BLOCK = 128  # vLLM's default block size on the CPU: requests are rounded u
 def vllm_kv_cache_gib(hf_config: dict[str, Any], lengths: list[int], dtype_bytes: int) -> int:
     """Whole GiB of KV cache that hold every request at once (+15%), at least 2: vLLM on the
     CPU takes its size from VLLM_CPU_KVCACHE_SPACE, as its users set it for their workload."""
-    per_token = (hf_config["num_hidden_layers"] * 2 * hf_config["num_key_value_heads"]
-                 * hf_config["head_dim"] * dtype_bytes)
+    per_token = (
+        hf_config["num_hidden_layers"]
+        * 2
+        * hf_config["num_key_value_heads"]
+        * hf_config["head_dim"]
+        * dtype_bytes
+    )
     tokens = sum(-(-n // VLLM_BLOCK) * VLLM_BLOCK for n in lengths)
     return max(2, math.ceil(per_token * tokens * 1.15 / GIB))
 
@@ -74,12 +79,34 @@ class Side:
         self.proc.close()
 
 
-def start_vllm(found: Found, model_dir: str, prompts: list[list[int]], outputs: list[int],
-               dtype: str, seed: int, max_model_len: int, kv_gib: int, workdir: str) -> Side:
-    spec = {"model": model_dir, "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
-            "prompts": prompts, "max_tokens": outputs, "warmup_prompts": 2}
-    proc = SideProcess(found.python, "vllm_generate.py", spec, label="vllm", workdir=workdir,
-                       env={"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)})
+def start_vllm(
+    found: Found,
+    model_dir: str,
+    prompts: list[list[int]],
+    outputs: list[int],
+    dtype: str,
+    seed: int,
+    max_model_len: int,
+    kv_gib: int,
+    workdir: str,
+) -> Side:
+    spec = {
+        "model": model_dir,
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": max_model_len,
+        "prompts": prompts,
+        "max_tokens": outputs,
+        "warmup_prompts": 2,
+    }
+    proc = SideProcess(
+        found.python,
+        "vllm_generate.py",
+        spec,
+        label="vllm",
+        workdir=workdir,
+        env={"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)},
+    )
     try:
         info = proc.start()
     except BaseException:
@@ -90,12 +117,24 @@ def start_vllm(found: Found, model_dir: str, prompts: list[list[int]], outputs: 
     return side
 
 
-def start_hf(found: Found, model_dir: str, prompts: list[list[int]], outputs: list[int],
-             dtype: str, threads: int | None, workdir: str) -> Side:
-    spec = {"model": model_dir, "dtype": dtype, "prompts": prompts, "max_tokens": outputs,
-            "pad_token_id": 2, "threads": threads}
-    proc = SideProcess(found.python, "hf_generate.py", spec, label="transformers",
-                       workdir=workdir)
+def start_hf(
+    found: Found,
+    model_dir: str,
+    prompts: list[list[int]],
+    outputs: list[int],
+    dtype: str,
+    threads: int | None,
+    workdir: str,
+) -> Side:
+    spec = {
+        "model": model_dir,
+        "dtype": dtype,
+        "prompts": prompts,
+        "max_tokens": outputs,
+        "pad_token_id": 2,
+        "threads": threads,
+    }
+    proc = SideProcess(found.python, "hf_generate.py", spec, label="transformers", workdir=workdir)
     try:
         info = proc.start()
     except BaseException:

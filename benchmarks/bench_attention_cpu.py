@@ -90,12 +90,18 @@ def main() -> None:
         with c.gc_collected():
             best = c.best_of({"reference": reference, "dense": dense}, args.repeats)
         ratio = best["reference"] / best["dense"]
-        results[name] = {"reference_ms": best["reference"] * 1e3,
-                         "dense_ms": best["dense"] * 1e3, "ratio": ratio}
-        rows.append([name, f"{best['reference'] * 1e3:.2f}", f"{best['dense'] * 1e3:.2f}",
-                     f"{ratio:.2f}x"])
-    header = (f"CPU attention, one layer, float32, best of {args.repeats}; "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads\n\n")
+        results[name] = {
+            "reference_ms": best["reference"] * 1e3,
+            "dense_ms": best["dense"] * 1e3,
+            "ratio": ratio,
+        }
+        rows.append(
+            [name, f"{best['reference'] * 1e3:.2f}", f"{best['dense'] * 1e3:.2f}", f"{ratio:.2f}x"]
+        )
+    header = (
+        f"CPU attention, one layer, float32, best of {args.repeats}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
+    )
     table = c.md_table(
         ["workload", "paged_attention_ref (ms)", "dense SDPA, unpaged (ms)", "ratio"], rows
     )

@@ -43,14 +43,26 @@ def record_tape(path: str, num_events: int, seed: int) -> int:
     """One engine's tape, of about `num_events` events; returns how many it holds."""
     rng = random.Random(seed)
     policy = "flag" if seed % 10 == 9 else "epoch"
-    with LLM(model="oracle", tape=path, max_num_seqs=8, num_kv_blocks=64, block_size=16, seed=seed,
-             num_speculative_tokens=2, discard_policy=policy) as llm:
+    with LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=8,
+        num_kv_blocks=64,
+        block_size=16,
+        seed=seed,
+        num_speculative_tokens=2,
+        discard_policy=policy,
+    ) as llm:
         engine = llm.engine
         next_id = steps = 0
         while engine.state.num_events < num_events:
             while engine.get_num_unfinished_requests() < 12:
                 prompt = [rng.randrange(3, 259) for _ in range(rng.randint(8, 96))]
-                engine.add_request(str(next_id), prompt, SamplingParams(max_tokens=rng.randint(16, 160), seed=next_id))
+                engine.add_request(
+                    str(next_id),
+                    prompt,
+                    SamplingParams(max_tokens=rng.randint(16, 160), seed=next_id),
+                )
                 next_id += 1
             engine.step()
             steps += 1
@@ -67,8 +79,10 @@ def record_tape(path: str, num_events: int, seed: int) -> int:
 def record_fleet(directory: str, num_tapes: int, num_events: int, jobs: int) -> list[int]:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = [pool.submit(record_tape, os.path.join(directory, f"engine-{i}.tape"), num_events, i)
-                   for i in range(num_tapes)]
+        futures = [
+            pool.submit(record_tape, os.path.join(directory, f"engine-{i}.tape"), num_events, i)
+            for i in range(num_tapes)
+        ]
         return [f.result() for f in futures]
 
 
@@ -77,24 +91,40 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timed(run: Callable[[], FleetReport], helpers: Callable[[], float]) -> tuple[FleetReport, dict[str, float]]:
+def timed(
+    run: Callable[[], FleetReport], helpers: Callable[[], float]
+) -> tuple[FleetReport, dict[str, float]]:
     h0, p0, t0 = helpers(), time.process_time(), time.perf_counter()
     report = run()
     wall = time.perf_counter() - t0
-    return report, {"wall_s": wall, "cpu_this_s": time.process_time() - p0, "cpu_helpers_s": helpers() - h0,
-                    "cpu_in_tasks_s": sum(r.cpu_s for r in report.tapes)}
+    return report, {
+        "wall_s": wall,
+        "cpu_this_s": time.process_time() - p0,
+        "cpu_helpers_s": helpers() - h0,
+        "cpu_in_tasks_s": sum(r.cpu_s for r in report.tapes),
+    }
 
 
 def comparable(report: FleetReport) -> Any:
-    return [(r.engine, [(f.kind, f.request_ids, f.steps) for f in r.findings], r.error) for r in report.tapes]
+    return [
+        (r.engine, [(f.kind, f.request_ids, f.steps) for f in r.findings], r.error)
+        for r in report.tapes
+    ]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tapes", type=int, default=1000, help="tapes in the fleet (default 1,000)")
     p.add_argument("--events", type=int, default=10_000, help="events per tape (default 10,000)")
-    p.add_argument("--jobs", type=int, default=default_jobs(), help="worker processes / Ray CPUs (default: the CPUs available)")
-    p.add_argument("--ray", action="store_true", help="also time the fleet postmortem on a local Ray instance")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help="worker processes / Ray CPUs (default: the CPUs available)",
+    )
+    p.add_argument(
+        "--ray", action="store_true", help="also time the fleet postmortem on a local Ray instance"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args()
     tmp = c.TempDir()
@@ -106,9 +136,11 @@ def main() -> None:
         results: dict[str, dict[str, float]] = {}
         reports: dict[str, FleetReport] = {}
         reports["one process"], results["one process"] = timed(
-            lambda: fleet_postmortem(tmp.path, jobs=1), children_cpu)
+            lambda: fleet_postmortem(tmp.path, jobs=1), children_cpu
+        )
         reports["process pool"], results["process pool"] = timed(
-            lambda: fleet_postmortem(tmp.path, jobs=args.jobs), children_cpu)
+            lambda: fleet_postmortem(tmp.path, jobs=args.jobs), children_cpu
+        )
         ray_start_s = None
         if args.ray:
             import logging
@@ -124,34 +156,78 @@ def main() -> None:
                 return sum(sec for pid, (_, sec) in procstat.tree_cpu(me).items() if pid != me)
 
             try:
-                reports["ray"], results["ray"] = timed(lambda: fleet_postmortem(tmp.path, use_ray=True), ray_helpers)
+                reports["ray"], results["ray"] = timed(
+                    lambda: fleet_postmortem(tmp.path, use_ray=True), ray_helpers
+                )
             finally:
                 ray.shutdown()
         base = comparable(reports["one process"])
         agree = all(comparable(r) == base for r in reports.values())
         one = results["one process"]["wall_s"]
-        rows = [[name, f"{r['wall_s']:.1f}", f"{one / r['wall_s']:.2f}x", f"{r['cpu_this_s']:.1f}",
-                 f"{r['cpu_helpers_s']:.1f}", f"{r['cpu_in_tasks_s']:.1f}", c.fmt_rate(total / r["wall_s"])]
-                for name, r in results.items()]
+        rows = [
+            [
+                name,
+                f"{r['wall_s']:.1f}",
+                f"{one / r['wall_s']:.2f}x",
+                f"{r['cpu_this_s']:.1f}",
+                f"{r['cpu_helpers_s']:.1f}",
+                f"{r['cpu_in_tasks_s']:.1f}",
+                c.fmt_rate(total / r["wall_s"]),
+            ]
+            for name, r in results.items()
+        ]
         summary = reports["one process"].summary
-        md = "\n".join([
-            f"### fleet postmortem: {args.tapes:,} tapes, {total:,} events "
-            f"({total / args.tapes:,.0f} per tape), --jobs {args.jobs}",
-            "",
-            f"Recorded in {record_s:.0f} s ({args.jobs} processes). Findings: {summary.errors} error(s), "
-            f"{summary.warnings} warning(s) on {summary.failed} tapes; the reports agree: {agree}."
-            + (f" Ray started in {ray_start_s:.1f} s (not in its wall time)." if ray_start_s is not None else ""),
-            "",
-            c.md_table(["variant", "wall s", "speed-up", "CPU s, this process", "CPU s, helper processes",
-                        "CPU s, in the analyses", "events/s"], rows),
-        ])
-        c.emit({"bench": "fleet_postmortem", "tapes": args.tapes, "events": total, "jobs": args.jobs,
-                "record_s": record_s, "ray_start_s": ray_start_s, "results": results, "agree": agree,
+        md = "\n".join(
+            [
+                f"### fleet postmortem: {args.tapes:,} tapes, {total:,} events "
+                f"({total / args.tapes:,.0f} per tape), --jobs {args.jobs}",
+                "",
+                f"Recorded in {record_s:.0f} s ({args.jobs} processes). Findings: {summary.errors} error(s), "
+                f"{summary.warnings} warning(s) on {summary.failed} tapes; the reports agree: {agree}."
+                + (
+                    f" Ray started in {ray_start_s:.1f} s (not in its wall time)."
+                    if ray_start_s is not None
+                    else ""
+                ),
+                "",
+                c.md_table(
+                    [
+                        "variant",
+                        "wall s",
+                        "speed-up",
+                        "CPU s, this process",
+                        "CPU s, helper processes",
+                        "CPU s, in the analyses",
+                        "events/s",
+                    ],
+                    rows,
+                ),
+            ]
+        )
+        c.emit(
+            {
+                "bench": "fleet_postmortem",
+                "tapes": args.tapes,
+                "events": total,
+                "jobs": args.jobs,
+                "record_s": record_s,
+                "ray_start_s": ray_start_s,
+                "results": results,
+                "agree": agree,
                 "machine": c.machine_info(),
-                "summary": [{"name": f"fleet postmortem of {args.tapes:,} tapes, {name}",
-                             "value": f"{r['wall_s']:.1f} s ({one / r['wall_s']:.2f}x one process)",
-                             "target": "", "pass": agree} for name, r in results.items()]},
-               md, args.json)
+                "summary": [
+                    {
+                        "name": f"fleet postmortem of {args.tapes:,} tapes, {name}",
+                        "value": f"{r['wall_s']:.1f} s ({one / r['wall_s']:.2f}x one process)",
+                        "target": "",
+                        "pass": agree,
+                    }
+                    for name, r in results.items()
+                ],
+            },
+            md,
+            args.json,
+        )
         if not agree:
             raise SystemExit("the reports of the variants differ")
     finally:

@@ -39,11 +39,13 @@ TARGET = 0.5
 
 def record_tape(path: str) -> None:
     rng = random.Random(42)
-    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(16, 512))]
-               for _ in range(NUM_REQUESTS)]
+    prompts = [
+        [rng.randrange(3, 259) for _ in range(rng.randint(16, 512))] for _ in range(NUM_REQUESTS)
+    ]
     params = [SamplingParams(max_tokens=rng.randint(32, 512), seed=i) for i in range(NUM_REQUESTS)]
-    with LLM(model="oracle", tape=path, max_num_seqs=MAX_NUM_SEQS,
-             num_kv_blocks=NUM_KV_BLOCKS) as llm:
+    with LLM(
+        model="oracle", tape=path, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=NUM_KV_BLOCKS
+    ) as llm:
         llm.generate(prompts, params)
 
 
@@ -103,39 +105,82 @@ def main() -> None:
                     evolve(state, e)
                 return time.perf_counter() - t0
 
-        best = c.best_of({"fold": do_fold, "reader": iterate_reader, "decode": decode_only,
-                          "evolve": evolve_only}, repeats=args.repeats)
+        best = c.best_of(
+            {
+                "fold": do_fold,
+                "reader": iterate_reader,
+                "decode": decode_only,
+                "evolve": evolve_only,
+            },
+            repeats=args.repeats,
+        )
     finally:
         tmp.cleanup()
     rate = {k: n / v for k, v in best.items()}
     ratio = rate["fold"] / rate["reader"]
     ratio_mem = rate["fold"] / rate["decode"]
     table = [
-        ["`replay.fold(path)`: read + decode + evolve", c.fmt_rate(rate["fold"]),
-         f"{best['fold'] * 1e3:,.0f}", f"{ratio:.3f}x",
-         f">= {TARGET}x: {c.verdict(ratio >= TARGET)}"],
-        ["`SQLiteTapeReader.iter_events()`: read + decode (baseline)", c.fmt_rate(rate["reader"]),
-         f"{best['reader'] * 1e3:,.0f}", "1.000x", ""],
-        ["`schema.decode` of in-memory rows (info)", c.fmt_rate(rate["decode"]),
-         f"{best['decode'] * 1e3:,.0f}", f"{rate['decode'] / rate['reader']:.3f}x",
-         f"fold / this = {ratio_mem:.3f}x"],
-        ["`evolve` of decoded events, reducer alone (info)", c.fmt_rate(rate["evolve"]),
-         f"{best['evolve'] * 1e3:,.0f}", f"{rate['evolve'] / rate['reader']:.3f}x", ""],
+        [
+            "`replay.fold(path)`: read + decode + evolve",
+            c.fmt_rate(rate["fold"]),
+            f"{best['fold'] * 1e3:,.0f}",
+            f"{ratio:.3f}x",
+            f">= {TARGET}x: {c.verdict(ratio >= TARGET)}",
+        ],
+        [
+            "`SQLiteTapeReader.iter_events()`: read + decode (baseline)",
+            c.fmt_rate(rate["reader"]),
+            f"{best['reader'] * 1e3:,.0f}",
+            "1.000x",
+            "",
+        ],
+        [
+            "`schema.decode` of in-memory rows (info)",
+            c.fmt_rate(rate["decode"]),
+            f"{best['decode'] * 1e3:,.0f}",
+            f"{rate['decode'] / rate['reader']:.3f}x",
+            f"fold / this = {ratio_mem:.3f}x",
+        ],
+        [
+            "`evolve` of decoded events, reducer alone (info)",
+            c.fmt_rate(rate["evolve"]),
+            f"{best['evolve'] * 1e3:,.0f}",
+            f"{rate['evolve'] / rate['reader']:.3f}x",
+            "",
+        ],
     ]
     md = (
         f"### (b) Fold rate (best of {args.repeats})\n\n"
         f"Tape: {n:,} events, {NUM_REQUESTS} requests, {final.step:,} steps, "
         f"{sum(r.num_preemptions for r in final.requests.values())} preemptions, "
         f"recorded in {record_s:.1f} s; mix: "
-        + ", ".join(f"{k} {v:,}" for k, v in kinds.most_common()) + "\n\n"
+        + ", ".join(f"{k} {v:,}" for k, v in kinds.most_common())
+        + "\n\n"
         + c.md_table(["reader", "events/s", "time (ms)", "vs baseline", "target"], table)
     )
-    summary = [{"name": "fold (fold / read+decode)", "value": f"{ratio:.3f}x "
-                f"({c.fmt_rate(rate['fold'])} vs {c.fmt_rate(rate['reader'])} events/s; "
-                f"vs in-memory decode {ratio_mem:.3f}x)",
-                "target": f">= {TARGET}x", "pass": ratio >= TARGET}]
-    c.emit({"bench": "fold", "repeats": args.repeats, "events": n, "rates": rate, "ratio": ratio,
-            "ratio_vs_memory_decode": ratio_mem, "summary": summary}, md, args.json)
+    summary = [
+        {
+            "name": "fold (fold / read+decode)",
+            "value": f"{ratio:.3f}x "
+            f"({c.fmt_rate(rate['fold'])} vs {c.fmt_rate(rate['reader'])} events/s; "
+            f"vs in-memory decode {ratio_mem:.3f}x)",
+            "target": f">= {TARGET}x",
+            "pass": ratio >= TARGET,
+        }
+    ]
+    c.emit(
+        {
+            "bench": "fold",
+            "repeats": args.repeats,
+            "events": n,
+            "rates": rate,
+            "ratio": ratio,
+            "ratio_vs_memory_decode": ratio_mem,
+            "summary": summary,
+        },
+        md,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -44,13 +44,13 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 import _common as c
 import _generate_baselines as gb
+import torch
 from baselines import procstat
 from baselines.client import SideError
 from baselines.locate import find_transformers, find_vllm
+
 from tokentape import LLM, SamplingParams
 from tokentape.engine.model.config import BUILTIN_CONFIGS
 from tokentape.engine.model.decoder import CausalLM
@@ -81,16 +81,31 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_tokentape(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
-                  tmp: c.TempDir, *, depth: int, tape: bool) -> dict[str, Any]:
+def run_tokentape(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    outputs: list[int],
+    tmp: c.TempDir,
+    *,
+    depth: int,
+    tape: bool,
+) -> dict[str, Any]:
     max_len = max(len(p) + o for p, o in zip(prompts, outputs))
     blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs)) + len(prompts)
     path = tmp.new("bench") if tape else False
     llm = LLM(
-        model=args.config, tape=path, device=args.device, dtype=args.dtype,
-        pipeline_depth=depth, async_scheduling=depth > 1, num_kv_blocks=blocks, block_size=16,
-        max_num_seqs=256, max_model_len=max_len + 1,
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        model=args.config,
+        tape=path,
+        device=args.device,
+        dtype=args.dtype,
+        pipeline_depth=depth,
+        async_scheduling=depth > 1,
+        num_kv_blocks=blocks,
+        block_size=16,
+        max_num_seqs=256,
+        max_model_len=max_len + 1,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
         cpu_threads=args.cpu_threads,
     )
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
@@ -108,29 +123,48 @@ def run_tokentape(args: argparse.Namespace, prompts: list[list[int]], outputs: l
         c.remove_db(path)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), "every request must produce its requested tokens"
-    return {"seconds": elapsed, "output_tokens": n_out, "cpu_main_s": cpu,
-            "cpu_helpers_s": helpers, "tokens": [o.outputs[0].token_ids for o in outs]}
+    return {
+        "seconds": elapsed,
+        "output_tokens": n_out,
+        "cpu_main_s": cpu,
+        "cpu_helpers_s": helpers,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
 
 
 def from_side(reply: dict[str, Any], main: str) -> dict[str, Any]:
     cpu = dict(reply["cpu_s"])
-    return {"seconds": reply["seconds"], "output_tokens": reply["output_tokens"],
-            "cpu_main_s": cpu.pop(main), "cpu_helpers_s": cpu, "tokens": reply["tokens"]}
+    return {
+        "seconds": reply["seconds"],
+        "output_tokens": reply["output_tokens"],
+        "cpu_main_s": cpu.pop(main),
+        "cpu_helpers_s": cpu,
+        "tokens": reply["tokens"],
+    }
 
 
 def decode_step_time(args: argparse.Namespace, batch: int) -> float:
     """Seconds per decode step with `batch` sequences (32-token prompts, 128 outputs each)."""
-    llm = LLM(model=args.config, tape=False, device=args.device, dtype=args.dtype,
-              pipeline_depth=2, num_kv_blocks=max(64, batch * 14), block_size=16,
-              max_num_seqs=max(batch, 1), seed=args.seed)
+    llm = LLM(
+        model=args.config,
+        tape=False,
+        device=args.device,
+        dtype=args.dtype,
+        pipeline_depth=2,
+        num_kv_blocks=max(64, batch * 14),
+        block_size=16,
+        max_num_seqs=max(batch, 1),
+        seed=args.seed,
+    )
     rng = random.Random(1)
     vocab = BUILTIN_CONFIGS[args.config].vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(f"d{i}", p,
-                           SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            f"d{i}", p, SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+        )
     for _ in range(4):  # prefill and the first decodes, untimed
         engine.step()
     sync_device(args.device)
@@ -151,17 +185,34 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, help="default: 256 for tiny, 64 for qwen3-0.6b")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=2,
-                   help="rounds, each running every variant once; the best of each is kept")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="tokentape's cpu_threads (default: its own choice)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds, each running every variant once; the best of each is kept",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="tokentape's cpu_threads (default: its own choice)",
+    )
     p.add_argument("--vllm-python", metavar="PATH", help="the Python that has vllm")
-    p.add_argument("--vllm-kv-gib", type=int,
-                   help="VLLM_CPU_KVCACHE_SPACE (default: enough for every request, >= 2)")
-    p.add_argument("--hf-batch-sizes", default="16,32,64,128",
-                   help="transformers' batch sizes to try (comma-separated)")
-    p.add_argument("--hf-threads", type=int,
-                   help="transformers' torch thread count (default: torch's, one per core)")
+    p.add_argument(
+        "--vllm-kv-gib",
+        type=int,
+        help="VLLM_CPU_KVCACHE_SPACE (default: enough for every request, >= 2)",
+    )
+    p.add_argument(
+        "--hf-batch-sizes",
+        default="16,32,64,128",
+        help="transformers' batch sizes to try (comma-separated)",
+    )
+    p.add_argument(
+        "--hf-threads",
+        type=int,
+        help="transformers' torch thread count (default: torch's, one per core)",
+    )
     p.add_argument("--skip-vllm", action="store_true", help="leave vLLM out")
     p.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -175,10 +226,13 @@ def main() -> int:
     config = BUILTIN_CONFIGS[args.config]
     prompts, outputs = workload(args.config, args.num_prompts, config.vocab_size, args.seed)
     n = len(prompts)
-    print(f"# bench_generate: {n} prompts, config {args.config}, {args.device}, {args.dtype}; "
-          f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} torch threads in this process "
-          f"at start", flush=True)
+    print(
+        f"# bench_generate: {n} prompts, config {args.config}, {args.device}, {args.dtype}; "
+        f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads in this process "
+        f"at start",
+        flush=True,
+    )
     found_vllm, where = find_vllm(args.vllm_python)
     found_hf, where_hf = find_transformers(found_vllm)
     if args.skip_vllm:
@@ -193,26 +247,42 @@ def main() -> int:
     failures: list[str] = []
     try:
         if found_vllm or found_hf:
-            model_dir = save_checkpoint(builtin_model(args.config, args.seed)[1],
-                                        tmp.new(args.config, ""))
+            model_dir = save_checkpoint(
+                builtin_model(args.config, args.seed)[1], tmp.new(args.config, "")
+            )
         max_len = max(len(p) + o for p, o in zip(prompts, outputs))
         if found_vllm:
             kv = args.vllm_kv_gib or gb.vllm_kv_cache_gib(
-                config.to_hf_dict(), [len(p) + o for p, o in zip(prompts, outputs)],
-                torch.finfo(getattr(torch, args.dtype)).bits // 8)
-            print(f"# starting vLLM (VLLM_CPU_KVCACHE_SPACE={kv}; its first start compiles "
-                  "for about a minute) ...", flush=True)
+                config.to_hf_dict(),
+                [len(p) + o for p, o in zip(prompts, outputs)],
+                torch.finfo(getattr(torch, args.dtype)).bits // 8,
+            )
+            print(
+                f"# starting vLLM (VLLM_CPU_KVCACHE_SPACE={kv}; its first start compiles "
+                "for about a minute) ...",
+                flush=True,
+            )
             try:
-                sides["vllm"] = gb.start_vllm(found_vllm, model_dir, prompts, outputs,
-                                              args.dtype, args.seed, max_len + 1, kv, tmp.path)
+                sides["vllm"] = gb.start_vllm(
+                    found_vllm,
+                    model_dir,
+                    prompts,
+                    outputs,
+                    args.dtype,
+                    args.seed,
+                    max_len + 1,
+                    kv,
+                    tmp.path,
+                )
                 print(f"# vLLM side: {sides['vllm'].info}", flush=True)
             except SideError as e:
                 failures.append(f"vLLM failed to start: {e}")
                 print(f"# {failures[-1]}", flush=True)
         if found_hf:
             try:
-                sides["hf"] = gb.start_hf(found_hf, model_dir, prompts, outputs, args.dtype,
-                                          args.hf_threads, tmp.path)
+                sides["hf"] = gb.start_hf(
+                    found_hf, model_dir, prompts, outputs, args.dtype, args.hf_threads, tmp.path
+                )
                 print(f"# transformers side: {sides['hf'].info}", flush=True)
             except SideError as e:
                 failures.append(f"transformers failed to start: {e}")
@@ -223,15 +293,22 @@ def main() -> int:
             side.close()
         tmp.cleanup()
     busy = c.busy_cores(ticks0, c.cpu_ticks())
-    machine = (f"machine: load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} "
-               f"after; {'?' if busy is None else f'{busy:.2f}'} of {os.cpu_count()} cores busy "
-               "on average over the run, everything included")
+    machine = (
+        f"machine: load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} "
+        f"after; {'?' if busy is None else f'{busy:.2f}'} of {os.cpu_count()} cores busy "
+        "on average over the run, everything included"
+    )
     return report(args, prompts, outputs, results, hf_by_size, sides, failures, machine)
 
 
-def run_rounds(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
-               tmp: c.TempDir, sides: dict[str, gb.Side], failures: list[str],
-               ) -> tuple[dict[str, dict[str, Any]], dict[int, float]]:
+def run_rounds(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    outputs: list[int],
+    tmp: c.TempDir,
+    sides: dict[str, gb.Side],
+    failures: list[str],
+) -> tuple[dict[str, dict[str, Any]], dict[int, float]]:
     """`args.repeats` rounds of every variant; the best (shortest) run of each is kept."""
     results: dict[str, dict[str, Any]] = {}
     hf_by_size: dict[int, float] = {}  # transformers' best seconds per batch size
@@ -270,8 +347,10 @@ def run_rounds(args: argparse.Namespace, prompts: list[list[int]], outputs: list
                     r["batch_size"] = size
                     hf_by_size[size] = min(hf_by_size.get(size, float("inf")), r["seconds"])
                     keep("transformers", r)
-                    print(f"# round {rnd + 1}: transformers, batch {size}: "
-                          f"{r['seconds']:.2f} s", flush=True)
+                    print(
+                        f"# round {rnd + 1}: transformers, batch {size}: {r['seconds']:.2f} s",
+                        flush=True,
+                    )
             except SideError as e:
                 failures.append(f"transformers failed: {e}")
                 print(f"# {failures[-1]}", flush=True)
@@ -283,30 +362,59 @@ def same_streams(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(list(x) == list(y) for x, y in zip(a, b))
 
 
-def report(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
-           results: dict[str, dict[str, Any]], hf_by_size: dict[int, float],
-           sides: dict[str, gb.Side], failures: list[str], machine: str) -> int:
+def report(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    outputs: list[int],
+    results: dict[str, dict[str, Any]],
+    hf_by_size: dict[int, float],
+    sides: dict[str, gb.Side],
+    failures: list[str],
+    machine: str,
+) -> int:
     n = len(prompts)
     rows = []
     for name, r in results.items():
         helpers = r["cpu_helpers_s"]
         label = name if name != "transformers" else f"transformers (batch {r['batch_size']})"
-        rows.append([label, f"{r['seconds']:.2f}", _rate(r["tok_s"]),
-                     f"{r['cpu_main_s']:.2f}", f"{sum(helpers.values()):.2f}",
-                     ", ".join(f"{k} {v:.2f}" for k, v in helpers.items() if v >= 0.005) or "-"])
-    headers = ["variant", "wall (s)", "output tok/s", "CPU, main process (s)",
-               "CPU, helper processes (s)", "helpers"]
-    lines = [f"### (g) Generation throughput: {n} prompts, {args.config}, {args.device}, "
-             f"{args.dtype}; {sum(outputs):,} output tokens (best of {args.repeats} "
-             "interleaved rounds)", "", c.md_table(headers, rows), ""]
+        rows.append(
+            [
+                label,
+                f"{r['seconds']:.2f}",
+                _rate(r["tok_s"]),
+                f"{r['cpu_main_s']:.2f}",
+                f"{sum(helpers.values()):.2f}",
+                ", ".join(f"{k} {v:.2f}" for k, v in helpers.items() if v >= 0.005) or "-",
+            ]
+        )
+    headers = [
+        "variant",
+        "wall (s)",
+        "output tok/s",
+        "CPU, main process (s)",
+        "CPU, helper processes (s)",
+        "helpers",
+    ]
+    lines = [
+        f"### (g) Generation throughput: {n} prompts, {args.config}, {args.device}, "
+        f"{args.dtype}; {sum(outputs):,} output tokens (best of {args.repeats} "
+        "interleaved rounds)",
+        "",
+        c.md_table(headers, rows),
+        "",
+    ]
     if hf_by_size:
-        lines.append("transformers by batch size (best seconds): " + ", ".join(
-            f"{s}: {t:.2f}" for s, t in sorted(hf_by_size.items())))
+        lines.append(
+            "transformers by batch size (best seconds): "
+            + ", ".join(f"{s}: {t:.2f}" for s, t in sorted(hf_by_size.items()))
+        )
     for side in sides.values():
         if side.idle_wall_s:
             owner = side.name + ("'" if side.name.endswith("s") else "'s")
-            lines.append(f"{owner} processes while the tokentape variants ran: "
-                         f"{side.idle_cpu_s:.2f} CPU s in {side.idle_wall_s:.1f} s")
+            lines.append(
+                f"{owner} processes while the tokentape variants ran: "
+                f"{side.idle_cpu_s:.2f} CPU s in {side.idle_wall_s:.1f} s"
+            )
     lines.append(machine)
     tt = results[MAIN]
     agree = all(same_streams(tt["tokens"], results[v]["tokens"]) == n for v in TT_VARIANTS)
@@ -318,51 +426,98 @@ def report(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int
         equal = same_streams(tt["tokens"], v["tokens"])
         lines.append(f"greedy streams equal to vLLM: {equal}/{n}")
         ratio = tt["tok_s"] / v["tok_s"]
-        summary.append({"name": f"(g) tokentape / vLLM CPU, output tok/s ({args.config}, "
-                                f"{n} prompts, tape on)",
-                        "value": (f"{ratio:.3f}x ({_rate(tt['tok_s'])} vs "
-                                  f"{_rate(v['tok_s'])} tok/s)"),
-                        "target": f">= {target:.1f}x" if target else "-",
-                        "pass": (ratio >= target) if target else None})
-        summary.append({"name": "(g) greedy streams equal to vLLM's", "value": f"{equal}/{n}",
-                        "target": f"{n}/{n}", "pass": equal == n})
+        summary.append(
+            {
+                "name": f"(g) tokentape / vLLM CPU, output tok/s ({args.config}, "
+                f"{n} prompts, tape on)",
+                "value": (f"{ratio:.3f}x ({_rate(tt['tok_s'])} vs {_rate(v['tok_s'])} tok/s)"),
+                "target": f">= {target:.1f}x" if target else "-",
+                "pass": (ratio >= target) if target else None,
+            }
+        )
+        summary.append(
+            {
+                "name": "(g) greedy streams equal to vLLM's",
+                "value": f"{equal}/{n}",
+                "target": f"{n}/{n}",
+                "pass": equal == n,
+            }
+        )
     else:
         lines.append("greedy streams equal to vLLM: not measured (no vLLM)")
-        summary.append({"name": f"(g) tokentape / vLLM CPU ({args.config})",
-                        "value": "not measured: no vLLM",
-                        "target": f">= {target:.1f}x" if target else "-", "pass": None})
+        summary.append(
+            {
+                "name": f"(g) tokentape / vLLM CPU ({args.config})",
+                "value": "not measured: no vLLM",
+                "target": f">= {target:.1f}x" if target else "-",
+                "pass": None,
+            }
+        )
     if "transformers" in results:
         h = results["transformers"]
         equal = same_streams(tt["tokens"], h["tokens"])
         lines.append(f"greedy streams equal to transformers: {equal}/{n}")
-        summary.append({"name": "(g) tokentape / transformers at its best, output tok/s",
-                        "value": f"{tt['tok_s'] / h['tok_s']:.3f}x ({_rate(tt['tok_s'])} vs "
-                                 f"{_rate(h['tok_s'])} tok/s, batch {h['batch_size']})",
-                        "target": "-", "pass": None})
+        summary.append(
+            {
+                "name": "(g) tokentape / transformers at its best, output tok/s",
+                "value": f"{tt['tok_s'] / h['tok_s']:.3f}x ({_rate(tt['tok_s'])} vs "
+                f"{_rate(h['tok_s'])} tok/s, batch {h['batch_size']})",
+                "target": "-",
+                "pass": None,
+            }
+        )
     else:
         lines.append("greedy streams equal to transformers: not measured (no transformers)")
     tape_ratio = tt["tok_s"] / results["tokentape async, no tape"]["tok_s"]
-    summary.append({"name": "(g) tape on / off, output tok/s", "value": f"{tape_ratio:.3f}",
-                    "target": ">= 0.95", "pass": tape_ratio >= 0.95})
+    summary.append(
+        {
+            "name": "(g) tape on / off, output tok/s",
+            "value": f"{tape_ratio:.3f}",
+            "target": ">= 0.95",
+            "pass": tape_ratio >= 0.95,
+        }
+    )
     async_ratio = tt["tok_s"] / results["tokentape sync, SQLite tape"]["tok_s"]
-    summary.append({"name": "(g) async (depth 2) / sync, output tok/s",
-                    "value": f"{async_ratio:.3f}", "target": "-", "pass": None})
+    summary.append(
+        {
+            "name": "(g) async (depth 2) / sync, output tok/s",
+            "value": f"{async_ratio:.3f}",
+            "target": "-",
+            "pass": None,
+        }
+    )
     if args.device == "cuda":
         cuda_figures(args, summary)
     if target:
-        lines.append(f"target: tokentape (async, tape on) >= {target:.1f}x vLLM CPU's output "
-                     f"tok/s on {args.config}")
-    lines += ["", c.md_table(["figure", "value", "target", "result"],
-                             [[s["name"], s["value"], s["target"], _verdict(s)]
-                              for s in summary])]
+        lines.append(
+            f"target: tokentape (async, tape on) >= {target:.1f}x vLLM CPU's output "
+            f"tok/s on {args.config}"
+        )
+    lines += [
+        "",
+        c.md_table(
+            ["figure", "value", "target", "result"],
+            [[s["name"], s["value"], s["target"], _verdict(s)] for s in summary],
+        ),
+    ]
     lines += [f"FAILED: {f}" for f in failures]
     markdown = "\n".join(lines)
-    c.emit({"bench": "generate", "config": args.config, "num_prompts": n,
-            "results": {k: {kk: vv for kk, vv in r.items() if kk != "tokens"}
-                        for k, r in results.items()},
+    c.emit(
+        {
+            "bench": "generate",
+            "config": args.config,
+            "num_prompts": n,
+            "results": {
+                k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in results.items()
+            },
             "hf_by_batch_size": hf_by_size,
-            "sides": {k: s.info for k, s in sides.items()}, "summary": summary,
-            "failures": failures}, "\n" + markdown, args.json)
+            "sides": {k: s.info for k, s in sides.items()},
+            "summary": summary,
+            "failures": failures,
+        },
+        "\n" + markdown,
+        args.json,
+    )
     return 1 if failures or not agree else 0
 
 
@@ -379,14 +534,23 @@ def _verdict(figure: dict[str, Any]) -> str:
 def cuda_figures(args: argparse.Namespace, summary: list[dict[str, Any]]) -> None:
     with torch.device("meta"):  # shapes only
         model = CausalLM(BUILTIN_CONFIGS[args.config])
-    weight_bytes = (sum(t.numel() for t in model.parameters())
-                    * torch.finfo(getattr(torch, args.dtype)).bits // 8)
+    weight_bytes = (
+        sum(t.numel() for t in model.parameters())
+        * torch.finfo(getattr(torch, args.dtype)).bits
+        // 8
+    )
     floor = weight_bytes / HBM_BYTES_PER_S
     for batch in (1, 64):
         step = decode_step_time(args, batch)
-        summary.append({"name": f"decode step, batch {batch} (CUDA)",
-                        "value": f"{step * 1e3:.3f} ms ({step / floor:.2f}x the floor, "
-                                 f"{floor * 1e3:.3f} ms)", "target": "-", "pass": None})
+        summary.append(
+            {
+                "name": f"decode step, batch {batch} (CUDA)",
+                "value": f"{step * 1e3:.3f} ms ({step / floor:.2f}x the floor, "
+                f"{floor * 1e3:.3f} ms)",
+                "target": "-",
+                "pass": None,
+            }
+        )
 
 
 if __name__ == "__main__":

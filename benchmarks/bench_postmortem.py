@@ -40,15 +40,25 @@ TAPE_NAME = "bench-postmortem-1M-v1.tape"  # cached; bump the suffix when the re
 
 def record_tape(path: str, num_events: int) -> None:
     rng = random.Random(7)
-    with LLM(model="oracle", tape=path, max_num_seqs=8, num_kv_blocks=64, block_size=16,
-             num_speculative_tokens=2) as llm:
+    with LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=8,
+        num_kv_blocks=64,
+        block_size=16,
+        num_speculative_tokens=2,
+    ) as llm:
         engine = llm.engine
         next_id = 0
         steps = 0
         while engine.state.num_events < num_events:  # every event went through evolve
             while engine.get_num_unfinished_requests() < 12:
                 prompt = [rng.randrange(3, 259) for _ in range(rng.randint(8, 96))]
-                engine.add_request(str(next_id), prompt, SamplingParams(max_tokens=rng.randint(16, 160), seed=next_id))
+                engine.add_request(
+                    str(next_id),
+                    prompt,
+                    SamplingParams(max_tokens=rng.randint(16, 160), seed=next_id),
+                )
                 next_id += 1
             engine.step()
             steps += 1
@@ -64,16 +74,27 @@ def record_tape(path: str, num_events: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--events", type=int, default=TARGET_EVENTS, help="events on the tape (default 1,000,000)")
-    p.add_argument("--repeats", type=int, default=2, help="timed repeats per variant, best kept (default 2)")
-    p.add_argument("--tape", metavar="PATH", help="record the tape here, or reuse it if it exists "
-                   "(default: a cached tape under ~/.cache/tokentape for the default --events)")
+    p.add_argument(
+        "--events", type=int, default=TARGET_EVENTS, help="events on the tape (default 1,000,000)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=2, help="timed repeats per variant, best kept (default 2)"
+    )
+    p.add_argument(
+        "--tape",
+        metavar="PATH",
+        help="record the tape here, or reuse it if it exists "
+        "(default: a cached tape under ~/.cache/tokentape for the default --events)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args()
     tmp = c.TempDir()
     try:
-        path = args.tape or (os.path.join(c.cache_dir(), TAPE_NAME) if args.events == TARGET_EVENTS
-                             else tmp.new("postmortem"))
+        path = args.tape or (
+            os.path.join(c.cache_dir(), TAPE_NAME)
+            if args.events == TARGET_EVENTS
+            else tmp.new("postmortem")
+        )
         record_s = 0.0
         if not os.path.exists(path):
             t0 = time.perf_counter()
@@ -108,30 +129,55 @@ def main() -> None:
                     report = postmortem(loaded, progress=update)
                 return time.perf_counter() - t0
 
-        best = c.best_of({"read + decode": read_decode, "fold": fold, "postmortem": run_postmortem},
-                         args.repeats, warmup=0)
+        best = c.best_of(
+            {"read + decode": read_decode, "fold": fold, "postmortem": run_postmortem},
+            args.repeats,
+            warmup=0,
+        )
         assert report is not None
         pm = best["postmortem"]
         ok = pm < TARGET_S * n / TARGET_EVENTS
-        rows = [[name, f"{secs:.2f}", c.fmt_rate(n / secs), f"{secs / best['read + decode']:.2f}x"]
-                for name, secs in best.items()]
-        md = "\n".join([
-            f"### (f) postmortem of a {n:,}-event tape"
-            + (f" (recorded in {record_s:.0f} s)" if record_s else ""),
-            "",
-            c.md_table(["variant", "seconds (best)", "events/s", "time vs read + decode"], rows),
-            "",
-            f"Findings on the tape: {len(report.findings)} ({report.summary.counts or 'none'}); "
-            f"tokens {report.summary.tokens}.",
-            f"Target: postmortem of {TARGET_EVENTS:,} events < {TARGET_S:.0f} s "
-            f"(scaled to this tape: {TARGET_S * n / TARGET_EVENTS:.1f} s): **{c.verdict(ok)}** ({pm:.1f} s).",
-        ])
-        summary = [{"name": f"postmortem of {n:,} events",
-                    "value": f"{pm:.1f} s ({pm / best['read + decode']:.1f}x read + decode)",
-                    "target": f"< {TARGET_S * n / TARGET_EVENTS:.0f} s", "pass": ok}]
-        c.emit({"bench": "postmortem", "events": n, "seconds": best, "target_s": TARGET_S, "ok": ok,
-                "findings": len(report.findings), "machine": c.machine_info(), "summary": summary},
-               md, args.json)
+        rows = [
+            [name, f"{secs:.2f}", c.fmt_rate(n / secs), f"{secs / best['read + decode']:.2f}x"]
+            for name, secs in best.items()
+        ]
+        md = "\n".join(
+            [
+                f"### (f) postmortem of a {n:,}-event tape"
+                + (f" (recorded in {record_s:.0f} s)" if record_s else ""),
+                "",
+                c.md_table(
+                    ["variant", "seconds (best)", "events/s", "time vs read + decode"], rows
+                ),
+                "",
+                f"Findings on the tape: {len(report.findings)} ({report.summary.counts or 'none'}); "
+                f"tokens {report.summary.tokens}.",
+                f"Target: postmortem of {TARGET_EVENTS:,} events < {TARGET_S:.0f} s "
+                f"(scaled to this tape: {TARGET_S * n / TARGET_EVENTS:.1f} s): **{c.verdict(ok)}** ({pm:.1f} s).",
+            ]
+        )
+        summary = [
+            {
+                "name": f"postmortem of {n:,} events",
+                "value": f"{pm:.1f} s ({pm / best['read + decode']:.1f}x read + decode)",
+                "target": f"< {TARGET_S * n / TARGET_EVENTS:.0f} s",
+                "pass": ok,
+            }
+        ]
+        c.emit(
+            {
+                "bench": "postmortem",
+                "events": n,
+                "seconds": best,
+                "target_s": TARGET_S,
+                "ok": ok,
+                "findings": len(report.findings),
+                "machine": c.machine_info(),
+                "summary": summary,
+            },
+            md,
+            args.json,
+        )
     finally:
         tmp.cleanup()
 

@@ -52,9 +52,13 @@ def record_tape(path: str) -> float:
     with LLM(model="oracle", tape=partial, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=1024) as llm:
         n = 0
         while len(llm.engine.tape) < NUM_EVENTS:  # type: ignore[arg-type]
-            prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(16, 128))] for _ in range(BATCH)]
-            params = [SamplingParams(max_tokens=rng.randint(64, 512), ignore_eos=True, seed=n + i)
-                      for i in range(BATCH)]
+            prompts = [
+                [rng.randrange(3, 259) for _ in range(rng.randint(16, 128))] for _ in range(BATCH)
+            ]
+            params = [
+                SamplingParams(max_tokens=rng.randint(64, 512), ignore_eos=True, seed=n + i)
+                for i in range(BATCH)
+            ]
             n += BATCH
             llm.generate(prompts, params)
     os.replace(partial, path)  # only a complete tape is cached
@@ -71,13 +75,21 @@ def rss_mib() -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--interval", type=int, default=DEFAULT_INTERVAL,
-                   help=f"snapshot interval in events (default {DEFAULT_INTERVAL})")
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=DEFAULT_INTERVAL,
+        help=f"snapshot interval in events (default {DEFAULT_INTERVAL})",
+    )
     p.add_argument("--cache-dir", default=None, help="where the recorded tape is kept")
     p.add_argument("--seeks", type=int, default=NUM_SEEKS, help="random seeks timed")
     p.add_argument("--baseline", type=int, default=NUM_BASELINE, help="folds from the start timed")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="rounds over the same random positions, best time per position kept (default 3)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds over the same random positions, best time per position kept (default 3)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args()
 
@@ -116,7 +128,7 @@ def main() -> None:
                 at_ms[i] = min(at_ms[i], (time.perf_counter() - t0) * 1e3)
     # The baseline, alternating with a seek to the same position, and checked equal.
     fold_ms, paired_seek_ms = [], []
-    for seq in positions[:args.baseline]:
+    for seq in positions[: args.baseline]:
         with c.gc_collected():
             t0 = time.perf_counter()
             folded = tape.fold(until_seq=seq)
@@ -133,15 +145,30 @@ def main() -> None:
     ratio = mean_fold / statistics.fmean(paired_seek_ms)
     ok = max_seek < TARGET_MS
     table = [
-        [f"`SnapshotIndex.state_at(seq)`, {args.seeks} random positions",
-         f"{mean_seek:.1f}", f"{statistics.median(seek_ms):.1f}", f"{p95:.1f}", f"{max_seek:.1f}",
-         f"max < {TARGET_MS:.0f} ms: {c.verdict(ok)}"],
-        [f"`Tape.at(step)`, {args.seeks} random steps (info)",
-         f"{statistics.fmean(at_ms):.1f}", f"{statistics.median(at_ms):.1f}",
-         f"{statistics.quantiles(at_ms, n=20)[-1]:.1f}", f"{max(at_ms):.1f}", ""],
-        [f"`Tape.fold(until_seq)` from the start (baseline), {len(fold_ms)} of the positions",
-         f"{mean_fold:,.0f}", f"{statistics.median(fold_ms):,.0f}", "", f"{max(fold_ms):,.0f}",
-         f"fold / seek on the same positions: {ratio:,.0f}x"],
+        [
+            f"`SnapshotIndex.state_at(seq)`, {args.seeks} random positions",
+            f"{mean_seek:.1f}",
+            f"{statistics.median(seek_ms):.1f}",
+            f"{p95:.1f}",
+            f"{max_seek:.1f}",
+            f"max < {TARGET_MS:.0f} ms: {c.verdict(ok)}",
+        ],
+        [
+            f"`Tape.at(step)`, {args.seeks} random steps (info)",
+            f"{statistics.fmean(at_ms):.1f}",
+            f"{statistics.median(at_ms):.1f}",
+            f"{statistics.quantiles(at_ms, n=20)[-1]:.1f}",
+            f"{max(at_ms):.1f}",
+            "",
+        ],
+        [
+            f"`Tape.fold(until_seq)` from the start (baseline), {len(fold_ms)} of the positions",
+            f"{mean_fold:,.0f}",
+            f"{statistics.median(fold_ms):,.0f}",
+            "",
+            f"{max(fold_ms):,.0f}",
+            f"fold / seek on the same positions: {ratio:,.0f}x",
+        ],
     ]
     md = (
         f"### (e) Seek through snapshots (interval {args.interval} events; best of {args.repeats} "
@@ -152,14 +179,30 @@ def main() -> None:
         f"RSS {rss0:,.0f} -> {rss1:,.0f} MiB.\n\n"
         + c.md_table(["seek", "mean (ms)", "median (ms)", "p95 (ms)", "max (ms)", "target"], table)
     )
-    summary = [{"name": "seek anywhere in 1M events (max of random seeks)",
-                "value": f"{max_seek:.1f} ms (mean {mean_seek:.1f} ms; fold from start {mean_fold:,.0f} ms, "
-                         f"{ratio:,.0f}x)",
-                "target": f"< {TARGET_MS:.0f} ms", "pass": ok}]
-    c.emit({"bench": "seek", "events": n, "interval": args.interval, "build_s": build_s,
+    summary = [
+        {
+            "name": "seek anywhere in 1M events (max of random seeks)",
+            "value": f"{max_seek:.1f} ms (mean {mean_seek:.1f} ms; fold from start {mean_fold:,.0f} ms, "
+            f"{ratio:,.0f}x)",
+            "target": f"< {TARGET_MS:.0f} ms",
+            "pass": ok,
+        }
+    ]
+    c.emit(
+        {
+            "bench": "seek",
+            "events": n,
+            "interval": args.interval,
+            "build_s": build_s,
             "seek_ms": {"mean": mean_seek, "p95": p95, "max": max_seek},
-            "fold_ms": {"mean": mean_fold}, "ratio": ratio, "rss_mib": [rss0, rss1],
-            "summary": summary}, md, args.json)
+            "fold_ms": {"mean": mean_fold},
+            "ratio": ratio,
+            "rss_mib": [rss0, rss1],
+            "summary": summary,
+        },
+        md,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,9 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 259) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
-def run_generate(model: str, prompts: list[list[int]], max_tokens: int, engine_args: list[str],
-                 tmp: str) -> tuple[float, float, list[list[int]]]:
+def run_generate(
+    model: str, prompts: list[list[int]], max_tokens: int, engine_args: list[str], tmp: str
+) -> tuple[float, float, list[list[int]]]:
     """The wall time, the CPU seconds (this process and its tape writer) and the streams."""
     from tokentape import LLM, SamplingParams
 
@@ -106,13 +107,35 @@ def _engine_kwargs(engine_args: list[str]) -> dict[str, Any]:
 
 
 class Server:
-    def __init__(self, model: str, tape: str, engine_args: list[str], stream_interval: int = 1,
-                 cpu_threads: int | None = None) -> None:
-        cmd = [sys.executable, "-m", "tokentape.entrypoints.serve", "--model", model, "--host", "127.0.0.1",
-               "--port", "0", "--tape", tape, "--drain-timeout", "1", *engine_args,
-               *(["--stream-interval", str(stream_interval)] if stream_interval != 1 else []),
-               *(["--cpu-threads", str(cpu_threads)] if cpu_threads else [])]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def __init__(
+        self,
+        model: str,
+        tape: str,
+        engine_args: list[str],
+        stream_interval: int = 1,
+        cpu_threads: int | None = None,
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokentape.entrypoints.serve",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--tape",
+            tape,
+            "--drain-timeout",
+            "1",
+            *engine_args,
+            *(["--stream-interval", str(stream_interval)] if stream_interval != 1 else []),
+            *(["--cpu-threads", str(cpu_threads)] if cpu_threads else []),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.url = ""
         ready = threading.Event()
 
@@ -135,8 +158,11 @@ class Server:
         """CPU seconds so far of the server (HTTP frontend), its engine core and tape writer."""
         core = _children(self.proc.pid)
         writers = [w for c in core for w in _children(c)]
-        return {"server": _cpu_s(self.proc.pid), "engine_core": sum(map(_cpu_s, core)),
-                "tape_writer": sum(map(_cpu_s, writers))}
+        return {
+            "server": _cpu_s(self.proc.pid),
+            "engine_core": sum(map(_cpu_s, core)),
+            "tape_writer": sum(map(_cpu_s, writers)),
+        }
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -170,7 +196,7 @@ class SSEClient(asyncio.Protocol):
             if at < 0:
                 self.buf = buf
                 return
-            self.head, buf = buf[:at], buf[at + 4:]
+            self.head, buf = buf[:at], buf[at + 4 :]
             if not self.head.startswith(b"HTTP/1.1 200"):
                 self._fail(RuntimeError(self.head.decode(errors="replace")))
                 return
@@ -189,7 +215,7 @@ class SSEClient(asyncio.Protocol):
                 return
             if len(buf) < eol + 2 + size + 2:
                 break
-            body += buf[eol + 2:eol + 2 + size]
+            body += buf[eol + 2 : eol + 2 + size]
             pos = eol + 2 + size + 2
         self.buf = buf[pos:]
         self.events = self._events(body)
@@ -208,15 +234,20 @@ class SSEClient(asyncio.Protocol):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionError("the server closed the connection before the end of the stream"))
+        self._fail(
+            exc or ConnectionError("the server closed the connection before the end of the stream")
+        )
 
 
 async def sse_stream(host: str, port: int, body: bytes, on_event: Callable[[bytes], None]) -> None:
     """Stream one POST /v1/completions, `on_event` called with each event's JSON."""
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body)
+    )
     transport, client = await asyncio.get_running_loop().create_connection(
-        lambda: SSEClient(request, on_event), host, port)
+        lambda: SSEClient(request, on_event), host, port
+    )
     try:
         await client.done
     finally:
@@ -231,19 +262,31 @@ class _Chunk(msgspec.Struct):
     choices: list[_Choice]
 
 
-async def clients(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+async def clients(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
     ttft: list[float] = []
     itl: list[float] = []
     streams: list[list[int]] = [[] for _ in prompts]
     host, port = url.removeprefix("http://").rsplit(":", 1)
     decode = msgspec.json.Decoder(_Chunk).decode  # reads token_ids alone, skips the rest
-    warm = msgspec.json.encode({"model": model, "prompt": prompts[0][:4], "max_tokens": 4, "stream": True})
+    warm = msgspec.json.encode(
+        {"model": model, "prompt": prompts[0][:4], "max_tokens": 4, "stream": True}
+    )
     await sse_stream(host, int(port), warm, lambda event: None)
 
     async def one(i: int) -> None:
-        body = msgspec.json.encode({"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
-                                    "temperature": 0, "ignore_eos": True, "stream": True,
-                                    "return_token_ids": True})
+        body = msgspec.json.encode(
+            {
+                "model": model,
+                "prompt": prompts[i],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+        )
         sent = time.perf_counter()
         last: float | None = None
         stream = streams[i]
@@ -271,16 +314,28 @@ async def clients(url: str, model: str, prompts: list[list[int]], max_tokens: in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", help="tiny (default), oracle, qwen3-0.6b or a checkpoint folder")
+    parser.add_argument(
+        "--model", default="tiny", help="tiny (default), oracle, qwen3-0.6b or a checkpoint folder"
+    )
     parser.add_argument("--num-clients", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of (generate, serve), best kept")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="rounds of (generate, serve), best kept"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="the server's --stream-interval: tokens per chunk after a stream's first (default 1)")
-    parser.add_argument("--serve-cpu-threads", type=int, default=None,
-                        help="the server's --cpu-threads (its engine core's lanes; default the server's: one "
-                        "per CPU less one); generate keeps one per CPU")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the server's --stream-interval: tokens per chunk after a stream's first (default 1)",
+    )
+    parser.add_argument(
+        "--serve-cpu-threads",
+        type=int,
+        default=None,
+        help="the server's --cpu-threads (its engine core's lanes; default the server's: one "
+        "per CPU less one); generate keeps one per CPU",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
     prompts = workload(args.num_clients, args.seed)
@@ -289,11 +344,18 @@ def main(argv: list[str] | None = None) -> int:
     gen_walls, gen_cpus, serve_runs = [], [], []
     reference: list[list[int]] | None = None
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        server = Server(args.model, os.path.join(tmp, "serve.tape"), engine_args, args.stream_interval,
-                        args.serve_cpu_threads)
+        server = Server(
+            args.model,
+            os.path.join(tmp, "serve.tape"),
+            engine_args,
+            args.stream_interval,
+            args.serve_cpu_threads,
+        )
         try:
             for _ in range(args.repeats):
-                wall, cpu, reference = run_generate(args.model, prompts, args.max_tokens, engine_args, tmp)
+                wall, cpu, reference = run_generate(
+                    args.model, prompts, args.max_tokens, engine_args, tmp
+                )
                 gen_walls.append(wall)
                 gen_cpus.append(cpu)
                 before, mine = server.cpu(), time.process_time()
@@ -307,13 +369,20 @@ def main(argv: list[str] | None = None) -> int:
     best = min(serve_runs, key=lambda r: r["wall"])
     same = sum(s == r for s, r in zip(best["streams"], reference or []))
     gen_tps, serve_tps = total / min(gen_walls), total / best["wall"]
-    per_token = {k: round(statistics.median(r["cpu"][k] for r in serve_runs) / total * 1e6, 1) for k in best["cpu"]}
+    per_token = {
+        k: round(statistics.median(r["cpu"][k] for r in serve_runs) / total * 1e6, 1)
+        for k in best["cpu"]
+    }
     per_token["serve_total"] = round(sum(per_token.values()), 1)
     per_token["generate"] = round(statistics.median(gen_cpus) / total * 1e6, 1)
     result = {
-        "model": args.model, "clients": args.num_clients, "max_tokens": args.max_tokens,
-        "stream_interval": args.stream_interval, "serve_cpu_threads": args.serve_cpu_threads,
-        "generate_tok_s": round(gen_tps, 1), "serve_tok_s": round(serve_tps, 1),
+        "model": args.model,
+        "clients": args.num_clients,
+        "max_tokens": args.max_tokens,
+        "stream_interval": args.stream_interval,
+        "serve_cpu_threads": args.serve_cpu_threads,
+        "generate_tok_s": round(gen_tps, 1),
+        "serve_tok_s": round(serve_tps, 1),
         "serving_cost": round(1 - serve_tps / gen_tps, 4),
         "ttft_p50_ms": round(percentile(best["ttft"], 50) * 1e3, 2),
         "ttft_p99_ms": round(percentile(best["ttft"], 99) * 1e3, 2),
@@ -329,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"## bench_serve: {args.model}, {args.num_clients} streaming clients x {args.max_tokens} tokens\n")
+        print(
+            f"## bench_serve: {args.model}, {args.num_clients} streaming clients x {args.max_tokens} tokens\n"
+        )
         print("| measure | value |\n| --- | --- |")
         for key, value in result.items():
             print(f"| {key} | {value} |")

@@ -50,43 +50,79 @@ def main() -> None:
                 )
                 on, off, mem = best["on"], best["off"], best["memory"]
                 ratio = on.wall_s / off.wall_s
-                results.append({
-                    "mode": mode_name, "n": n, "on_s": on.wall_s, "off_s": off.wall_s,
-                    "memory_s": mem.wall_s, "ratio": ratio,
-                    "on_engine_cpu_s": on.engine_cpu_s, "on_writer_cpu_s": on.writer_cpu_s,
-                    "off_engine_cpu_s": off.engine_cpu_s, "memory_engine_cpu_s": mem.engine_cpu_s,
-                    "ratio_with_writer_cpu": on.wall_plus_writer_s / off.wall_s,
-                })
+                results.append(
+                    {
+                        "mode": mode_name,
+                        "n": n,
+                        "on_s": on.wall_s,
+                        "off_s": off.wall_s,
+                        "memory_s": mem.wall_s,
+                        "ratio": ratio,
+                        "on_engine_cpu_s": on.engine_cpu_s,
+                        "on_writer_cpu_s": on.writer_cpu_s,
+                        "off_engine_cpu_s": off.engine_cpu_s,
+                        "memory_engine_cpu_s": mem.engine_cpu_s,
+                        "ratio_with_writer_cpu": on.wall_plus_writer_s / off.wall_s,
+                    }
+                )
                 target = f"<= {TARGET:.2f}x: {c.verdict(ratio <= TARGET)}" if n == 256 else "-"
-                rows.append([
-                    mode_name, n, c.fmt_us(on.wall_s), c.fmt_us(on.engine_cpu_s),
-                    c.fmt_us(on.writer_cpu_s), c.fmt_us(off.wall_s), c.fmt_us(off.engine_cpu_s),
-                    c.fmt_us(on.wall_s - off.wall_s), f"{ratio:.3f}x", target,
-                    f"{on.wall_plus_writer_s / off.wall_s:.3f}x",
-                    c.fmt_us(mem.wall_s), f"{mem.wall_s / off.wall_s:.3f}x",
-                ])
+                rows.append(
+                    [
+                        mode_name,
+                        n,
+                        c.fmt_us(on.wall_s),
+                        c.fmt_us(on.engine_cpu_s),
+                        c.fmt_us(on.writer_cpu_s),
+                        c.fmt_us(off.wall_s),
+                        c.fmt_us(off.engine_cpu_s),
+                        c.fmt_us(on.wall_s - off.wall_s),
+                        f"{ratio:.3f}x",
+                        target,
+                        f"{on.wall_plus_writer_s / off.wall_s:.3f}x",
+                        c.fmt_us(mem.wall_s),
+                        f"{mem.wall_s / off.wall_s:.3f}x",
+                    ]
+                )
     finally:
         tmp.cleanup()
-    headers = ["scheduling", "running requests", "tape on: wall (µs/step)",
-               "tape on: engine CPU", "tape on: writer CPU", "tape off: wall",
-               "tape off: engine CPU", "tape cost (wall)", "on / off (wall)", "target",
-               "(on wall + writer CPU) / off", "memory tape: wall (info)", "memory / off"]
-    md = (f"### (c) Step overhead: tape on vs tape off (best of {args.repeats} by wall time, "
-          f"{c.WINDOW_CALLS} decode steps each; CPU columns in µs per step, same repeat)\n\n"
-          + c.md_table(headers, rows))
+    headers = [
+        "scheduling",
+        "running requests",
+        "tape on: wall (µs/step)",
+        "tape on: engine CPU",
+        "tape on: writer CPU",
+        "tape off: wall",
+        "tape off: engine CPU",
+        "tape cost (wall)",
+        "on / off (wall)",
+        "target",
+        "(on wall + writer CPU) / off",
+        "memory tape: wall (info)",
+        "memory / off",
+    ]
+    md = (
+        f"### (c) Step overhead: tape on vs tape off (best of {args.repeats} by wall time, "
+        f"{c.WINDOW_CALLS} decode steps each; CPU columns in µs per step, same repeat)\n\n"
+        + c.md_table(headers, rows)
+    )
     summary = []
     for mode_name, _ in MODES:
         r = next(r for r in results if r["mode"] == mode_name and r["n"] == 256)
-        summary.append({
-            "name": f"step overhead, tape on / off (N=256, {mode_name})",
-            "value": f"{r['ratio']:.3f}x ({r['on_s'] * 1e6:,.0f} vs "
-                     f"{r['off_s'] * 1e6:,.0f} µs/step; writer CPU "
-                     f"{r['on_writer_cpu_s'] * 1e6:,.0f} µs/step)",
-            "target": f"<= {TARGET:.2f}x",
-            "pass": r["ratio"] <= TARGET,
-        })
-    c.emit({"bench": "step_overhead", "repeats": args.repeats, "results": results,
-            "summary": summary}, md, args.json)
+        summary.append(
+            {
+                "name": f"step overhead, tape on / off (N=256, {mode_name})",
+                "value": f"{r['ratio']:.3f}x ({r['on_s'] * 1e6:,.0f} vs "
+                f"{r['off_s'] * 1e6:,.0f} µs/step; writer CPU "
+                f"{r['on_writer_cpu_s'] * 1e6:,.0f} µs/step)",
+                "target": f"<= {TARGET:.2f}x",
+                "pass": r["ratio"] <= TARGET,
+            }
+        )
+    c.emit(
+        {"bench": "step_overhead", "repeats": args.repeats, "results": results, "summary": summary},
+        md,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

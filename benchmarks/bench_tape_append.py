@@ -64,8 +64,9 @@ def record_workload() -> tuple[ev.TapeHeader, list[ev.Event], list[int]]:
     rng = random.Random(1234)
     llm = LLM(model="oracle", tape=None)
     rec = llm.engine.tape = _CommitRecordingTape(llm.engine.tape.header)
-    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(16, 512))]
-               for _ in range(NUM_REQUESTS)]
+    prompts = [
+        [rng.randrange(3, 259) for _ in range(rng.randint(16, 512))] for _ in range(NUM_REQUESTS)
+    ]
     params = [SamplingParams(max_tokens=rng.randint(16, 256), seed=i) for i in range(NUM_REQUESTS)]
     llm.generate(prompts, params)
     llm.close()
@@ -79,7 +80,7 @@ def cycle(events: list[ev.Event], sizes: list[int], target: int) -> list[list[ev
     batches, i, total = [], 0, 0
     while total < target:
         for n in sizes:
-            batches.append(events[i:i + n])
+            batches.append(events[i : i + n])
             i, total = i + n, total + n
         i = 0
     return batches
@@ -90,7 +91,8 @@ def open_raw(path: str, triggers: list[str] = ()) -> sqlite3.Connection:  # type
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute(
-        "CREATE TABLE events (seq INTEGER PRIMARY KEY, step INTEGER, kind TEXT, data BLOB)")
+        "CREATE TABLE events (seq INTEGER PRIMARY KEY, step INTEGER, kind TEXT, data BLOB)"
+    )
     for sql in triggers:
         conn.execute(sql)
     return conn
@@ -100,8 +102,12 @@ def store_triggers(path: str, header: ev.TapeHeader) -> list[str]:
     """The triggers SQLiteTape puts on its events table (append-only enforcement)."""
     SQLiteTape(path, header).close()
     with sqlite3.connect(path) as conn:
-        sql = [s for (s,) in conn.execute(
-            "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'events'")]
+        sql = [
+            s
+            for (s,) in conn.execute(
+                "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'events'"
+            )
+        ]
     conn.close()
     return sql
 
@@ -189,33 +195,62 @@ def main() -> None:
     mean_bytes = sum(len(r[3]) for rows in row_batches for r in rows) / n_events
 
     def row(label: str, key: str, target: str = "") -> list[str]:
-        return [label, c.fmt_rate(rate[key]), f"{best[key] * 1e3:,.1f}",
-                f"{rate[key] / rate['raw_encode']:.3f}x", target]
+        return [
+            label,
+            c.fmt_rate(rate[key]),
+            f"{best[key] * 1e3:,.1f}",
+            f"{rate[key] / rate['raw_encode']:.3f}x",
+            target,
+        ]
 
     rows = [
-        row("`SQLiteTape` (append + commit per step + close)", "store",
-            f">= {TARGET}x: {c.verdict(ratio >= TARGET)}"),
+        row(
+            "`SQLiteTape` (append + commit per step + close)",
+            "store",
+            f">= {TARGET}x: {c.verdict(ratio >= TARGET)}",
+        ),
         row("raw `sqlite3` executemany, encoding each event (baseline)", "raw_encode"),
         row("raw `sqlite3` executemany, pre-encoded: SQLite alone (info)", "raw"),
     ]
     if triggers:
-        rows.append(row(f"raw, pre-encoded, + the store's {len(triggers)} triggers on `events` (info)",
-                        "raw_triggers"))
+        rows.append(
+            row(
+                f"raw, pre-encoded, + the store's {len(triggers)} triggers on `events` (info)",
+                "raw_triggers",
+            )
+        )
     md = (
         f"### (a) Tape append rate (best of {args.repeats})\n\n"
         f"{n_events:,} events ({len(events)} recorded from {NUM_REQUESTS} requests, cycled), "
         f"{len(batches):,} commits (mean {n_events / len(batches):.2f} events per commit), "
         f"mean event {mean_bytes:,.0f} bytes; mix: "
-        + ", ".join(f"{k} {v}" for k, v in kinds.most_common()) + "\n\n"
+        + ", ".join(f"{k} {v}" for k, v in kinds.most_common())
+        + "\n\n"
         + c.md_table(["writer", "events/s", "time (ms)", "vs raw", "target"], rows)
     )
-    summary = [{"name": "tape append (store / raw)", "value": f"{ratio:.3f}x "
-                f"({c.fmt_rate(rate['store'])} vs {c.fmt_rate(rate['raw_encode'])} events/s; "
-                f"{rate['store'] / rate['raw']:.3f}x of pre-encoded)",
-                "target": f">= {TARGET}x", "pass": ratio >= TARGET}]
-    c.emit({"bench": "tape_append", "repeats": args.repeats, "events": n_events,
-            "commits": len(batches), "rates": rate, "ratio": ratio, "summary": summary},
-           md, args.json)
+    summary = [
+        {
+            "name": "tape append (store / raw)",
+            "value": f"{ratio:.3f}x "
+            f"({c.fmt_rate(rate['store'])} vs {c.fmt_rate(rate['raw_encode'])} events/s; "
+            f"{rate['store'] / rate['raw']:.3f}x of pre-encoded)",
+            "target": f">= {TARGET}x",
+            "pass": ratio >= TARGET,
+        }
+    ]
+    c.emit(
+        {
+            "bench": "tape_append",
+            "repeats": args.repeats,
+            "events": n_events,
+            "commits": len(batches),
+            "rates": rate,
+            "ratio": ratio,
+            "summary": summary,
+        },
+        md,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -73,12 +73,26 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tokentape-bench-vllm-recorder-") as tmp:
         model = str(save_checkpoint(builtin_model("tiny", 0)[1], Path(tmp) / "tiny"))
         tape = str(Path(tmp) / "recorded.tape")
-        spec = {"model": model, "dtype": "float32", "seed": 0, "max_model_len": 256,
-                "prompts": prompts, "max_tokens": outputs, "warmup_prompts": 2}
+        spec = {
+            "model": model,
+            "dtype": "float32",
+            "seed": 0,
+            "max_model_len": 256,
+            "prompts": prompts,
+            "max_tokens": outputs,
+            "warmup_prompts": 2,
+        }
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-        sides = {"vLLM": start(found.python, "vllm", spec, env, tmp),
-                 "vLLM recorded": start(found.python, "vllm-recorded", {**spec, "llm": {"scheduler_cls": RECORDER}},
-                                        {**env, "TOKENTAPE_TAPE": tape}, tmp)}
+        sides = {
+            "vLLM": start(found.python, "vllm", spec, env, tmp),
+            "vLLM recorded": start(
+                found.python,
+                "vllm-recorded",
+                {**spec, "llm": {"scheduler_cls": RECORDER}},
+                {**env, "TOKENTAPE_TAPE": tape},
+                tmp,
+            ),
+        }
         assert sides["vLLM recorded"].info.get("scheduler_cls") == RECORDER
         tput: dict[str, list[float]] = {name: [] for name in sides}
         tokens: dict[str, list[list[int]]] = {}
@@ -92,8 +106,11 @@ def main() -> int:
                     tput[name].append(reply["output_tokens"] / reply["seconds"])
                     if r == 0:
                         tokens[name] = reply["tokens"]
-                print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {tput[n][-1]:.0f} tok/s" for n in sides),
-                      file=sys.stderr)
+                print(
+                    f"round {r + 1}/{args.rounds}: "
+                    + ", ".join(f"{n} {tput[n][-1]:.0f} tok/s" for n in sides),
+                    file=sys.stderr,
+                )
         finally:
             for side in sides.values():
                 side.close()
@@ -103,7 +120,9 @@ def main() -> int:
         num_events = len(load_tape(tape))
     plain, rec = tput["vLLM"], tput["vLLM recorded"]
     result = {
-        "vllm": found.version, "rounds": args.rounds, "requests": args.requests,
+        "vllm": found.version,
+        "rounds": args.rounds,
+        "requests": args.requests,
         "output_tokens_per_round": sum(outputs),
         "median_tok_s": {"vLLM": statistics.median(plain), "vLLM recorded": statistics.median(rec)},
         "best_tok_s": {"vLLM": max(plain), "vLLM recorded": max(rec)},
@@ -111,18 +130,24 @@ def main() -> int:
         "overhead_best": 1 - max(rec) / max(plain),
         "rounds_tok_s": tput,
         "same_streams": tokens["vLLM"] == tokens["vLLM recorded"],
-        "tape_events": num_events, "tape_verifies": checked.ok, "tape_findings": len(report.findings),
+        "tape_events": num_events,
+        "tape_verifies": checked.ok,
+        "tape_findings": len(report.findings),
     }
-    print(f"## vLLM {found.version} CPU engine, tiny model: recording overhead "
-          f"({args.requests} requests, {sum(outputs)} output tokens per round, {args.rounds} interleaved rounds)\n")
+    print(
+        f"## vLLM {found.version} CPU engine, tiny model: recording overhead "
+        f"({args.requests} requests, {sum(outputs)} output tokens per round, {args.rounds} interleaved rounds)\n"
+    )
     print("| variant | median tok/s | best tok/s |\n|---|---|---|")
     for name in tput:
         print(f"| {name} | {result['median_tok_s'][name]:.0f} | {result['best_tok_s'][name]:.0f} |")
     ok = result["overhead_median"] <= TARGET
-    print(f"\noverhead: {100 * result['overhead_median']:.1f}% by the median, {100 * result['overhead_best']:.1f}% "
-          f"by the best round (target <= {100 * TARGET:.0f}%: {'met' if ok else 'NOT met'}); greedy streams "
-          f"{'identical' if result['same_streams'] else 'DIFFER'}; the tape: {num_events} events, "
-          f"{'verifies' if checked.ok else 'does NOT verify'}, {len(report.findings)} findings")
+    print(
+        f"\noverhead: {100 * result['overhead_median']:.1f}% by the median, {100 * result['overhead_best']:.1f}% "
+        f"by the best round (target <= {100 * TARGET:.0f}%: {'met' if ok else 'NOT met'}); greedy streams "
+        f"{'identical' if result['same_streams'] else 'DIFFER'}; the tape: {num_events} events, "
+        f"{'verifies' if checked.ok else 'does NOT verify'}, {len(report.findings)} findings"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if ok and result["same_streams"] and checked.ok and not report.findings else 1

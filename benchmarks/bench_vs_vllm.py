@@ -55,11 +55,15 @@ def scheduler_spec(model_dir: str) -> dict[str, Any]:
     n_max = max(SIZES)
     kwargs = c.step_engine_kwargs(n_max, async_scheduling=False)
     return {
-        "model": model_dir, "block_size": c.BLOCK_SIZE, "num_blocks": kwargs["num_kv_blocks"],
+        "model": model_dir,
+        "block_size": c.BLOCK_SIZE,
+        "num_blocks": kwargs["num_kv_blocks"],
         "max_num_seqs": kwargs["max_num_seqs"],
         "max_num_batched_tokens": kwargs["max_num_batched_tokens"],
-        "max_model_len": c.PROMPT_LEN + c.MAX_TOKENS, "max_tokens": c.MAX_TOKENS,
-        "prompts": c.make_prompts(n_max), "skip_calls": c.SKIP_CALLS,
+        "max_model_len": c.PROMPT_LEN + c.MAX_TOKENS,
+        "max_tokens": c.MAX_TOKENS,
+        "prompts": c.make_prompts(n_max),
+        "skip_calls": c.SKIP_CALLS,
         "window_calls": c.WINDOW_CALLS,
     }
 
@@ -76,52 +80,85 @@ def main() -> None:
             from tokentape.engine.model.loader import builtin_model, save_checkpoint
 
             model_dir = save_checkpoint(builtin_model("tiny")[1], tmp.new("tiny", ""))
-            side = SideProcess(found.python, "vllm_scheduler.py", scheduler_spec(model_dir),
-                               label="vllm-scheduler", workdir=tmp.path)
+            side = SideProcess(
+                found.python,
+                "vllm_scheduler.py",
+                scheduler_spec(model_dir),
+                label="vllm-scheduler",
+                workdir=tmp.path,
+            )
             info = side.start()
             print(f"# vLLM side: {info}", flush=True)
         for mode_name, async_sched, vllm_name in MODES:
             for n in SIZES:
                 variants: dict[str, Any] = {
-                    "tokentape": lambda: c.measure_decode_steps(n, async_sched, tmp.new())}
+                    "tokentape": lambda: c.measure_decode_steps(n, async_sched, tmp.new())
+                }
                 if side is not None:
                     variants["vllm"] = lambda: side.call("time", scheduler=vllm_name, n=n)
                 best = c.best_of(variants, repeats=args.repeats, key=_cost)
                 tt: c.StepTimes = best["tokentape"]
                 v = best.get("vllm")
                 ratio = tt.wall_plus_writer_s / v["wall_s"] if v else None
-                results.append({
-                    "mode": mode_name, "vllm": vllm_name, "n": n, "tokentape_wall_s": tt.wall_s,
-                    "tokentape_engine_cpu_s": tt.engine_cpu_s,
-                    "tokentape_writer_cpu_s": tt.writer_cpu_s,
-                    "vllm_wall_s": v["wall_s"] if v else None,
-                    "vllm_cpu_s": v["cpu_s"] if v else None, "ratio": ratio,
-                    "ratio_wall_only": tt.wall_s / v["wall_s"] if v else None,
-                })
+                results.append(
+                    {
+                        "mode": mode_name,
+                        "vllm": vllm_name,
+                        "n": n,
+                        "tokentape_wall_s": tt.wall_s,
+                        "tokentape_engine_cpu_s": tt.engine_cpu_s,
+                        "tokentape_writer_cpu_s": tt.writer_cpu_s,
+                        "vllm_wall_s": v["wall_s"] if v else None,
+                        "vllm_cpu_s": v["cpu_s"] if v else None,
+                        "ratio": ratio,
+                        "ratio_wall_only": tt.wall_s / v["wall_s"] if v else None,
+                    }
+                )
                 if v is None:
                     target = "not measured (no vLLM)" if n == 256 else "-"
                 else:
                     target = f"<= {TARGET:.2f}x: {c.verdict(ratio <= TARGET)}" if n == 256 else "-"
-                rows.append([
-                    f"{mode_name} vs `{vllm_name}`", n, c.fmt_us(tt.wall_s),
-                    c.fmt_us(tt.engine_cpu_s), c.fmt_us(tt.writer_cpu_s),
-                    c.fmt_us(tt.wall_plus_writer_s),
-                    c.fmt_us(v["wall_s"]) if v else "-", c.fmt_us(v["cpu_s"]) if v else "-",
-                    f"{ratio:.3f}x" if v else "-",
-                    f"{tt.wall_s / v['wall_s']:.3f}x" if v else "-", target,
-                ])
+                rows.append(
+                    [
+                        f"{mode_name} vs `{vllm_name}`",
+                        n,
+                        c.fmt_us(tt.wall_s),
+                        c.fmt_us(tt.engine_cpu_s),
+                        c.fmt_us(tt.writer_cpu_s),
+                        c.fmt_us(tt.wall_plus_writer_s),
+                        c.fmt_us(v["wall_s"]) if v else "-",
+                        c.fmt_us(v["cpu_s"]) if v else "-",
+                        f"{ratio:.3f}x" if v else "-",
+                        f"{tt.wall_s / v['wall_s']:.3f}x" if v else "-",
+                        target,
+                    ]
+                )
     finally:
         if side is not None:
             side.close()
         tmp.cleanup()
-    headers = ["tokentape (tape on) vs vLLM", "running requests", "tokentape wall (µs/step)",
-               "tokentape engine CPU", "tape writer CPU", "tokentape wall + writer CPU",
-               "vLLM wall (µs/step)", "vLLM CPU", "(wall + writer CPU) / vLLM",
-               "wall / vLLM (info)", "target"]
-    source = (f"vLLM {found.version} measured in the same run ({found.python})" if found
-              else "vLLM not installed: tokentape alone")
-    md = (f"### (d) Per-step cost vs vLLM's scheduler (best of {args.repeats} each, "
-          f"alternating; {source}; CPU columns in µs per step)\n\n" + c.md_table(headers, rows))
+    headers = [
+        "tokentape (tape on) vs vLLM",
+        "running requests",
+        "tokentape wall (µs/step)",
+        "tokentape engine CPU",
+        "tape writer CPU",
+        "tokentape wall + writer CPU",
+        "vLLM wall (µs/step)",
+        "vLLM CPU",
+        "(wall + writer CPU) / vLLM",
+        "wall / vLLM (info)",
+        "target",
+    ]
+    source = (
+        f"vLLM {found.version} measured in the same run ({found.python})"
+        if found
+        else "vLLM not installed: tokentape alone"
+    )
+    md = (
+        f"### (d) Per-step cost vs vLLM's scheduler (best of {args.repeats} each, "
+        f"alternating; {source}; CPU columns in µs per step)\n\n" + c.md_table(headers, rows)
+    )
     summary = []
     for mode_name, _, vllm_name in MODES:
         r = next(r for r in results if r["mode"] == mode_name and r["n"] == 256)
@@ -129,13 +166,30 @@ def main() -> None:
         if r["ratio"] is None:
             value, ok = f"not measured: no vLLM (tokentape {tt_us:,.0f} µs)", None
         else:
-            value = (f"{r['ratio']:.3f}x ({tt_us:,.0f} µs wall + writer CPU vs "
-                     f"{r['vllm_wall_s'] * 1e6:,.0f} µs)")
+            value = (
+                f"{r['ratio']:.3f}x ({tt_us:,.0f} µs wall + writer CPU vs "
+                f"{r['vllm_wall_s'] * 1e6:,.0f} µs)"
+            )
             ok = r["ratio"] <= TARGET
-        summary.append({"name": f"vs vLLM `{vllm_name}` (N=256, tape on)", "value": value,
-                        "target": f"<= {TARGET:.2f}x", "pass": ok})
-    c.emit({"bench": "vs_vllm", "repeats": args.repeats, "vllm": where, "results": results,
-            "summary": summary}, md, args.json)
+        summary.append(
+            {
+                "name": f"vs vLLM `{vllm_name}` (N=256, tape on)",
+                "value": value,
+                "target": f"<= {TARGET:.2f}x",
+                "pass": ok,
+            }
+        )
+    c.emit(
+        {
+            "bench": "vs_vllm",
+            "repeats": args.repeats,
+            "vllm": where,
+            "results": results,
+            "summary": summary,
+        },
+        md,
+        args.json,
+    )
 
 
 def _cost(result: Any) -> float:

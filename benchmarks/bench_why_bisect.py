@@ -44,8 +44,10 @@ def edited_copy(path: str, dst: str, seq: int) -> None:
     conn.close()
     out = sqlite3.connect(dst)
     out.execute("DROP TRIGGER events_no_update")
-    out.execute("UPDATE events SET data = ? WHERE seq = ?",
-                (ev.encode(ev.EngineError(0, "Edited", "benchmark")), seq))
+    out.execute(
+        "UPDATE events SET data = ? WHERE seq = ?",
+        (ev.encode(ev.EngineError(0, "Edited", "benchmark")), seq),
+    )
     out.commit()
     out.close()
 
@@ -70,8 +72,10 @@ def main() -> None:
     why(path, ids[0], 0)
     cold_ms = (time.perf_counter() - t0) * 1e3
     rows = []
-    for label, pick in (("random position", lambda r: rng.randrange(len(r.output_token_ids))),
-                        ("last position", lambda r: len(r.output_token_ids) - 1)):
+    for label, pick in (
+        ("random position", lambda r: rng.randrange(len(r.output_token_ids))),
+        ("last position", lambda r: len(r.output_token_ids) - 1),
+    ):
         times, cpu, read = [], [], []
         for rid in ids:
             pos = pick(final.requests[rid])
@@ -81,25 +85,47 @@ def main() -> None:
             cpu.append((time.process_time() - c0) * 1e3)
             read.append(res.events_read)
             assert res.token == final.requests[rid].output_token_ids[pos]
-        rows.append([f"`why`, {label}, {len(ids)} requests", f"{statistics.median(times):.1f}",
-                     f"{max(times):.1f}", f"{statistics.median(cpu):.1f} / {max(cpu):.1f}",
-                     f"{statistics.median(read):.0f}",
-                     c.verdict(max(times) < TARGET_MS)])
-    print(f"tape: {n:,} events, {len(final.requests):,} requests; first call (builds the "
-          f"request index): {cold_ms:.0f} ms")
+        rows.append(
+            [
+                f"`why`, {label}, {len(ids)} requests",
+                f"{statistics.median(times):.1f}",
+                f"{max(times):.1f}",
+                f"{statistics.median(cpu):.1f} / {max(cpu):.1f}",
+                f"{statistics.median(read):.0f}",
+                c.verdict(max(times) < TARGET_MS),
+            ]
+        )
+    print(
+        f"tape: {n:,} events, {len(final.requests):,} requests; first call (builds the "
+        f"request index): {cold_ms:.0f} ms"
+    )
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(c.md_table(["query", "median (ms)", "max (ms)", "CPU median / max (ms)",
-                      "events decoded (median)",
-                      f"< {TARGET_MS:.0f} ms"], rows))
+    print(
+        c.md_table(
+            [
+                "query",
+                "median (ms)",
+                "max (ms)",
+                "CPU median / max (ms)",
+                "events decoded (median)",
+                f"< {TARGET_MS:.0f} ms",
+            ],
+            rows,
+        )
+    )
 
     with tempfile.TemporaryDirectory() as d:
         brows = []
         t0 = time.perf_counter()
         r = bisect(path, path, confirm=False)
-        brows.append(["identical, --no-confirm", r.seeks, f"{(time.perf_counter() - t0) * 1e3:.1f}", r.index])
+        brows.append(
+            ["identical, --no-confirm", r.seeks, f"{(time.perf_counter() - t0) * 1e3:.1f}", r.index]
+        )
         t0 = time.perf_counter()
         r = bisect(path, path)
-        brows.append(["identical, confirmed", r.seeks, f"{(time.perf_counter() - t0) * 1e3:.1f}", r.index])
+        brows.append(
+            ["identical, confirmed", r.seeks, f"{(time.perf_counter() - t0) * 1e3:.1f}", r.index]
+        )
         for where in (n // 10, n // 2, n - 5):
             copy = os.path.join(d, f"edit{where}.tape")
             edited_copy(path, copy, where)
@@ -107,8 +133,15 @@ def main() -> None:
                 t0 = time.perf_counter()
                 r = bisect(path, copy, confirm=confirm)
                 ms = (time.perf_counter() - t0) * 1e3
-                brows.append([f"edited at {where:,}, {'confirmed' if confirm else '--no-confirm'}"
-                              + (" (re-converged)" if r.reconverged else ""), r.seeks, f"{ms:.1f}", r.index])
+                brows.append(
+                    [
+                        f"edited at {where:,}, {'confirmed' if confirm else '--no-confirm'}"
+                        + (" (re-converged)" if r.reconverged else ""),
+                        r.seeks,
+                        f"{ms:.1f}",
+                        r.index,
+                    ]
+                )
             os.remove(copy)
         print(c.md_table(["bisect 1M vs", "probes", "ms", "index"], brows))
 

@@ -48,9 +48,17 @@ def run_child(tape: str, model: str, seed: int) -> None:
 
     rng = random.Random(seed)
     max_num_seqs = rng.choice([2, 4, 8])
-    llm = LLM(model=model, tape=tape, seed=seed, max_num_seqs=max_num_seqs, block_size=4,
-              num_kv_blocks=rng.choice([24, 32, 64]), max_num_batched_tokens=rng.choice([16, 32, 64]),
-              pipeline_depth=rng.choice([1, 2, 3]), num_speculative_tokens=rng.choice([0, 1, 2]))
+    llm = LLM(
+        model=model,
+        tape=tape,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        block_size=4,
+        num_kv_blocks=rng.choice([24, 32, 64]),
+        max_num_batched_tokens=rng.choice([16, 32, 64]),
+        pipeline_depth=rng.choice([1, 2, 3]),
+        num_speculative_tokens=rng.choice([0, 1, 2]),
+    )
     engine = llm.engine
     print(f"ready {engine.tape.writer_pid}", flush=True)  # type: ignore[attr-defined]
     added = steps = 0
@@ -105,7 +113,9 @@ def _gone(pid: int) -> bool:
         return False
 
 
-def run_iteration(folder: Path, seed: int, model: str = "oracle", max_kill_s: float = 1.0) -> Iteration:
+def run_iteration(
+    folder: Path, seed: int, model: str = "oracle", max_kill_s: float = 1.0
+) -> Iteration:
     """One run killed at a random moment (drawn from `seed`) and its tape checked."""
     from tokentape.events.sqlite_store import SQLiteTapeReader, tape_file_status
     from tokentape.replay import verify
@@ -118,7 +128,8 @@ def run_iteration(folder: Path, seed: int, model: str = "oracle", max_kill_s: fl
     tape = run_dir / "run.tape"
     child = subprocess.Popen(
         [sys.executable, str(HERE), "--child", str(tape), "--model", model, "--seed", str(seed)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout is not None
     try:
@@ -203,8 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--model", default="oracle")
-    p.add_argument("--tiny-every", type=int, default=10, metavar="K",
-                   help="every K-th iteration runs the tiny model (0: never)")
+    p.add_argument(
+        "--tiny-every",
+        type=int,
+        default=10,
+        metavar="K",
+        help="every K-th iteration runs the tiny model (0: never)",
+    )
     p.add_argument("--max-kill-s", type=float, default=2.0, help="kill within this after start-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE")
@@ -217,21 +233,30 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="chaos-sigkill-") as tmp:
         for i in range(args.iterations):
-            model = "tiny" if args.tiny_every and i % args.tiny_every == args.tiny_every - 1 else args.model
+            model = (
+                "tiny"
+                if args.tiny_every and i % args.tiny_every == args.tiny_every - 1
+                else args.model
+            )
             it = run_iteration(Path(tmp), args.seed + i, model, args.max_kill_s)
             results.append(it)
             mark = "ok" if it.ok else f"FAILED: {it.problem}"
-            print(f"[{i + 1}/{args.iterations}] seed {it.seed} {it.model}: killed after "
-                  f"{it.kill_after_s:.2f} s, {it.events} events, writer drained in "
-                  f"{it.drain_s:.2f} s: {mark}", flush=True)
+            print(
+                f"[{i + 1}/{args.iterations}] seed {it.seed} {it.model}: killed after "
+                f"{it.kill_after_s:.2f} s, {it.events} events, writer drained in "
+                f"{it.drain_s:.2f} s: {mark}",
+                flush=True,
+            )
     wall = time.monotonic() - t0
     good = [r for r in results if r.ok]
     drains = [r.drain_s for r in results]
     events = [r.events for r in good] or [0]
-    print(f"\nruns {len(results)}, verified and self-contained {len(good)}, wall time {wall:.1f} s; "
-          f"events per tape median {statistics.median(events):.0f} (max {max(events)}); "
-          f"writer drain after the kill median {statistics.median(drains or [0]):.3f} s "
-          f"(max {max(drains or [0]):.3f} s)")
+    print(
+        f"\nruns {len(results)}, verified and self-contained {len(good)}, wall time {wall:.1f} s; "
+        f"events per tape median {statistics.median(events):.0f} (max {max(events)}); "
+        f"writer drain after the kill median {statistics.median(drains or [0]):.3f} s "
+        f"(max {max(drains or [0]):.3f} s)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"wall_s": wall, "iterations": [asdict(r) for r in results]}, f, indent=1)

@@ -37,14 +37,19 @@ from tokentape.replay import load_tape
 
 def epoch_specs(seeds: range, base: StormSpec) -> Iterator[StormSpec]:
     for seed in seeds:
-        yield replace(base, seed=seed, pipeline_depth=1 + seed % 4, num_speculative_tokens=(seed // 4) % 4)
+        yield replace(
+            base, seed=seed, pipeline_depth=1 + seed % 4, num_speculative_tokens=(seed // 4) % 4
+        )
 
 
 def keep(result: StormResult, directory: str) -> str:
     """Write a storm's in-memory tape out as an SQLite tape file."""
     s = result.spec
-    path = os.path.join(directory, f"storm-{s.discard_policy}-d{s.pipeline_depth}-k{s.num_speculative_tokens}"
-                                   f"-seed{s.seed}.tape")
+    path = os.path.join(
+        directory,
+        f"storm-{s.discard_policy}-d{s.pipeline_depth}-k{s.num_speculative_tokens}"
+        f"-seed{s.seed}.tape",
+    )
     if os.path.exists(path):
         os.remove(path)
     tape = load_tape(result.tape)
@@ -56,15 +61,28 @@ def keep(result: StormResult, directory: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, default=1000, help="seeds to run (default: 1000)")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--grid", action="store_true",
-                        help="every policy x depth x speculative combination for each seed")
-    parser.add_argument("--num-commands", type=int, default=StormSpec(seed=0).num_commands,
-                        help="commands per storm (default: %(default)s)")
-    parser.add_argument("--keep", metavar="DIR", default=None, help="write the tapes of failing runs here")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON")
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="every policy x depth x speculative combination for each seed",
+    )
+    parser.add_argument(
+        "--num-commands",
+        type=int,
+        default=StormSpec(seed=0).num_commands,
+        help="commands per storm (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--keep", metavar="DIR", default=None, help="write the tapes of failing runs here"
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", default=None, help="also write the figures as JSON"
+    )
     args = parser.parse_args(argv)
 
     base = StormSpec(seed=0, num_commands=args.num_commands)
@@ -107,17 +125,31 @@ def main(argv: list[str] | None = None) -> int:
         failed = (policy == "epoch" and (wrong or report.findings)) or unexplained
         if failed:
             where = f" (tape {keep(result, args.keep)})" if args.keep else ""
-            failures.append(f"{policy} depth {spec.pipeline_depth} k {spec.num_speculative_tokens} seed "
-                            f"{spec.seed}: {len(wrong)} broken streams ({len(unexplained)} unexplained), "
-                            f"findings {sorted({f.kind for f in report.findings})}{where}")
+            failures.append(
+                f"{policy} depth {spec.pipeline_depth} k {spec.num_speculative_tokens} seed "
+                f"{spec.seed}: {len(wrong)} broken streams ({len(unexplained)} unexplained), "
+                f"findings {sorted({f.kind for f in report.findings})}{where}"
+            )
         if n % 100 == 0:
             print(f"  {n} runs, {time.perf_counter() - start:.0f} s", file=sys.stderr)
     wall = time.perf_counter() - start
 
-    print(f"chaos storms: {sum(t['runs'] for t in totals.values())} runs, {args.num_commands} commands each, "
-          f"seeds {seeds.start}..{seeds.stop - 1}{' (full grid)' if args.grid else ''}, {wall:.1f} s wall")
-    columns = ("runs", "events", "steps", "requests", "preemptions", "resets", "findings",
-               "runs with findings", "broken streams", "unexplained broken streams")
+    print(
+        f"chaos storms: {sum(t['runs'] for t in totals.values())} runs, {args.num_commands} commands each, "
+        f"seeds {seeds.start}..{seeds.stop - 1}{' (full grid)' if args.grid else ''}, {wall:.1f} s wall"
+    )
+    columns = (
+        "runs",
+        "events",
+        "steps",
+        "requests",
+        "preemptions",
+        "resets",
+        "findings",
+        "runs with findings",
+        "broken streams",
+        "unexplained broken streams",
+    )
     print("| policy | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for policy, t in totals.items():
@@ -131,8 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {line}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"wall_s": wall, "totals": totals, "kinds": kinds, "classes": classes,
-                       "failures": failures}, f, indent=2)
+            json.dump(
+                {
+                    "wall_s": wall,
+                    "totals": totals,
+                    "kinds": kinds,
+                    "classes": classes,
+                    "failures": failures,
+                },
+                f,
+                indent=2,
+            )
     print("result: " + ("PASS" if not failures else f"FAIL ({len(failures)} runs)"))
     return 0 if not failures else 1
 

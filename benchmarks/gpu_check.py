@@ -94,21 +94,42 @@ def parse_args() -> argparse.Namespace:
         "them, and run the engine benchmark (benchmarks/bench_generate.py) if present."
     )
     p.add_argument("--skip-engine", action="store_true", help="do not run bench_generate.py")
-    p.add_argument("--engine-timeout", type=float, default=300.0,
-                   help="seconds allowed for the engine benchmark subprocess (default 300)")
-    p.add_argument("--engine-args", default="",
-                   help="extra arguments for bench_generate.py, e.g. '--num-prompts 64 --skip-hf'")
-    p.add_argument("--iters", type=int, default=50,
-                   help="timed iterations per variant, median reported (default 50)")
-    p.add_argument("--compile-only", action="store_true",
-                   help="no GPU needed: compile every kernel ahead of time for --arch with the "
-                   "launch parameters the engine uses (catches what the interpreter cannot: "
-                   "compile errors, and register spills where cuobjdump is available)")
-    p.add_argument("--arch", type=int, default=90,
-                   help="CUDA compute capability for --compile-only, e.g. 80, 90 (default 90)")
-    p.add_argument("--cpu-interpret", action="store_true",
-                   help="smoke-test this script without a GPU: the Triton interpreter on the "
-                   "CPU with tiny shapes (timings meaningless, no engine run)")
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=300.0,
+        help="seconds allowed for the engine benchmark subprocess (default 300)",
+    )
+    p.add_argument(
+        "--engine-args",
+        default="",
+        help="extra arguments for bench_generate.py, e.g. '--num-prompts 64 --skip-hf'",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=50,
+        help="timed iterations per variant, median reported (default 50)",
+    )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="no GPU needed: compile every kernel ahead of time for --arch with the "
+        "launch parameters the engine uses (catches what the interpreter cannot: "
+        "compile errors, and register spills where cuobjdump is available)",
+    )
+    p.add_argument(
+        "--arch",
+        type=int,
+        default=90,
+        help="CUDA compute capability for --compile-only, e.g. 80, 90 (default 90)",
+    )
+    p.add_argument(
+        "--cpu-interpret",
+        action="store_true",
+        help="smoke-test this script without a GPU: the Triton interpreter on the "
+        "CPU with tiny shapes (timings meaningless, no engine run)",
+    )
     return p.parse_args()
 
 
@@ -122,9 +143,11 @@ def main() -> int:
     elif torch.cuda.is_available():
         device, shapes, iters = torch.device("cuda"), QWEN3_06B, args.iters
     else:
-        print(f"gpu_check: no CUDA device (torch {torch.__version__}, CUDA build "
-              f"{torch.version.cuda or 'none'}); nothing checked. --cpu-interpret runs the "
-              "kernel checks on the CPU under the Triton interpreter.")
+        print(
+            f"gpu_check: no CUDA device (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda or 'none'}); nothing checked. --cpu-interpret runs the "
+            "kernel checks on the CPU under the Triton interpreter."
+        )
         return 0
     from tokentape.kernels import triton_available
 
@@ -136,8 +159,10 @@ def main() -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     results += stage("kv write", lambda: check_kv_write(device, shapes, gen))
     for dtype, tol in ((torch.bfloat16, BF16_TOLERANCE), (torch.float32, FP32_TOLERANCE)):
-        results += stage(f"attention {dtype_name(dtype)}",
-                         partial(check_attention, device, shapes, dtype, tol, gen))
+        results += stage(
+            f"attention {dtype_name(dtype)}",
+            partial(check_attention, device, shapes, dtype, tol, gen),
+        )
     results += stage("batch invariance", lambda: check_batch_invariance(device, shapes, gen))
     results += stage("timing", lambda: time_kernels(device, shapes, iters, gen))
     if not (args.skip_engine or args.cpu_interpret):
@@ -176,22 +201,46 @@ def compile_kernels(arch: int) -> list[Result]:
     s = QWEN3_06B
     results = []
     for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
-        index = {"slot_mapping_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "cu_seqlens_q_ptr": "*i32", "partial_out_ptr": "*fp32",
-                 "partial_max_ptr": "*fp32", "partial_sum_ptr": "*fp32", "qk_scale": "fp32"}
+        index = {
+            "slot_mapping_ptr": "*i64",
+            "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "cu_seqlens_q_ptr": "*i32",
+            "partial_out_ptr": "*fp32",
+            "partial_max_ptr": "*fp32",
+            "partial_sum_ptr": "*fp32",
+            "qk_scale": "fp32",
+        }
         kernels = [
-            ("kv write", triton_kv_write._write_kv_cache_kernel,
-             triton_kv_write.kv_write_kernel_meta(s.num_kv_heads, s.head_dim)),
-            ("decode split", triton_decode._decode_split_kernel,
-             triton_decode.split_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype,
-                                             num_splits=4)),
-            ("decode single split", triton_decode._decode_split_kernel,
-             triton_decode.split_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype,
-                                             num_splits=1)),
-            ("decode merge", triton_decode._decode_merge_kernel,
-             triton_decode.merge_kernel_meta(s.head_dim, num_splits=4)),
-            ("prefill", triton_prefill._prefill_kernel,
-             triton_prefill.prefill_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype)),
+            (
+                "kv write",
+                triton_kv_write._write_kv_cache_kernel,
+                triton_kv_write.kv_write_kernel_meta(s.num_kv_heads, s.head_dim),
+            ),
+            (
+                "decode split",
+                triton_decode._decode_split_kernel,
+                triton_decode.split_kernel_meta(
+                    s.num_heads, s.num_kv_heads, s.head_dim, dtype, num_splits=4
+                ),
+            ),
+            (
+                "decode single split",
+                triton_decode._decode_split_kernel,
+                triton_decode.split_kernel_meta(
+                    s.num_heads, s.num_kv_heads, s.head_dim, dtype, num_splits=1
+                ),
+            ),
+            (
+                "decode merge",
+                triton_decode._decode_merge_kernel,
+                triton_decode.merge_kernel_meta(s.head_dim, num_splits=4),
+            ),
+            (
+                "prefill",
+                triton_prefill._prefill_kernel,
+                triton_prefill.prefill_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype),
+            ),
         ]
         for name, kernel, meta in kernels:
             meta = dict(meta)
@@ -205,23 +254,32 @@ def compile_kernels(arch: int) -> list[Result]:
                 else:
                     signature[arg] = index.get(arg, "i32")
             # Launches pass 16-byte-aligned pointers, which triton specializes on.
-            attrs = {(i,): [["tt.divisibility", 16]]
-                     for i, arg in enumerate(kernel.arg_names) if arg.endswith("_ptr")}
+            attrs = {
+                (i,): [["tt.divisibility", 16]]
+                for i, arg in enumerate(kernel.arg_names)
+                if arg.endswith("_ptr")
+            }
             label = f"compile {name} {dtype_name(dtype)} sm_{arch}"
             start = time.perf_counter()
             try:
                 compiled = triton.compile(
                     ASTSource(kernel, signature, constexprs=meta, attrs=attrs),
-                    target=GPUTarget("cuda", arch, 32), options=options)
+                    target=GPUTarget("cuda", arch, 32),
+                    options=options,
+                )
             except Exception as exc:  # noqa: BLE001 (a compile error is the finding: report it)
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 results.append(Result(label, False, f"{type(exc).__name__}: {first[:160]}"))
                 continue
             usage = resource_usage(compiled.asm.get("cubin", b""))
-            results.append(Result(
-                label, True,
-                f"{time.perf_counter() - start:.1f} s, {options['num_warps']} warps, "
-                f"{compiled.metadata.shared} B shared" + (f", {usage}" if usage else "")))
+            results.append(
+                Result(
+                    label,
+                    True,
+                    f"{time.perf_counter() - start:.1f} s, {options['num_warps']} warps, "
+                    f"{compiled.metadata.shared} B shared" + (f", {usage}" if usage else ""),
+                )
+            )
     return results
 
 
@@ -237,10 +295,16 @@ def resource_usage(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
-                             text=True, check=False).stdout
-    fields = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line
-                  for item in line.split() if ":" in item)
+        out = subprocess.run(
+            [str(tool), "-res-usage", f.name], capture_output=True, text=True, check=False
+        ).stdout
+    fields = dict(
+        item.split(":", 1)
+        for line in out.splitlines()
+        if "REG:" in line
+        for item in line.split()
+        if ":" in item
+    )
     if "REG" not in fields:
         return ""
     return f"{fields['REG']} registers, {fields.get('STACK', '?')} B stack (spills if > 0)"
@@ -282,11 +346,16 @@ def paged_batch(
         used += n
     q_lens = [q for _, q in seqs]
     cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
-    query = torch.randn(sum(q_lens), shapes.num_heads, shapes.head_dim, generator=gen,
-                        device=device).to(dtype)
+    query = torch.randn(
+        sum(q_lens), shapes.num_heads, shapes.head_dim, generator=gen, device=device
+    ).to(dtype)
     seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device)
-    kwargs = {"cu_seqlens_q": cu, "seq_lens": seq_lens, "block_tables": tables,
-              "scale": shapes.head_dim**-0.5}
+    kwargs = {
+        "cu_seqlens_q": cu,
+        "seq_lens": seq_lens,
+        "block_tables": tables,
+        "scale": shapes.head_dim**-0.5,
+    }
     return query, k_cache, v_cache, kwargs
 
 
@@ -313,8 +382,13 @@ def check_kv_write(device: torch.device, shapes: Shapes, gen: torch.Generator) -
         write_kv_cache_ref(key, value, expected_k, expected_v, slots)
         write_kv_cache_triton(key, value, k_cache, v_cache, slots)
         err = max(max_error(k_cache, expected_k), max_error(v_cache, expected_v))
-        results.append(Result(f"kv write {dtype_name(dtype)}", err == 0.0,
-                              f"{num_tokens} tokens, max error {err:.1e} (must be 0)"))
+        results.append(
+            Result(
+                f"kv write {dtype_name(dtype)}",
+                err == 0.0,
+                f"{num_tokens} tokens, max error {err:.1e} (must be 0)",
+            )
+        )
     return results
 
 
@@ -338,17 +412,20 @@ def check_attention(
     ):
         query, k_cache, v_cache, kwargs = paged_batch(device, shapes, seqs, dtype, gen)
         # The reference on the same low-precision inputs, in float32.
-        expected = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(),
-                                       **kwargs)
+        expected = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(), **kwargs)
         out = kernel(query, k_cache, v_cache, **kwargs)
         err = max_error(out, expected)
         rtol, atol = tol
         excess = ((out.float() - expected).abs() - rtol * expected.abs()).max().item()
         ok = excess <= atol and out.dtype == dtype
-        results.append(Result(
-            f"{label} {dtype_name(dtype)}", ok,
-            f"{len(seqs)} seqs, {query.shape[0]} new tokens, max |err| {err:.2e} "
-            f"(rtol {rtol:.1e}, atol {atol:.0e})"))
+        results.append(
+            Result(
+                f"{label} {dtype_name(dtype)}",
+                ok,
+                f"{len(seqs)} seqs, {query.shape[0]} new tokens, max |err| {err:.2e} "
+                f"(rtol {rtol:.1e}, atol {atol:.0e})",
+            )
+        )
     return results
 
 
@@ -361,24 +438,32 @@ def check_batch_invariance(
 
     results = []
     decodes = [(s, 1) for s in shapes.decode_seq_lens]
-    for label, seqs, kernel in (("decode", decodes, paged_decode_triton),
-                                ("prefill", list(shapes.mixed_seqs), paged_prefill_triton)):
+    for label, seqs, kernel in (
+        ("decode", decodes, paged_decode_triton),
+        ("prefill", list(shapes.mixed_seqs), paged_prefill_triton),
+    ):
         query, k_cache, v_cache, kwargs = paged_batch(device, shapes, seqs, torch.bfloat16, gen)
         batched = kernel(query, k_cache, v_cache, **kwargs)
         cu = kwargs["cu_seqlens_q"].tolist()
         same = 0
         for i in range(len(seqs)):
             alone = kernel(
-                query[cu[i] : cu[i + 1]], k_cache, v_cache,
-                cu_seqlens_q=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32,
-                                          device=device),
+                query[cu[i] : cu[i + 1]],
+                k_cache,
+                v_cache,
+                cu_seqlens_q=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32, device=device),
                 seq_lens=kwargs["seq_lens"][i : i + 1],
                 block_tables=kwargs["block_tables"][i : i + 1],
                 scale=kwargs["scale"],
             )
             same += bool(torch.equal(alone, batched[cu[i] : cu[i + 1]]))
-        results.append(Result(f"batch invariance, {label} kernel", None,
-                              f"{same}/{len(seqs)} sequences bit-identical alone and batched"))
+        results.append(
+            Result(
+                f"batch invariance, {label} kernel",
+                None,
+                f"{same}/{len(seqs)} sequences bit-identical alone and batched",
+            )
+        )
     return results
 
 
@@ -412,7 +497,8 @@ def time_kernels(
         "decode kernel": lambda: paged_decode_triton(query, k_cache, v_cache, **kwargs),
         "reference": lambda: paged_attention_ref(query, k_cache, v_cache, **kwargs),
         "dense SDPA (no paging)": lambda: F.scaled_dot_product_attention(
-            dense_q, dense_k, dense_v, scale=scale, **gqa),
+            dense_q, dense_k, dense_v, scale=scale, **gqa
+        ),
     }
     timings = {name: median_ms(fn, device, iters) for name, fn in variants.items()}
     base = timings["decode kernel"]
@@ -421,13 +507,19 @@ def time_kernels(
 
     seqs = [(2 * context, context)] * 4  # 4 chunks of `context` tokens after as many cached
     query, k_cache, v_cache, kwargs = paged_batch(device, shapes, seqs, torch.bfloat16, gen)
-    prefill = median_ms(lambda: paged_prefill_triton(query, k_cache, v_cache, **kwargs),
-                        device, iters)
-    ref = median_ms(lambda: paged_attention_ref(query, k_cache, v_cache, **kwargs), device,
-                    max(2, iters // 5))
-    results.append(Result(
-        f"prefill timing 4 x {context} new after {context} cached, bf16", None,
-        f"prefill kernel {prefill:.3f} ms, reference {ref:.3f} ms ({ref / prefill:.1f}x)"))
+    prefill = median_ms(
+        lambda: paged_prefill_triton(query, k_cache, v_cache, **kwargs), device, iters
+    )
+    ref = median_ms(
+        lambda: paged_attention_ref(query, k_cache, v_cache, **kwargs), device, max(2, iters // 5)
+    )
+    results.append(
+        Result(
+            f"prefill timing 4 x {context} new after {context} cached, bf16",
+            None,
+            f"prefill kernel {prefill:.3f} ms, reference {ref:.3f} ms ({ref / prefill:.1f}x)",
+        )
+    )
     return results
 
 
@@ -454,13 +546,28 @@ def run_engine_benchmark(timeout: float, extra_args: list[str]) -> Result:
     name = "engine benchmark (bench_generate.py)"
     if not script.exists():
         return Result(name, None, "not run: benchmarks/bench_generate.py does not exist")
-    cmd = [sys.executable, str(script), "--device", "cuda", "--dtype", "bfloat16",
-           "--config", "qwen3-0.6b", *extra_args]
+    cmd = [
+        sys.executable,
+        str(script),
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--config",
+        "qwen3-0.6b",
+        *extra_args,
+    ]
     print(f"\n== {' '.join(cmd[1:])} ==", flush=True)
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=timeout, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.run(
+            cmd,
+            timeout=timeout,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or ""
         print(out if isinstance(out, str) else out.decode(errors="replace"))
@@ -468,8 +575,11 @@ def run_engine_benchmark(timeout: float, extra_args: list[str]) -> Result:
     print(proc.stdout, flush=True)
     elapsed = time.perf_counter() - start
     last = next((line for line in reversed(proc.stdout.splitlines()) if line.strip()), "")
-    return Result(name, proc.returncode == 0,
-                  f"exit {proc.returncode} in {elapsed:.0f} s; last line: {last[:120]}")
+    return Result(
+        name,
+        proc.returncode == 0,
+        f"exit {proc.returncode} in {elapsed:.0f} s; last line: {last[:120]}",
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -104,13 +104,17 @@ def main() -> None:
         tree = ""
         if Profiler is not None:
             p = Profiler(interval=SAMPLE_INTERVAL)
-            pyi_step = min(c.time_decode_steps(N, True, tmp.new(), hooks=(p.start, p.stop))
-                           for _ in range(PYI_RUNS))  # the sessions are combined
+            pyi_step = min(
+                c.time_decode_steps(N, True, tmp.new(), hooks=(p.start, p.stop))
+                for _ in range(PYI_RUNS)
+            )  # the sessions are combined
             total, agg = pyinstrument_table(p.last_session.root_frame())
             tree = p.output_text(unicode=False, color=False, show_all=False).strip()
-            source = (f"pyinstrument, {PYI_RUNS} windows sampled every "
-                      f"{SAMPLE_INTERVAL * 1e3:g} ms "
-                      f"({c.fmt_us(pyi_step)} µs/step while sampling)")
+            source = (
+                f"pyinstrument, {PYI_RUNS} windows sampled every "
+                f"{SAMPLE_INTERVAL * 1e3:g} ms "
+                f"({c.fmt_us(pyi_step)} µs/step while sampling)"
+            )
         else:
             stats = pstats.Stats(prof)
             total = stats.total_tt  # type: ignore[attr-defined]
@@ -127,21 +131,36 @@ def main() -> None:
             share = cum / total
             # Scaled to the unprofiled step time: share of the window x unprofiled µs/step.
             per_call = f"{share * plain * steps / nc * 1e6:,.2f}" if nc else "-"
-            out.append([f"`{name}` ({short(path, line)})", f"{nc / steps:,.1f}" if nc else "-",
-                        f"{100 * share:.1f}%", f"{100 * own / total:.1f}%",
-                        f"{share * plain * 1e6:,.1f}", per_call])
+            out.append(
+                [
+                    f"`{name}` ({short(path, line)})",
+                    f"{nc / steps:,.1f}" if nc else "-",
+                    f"{100 * share:.1f}%",
+                    f"{100 * own / total:.1f}%",
+                    f"{share * plain * 1e6:,.1f}",
+                    per_call,
+                ]
+            )
         return out
 
-    headers = ["function", "calls/step", "cumulative %", "own %", "µs/step (cum)",
-               "µs per call (cum)"]
+    headers = [
+        "function",
+        "calls/step",
+        "cumulative %",
+        "own %",
+        "µs/step (cum)",
+        "µs per call (cum)",
+    ]
     md = (
         f"### Profile: N={N}, tape on (SQLite), async depth 2, {steps} decode steps\n\n"
         f"Unprofiled: {c.fmt_us(plain)} µs/step (best of 4); under cProfile "
         f"{c.fmt_us(cprof_step)} µs/step (used for call counts only). Shares from {source}; "
         "µs figures are those shares of the unprofiled step time; per call = that / calls "
         "(cProfile's count).\n\n"
-        "By cumulative time:\n\n" + c.md_table(headers, rows(1))
-        + "\n\nBy own time:\n\n" + c.md_table(headers, rows(2))
+        "By cumulative time:\n\n"
+        + c.md_table(headers, rows(1))
+        + "\n\nBy own time:\n\n"
+        + c.md_table(headers, rows(2))
     )
     if tree:
         md += "\n\npyinstrument call tree:\n\n```\n" + tree + "\n```"

@@ -31,8 +31,14 @@ import _common as c
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 USES_VLLM = {"bench_vs_vllm.py", "bench_generate.py"}
-BENCHMARKS = ["bench_tape_append.py", "bench_fold.py", "bench_step_overhead.py", "bench_vs_vllm.py",
-              "bench_seek.py", "bench_postmortem.py"]
+BENCHMARKS = [
+    "bench_tape_append.py",
+    "bench_fold.py",
+    "bench_step_overhead.py",
+    "bench_vs_vllm.py",
+    "bench_seek.py",
+    "bench_postmortem.py",
+]
 
 
 def source_digest() -> str:
@@ -54,10 +60,20 @@ def source_digest() -> str:
 
 def git_describe() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "../tokentape"], cwd=HERE,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "../tokentape"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         if dirty:
             commit += f" plus uncommitted changes in tokentape/ (source digest {source_digest()})"
         return commit
@@ -81,15 +97,26 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 repeats per benchmark")
     ap.add_argument("--no-profile", action="store_true", help="skip profile_step.py")
     ap.add_argument("--output", metavar="PATH", help="also write the report to PATH")
-    ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
-                    help="before each benchmark, wait up to S seconds for the machine to go idle")
-    ap.add_argument("--generate", action="store_true",
-                    help="also run bench_generate.py (tokentape vs vLLM's CPU engine and "
-                         "transformers; minutes)")
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="S",
+        help="before each benchmark, wait up to S seconds for the machine to go idle",
+    )
+    ap.add_argument(
+        "--generate",
+        action="store_true",
+        help="also run bench_generate.py (tokentape vs vLLM's CPU engine and "
+        "transformers; minutes)",
+    )
     ap.add_argument("--vllm-python", metavar="PATH", help="the Python that has vllm")
     args = ap.parse_args()
-    scripts = (BENCHMARKS + (["bench_generate.py"] if args.generate else [])
-               + ([] if args.no_profile else ["profile_step.py"]))
+    scripts = (
+        BENCHMARKS
+        + (["bench_generate.py"] if args.generate else [])
+        + ([] if args.no_profile else ["profile_step.py"])
+    )
     sections, summary, timings = [], [], []
     code = git_describe()  # before the run, in case the code changes while it runs
     load_before = os.getloadavg()
@@ -114,8 +141,10 @@ def main() -> None:
             busy_txt = "" if busy is None else f", machine busy {busy:.2f} of {ncpu} cores"
             timings.append(f"`{script}` {elapsed:.0f} s{busy_txt}")
             if proc.returncode != 0:
-                sections.append(f"### {script}: FAILED (exit {proc.returncode})\n\n```\n"
-                                f"{proc.stderr[-3000:]}\n```")
+                sections.append(
+                    f"### {script}: FAILED (exit {proc.returncode})\n\n```\n"
+                    f"{proc.stderr[-3000:]}\n```"
+                )
                 summary.append([script, "error", "-", "ERROR"])
             if not os.path.exists(out):
                 continue  # what it measured before failing, if anything, is in its JSON
@@ -124,8 +153,11 @@ def main() -> None:
             sections.append(res["markdown"])
             for s in res.get("summary", []):
                 ok = s["pass"]
-                result = "-" if ok is None and s["target"] == "-" else (
-                    "NOT MEASURED" if ok is None else c.verdict(ok))
+                result = (
+                    "-"
+                    if ok is None and s["target"] == "-"
+                    else ("NOT MEASURED" if ok is None else c.verdict(ok))
+                )
                 summary.append([s["name"], s["value"], s["target"], result])
     load_after = os.getloadavg()
     info = c.machine_info()
@@ -142,8 +174,9 @@ def main() -> None:
         "itself being about 1 core): " + "; ".join(timings),
     ]
     targets = c.md_table(["benchmark", "measured", "target", "result"], summary)
-    report = ("\n".join(head) + "\n\n### Targets\n\n" + targets + "\n\n"
-              + "\n\n".join(sections) + "\n")
+    report = (
+        "\n".join(head) + "\n\n### Targets\n\n" + targets + "\n\n" + "\n\n".join(sections) + "\n"
+    )
     print(report)
     if args.output:
         with open(args.output, "w") as f:

@@ -41,8 +41,9 @@ def measure(hold: bool, requests: int, max_tokens: int, folder: str) -> str:
     path, release = os.path.join(folder, "run.tape"), os.path.join(folder, "release")
     llm = LLM(model="oracle", tape=path, max_num_seqs=1)
     llm.engine.tape.flush()
-    reader = subprocess.Popen([sys.executable, "-c", _READER, path, release],
-                              stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READER, path, release], stdout=subprocess.PIPE, text=True
+    )
     assert reader.stdout is not None and reader.stdout.readline().startswith("pinned")
     peak, stop = [0], threading.Event()
 
@@ -57,8 +58,10 @@ def measure(hold: bool, requests: int, max_tokens: int, folder: str) -> str:
     sampler = threading.Thread(target=sample)
     sampler.start()
     t0 = time.monotonic()
-    llm.generate([[3 + i % 200, 5 + i % 100, 7] for i in range(requests)],
-                 SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    llm.generate(
+        [[3 + i % 200, 5 + i % 100, 7] for i in range(requests)],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
     run_s = time.monotonic() - t0
     n = len(llm.engine.tape)
     if not hold:
@@ -81,15 +84,19 @@ def measure(hold: bool, requests: int, max_tokens: int, folder: str) -> str:
     open(release, "w").close()
     reader.wait()
     warned = "; warned" if caught else ""
-    return (f"reader {'holds through close' if hold else 'gone before close'}: {n} events in "
-            f"{run_s:.2f} s, tape {os.path.getsize(path) / 1e6:.1f} MB, WAL peak "
-            f"{peak[0] / 1e6:.1f} MB, close() {close_s:.2f} s{warned}, events in the .tape "
-            f"copied alone {in_copy}")
+    return (
+        f"reader {'holds through close' if hold else 'gone before close'}: {n} events in "
+        f"{run_s:.2f} s, tape {os.path.getsize(path) / 1e6:.1f} MB, WAL peak "
+        f"{peak[0] / 1e6:.1f} MB, close() {close_s:.2f} s{warned}, events in the .tape "
+        f"copied alone {in_copy}"
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hold", action="store_true", help="the reader holds its snapshot through close()")
+    p.add_argument(
+        "--hold", action="store_true", help="the reader holds its snapshot through close()"
+    )
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args()

@@ -37,8 +37,14 @@ import time
 from typing import Any
 
 import ray
+from rlhf_ray_actors import (
+    TOKENS_BEFORE_UPDATE,
+    EngineWorker,
+    Trainer,
+    request_specs,
+    sampling_params,
+)
 
-from rlhf_ray_actors import TOKENS_BEFORE_UPDATE, EngineWorker, Trainer, request_specs, sampling_params
 from tokentape import LLM, SamplingParams
 from tokentape.events.discard import DISCARD_POLICIES
 from tokentape.events.sqlite_reader import tape_file_status
@@ -47,30 +53,63 @@ WRITER_WAIT_S = 30.0  # how long a killed engine's tape may take to be finished 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--engines", type=int, default=2, help="engine actors (default 2)")
     p.add_argument("--iterations", type=int, default=2, help="RL iterations (default 2)")
     p.add_argument("--discard-policy", default="epoch", choices=sorted(DISCARD_POLICIES))
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="vLLM's async scheduling (default on; off means pipeline depth 1)")
-    p.add_argument("--pipeline-depth", type=int, default=2, choices=[1, 2, 3, 4],
-                   help="steps in flight with async scheduling (default 2, vLLM's)")
-    p.add_argument("--weight-sync", default="object-store", choices=["object-store", "broadcast"],
-                   help="how the weights reach the engines: Ray's object store (default) or a "
-                   "torch.distributed broadcast from the trainer (gloo)")
-    p.add_argument("--tape-dir", metavar="DIR", default=None,
-                   help="record one tape per engine, DIR/engine-<i>.tape (default: in memory)")
-    p.add_argument("--kill-engine", metavar="I", type=int, default=None,
-                   help="failure drill: kill engine I in the middle of the first iteration's "
-                   "rollouts; the loop goes on with the others (object-store sync only)")
-    p.add_argument("--kill-how", default="ray.kill", choices=["ray.kill", "sigkill"],
-                   help="ray.kill (Ray kills the actor and its engine core process; the tape "
-                   "stops mid-run) or sigkill (the actor's process dies alone, as by the OOM "
-                   "killer; its engine core records that on the tape)")
-    p.add_argument("--address", default=None, help="a Ray cluster to join (default: start one here)")
-    p.add_argument("--num-cpus", type=int, default=None,
-                   help="CPUs of the local Ray instance (default: one per engine, at least 2)")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's async scheduling (default on; off means pipeline depth 1)",
+    )
+    p.add_argument(
+        "--pipeline-depth",
+        type=int,
+        default=2,
+        choices=[1, 2, 3, 4],
+        help="steps in flight with async scheduling (default 2, vLLM's)",
+    )
+    p.add_argument(
+        "--weight-sync",
+        default="object-store",
+        choices=["object-store", "broadcast"],
+        help="how the weights reach the engines: Ray's object store (default) or a "
+        "torch.distributed broadcast from the trainer (gloo)",
+    )
+    p.add_argument(
+        "--tape-dir",
+        metavar="DIR",
+        default=None,
+        help="record one tape per engine, DIR/engine-<i>.tape (default: in memory)",
+    )
+    p.add_argument(
+        "--kill-engine",
+        metavar="I",
+        type=int,
+        default=None,
+        help="failure drill: kill engine I in the middle of the first iteration's "
+        "rollouts; the loop goes on with the others (object-store sync only)",
+    )
+    p.add_argument(
+        "--kill-how",
+        default="ray.kill",
+        choices=["ray.kill", "sigkill"],
+        help="ray.kill (Ray kills the actor and its engine core process; the tape "
+        "stops mid-run) or sigkill (the actor's process dies alone, as by the OOM "
+        "killer; its engine core records that on the tape)",
+    )
+    p.add_argument(
+        "--address", default=None, help="a Ray cluster to join (default: start one here)"
+    )
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="CPUs of the local Ray instance (default: one per engine, at least 2)",
+    )
     args = p.parse_args(argv)
     if args.engines < 1 or args.iterations < 1:
         p.error("--engines and --iterations must be >= 1")
@@ -78,7 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if not 0 <= args.kill_engine < args.engines or args.engines < 2:
             p.error("--kill-engine needs an engine index in [0, --engines) and another engine left")
         if args.weight_sync == "broadcast":
-            p.error("--kill-engine needs --weight-sync object-store (a broadcast group cannot lose a member)")
+            p.error(
+                "--kill-engine needs --weight-sync object-store (a broadcast group cannot lose a member)"
+            )
     return args
 
 
@@ -93,34 +134,58 @@ def tape_paths(tape_dir: str | None, n: int) -> list[str | None]:
     return list(paths)
 
 
-def check_against_fresh_engine(weights: dict[str, Any], trainer_id: str, got_ids: dict[int, str],
-                               cases: list[tuple[int, str, list[int], SamplingParams, list[int], list[int]]]
-                               ) -> list[str]:
+def check_against_fresh_engine(
+    weights: dict[str, Any],
+    trainer_id: str,
+    got_ids: dict[int, str],
+    cases: list[tuple[int, str, list[int], SamplingParams, list[int], list[int]]],
+) -> list[str]:
     """A fresh engine with the trainer's weights continues every request from its prefix;
     the tokens each engine delivered after the resume must be exactly those."""
-    problems = [f"engine {i} serves weights {wid[:20]}..., the trainer made {trainer_id[:20]}..."
-                for i, wid in got_ids.items() if wid != trainer_id]
+    problems = [
+        f"engine {i} serves weights {wid[:20]}..., the trainer made {trainer_id[:20]}..."
+        for i, wid in got_ids.items()
+        if wid != trainer_id
+    ]
     fresh = LLM(model="tiny", device="cpu", pipeline_depth=1, tape=False)
     try:
         fresh.engine.pause_generation(mode="keep", clear_cache=False)
         fresh_id = fresh.engine.update_weights(weights)
         fresh.engine.resume_generation()
         if fresh_id != trainer_id:
-            problems.append(f"the fresh engine hashes the trainer's weights as {fresh_id}, not {trainer_id}")
+            problems.append(
+                f"the fresh engine hashes the trainer's weights as {fresh_id}, not {trainer_id}"
+            )
         todo = [c for c in cases if len(c[4]) < c[3].max_tokens]
-        conts = [SamplingParams(max_tokens=p.max_tokens - len(prefix), temperature=p.temperature,
-                                top_p=p.top_p, seed=p.seed, ignore_eos=True)
-                 for _, _, _, p, prefix, _ in todo]
-        outs = fresh.generate([prompt + prefix for _, _, prompt, _, prefix, _ in todo], conts) if todo else []
+        conts = [
+            SamplingParams(
+                max_tokens=p.max_tokens - len(prefix),
+                temperature=p.temperature,
+                top_p=p.top_p,
+                seed=p.seed,
+                ignore_eos=True,
+            )
+            for _, _, _, p, prefix, _ in todo
+        ]
+        outs = (
+            fresh.generate([prompt + prefix for _, _, prompt, _, prefix, _ in todo], conts)
+            if todo
+            else []
+        )
     finally:
         fresh.close()
     for (engine, req_id, _, _, prefix, after), out in zip(todo, outs):
         expected = out.outputs[0].token_ids
         if after != expected:
-            at = next((j for j, (a, b) in enumerate(zip(after, expected)) if a != b), min(len(after), len(expected)))
-            problems.append(f"engine {engine} request {req_id}: after {len(prefix)} tokens, resumed "
-                            f"{after[at:at + 4]}... where a fresh engine gives {expected[at:at + 4]}... "
-                            f"(from token {at} after the resume)")
+            at = next(
+                (j for j, (a, b) in enumerate(zip(after, expected)) if a != b),
+                min(len(after), len(expected)),
+            )
+            problems.append(
+                f"engine {engine} request {req_id}: after {len(prefix)} tokens, resumed "
+                f"{after[at : at + 4]}... where a fresh engine gives {expected[at : at + 4]}... "
+                f"(from token {at} after the resume)"
+            )
     return problems
 
 
@@ -142,8 +207,12 @@ def wait_for_tape_writer(path: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     paths = tape_paths(args.tape_dir, args.engines)
-    engine_args = {"async_scheduling": args.async_scheduling, "pipeline_depth": args.pipeline_depth,
-                   "discard_policy": args.discard_policy, "device": "cpu"}
+    engine_args = {
+        "async_scheduling": args.async_scheduling,
+        "pipeline_depth": args.pipeline_depth,
+        "discard_policy": args.discard_policy,
+        "device": "cpu",
+    }
     # (mypy does not see what @ray.remote adds to a class)
     trainer = Trainer.remote()  # type: ignore[attr-defined]
     engines = {i: EngineWorker.remote(i, paths[i], engine_args) for i in range(args.engines)}  # type: ignore[attr-defined]
@@ -153,16 +222,22 @@ def run(args: argparse.Namespace) -> int:
         if broadcast:  # the trainer is rank 0 of a gloo group with every engine
             address = ray.get(trainer.group_address.remote())
             world = args.engines + 1
-            ray.get([trainer.join_group.remote(address, 0, world)]
-                    + [e.join_group.remote(address, i + 1, world) for i, e in engines.items()])
+            ray.get(
+                [trainer.join_group.remote(address, 0, world)]
+                + [e.join_group.remote(address, i + 1, world) for i, e in engines.items()]
+            )
         for it in range(args.iterations):
             specs = {i: request_specs(i, it) for i in engines}
             doomed = args.kill_engine if it == 0 else None
             # Each engine pauses itself once every rollout of its has its first tokens, watched
             # from the call that starts them: no round trip (no trainer's step, no second call)
             # in between, so they are mid-generation at the pause on a busy machine too.
-            ray.get([e.start.remote(specs[i], None if i == doomed else TOKENS_BEFORE_UPDATE)
-                     for i, e in engines.items()])
+            ray.get(
+                [
+                    e.start.remote(specs[i], None if i == doomed else TOKENS_BEFORE_UPDATE)
+                    for i, e in engines.items()
+                ]
+            )
             pausing = {i: e.paused.remote() for i, e in engines.items() if i != doomed}
             first: dict[int, dict[str, list[int]]] = {}
             if doomed is not None:
@@ -176,8 +251,10 @@ def run(args: argparse.Namespace) -> int:
             trainer_id = ray.get(trainer.train_step.remote(it, rollouts))  # the engines wait paused
             if broadcast:
                 meta = ray.get(trainer.weight_meta.remote())
-                got = ray.get([trainer.broadcast.remote()]
-                              + [e.receive_weights.remote(meta) for e in engines.values()])[1:]
+                got = ray.get(
+                    [trainer.broadcast.remote()]
+                    + [e.receive_weights.remote(meta) for e in engines.values()]
+                )[1:]
             else:
                 weights_ref = trainer.state_dict.remote()  # put once, read by every engine
                 got = ray.get([e.update_weights.remote(weights_ref) for e in engines.values()])
@@ -189,25 +266,34 @@ def run(args: argparse.Namespace) -> int:
                     for req_id, prompt, kw in reqs:
                         n = prefixes[i][req_id]
                         tokens = streams[i][req_id]
-                        cases.append((i, req_id, prompt, sampling_params(kw), tokens[:n], tokens[n:]))
+                        cases.append(
+                            (i, req_id, prompt, sampling_params(kw), tokens[:n], tokens[n:])
+                        )
             mid = [c for c in cases if 0 < len(c[4]) < c[3].max_tokens]
             resumed = len(mid)
-            problems = check_against_fresh_engine(ray.get(trainer.state_dict.remote()), trainer_id,
-                                                  dict(zip(engines, got)), cases)
+            problems = check_against_fresh_engine(
+                ray.get(trainer.state_dict.remote()), trainer_id, dict(zip(engines, got)), cases
+            )
             for i in sorted(set(engines) - {c[0] for c in mid}):
-                problems.append(f"engine {i}: no request was mid-generation at the pause: nothing "
-                                "was checked across the update (a machine too busy? lengthen "
-                                "ROLLOUT_TOKENS)")
-            print(f"iteration {it}: {len(engines)} engines, {len(cases)} requests ({resumed} paused "
-                  f"mid-generation), weights {trainer_id[:19]}... via {args.weight_sync}: "
-                  f"{'check held' if not problems else 'CHECK FAILED'}")
+                problems.append(
+                    f"engine {i}: no request was mid-generation at the pause: nothing "
+                    "was checked across the update (a machine too busy? lengthen "
+                    "ROLLOUT_TOKENS)"
+                )
+            print(
+                f"iteration {it}: {len(engines)} engines, {len(cases)} requests ({resumed} paused "
+                f"mid-generation), weights {trainer_id[:19]}... via {args.weight_sync}: "
+                f"{'check held' if not problems else 'CHECK FAILED'}"
+            )
             for problem in problems:
                 print(f"  {problem}")
             held &= not problems
             if args.kill_engine is not None and it == 0:
                 wait_for_tape_writer(paths[args.kill_engine])
-                print(f"engine {args.kill_engine} killed ({args.kill_how}) mid-rollout; "
-                      f"its tape: {paths[args.kill_engine] or '(in memory, lost)'}")
+                print(
+                    f"engine {args.kill_engine} killed ({args.kill_how}) mid-rollout; "
+                    f"its tape: {paths[args.kill_engine] or '(in memory, lost)'}"
+                )
     finally:
         for e in engines.values():
             with contextlib.suppress(ray.exceptions.RayActorError):  # one that died on its own
@@ -226,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.address:
             ray.init(address=args.address, logging_level=logging.WARNING)
         else:
-            ray.init(num_cpus=args.num_cpus or max(2, args.engines), include_dashboard=False,
-                     logging_level=logging.WARNING)
+            ray.init(
+                num_cpus=args.num_cpus or max(2, args.engines),
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+            )
     try:
         return run(args)
     finally:

@@ -41,8 +41,11 @@ def request_specs(engine: int, iteration: int) -> list[RequestSpec]:
     specs = []
     for j, text in enumerate(PROMPTS):
         kw: dict[str, Any] = {"max_tokens": ROLLOUT_TOKENS[j], "ignore_eos": True}
-        kw.update({"temperature": 1.0, "top_p": 0.95, "seed": 1000 * iteration + 100 * engine + j}
-                  if j % 2 == 0 else {"temperature": 0.0})
+        kw.update(
+            {"temperature": 1.0, "top_p": 0.95, "seed": 1000 * iteration + 100 * engine + j}
+            if j % 2 == 0
+            else {"temperature": 0.0}
+        )
         specs.append((f"it{iteration}-r{j}", encode(f"{text} ({engine}.{iteration})"), kw))
     return specs
 
@@ -87,10 +90,15 @@ class Trainer:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def join_group(self, address: str, rank: int, world_size: int) -> None:
-        torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
+        torch.distributed.init_process_group(
+            "gloo", init_method=address, rank=rank, world_size=world_size
+        )
 
     def weight_meta(self) -> list[tuple[str, list[int], str]]:
-        return [(k, list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self.model.state_dict().items()]
+        return [
+            (k, list(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in self.model.state_dict().items()
+        ]
 
     def broadcast(self) -> None:
         for t in self.model.state_dict().values():
@@ -118,8 +126,11 @@ class EngineWorker:
             params = SamplingParams(**kw, output_kind=RequestOutputKind.DELTA)
             self.tokens[req_id] = []
             self.tasks[req_id] = asyncio.create_task(self._stream(req_id, prompt, params))
-        self.pausing = (asyncio.create_task(self._pause_after_tokens(pause_after))
-                        if pause_after is not None else None)
+        self.pausing = (
+            asyncio.create_task(self._pause_after_tokens(pause_after))
+            if pause_after is not None
+            else None
+        )
 
     async def _stream(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
         try:
@@ -131,6 +142,7 @@ class EngineWorker:
 
     async def wait_tokens(self, k: int = TOKENS_BEFORE_UPDATE) -> dict[str, list[int]]:
         """Each running rollout's first k tokens, once it has them (they keep generating)."""
+
         async def ready() -> None:  # checked at every delivery, not on a timer
             while any(len(self.tokens[r]) < k and not t.done() for r, t in self.tasks.items()):
                 self.progress.clear()
@@ -164,7 +176,9 @@ class EngineWorker:
         return await self.llm.update_weights(weights)
 
     async def join_group(self, address: str, rank: int, world_size: int) -> None:
-        torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
+        torch.distributed.init_process_group(
+            "gloo", init_method=address, rank=rank, world_size=world_size
+        )
 
     async def receive_weights(self, meta: list[tuple[str, list[int], str]]) -> str:
         """The trainer's broadcast, tensor by tensor in its order, then update_weights."""

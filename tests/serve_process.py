@@ -16,11 +16,30 @@ _SERVING = re.compile(r"serving on (http://[0-9.]+:[0-9]+)")
 
 
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout_s: float = 120.0, env: dict[str, str] | None = None,
-                 port: int = 0) -> None:
-        cmd = [sys.executable, "-m", "tokentape.entrypoints.serve", "--host", "127.0.0.1", "--port", str(port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=None if env is None else {**os.environ, **env})
+    def __init__(
+        self,
+        *args: str,
+        startup_timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+        port: int = 0,
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokentape.entrypoints.serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
+        )
         self.lines: list[str] = []
         self._url = threading.Event()
         self.url = ""
@@ -64,9 +83,14 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             text = httpx.get(f"{self.url}/metrics").text
-            busy = [line for line in text.splitlines()
-                    if line.startswith(("tokentape:num_requests_running", "tokentape:num_requests_waiting"))
-                    and not line.endswith(" 0.0")]
+            busy = [
+                line
+                for line in text.splitlines()
+                if line.startswith(
+                    ("tokentape:num_requests_running", "tokentape:num_requests_waiting")
+                )
+                and not line.endswith(" 0.0")
+            ]
             if not busy:
                 return
             if time.monotonic() > deadline:
@@ -82,7 +106,9 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise RuntimeError(f"the server did not stop within {timeout_s} s:\n{self.stderr}") from None
+            raise RuntimeError(
+                f"the server did not stop within {timeout_s} s:\n{self.stderr}"
+            ) from None
         self._reader.join(10)  # every line it wrote is read
         return code
 

@@ -14,8 +14,15 @@ PROMPT = list(range(10, 30))
 
 
 def _llm(policy: str, depth: int, path: Path | None, k: int = 0) -> LLM:
-    return LLM(model="oracle-random", tape=path, pipeline_depth=depth, num_speculative_tokens=k,
-               discard_policy=policy, block_size=4, num_kv_blocks=64)
+    return LLM(
+        model="oracle-random",
+        tape=path,
+        pipeline_depth=depth,
+        num_speculative_tokens=k,
+        discard_policy=policy,
+        block_size=4,
+        num_kv_blocks=64,
+    )
 
 
 def _drive(llm: LLM, delivered: dict[str, list[int]]) -> None:
@@ -71,11 +78,22 @@ def double_reset(policy: str, path: Path | None = None):  # type: ignore[no-unty
 
 def busy(path: Path | None = None, seed: int = 0):  # type: ignore[no-untyped-def]
     """Chunked prefill, KV-pressure preemptions, speculative decoding, an abort."""
-    llm = LLM(model="oracle", tape=path, max_num_seqs=4, num_kv_blocks=16, block_size=4,
-              max_num_batched_tokens=32, num_speculative_tokens=2, seed=seed)
+    llm = LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=4,
+        num_kv_blocks=16,
+        block_size=4,
+        max_num_batched_tokens=32,
+        num_speculative_tokens=2,
+        seed=seed,
+    )
     for i in range(8):
-        llm.engine.add_request(f"q{i}", list(range(3, 3 + 5 + 4 * (i % 3))),
-                               SamplingParams(max_tokens=20, ignore_eos=True))
+        llm.engine.add_request(
+            f"q{i}",
+            list(range(3, 3 + 5 + 4 * (i % 3))),
+            SamplingParams(max_tokens=20, ignore_eos=True),
+        )
     delivered: dict[str, list[int]] = {}
     for _ in range(6):
         _drive(llm, delivered)

@@ -42,10 +42,17 @@ def test_output_kinds_give_the_oracle_stream(tmp_path: Any, multiprocess: bool) 
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(9)]
 
     async def main() -> list[list[Any]]:
-        return await asyncio.gather(*(
-            collect(engine, prompts[i], SamplingParams(max_tokens=12 + i, output_kind=RequestOutputKind(i % 3)), f"r{i}")
-            for i in range(len(prompts))
-        ))
+        return await asyncio.gather(
+            *(
+                collect(
+                    engine,
+                    prompts[i],
+                    SamplingParams(max_tokens=12 + i, output_kind=RequestOutputKind(i % 3)),
+                    f"r{i}",
+                )
+                for i in range(len(prompts))
+            )
+        )
 
     try:
         results = run(main())
@@ -61,25 +68,34 @@ def test_output_kinds_give_the_oracle_stream(tmp_path: Any, multiprocess: bool) 
             assert [t for o in outs for t in o.outputs[0].token_ids] == expected
         elif kind == RequestOutputKind.CUMULATIVE:
             streams = [o.outputs[0].token_ids for o in outs]
-            assert streams[-1] == expected and all(expected[:len(s)] == s for s in streams)
+            assert streams[-1] == expected and all(expected[: len(s)] == s for s in streams)
             assert [len(s) for s in streams] == sorted({len(s) for s in streams})  # grows each time
         else:
             assert len(outs) == 1 and outs[0].outputs[0].token_ids == expected
-        assert outs[-1].outputs[0].text == engine.tokenizer.decode(outs[-1].outputs[0].token_ids) or kind == 1
+        assert (
+            outs[-1].outputs[0].text == engine.tokenizer.decode(outs[-1].outputs[0].token_ids)
+            or kind == 1
+        )
     assert verify(tape).ok
 
 
 @pytest.mark.parametrize("multiprocess", [True, False], ids=["process", "inproc"])
-def test_stream_interval_groups_tokens_and_a_pause_flushes_them(tmp_path: Any, multiprocess: bool) -> None:
+def test_stream_interval_groups_tokens_and_a_pause_flushes_them(
+    tmp_path: Any, multiprocess: bool
+) -> None:
     """vLLM's stream_interval: the first tokens at once, then outputs of at least N tokens
     (the last may have fewer), the same stream; a pause hands out what has gathered."""
     tape = str(tmp_path / "run.tape")
-    engine = AsyncLLM("oracle", tape=tape, multiprocess_mode=multiprocess, stream_interval=4, **ORACLE)
+    engine = AsyncLLM(
+        "oracle", tape=tape, multiprocess_mode=multiprocess, stream_interval=4, **ORACLE
+    )
     prompts = [[5 + i, 6, 7] for i in range(6)]
     params = SamplingParams(max_tokens=23, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     async def main() -> list[list[Any]]:
-        return await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts))
+        )
 
     try:
         results = run(main())
@@ -88,7 +104,9 @@ def test_stream_interval_groups_tokens_and_a_pause_flushes_them(tmp_path: Any, m
     oracle = OracleRunner()
     for prompt, outs in zip(prompts, results):
         sizes = [len(o.outputs[0].token_ids) for o in outs]
-        assert [t for o in outs for t in o.outputs[0].token_ids] == oracle.expected_stream(prompt, params)
+        assert [t for o in outs for t in o.outputs[0].token_ids] == oracle.expected_stream(
+            prompt, params
+        )
         assert all(n >= 4 for n in sizes[1:-1]) and outs[-1].finished and len(outs) < 23, sizes
     assert verify(tape).ok
     with pytest.raises(ValueError, match="stream_interval"):
@@ -96,8 +114,12 @@ def test_stream_interval_groups_tokens_and_a_pause_flushes_them(tmp_path: Any, m
 
     # An interval no stream reaches: after its first output, only the pause hands tokens out.
     tape = str(tmp_path / "paused.tape")
-    engine = AsyncLLM("oracle", tape=tape, multiprocess_mode=multiprocess, stream_interval=10**9, **ORACLE)
-    endless = SamplingParams(max_tokens=1_000_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine = AsyncLLM(
+        "oracle", tape=tape, multiprocess_mode=multiprocess, stream_interval=10**9, **ORACLE
+    )
+    endless = SamplingParams(
+        max_tokens=1_000_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
 
     async def paused() -> list[int]:
         seen: list[int] = []
@@ -135,10 +157,17 @@ def test_text_and_dict_prompts() -> None:
     engine = AsyncLLM("oracle", tape=False, multiprocess_mode=False, **ORACLE)
     params = SamplingParams(max_tokens=5)
     outs = run(collect(engine, {"prompt": "Hello"}, params, "a"))
-    by_ids = run(collect(engine, {"prompt_token_ids": engine.tokenizer.encode("Hello")}, params, "b"))
+    by_ids = run(
+        collect(engine, {"prompt_token_ids": engine.tokenizer.encode("Hello")}, params, "b")
+    )
     engine.shutdown()
-    assert outs[-1].prompt == "Hello" and outs[-1].prompt_token_ids == engine.tokenizer.encode("Hello")
-    assert by_ids[-1].prompt is None and by_ids[-1].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+    assert outs[-1].prompt == "Hello" and outs[-1].prompt_token_ids == engine.tokenizer.encode(
+        "Hello"
+    )
+    assert (
+        by_ids[-1].prompt is None
+        and by_ids[-1].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+    )
 
 
 def test_cancelling_the_consumer_aborts_the_request_on_the_tape(tmp_path: Any) -> None:
@@ -263,9 +292,20 @@ def seed_params(i: int) -> SamplingParams:
     # Seeded and greedy mixed: a seeded draw is keyed by (seed, position), so a plain run
     # continuing from the same prefix draws the same tokens.
     if i % 2:
-        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=100 + i, ignore_eos=True,
-                          output_kind=RequestOutputKind.DELTA)
+        return SamplingParams(
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    return SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        top_p=0.95,
+        seed=100 + i,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +315,9 @@ def new_weights() -> dict[str, Any]:
     return builtin_model("tiny", seed=1)[1].state_dict()
 
 
-def seed_flow(depth: int, policy: str, tape: str, weights: dict[str, Any]) -> tuple[list[list[int]], list[int]]:
+def seed_flow(
+    depth: int, policy: str, tape: str, weights: dict[str, Any]
+) -> tuple[list[list[int]], list[int]]:
     """The RL round through AsyncLLM; each stream's tokens, and how many came before the pause."""
     engine = AsyncLLM("tiny", tape=tape, pipeline_depth=depth, discard_policy=policy, device="cpu")
 
@@ -305,7 +347,9 @@ def seed_flow(depth: int, policy: str, tape: str, weights: dict[str, Any]) -> tu
         engine.shutdown()
 
 
-def plain_runs(weights: dict[str, Any], streams: list[list[int]], before: list[int]) -> list[list[int]]:
+def plain_runs(
+    weights: dict[str, Any], streams: list[list[int]], before: list[int]
+) -> list[list[int]]:
     """What a plain run gives: the old weights up to the pause, then the new weights
     continuing from the same prefix (a fresh engine, nothing in flight, no pause)."""
     old = LLM("tiny", tape=None, pipeline_depth=1, device="cpu")
@@ -317,9 +361,14 @@ def plain_runs(weights: dict[str, Any], streams: list[list[int]], before: list[i
     for i, text in enumerate(PROMPTS):
         p = seed_params(i)
         prompt = old.tokenizer.encode(text)
-        prefix = old.generate([prompt], p)[0].outputs[0].token_ids[:before[i]]
-        rest = SamplingParams(max_tokens=MAX_TOKENS - len(prefix), temperature=p.temperature, top_p=p.top_p,
-                              seed=p.seed, ignore_eos=True)
+        prefix = old.generate([prompt], p)[0].outputs[0].token_ids[: before[i]]
+        rest = SamplingParams(
+            max_tokens=MAX_TOKENS - len(prefix),
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            ignore_eos=True,
+        )
         expected.append(prefix + new.generate([prompt + prefix], rest)[0].outputs[0].token_ids)
     old.close()
     new.close()
@@ -327,7 +376,9 @@ def plain_runs(weights: dict[str, Any], streams: list[list[int]], before: list[i
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_seed_flow_through_async_llm_loses_no_token(tmp_path: Any, depth: int, new_weights: dict[str, Any]) -> None:
+def test_seed_flow_through_async_llm_loses_no_token(
+    tmp_path: Any, depth: int, new_weights: dict[str, Any]
+) -> None:
     tape = str(tmp_path / "run.tape")
     streams, before = seed_flow(depth, "epoch", tape, new_weights)
     assert all(0 < b < MAX_TOKENS for b in before)
@@ -337,10 +388,14 @@ def test_seed_flow_through_async_llm_loses_no_token(tmp_path: Any, depth: int, n
     assert postmortem(tape).ok
 
 
-def test_seed_flow_under_the_flag_policy_is_named_42043(tmp_path: Any, new_weights: dict[str, Any]) -> None:
+def test_seed_flow_under_the_flag_policy_is_named_42043(
+    tmp_path: Any, new_weights: dict[str, Any]
+) -> None:
     tape = str(tmp_path / "flag.tape")
     streams, before = seed_flow(2, "flag", tape, new_weights)
-    assert streams != plain_runs(new_weights, streams, before)  # the first token after resume is lost
+    assert streams != plain_runs(
+        new_weights, streams, before
+    )  # the first token after resume is lost
     report = postmortem(tape)
     assert "vllm#42043" in {f.bug_class for f in report.findings}
 
@@ -371,7 +426,9 @@ def frontend_run(tmp_path: Any, how: str) -> str:
     from tokentape.events.sqlite_reader import tape_file_status
 
     tape = str(tmp_path / f"{how}.tape")
-    proc = subprocess.run([sys.executable, "-c", _FRONTEND, tape, how], capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRONTEND, tape, how], capture_output=True, timeout=120
+    )
     assert proc.returncode == (-9 if how == "killed" else 0), proc.stderr
     deadline = time.monotonic() + 60
     while not tape_file_status(tape).finished:  # the core closes the tape on its own
@@ -383,11 +440,16 @@ def frontend_run(tmp_path: Any, how: str) -> str:
 def test_a_killed_frontend_is_on_the_tape(tmp_path: Any) -> None:
     tape = frontend_run(tmp_path, "killed")
     errors = events_of(tape, ev.EngineError)
-    assert [e.error_type for e in errors] == ["FrontendDied"] and "1 request(s) unfinished" in errors[0].message
+    assert [e.error_type for e in errors] == [
+        "FrontendDied"
+    ] and "1 request(s) unfinished" in errors[0].message
     assert events_of(tape, ev.RequestAborted) == []  # the request as it stood
     assert verify(tape).ok
     (finding,) = postmortem(tape).findings
-    assert finding.kind == "engine_error" and "FrontendDied: the frontend (AsyncLLM) went away" in finding.message
+    assert (
+        finding.kind == "engine_error"
+        and "FrontendDied: the frontend (AsyncLLM) went away" in finding.message
+    )
 
 
 def test_a_frontend_dropped_without_shutdown_lets_its_core_go(tmp_path: Any) -> None:

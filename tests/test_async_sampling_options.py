@@ -29,21 +29,48 @@ def completions(outs: list[Any], kind: Kind) -> list[tuple[Any, ...]]:
             tokens.setdefault(c.index, []).extend(c.token_ids)
     if kind == Kind.DELTA:
         return [(i, tokens[i], last[i].finish_reason, last[i].stop_reason) for i in sorted(last)]
-    return [(i, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, c.logprobs, c.top_logprobs)
-            for i, c in sorted(last.items())]
+    return [
+        (i, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, c.logprobs, c.top_logprobs)
+        for i, c in sorted(last.items())
+    ]
 
 
 @pytest.mark.parametrize("multiprocess", [False, True])
 @pytest.mark.parametrize("kind", list(Kind))
-def test_n_above_one_stop_strings_and_top_logprobs_equal_llm(kind: Kind, multiprocess: bool) -> None:
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3, logprobs=2, min_tokens=2,
-                            stop=["\x08", "?"], include_stop_str_in_output=multiprocess, output_kind=kind)
+def test_n_above_one_stop_strings_and_top_logprobs_equal_llm(
+    kind: Kind, multiprocess: bool
+) -> None:
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        logprobs=2,
+        min_tokens=2,
+        stop=["\x08", "?"],
+        include_stop_str_in_output=multiprocess,
+        output_kind=kind,
+    )
     llm = LLM(**ARGS)
     ref = llm.generate([PROMPT], params, use_tqdm=False)[0]
-    expected = [(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, c.logprobs, c.top_logprobs)
-                for c in ref.outputs]
+    expected = [
+        (
+            c.index,
+            c.text,
+            list(c.token_ids),
+            c.finish_reason,
+            c.stop_reason,
+            c.logprobs,
+            c.top_logprobs,
+        )
+        for c in ref.outputs
+    ]
     llm.close()
-    assert {c.stop_reason for c in ref.outputs} == {"\x08", "?", None}  # the seeds were picked for this
+    assert {c.stop_reason for c in ref.outputs} == {
+        "\x08",
+        "?",
+        None,
+    }  # the seeds were picked for this
 
     async def main() -> list[Any]:
         with AsyncLLM(multiprocess_mode=multiprocess, **ARGS) as engine:
@@ -106,4 +133,5 @@ def test_a_refused_n_above_one_records_nothing() -> None:
                 async for _ in engine.generate(PROMPT, SamplingParams(n=2, min_tokens=1), "s"):
                     pass
             assert len(core.engine.tape) == before and engine.num_unfinished_requests == 0
+
     asyncio.run(main())

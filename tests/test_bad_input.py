@@ -96,10 +96,22 @@ BAD_REQUESTS: list[tuple[str, Any, Any, Any]] = [
 ]
 
 BAD_CONFIGS: list[tuple[str, dict[str, Any]]] = [
-    *[(name, {name: True}) for name in (
-        "pipeline_depth", "num_speculative_tokens", "block_size", "num_kv_blocks", "max_num_seqs",
-        "max_num_batched_tokens", "max_model_len", "seed", "prompt_lookup_max",
-        "prompt_lookup_min", "cpu_threads")],
+    *[
+        (name, {name: True})
+        for name in (
+            "pipeline_depth",
+            "num_speculative_tokens",
+            "block_size",
+            "num_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "seed",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "cpu_threads",
+        )
+    ],
     ("seed", dict(seed=False)),
     ("seed", dict(seed=2**63)),
     ("seed", dict(seed=-(2**63) - 1)),
@@ -118,7 +130,9 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize(("field", "kwargs"), BAD_PARAMS)
-def test_bad_sampling_params_are_refused_naming_the_field(field: str, kwargs: dict[str, Any]) -> None:
+def test_bad_sampling_params_are_refused_naming_the_field(
+    field: str, kwargs: dict[str, Any]
+) -> None:
     with pytest.raises((TypeError, ValueError)) as info:
         SamplingParams(**kwargs)
     assert str(info.value).startswith(f"{field} must be")
@@ -141,8 +155,12 @@ def test_numbers_are_normalised_so_params_equal_their_copy_from_the_tape() -> No
 # -- whatever SamplingParams and EngineConfig accept, the tape can hold and read back ---------
 
 ANY_VALUE = st.one_of(
-    st.booleans(), st.none(), st.integers(-(2**70), 2**70), st.integers(-3, 300),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=3),
+    st.booleans(),
+    st.none(),
+    st.integers(-(2**70), 2**70),
+    st.integers(-3, 300),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
     st.lists(st.one_of(st.booleans(), st.integers(-(2**66), 2**66), st.floats()), max_size=3),
 )
 
@@ -158,10 +176,22 @@ def test_accepted_sampling_params_round_trip_through_the_tape(kwargs: dict[str, 
     assert ev.decode(ev.encode(event)) == event
 
 
-INT_CONFIG_FIELDS = ["pipeline_depth", "num_speculative_tokens", "block_size", "num_kv_blocks",
-                     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
-                     "prompt_lookup_max", "prompt_lookup_min", "cpu_threads",
-                     "async_scheduling", "enable_prefix_caching", "batch_invariant"]
+INT_CONFIG_FIELDS = [
+    "pipeline_depth",
+    "num_speculative_tokens",
+    "block_size",
+    "num_kv_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "seed",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "cpu_threads",
+    "async_scheduling",
+    "enable_prefix_caching",
+    "batch_invariant",
+]
 
 
 @settings(max_examples=300, deadline=None)
@@ -171,16 +201,24 @@ def test_accepted_engine_configs_round_trip_through_the_tape_header(kwargs: dict
         config = EngineConfig(model="oracle", **kwargs)
     except (TypeError, ValueError):
         return
-    header = ev.TapeHeader(ev.FORMAT_VERSION, msgspec.to_builtins(config), config.discard_policy,
-                           "oracle", config.seed, "0")
+    header = ev.TapeHeader(
+        ev.FORMAT_VERSION,
+        msgspec.to_builtins(config),
+        config.discard_policy,
+        "oracle",
+        config.seed,
+        "0",
+    )
     decoded = ev.decode_header(ev.encode_header(header))
     assert decoded == header and EngineConfig(**decoded.config) == config
 
 
 # -- in a running engine: nothing recorded, nothing lost, the engine keeps serving --------------
 
-GOOD = {f"r{i}": ([3 + i, 9, 10 + i, 4] * (1 + i), SamplingParams(max_tokens=12 + 3 * i, seed=i))
-        for i in range(5)}
+GOOD = {
+    f"r{i}": ([3 + i, 9, 10 + i, 4] * (1 + i), SamplingParams(max_tokens=12 + 3 * i, seed=i))
+    for i in range(5)
+}
 
 
 def run(llm: LLM, bad_inputs: Callable[[LLM], None] | None) -> dict[str, list[int]]:
@@ -213,16 +251,20 @@ def try_every_bad_input(llm: LLM) -> None:
 
     before = num_events()
     for i, (field, kwargs) in enumerate(BAD_PARAMS):
-        with pytest.raises((TypeError, ValueError), match=f"^{field.replace('[', '.').replace(']', '.')} must be"):
+        with pytest.raises(
+            (TypeError, ValueError), match=f"^{field.replace('[', '.').replace(']', '.')} must be"
+        ):
             engine.add_request(f"bad{i}", [5, 6], SamplingParams(**kwargs))
     for text, req_id, prompt, params in BAD_REQUESTS:
         with pytest.raises((TypeError, ValueError)) as info:
             engine.add_request(req_id, prompt, params)
         assert text in str(info.value)
     # Engine commands whose flags go on the tape as booleans.
-    for command, name in ((lambda: engine.reset_prefix_cache(reset_running_requests=1), "reset_running_requests"),
-                          (lambda: engine.pause_generation("keep", clear_cache=1), "clear_cache"),
-                          (lambda: engine.pause_generation("nap"), "mode")):
+    for command, name in (
+        (lambda: engine.reset_prefix_cache(reset_running_requests=1), "reset_running_requests"),
+        (lambda: engine.pause_generation("keep", clear_cache=1), "clear_cache"),
+        (lambda: engine.pause_generation("nap"), "mode"),
+    ):
         with pytest.raises((TypeError, ValueError), match=name):
             command()
     # LLM.generate checks every prompt before adding any: the good ones first are not added.
@@ -242,8 +284,14 @@ def tape_events(path: Path) -> list[ev.Event]:
 
 @pytest.mark.parametrize(("depth", "k"), [(1, 0), (2, 0), (3, 2)])
 def test_bad_input_in_flight_changes_nothing(tmp_path: Path, depth: int, k: int) -> None:
-    kwargs: dict[str, Any] = dict(model="oracle", pipeline_depth=depth, num_speculative_tokens=k,
-                                  block_size=4, num_kv_blocks=40, max_num_batched_tokens=16)
+    kwargs: dict[str, Any] = dict(
+        model="oracle",
+        pipeline_depth=depth,
+        num_speculative_tokens=k,
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=16,
+    )
     clean_path, path = tmp_path / "clean.tape", tmp_path / "bad.tape"
     with LLM(tape=clean_path, **kwargs) as clean:
         expected = run(clean, None)
@@ -261,7 +309,8 @@ def test_bad_input_in_flight_changes_nothing(tmp_path: Path, depth: int, k: int)
     late = llm.generate([[7, 8, 9], "still serving"], SamplingParams(max_tokens=9))
     for out in late:
         assert out.finished and out.outputs[0].token_ids == runner.expected_stream(  # type: ignore[attr-defined]
-            out.prompt_token_ids, SamplingParams(max_tokens=9))
+            out.prompt_token_ids, SamplingParams(max_tokens=9)
+        )
     llm.close()
     assert verify(str(path)).ok
 
@@ -279,15 +328,21 @@ def test_generate_leaves_no_half_added_batch_and_keeps_its_request_ids() -> None
 # -- the tape file and the CLI ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("make", "error", "reason"), [
-    (lambda d: d / "no" / "such" / "dir" / "x.tape", FileNotFoundError, "does not exist"),
-    (lambda d: d / "file" / "x.tape", NotADirectoryError, "is not a directory"),
-    (lambda d: d, IsADirectoryError, "is a directory"),
-    (lambda d: d / "file", FileExistsError, "already exists"),
-])
+@pytest.mark.parametrize(
+    ("make", "error", "reason"),
+    [
+        (lambda d: d / "no" / "such" / "dir" / "x.tape", FileNotFoundError, "does not exist"),
+        (lambda d: d / "file" / "x.tape", NotADirectoryError, "is not a directory"),
+        (lambda d: d, IsADirectoryError, "is a directory"),
+        (lambda d: d / "file", FileExistsError, "already exists"),
+    ],
+)
 def test_a_tape_path_that_cannot_be_created_is_named_before_the_model_is_built(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: Callable[[Path], Path],
-    error: type[Exception], reason: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make: Callable[[Path], Path],
+    error: type[Exception],
+    reason: str,
 ) -> None:
     (tmp_path / "file").write_text("not a tape")
 
@@ -329,7 +384,9 @@ def test_a_refused_engine_leaves_no_tape(tmp_path: Path) -> None:
 
 def test_a_kv_cache_larger_than_memory_is_refused_with_its_size(tmp_path: Path) -> None:
     path = tmp_path / "x.tape"
-    with pytest.raises(ValueError, match=r"num_kv_blocks=10000000000 .* GiB of KV cache, more than"):
+    with pytest.raises(
+        ValueError, match=r"num_kv_blocks=10000000000 .* GiB of KV cache, more than"
+    ):
         LLM(model="tiny", tape=path, num_kv_blocks=10**10)
     assert not os.listdir(tmp_path)
 
@@ -349,16 +406,22 @@ def test_an_engine_that_fails_to_build_closes_and_removes_its_new_tape(
         assert llm.generate([[5, 6]])[0].finished
 
 
-@pytest.mark.parametrize("args", [
-    ["--seed", "1180591620717411303424"],
-    ["--seed", str(2**63)],
-    ["--max-tokens", str(2**64)],
-    ["--temperature", "nan"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--seed", "1180591620717411303424"],
+        ["--seed", str(2**63)],
+        ["--max-tokens", str(2**64)],
+        ["--temperature", "nan"],
+    ],
+)
 @pytest.mark.parametrize("explicit_tape", [True, False])
 def test_cli_generate_refuses_out_of_range_numbers_with_one_error_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-    args: list[str], explicit_tape: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    explicit_tape: bool,
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the default tape path is in the current directory
     tape = ["--tape", str(tmp_path / "run.tape")] if explicit_tape else []

@@ -38,8 +38,10 @@ def _copy(tape, n=None, change=None, sqlite_path=None):
 def _edited(event):
     if type(event) is ev.FrameProduced and event.entries:
         first = event.entries[0]
-        entries = [msgspec.structs.replace(first, token_ids=[t + 1 for t in first.token_ids]),
-                   *event.entries[1:]]
+        entries = [
+            msgspec.structs.replace(first, token_ids=[t + 1 for t in first.token_ids]),
+            *event.entries[1:],
+        ]
         return ev.FrameProduced(event.step, entries)
     return ev.EngineError(event.step, "Edited", "an event replaced by the test")
 
@@ -57,10 +59,18 @@ def _check(a, b):
 
 @pytest.fixture(scope="module")
 def storms():
-    specs = [StormSpec(seed=s, pipeline_depth=d, num_speculative_tokens=k, discard_policy=p,
-                       num_commands=150)
-             for s, d, k, p in [(1, 2, 0, "epoch"), (1, 2, 0, "flag"), (1, 3, 0, "epoch"),
-                                (2, 2, 1, "counter"), (2, 2, 1, "epoch")]]
+    specs = [
+        StormSpec(
+            seed=s, pipeline_depth=d, num_speculative_tokens=k, discard_policy=p, num_commands=150
+        )
+        for s, d, k, p in [
+            (1, 2, 0, "epoch"),
+            (1, 2, 0, "flag"),
+            (1, 3, 0, "epoch"),
+            (2, 2, 1, "counter"),
+            (2, 2, 1, "epoch"),
+        ]
+    ]
     return [run_storm(spec).tape for spec in specs]
 
 

@@ -17,8 +17,23 @@ SHORT = 300  # storm commands per seed: the CI size
 def test_historical_policies_have_findings_and_keep_their_tapes(tmp_path, capsys):
     for policy in ("flag", "counter"):
         out = tmp_path / policy
-        assert main(["chaos", "--seeds", "6", "--out", str(out), "--discard-policy", policy,
-                     "--num-commands", str(SHORT), "--json"]) == 1
+        assert (
+            main(
+                [
+                    "chaos",
+                    "--seeds",
+                    "6",
+                    "--out",
+                    str(out),
+                    "--discard-policy",
+                    policy,
+                    "--num-commands",
+                    str(SHORT),
+                    "--json",
+                ]
+            )
+            == 1
+        )
         record = json.loads(capsys.readouterr().out)
         assert record["runs_with_findings"] > 0 and record["broken_streams"] > 0
         assert any(c.startswith("vllm#") for c in record["bug_classes"])
@@ -39,8 +54,10 @@ def test_epoch_has_no_finding(tmp_path, capsys):
 
 
 def test_seeds_perturb_the_engine_and_replay_alike(tmp_path):
-    shapes = {(s.pipeline_depth, s.num_speculative_tokens, s.num_kv_blocks)
-              for s in (chaos_spec(seed, ChaosOptions()) for seed in range(40))}
+    shapes = {
+        (s.pipeline_depth, s.num_speculative_tokens, s.num_kv_blocks)
+        for s in (chaos_spec(seed, ChaosOptions()) for seed in range(40))
+    }
     assert len(shapes) > 10  # depth, speculative k and KV pressure all vary
     options = ChaosOptions("flag", num_commands=SHORT)
     one = run_campaign(range(4), options, str(tmp_path / "one"))
@@ -53,7 +70,10 @@ def test_bad_arguments(tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     (tmp_path / "file").write_text("")
-    for argv in (["--out", str(tmp_path / "full")], ["--out", str(tmp_path / "file")],
-                 ["--out", str(tmp_path / "new"), "--discard-policy", "nope"]):
+    for argv in (
+        ["--out", str(tmp_path / "full")],
+        ["--out", str(tmp_path / "file")],
+        ["--out", str(tmp_path / "new"), "--discard-policy", "nope"],
+    ):
         assert main(["chaos", "--seeds", "1", *argv]) == 2
         assert "error" in capsys.readouterr().err

@@ -12,7 +12,15 @@ from dataclasses import replace
 
 import pytest
 
-from tokentape.chaos import COMMANDS, StormError, StormResult, StormSpec, run_storm, storm_commands, storm_grid
+from tokentape.chaos import (
+    COMMANDS,
+    StormError,
+    StormResult,
+    StormSpec,
+    run_storm,
+    storm_commands,
+    storm_grid,
+)
 from tokentape.events import schema as ev
 from tokentape.events.discard import DISCARD_POLICIES
 from tokentape.postmortem import postmortem
@@ -35,7 +43,11 @@ def unexplained(result: StormResult) -> list[str]:
     return [r for r in result.oracle_violations() if not classes[r] - {None}]
 
 
-@pytest.mark.parametrize("spec", GRID, ids=lambda s: f"{s.discard_policy}-d{s.pipeline_depth}-k{s.num_speculative_tokens}")
+@pytest.mark.parametrize(
+    "spec",
+    GRID,
+    ids=lambda s: f"{s.discard_policy}-d{s.pipeline_depth}-k{s.num_speculative_tokens}",
+)
 def test_storm_against_the_oracle(spec: StormSpec) -> None:
     result = run_storm(spec)
     assert result.num_preemptions and result.num_resets  # the storm did disturb the engine
@@ -75,7 +87,9 @@ def test_a_storm_issues_every_kind_of_disturbance() -> None:
     events = [e for _, e in load_tape(result.tape).events()]
     reasons = collections.Counter(e.reason for e in events if isinstance(e, ev.RequestPreempted))
     assert reasons["kv_pressure"] and reasons["reset_prefix_cache"]
-    resets = collections.Counter((e.reset_running_requests, e.ok) for e in events if isinstance(e, ev.PrefixCacheReset))
+    resets = collections.Counter(
+        (e.reset_running_requests, e.ok) for e in events if isinstance(e, ev.PrefixCacheReset)
+    )
     assert resets[(True, True)] and resets[(False, True)] and resets[(False, False)]
     pauses = {(e.mode, e.clear_cache) for e in events if isinstance(e, ev.GenerationPaused)}
     assert pauses == {(m, c) for m in ("keep", "wait", "abort") for c in (False, True)}
@@ -91,12 +105,16 @@ def test_a_storm_is_a_pure_function_of_its_spec_and_commands(tmp_path) -> None: 
     assert [e for _, e in load_tape(a.tape).events()] == [e for _, e in load_tape(b.tape).events()]
     c = run_storm(spec, tape=tmp_path / "storm.tape")  # an SQLite tape, kept
     assert c.tape_path == str(tmp_path / "storm.tape") and verify(c.tape_path).ok
-    assert [e for _, e in load_tape(c.tape_path).events()] == [e for _, e in load_tape(a.tape).events()]
+    assert [e for _, e in load_tape(c.tape_path).events()] == [
+        e for _, e in load_tape(a.tape).events()
+    ]
     assert run_storm(replace(spec, seed=6)).received != a.received
 
 
 def test_explicit_commands_and_bad_specs() -> None:
-    result = run_storm(StormSpec(seed=1), ["step", "pause_keep_clear", "add", "step", "resume", "reset_running"])
+    result = run_storm(
+        StormSpec(seed=1), ["step", "pause_keep_clear", "add", "step", "resume", "reset_running"]
+    )
     assert result.oracle_violations() == {}
     assert set(result.received) == {"s0", "s1", "s2", "s3"}
     with pytest.raises(StormError, match="unknown storm command 'jump'"):
@@ -111,5 +129,6 @@ def test_the_grid_covers_every_combination() -> None:
     specs = list(storm_grid(seeds=[0, 1]))
     assert len(specs) == 4 * 4 * len(DISCARD_POLICIES) * 2
     assert {(s.discard_policy, s.pipeline_depth, s.num_speculative_tokens) for s in specs} == {
-        (p, d, k) for p in DISCARD_POLICIES for d in range(1, 5) for k in range(4)}
+        (p, d, k) for p in DISCARD_POLICIES for d in range(1, 5) for k in range(4)
+    }
     assert "vllm#42043-one-frame" in BUG_CLASSES

@@ -49,10 +49,18 @@ def expected_tokens(prompts: list[str], max_tokens: int, **engine_args: object) 
 def busy_tape(tmp_path: Path) -> Path:
     """A recorded run with chunked prefill, KV-pressure preemptions and spec decoding."""
     path = tmp_path / "busy.tape"
-    llm = LLM(model="oracle", tape=path, max_num_seqs=4, num_kv_blocks=24, block_size=4,
-              max_num_batched_tokens=32, num_speculative_tokens=2)
-    llm.generate([f"prompt number {i} " * (1 + i % 3) for i in range(8)],
-                 SamplingParams(max_tokens=12))
+    llm = LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=4,
+        num_kv_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=32,
+        num_speculative_tokens=2,
+    )
+    llm.generate(
+        [f"prompt number {i} " * (1 + i % 3) for i in range(8)], SamplingParams(max_tokens=12)
+    )
     llm.close()
     return path
 
@@ -82,8 +90,9 @@ def newer_version_copy(src: Path, dst: Path) -> None:
     src_conn.backup(dst_conn)
     src_conn.close()
     dst_conn.execute("DROP TRIGGER meta_no_update")
-    dst_conn.execute("UPDATE meta SET value = ? WHERE key = 'format_version'",
-                     (ev.FORMAT_VERSION + 1,))
+    dst_conn.execute(
+        "UPDATE meta SET value = ? WHERE key = 'format_version'", (ev.FORMAT_VERSION + 1,)
+    )
     dst_conn.commit()
     dst_conn.close()
 
@@ -95,9 +104,22 @@ def newer_version_copy(src: Path, dst: Path) -> None:
     "argv, fragments",
     [
         (["--help"], ["generate", "replay", "inspect"]),
-        (["generate", "--help"], ["--file", "--tape", "--no-tape", "--sync", "--pipeline-depth",
-                                  "--num-speculative-tokens", "--discard-policy", "--json",
-                                  "--num-kv-blocks", "--block-size", "--max-tokens"]),
+        (
+            ["generate", "--help"],
+            [
+                "--file",
+                "--tape",
+                "--no-tape",
+                "--sync",
+                "--pipeline-depth",
+                "--num-speculative-tokens",
+                "--discard-policy",
+                "--json",
+                "--num-kv-blocks",
+                "--block-size",
+                "--max-tokens",
+            ],
+        ),
         (["replay", "verify", "--help"], ["TAPE", "exit status"]),
         (["inspect", "--help"], ["--step", "--request", "--json"]),
     ],
@@ -107,7 +129,6 @@ def test_help(capsys: pytest.CaptureFixture[str], argv: list[str], fragments: li
     assert rc == 0
     for fragment in fragments:
         assert fragment in out
-
 
 
 def test_every_command_and_option_has_a_help_line() -> None:
@@ -134,9 +155,15 @@ def test_every_command_and_option_has_a_help_line() -> None:
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in ([], ["replay"], ["frobnicate"], ["generate", "--max-tokens", "0"],
-                 ["generate", "--sync", "--pipeline-depth", "2"],
-                 ["generate", "--discard-policy", "bogus"], ["inspect"]):
+    for argv in (
+        [],
+        ["replay"],
+        ["frobnicate"],
+        ["generate", "--max-tokens", "0"],
+        ["generate", "--sync", "--pipeline-depth", "2"],
+        ["generate", "--discard-policy", "bogus"],
+        ["inspect"],
+    ):
         rc, _, err = run(capsys, *argv)
         assert rc == 2, argv
         assert "Traceback" not in err
@@ -148,8 +175,18 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_generate_prompts_plain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tape = tmp_path / "run.tape"
-    rc, out, err = run(capsys, "generate", "--model", "oracle", "Hello", "The capital of France is",
-                       "--max-tokens", "5", "--tape", str(tape))
+    rc, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        "oracle",
+        "Hello",
+        "The capital of France is",
+        "--max-tokens",
+        "5",
+        "--tape",
+        str(tape),
+    )
     assert rc == 0
     expected = expected_tokens(["Hello", "The capital of France is"], 5)
     assert "request 0: finish_reason=length num_tokens=5" in out
@@ -163,8 +200,20 @@ def test_generate_prompts_plain(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_generate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tape = tmp_path / "run.tape"
-    rc, out, err = run(capsys, "generate", "--model", "oracle", "one", "two", "three", "--max-tokens", "4", "--json",
-                       "--tape", str(tape))
+    rc, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        "oracle",
+        "one",
+        "two",
+        "three",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--tape",
+        str(tape),
+    )
     assert rc == 0
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["request_id"] for r in records] == ["0", "1", "2"]
@@ -177,19 +226,39 @@ def test_generate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert err.strip() == f"tape: {tape}"
 
 
-def test_generate_from_file_and_stdin(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_from_file_and_stdin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first line\n\n   \nsecond line\r\nthird line")
-    rc, out, _ = run(capsys, "generate", "positional", "--file", str(prompts), "--json",
-                     "--max-tokens", "3", "--tape", str(tmp_path / "a.tape"))
+    rc, out, _ = run(
+        capsys,
+        "generate",
+        "positional",
+        "--file",
+        str(prompts),
+        "--json",
+        "--max-tokens",
+        "3",
+        "--tape",
+        str(tmp_path / "a.tape"),
+    )
     assert rc == 0
     got = [json.loads(line)["prompt"] for line in out.splitlines()]
     assert got == ["positional", "first line", "second line", "third line"]
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin\nand again\n"))
-    rc, out, _ = run(capsys, "generate", "--file", "-", "--json", "--max-tokens", "3",
-                     "--tape", str(tmp_path / "b.tape"))
+    rc, out, _ = run(
+        capsys,
+        "generate",
+        "--file",
+        "-",
+        "--json",
+        "--max-tokens",
+        "3",
+        "--tape",
+        str(tmp_path / "b.tape"),
+    )
     assert rc == 0
     assert [json.loads(line)["prompt"] for line in out.splitlines()] == ["from stdin", "and again"]
 
@@ -224,8 +293,9 @@ def test_generate_default_prompts_and_default_tape_path(
     assert len(list(tmp_path.glob("*.tape"))) == 2
 
 
-def test_generate_no_tape(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_no_tape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     rc, out, err = run(capsys, "generate", "Hi", "--no-tape", "--max-tokens", "3")
     assert rc == 0 and "request 0" in out
@@ -237,10 +307,35 @@ def test_generate_engine_options_reach_the_tape(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tape = tmp_path / "opts.tape"
-    rc, out, _ = run(capsys, "generate", "--model", "oracle", "abc abc abc abc", "xyz", "--max-tokens", "20", "--json",
-                     "--tape", str(tape), "--pipeline-depth", "3", "--num-speculative-tokens", "2",
-                     "--discard-policy", "counter", "--num-kv-blocks", "64", "--block-size", "8",
-                     "--seed", "7", "--temperature", "0.5", "--max-num-seqs", "1")
+    rc, out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        "oracle",
+        "abc abc abc abc",
+        "xyz",
+        "--max-tokens",
+        "20",
+        "--json",
+        "--tape",
+        str(tape),
+        "--pipeline-depth",
+        "3",
+        "--num-speculative-tokens",
+        "2",
+        "--discard-policy",
+        "counter",
+        "--num-kv-blocks",
+        "64",
+        "--block-size",
+        "8",
+        "--seed",
+        "7",
+        "--temperature",
+        "0.5",
+        "--max-num-seqs",
+        "1",
+    )
     assert rc == 0
     header = load_tape(tape).header
     config = load_tape(tape).config
@@ -251,7 +346,8 @@ def test_generate_engine_options_reach_the_tape(
     assert all(e.params.temperature == 0.5 and e.params.max_tokens == 20 for e in added)
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["token_ids"] for r in records] == expected_tokens(
-        ["abc abc abc abc", "xyz"], 20, seed=7, num_speculative_tokens=2)
+        ["abc abc abc abc", "xyz"], 20, seed=7, num_speculative_tokens=2
+    )
 
     sync = tmp_path / "sync.tape"
     rc, _, _ = run(capsys, "generate", "Hi", "--sync", "--tape", str(sync), "--max-tokens", "2")
@@ -268,10 +364,14 @@ def test_generate_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFix
     assert out == ""
     assert tape.read_bytes() == before
     # --force replaces it with the new run (a bad engine argument still fails first).
-    rc, _, err = run(capsys, "generate", "Hi", "--tape", str(tape), "--force", "--pipeline-depth", "9")
+    rc, _, err = run(
+        capsys, "generate", "Hi", "--tape", str(tape), "--force", "--pipeline-depth", "9"
+    )
     assert_one_line_error(rc, err, "pipeline_depth")
     assert tape.read_bytes() == before
-    rc, _, err = run(capsys, "generate", "Hi", "Ho", "--tape", str(tape), "--force", "--max-tokens", "3")
+    rc, _, err = run(
+        capsys, "generate", "Hi", "Ho", "--tape", str(tape), "--force", "--max-tokens", "3"
+    )
     assert rc == 0, err
     assert len(load_tape(tape).fold().requests) == 2 and verify(tape).ok
 
@@ -286,8 +386,17 @@ def test_generate_bad_engine_arguments(tmp_path: Path, capsys: pytest.CaptureFix
     rc, _, err = run(capsys, "generate", "Hi", "--tape", str(tmp_path / "no-dir" / "x.tape"))
     assert_one_line_error(rc, err, "does not exist")
     # a prompt longer than the KV cache holds: refused by the engine, the tape so far is named
-    rc, _, err = run(capsys, "generate", "a much too long prompt", "--num-kv-blocks", "1",
-                     "--block-size", "4", "--tape", str(tape))
+    rc, _, err = run(
+        capsys,
+        "generate",
+        "a much too long prompt",
+        "--num-kv-blocks",
+        "1",
+        "--block-size",
+        "4",
+        "--tape",
+        str(tape),
+    )
     assert_one_line_error(rc, err, "prompt", str(tape))
 
 
@@ -308,8 +417,9 @@ def test_replay_verify_generated_tape(tmp_path: Path, capsys: pytest.CaptureFixt
     assert rc == 0 and out.startswith("ok: ")
 
 
-def test_replay_verify_inconsistent_tape(busy_tape: Path, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_replay_verify_inconsistent_tape(
+    busy_tape: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "tampered.tape"
     altered = tampered_copy(busy_tape, bad)
     assert len(load_tape(bad)) == len(load_tape(busy_tape))
@@ -325,8 +435,9 @@ def test_replay_verify_inconsistent_tape(busy_tape: Path, tmp_path: Path,
     assert "FrameProduced" in out  # the context around the divergence
 
 
-def test_tape_with_a_missing_event(busy_tape: Path, tmp_path: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_tape_with_a_missing_event(
+    busy_tape: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A tape whose events cannot follow each other: fold refuses it, verify diverges."""
     bad = tmp_path / "gap.tape"
     tape = load_tape(busy_tape)
@@ -338,8 +449,11 @@ def test_tape_with_a_missing_event(busy_tape: Path, tmp_path: Path,
             continue
         out.append(event)
     out.close()
-    for argv in (["inspect", str(bad)], ["inspect", str(bad), "--json"],
-                 ["inspect", str(bad), "--step", "5"]):
+    for argv in (
+        ["inspect", str(bad)],
+        ["inspect", str(bad), "--json"],
+        ["inspect", str(bad), "--step", "5"],
+    ):
         rc, stdout, err = run(capsys, *argv)
         assert_one_line_error(rc, err, str(bad), "the tape is inconsistent: event")
         assert " of step 3) cannot be applied to the state before it: " in err
@@ -355,25 +469,60 @@ def test_inspect_plain(busy_tape: Path, capsys: pytest.CaptureFixture[str]) -> N
     rc, out, err = run(capsys, "inspect", str(busy_tape))
     assert rc == 0 and err == ""
     state = load_tape(busy_tape).fold()
-    for fragment in ("format version", "model", "oracle", "discard policy", "epoch",
-                     "speculative tokens", "kv cache", "24 blocks x 4 tokens",
-                     "engine state at the end of the tape", f"steps scheduled      {state.step}",
-                     "prefix cache resets", "in-flight steps", "requests (8)"):
+    for fragment in (
+        "format version",
+        "model",
+        "oracle",
+        "discard policy",
+        "epoch",
+        "speculative tokens",
+        "kv cache",
+        "24 blocks x 4 tokens",
+        "engine state at the end of the tape",
+        f"steps scheduled      {state.step}",
+        "prefix cache resets",
+        "in-flight steps",
+        "requests (8)",
+    ):
         assert fragment in out, fragment
     header_line = next(line for line in out.splitlines() if line.strip().startswith("id "))
-    for column in ("status", "prompt", "output", "computed", "placeholders", "epoch", "discard",
-                   "preemptions", "blocks", "dropped", "finish"):
+    for column in (
+        "status",
+        "prompt",
+        "output",
+        "computed",
+        "placeholders",
+        "epoch",
+        "discard",
+        "preemptions",
+        "blocks",
+        "dropped",
+        "finish",
+    ):
         assert column in header_line
-    rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.strip() and line.split()[0] in state.requests}
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.strip() and line.split()[0] in state.requests
+    }
     assert set(rows) == set(state.requests)
     for req_id, req in state.requests.items():
         cells = rows[req_id]
         assert cells[1] == req.status.value
-        assert cells[2:11] == [str(v) for v in (
-            req.num_prompt_tokens, len(req.output_token_ids), req.num_computed_tokens,
-            req.num_output_placeholders, req.epoch, state.discard_count(req),
-            req.num_preemptions, len(req.block_ids), req.num_frames_dropped)]
+        assert cells[2:11] == [
+            str(v)
+            for v in (
+                req.num_prompt_tokens,
+                len(req.output_token_ids),
+                req.num_computed_tokens,
+                req.num_output_placeholders,
+                req.epoch,
+                state.discard_count(req),
+                req.num_preemptions,
+                len(req.block_ids),
+                req.num_frames_dropped,
+            )
+        ]
         assert cells[11] == req.finish_reason
     assert any(r.num_preemptions for r in state.requests.values())
 
@@ -397,7 +546,8 @@ def test_inspect_json_and_step(busy_tape: Path, capsys: pytest.CaptureFixture[st
     assert at3["step"] == 3 and at3["engine"]["step"] == state.step == 4
     assert at3["engine"]["in_flight_steps"] == [s.step for s in state.in_flight_steps]
     assert {r["id"]: r["output"] for r in at3["requests"]} == {
-        r.req_id: len(r.output_token_ids) for r in state.requests.values()}
+        r.req_id: len(r.output_token_ids) for r in state.requests.values()
+    }
     assert at3 != final
 
     rc, out, _ = run(capsys, "inspect", str(busy_tape), "--step", "3")
@@ -407,8 +557,9 @@ def test_inspect_json_and_step(busy_tape: Path, capsys: pytest.CaptureFixture[st
 def test_inspect_step_past_the_end(busy_tape: Path, capsys: pytest.CaptureFixture[str]) -> None:
     last = load_tape(busy_tape).fold().step - 1
     rc, out, err = run(capsys, "inspect", str(busy_tape), "--step", "100000")
-    assert_one_line_error(rc, err, str(busy_tape),
-                          f"step 100000 is out of range: the tape schedules steps 0..{last}")
+    assert_one_line_error(
+        rc, err, str(busy_tape), f"step 100000 is out of range: the tape schedules steps 0..{last}"
+    )
     assert out == ""
     rc, out, _ = run(capsys, "inspect", str(busy_tape), "--step", str(last))
     assert rc == 0 and f"engine state at step {last}" in out
@@ -433,14 +584,20 @@ def test_inspect_request(busy_tape: Path, capsys: pytest.CaptureFixture[str]) ->
 
     at = load_tape(busy_tape).at(2)
     some = next(iter(at.requests.values()))
-    rc, out, _ = run(capsys, "inspect", str(busy_tape), "--request", some.req_id, "--step", "2",
-                     "--json")
+    rc, out, _ = run(
+        capsys, "inspect", str(busy_tape), "--request", some.req_id, "--step", "2", "--json"
+    )
     detail = json.loads(out)["request"]
     assert detail["output_token_ids"] == some.output_token_ids
-    assert detail["in_flight"] == [{"step": step, "epoch": e.epoch,
-                                    "num_spec_tokens": e.num_spec_tokens,
-                                    "stale": e.epoch != some.epoch}
-                                   for step, e in at.in_flight_entries(some.req_id)]
+    assert detail["in_flight"] == [
+        {
+            "step": step,
+            "epoch": e.epoch,
+            "num_spec_tokens": e.num_spec_tokens,
+            "stale": e.epoch != some.epoch,
+        }
+        for step, e in at.in_flight_entries(some.req_id)
+    ]
 
 
 def test_inspect_generated_output_matches(
@@ -453,8 +610,9 @@ def test_inspect_generated_output_matches(
     assert rc == 0 and json.loads(out)["request"]["output_token_ids"] == tokens
 
 
-def test_inspect_rich_tables_on_a_terminal(busy_tape: Path, capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inspect_rich_tables_on_a_terminal(
+    busy_tape: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr("tokentape.replay.render.is_terminal", lambda stream: True)
     rc, out, _ = run(capsys, "inspect", str(busy_tape))
     assert rc == 0
@@ -524,8 +682,9 @@ BAD_TAPES = {
 
 @pytest.mark.parametrize("kind", sorted(BAD_TAPES))
 @pytest.mark.parametrize("command", [["replay", "verify"], ["inspect"], ["inspect", "--json"]])
-def test_bad_tape_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                    kind: str, command: list[str]) -> None:
+def test_bad_tape_is_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, command: list[str]
+) -> None:
     make, fragment = BAD_TAPES[kind]
     path = make(tmp_path)
     rc, out, err = run(capsys, command[0], *command[1:2], str(path), *command[2:])
@@ -537,8 +696,7 @@ def test_unknown_request(busy_tape: Path, capsys: pytest.CaptureFixture[str]) ->
     rc, out, err = run(capsys, "inspect", str(busy_tape), "--request", "no-such-request")
     assert_one_line_error(rc, err, "no-such-request", str(busy_tape), "8 requests")
     assert out == ""
-    rc, out, err = run(capsys, "inspect", str(busy_tape), "--request", "8", "--step", "0",
-                       "--json")
+    rc, out, err = run(capsys, "inspect", str(busy_tape), "--request", "8", "--step", "0", "--json")
     assert_one_line_error(rc, err, "'8'", "at step 0")
     assert out == ""
 
@@ -548,21 +706,48 @@ def test_unknown_request(busy_tape: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_subprocess_module(tmp_path: Path) -> None:
     tape = tmp_path / "proc.tape"
-    gen = subprocess.run([sys.executable, "-m", "tokentape.cli", "generate", "Hi", "--model", "oracle", "--json",
-                          "--max-tokens", "3", "--tape", str(tape)],
-                         capture_output=True, text=True, timeout=120, check=False)
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokentape.cli",
+            "generate",
+            "Hi",
+            "--model",
+            "oracle",
+            "--json",
+            "--max-tokens",
+            "3",
+            "--tape",
+            str(tape),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert gen.returncode == 0, gen.stderr
     assert json.loads(gen.stdout)["token_ids"] == expected_tokens(["Hi"], 3)[0]
     assert gen.stderr.strip() == f"tape: {tape}"
 
-    ok = subprocess.run([sys.executable, "-m", "tokentape.cli", "replay", "verify", str(tape)],
-                        capture_output=True, text=True, timeout=120, check=False)
+    ok = subprocess.run(
+        [sys.executable, "-m", "tokentape.cli", "replay", "verify", str(tape)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout == f"ok: {len(load_tape(tape))} events reproduced\n"
 
     bogus = _not_a_tape(tmp_path)
-    bad = subprocess.run([sys.executable, "-m", "tokentape.cli", "inspect", str(bogus)],
-                         capture_output=True, text=True, timeout=120, check=False)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tokentape.cli", "inspect", str(bogus)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: ")
@@ -570,13 +755,23 @@ def test_subprocess_module(tmp_path: Path) -> None:
     # A CLIError raised in another module (the postmortem's, for a tape it cannot read to its
     # end) is the same class when the CLI runs as __main__: one line, no traceback.
     truncated = _truncated(tmp_path)
-    pm = subprocess.run([sys.executable, "-m", "tokentape.cli", "postmortem", str(truncated)],
-                        capture_output=True, text=True, timeout=120, check=False)
+    pm = subprocess.run(
+        [sys.executable, "-m", "tokentape.cli", "postmortem", str(truncated)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert pm.returncode == 2 and "Traceback" not in pm.stderr, pm.stderr
     assert pm.stderr.count("\n") == 1 and pm.stderr.startswith(f"error: {truncated}")
 
-    piped = subprocess.run([sys.executable, "-m", "tokentape.cli", "inspect", str(tape)],
-                           capture_output=True, text=True, timeout=120, check=False)
+    piped = subprocess.run(
+        [sys.executable, "-m", "tokentape.cli", "inspect", str(tape)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert piped.returncode == 0 and "requests (1)" in piped.stdout
     assert "\x1b[" not in piped.stdout  # plain text when stdout is not a terminal
 
@@ -584,11 +779,17 @@ def test_subprocess_module(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("tokentape") is None, reason="console script not installed")
 def test_console_script(tmp_path: Path) -> None:
     truncated = _truncated(tmp_path)
-    proc = subprocess.run(["tokentape", "replay", "verify", str(truncated)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        ["tokentape", "replay", "verify", str(truncated)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {truncated}")
-    helped = subprocess.run(["tokentape", "--help"], capture_output=True, text=True,
-                            timeout=120, check=False)
+    helped = subprocess.run(
+        ["tokentape", "--help"], capture_output=True, text=True, timeout=120, check=False
+    )
     assert helped.returncode == 0 and "generate" in helped.stdout

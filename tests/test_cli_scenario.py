@@ -27,10 +27,21 @@ def kinds(path: Path) -> list[str]:
 
 
 def test_the_readme_three_commands_record_name_and_open_vllm_42043(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     bug = tmp_path / "bug.tape"
-    rc, out, err = run(capsys, "generate", "--discard-policy", "flag", "--pipeline-depth", "2",
-                       "--pause-at", "4", "--tape", str(bug))
+    rc, out, err = run(
+        capsys,
+        "generate",
+        "--discard-policy",
+        "flag",
+        "--pipeline-depth",
+        "2",
+        "--pause-at",
+        "4",
+        "--tape",
+        str(bug),
+    )
     assert rc == 0, err
     assert err.strip().splitlines()[-1] == f"tape: {bug}"
     recorded = kinds(bug)
@@ -55,18 +66,40 @@ def test_the_readme_three_commands_record_name_and_open_vllm_42043(
     rc, out, _ = run(capsys, "export", str(bug), "--format", "jsonl")
     assert any(json.loads(line)["kind"] == "RequestPreempted" for line in out.splitlines())
     good = tmp_path / "good.tape"
-    rc, _, err = run(capsys, "generate", "--pipeline-depth", "2", "--pause-at", "4", "--tape", str(good))
+    rc, _, err = run(
+        capsys, "generate", "--pipeline-depth", "2", "--pause-at", "4", "--tape", str(good)
+    )
     assert rc == 0, err
     rc, out, _ = run(capsys, "postmortem", str(good))
     assert rc == 0 and "no findings" in out
 
 
 def test_resets_aborts_and_pause_modes_are_made_at_their_steps(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tape = tmp_path / "script.tape"
-    rc, out, err = run(capsys, "generate", "a", "b", "c", "--model", "oracle", "--json",
-                       "--max-tokens", "12", "--reset-at", "3", "--abort-at", "5:1",
-                       "--pause-at", "7:wait", "--pause-at", "20:abort", "--tape", str(tape))
+    rc, out, err = run(
+        capsys,
+        "generate",
+        "a",
+        "b",
+        "c",
+        "--model",
+        "oracle",
+        "--json",
+        "--max-tokens",
+        "12",
+        "--reset-at",
+        "3",
+        "--abort-at",
+        "5:1",
+        "--pause-at",
+        "7:wait",
+        "--pause-at",
+        "20:abort",
+        "--tape",
+        str(tape),
+    )
     assert rc == 0, err
     records = {r["request_id"]: r for r in map(json.loads, out.splitlines())}
     assert records["1"]["finish_reason"] == "abort" and len(records["1"]["token_ids"]) < 12
@@ -82,24 +115,32 @@ def test_resets_aborts_and_pause_modes_are_made_at_their_steps(
     assert verify(tape).ok
 
 
-@pytest.mark.parametrize(("argv", "fragment"), [
-    (["--pause-at", "x"], "--pause-at: expected a step number, got 'x'"),
-    (["--pause-at", "3:hold"], "MODE must be one of abort, wait, keep, got 'hold'"),
-    (["--reset-at", "-1"], "--reset-at: the step must be >= 0, got -1"),
-    (["--abort-at", "4"], "--abort-at 4: expected STEP:ID"),
-])
-def test_bad_scripted_calls_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                             argv: list[str], fragment: str) -> None:
-    rc, out, err = run(capsys, "generate", "--model", "oracle", "--tape", str(tmp_path / "t.tape"), *argv)
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--pause-at", "x"], "--pause-at: expected a step number, got 'x'"),
+        (["--pause-at", "3:hold"], "MODE must be one of abort, wait, keep, got 'hold'"),
+        (["--reset-at", "-1"], "--reset-at: the step must be >= 0, got -1"),
+        (["--abort-at", "4"], "--abort-at 4: expected STEP:ID"),
+    ],
+)
+def test_bad_scripted_calls_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
+    rc, out, err = run(
+        capsys, "generate", "--model", "oracle", "--tape", str(tmp_path / "t.tape"), *argv
+    )
     assert rc == 2 and fragment in err and out == ""
     assert not (tmp_path / "t.tape").exists()
 
 
 def test_an_abort_of_an_unknown_request_is_refused_before_anything_is_recorded(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tape = tmp_path / "t.tape"
-    rc, out, err = run(capsys, "generate", "a", "b", "--model", "oracle", "--abort-at", "3:7",
-                       "--tape", str(tape))
+    rc, out, err = run(
+        capsys, "generate", "a", "b", "--model", "oracle", "--abort-at", "3:7", "--tape", str(tape)
+    )
     assert rc == 2 and out == ""
     assert err == "error: abort of request '7' at step 3: no such request (the requests are 0, 1)\n"
     assert not tape.exists()
@@ -124,7 +165,9 @@ def test_a_scenario_drives_llm_generate() -> None:
     assert "2" not in llm.engine.state.requests  # refused before anything was added
 
 
-def test_the_overwrite_rule_for_odd_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_overwrite_rule_for_odd_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A directory is never an output; a dangling link is an existing name (refused without
     --force, replaced with it)."""
     rc, _, err = run(capsys, "generate", "a", "--model", "oracle", "--tape", str(tmp_path))

@@ -22,8 +22,14 @@ def flag_tape(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def session(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tape: Path,
-            script: str, *options: str, failed: int = 0) -> list[str]:
+def session(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tape: Path,
+    script: str,
+    *options: str,
+    failed: int = 0,
+) -> list[str]:
     """The transcript of a scripted session; `failed` commands must have failed, and then the
     session exits 2 with one line on stderr naming the first failure."""
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
@@ -46,7 +52,9 @@ def script(*commands: str) -> str:
 def after(lines: list[str], command: str) -> list[str]:
     """The output of one command in a transcript (up to the next echoed command)."""
     start = lines.index(f"(tokentape) {command}") + 1
-    end = next((i for i in range(start, len(lines)) if lines[i].startswith("(tokentape) ")), len(lines))
+    end = next(
+        (i for i in range(start, len(lines)) if lines[i].startswith("(tokentape) ")), len(lines)
+    )
     return lines[start:end]
 
 
@@ -58,14 +66,28 @@ def test_breakpoints_on_a_kind_and_a_condition(monkeypatch, capsys, flag_tape) -
     events = events_of(flag_tape)
     reset = next(i for i, e in enumerate(events) if isinstance(e, ev.PrefixCacheReset))
     first_preempt = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestPreempted))
-    lines = session(monkeypatch, capsys, flag_tape, script(
-        "break kind=PrefixCacheReset", "break discard > 0", "continue", "diff", "continue",
-        "print discard", "print req s", "break", "continue",
-    ))
-    assert lines[0].startswith(f"tokentape debugger: {flag_tape}, {len(events)} events, discard policy flag")
+    lines = session(
+        monkeypatch,
+        capsys,
+        flag_tape,
+        script(
+            "break kind=PrefixCacheReset",
+            "break discard > 0",
+            "continue",
+            "diff",
+            "continue",
+            "print discard",
+            "print req s",
+            "break",
+            "continue",
+        ),
+    )
+    assert lines[0].startswith(
+        f"tokentape debugger: {flag_tape}, {len(events)} events, discard policy flag"
+    )
     assert after(lines, "break kind=PrefixCacheReset") == ["breakpoint 1: kind=PrefixCacheReset"]
     assert after(lines, "break discard > 0") == ["breakpoint 2: when discard > 0 becomes true"]
-    hit = lines[lines.index("(tokentape) continue") + 1:][:2]
+    hit = lines[lines.index("(tokentape) continue") + 1 :][:2]
     assert hit[0] == "breakpoint 1 hit: kind=PrefixCacheReset"
     assert hit[1].startswith(f"[{reset + 1}/{len(events)}]  event {reset}: PrefixCacheReset(step=")
     assert after(lines, "diff")[1:] == ["  num_prefix_cache_resets: 0 -> 1"]
@@ -75,12 +97,19 @@ def test_breakpoints_on_a_kind_and_a_condition(monkeypatch, capsys, flag_tape) -
     assert f"event {first_preempt}: RequestPreempted" in lines[second + 2]
     preempted = events[first_preempt].req_id  # type: ignore[attr-defined]
     other = "r" if preempted == "s" else "s"
-    assert after(lines, "print discard") == [f"{{r: {int(preempted == 'r')}, s: {int(preempted == 's')}}}"]
+    assert after(lines, "print discard") == [
+        f"{{r: {int(preempted == 'r')}, s: {int(preempted == 's')}}}"
+    ]
     detail = after(lines, "print req s")
     assert detail[0] == "request s"
-    assert any(line.split() == ["status", "preempted" if preempted == "s" else "running"] for line in detail)
-    assert after(lines, "break") == ["1: kind=PrefixCacheReset (hit 1 time)",
-                                     "2: when discard > 0 becomes true (hit 1 time)"]
+    assert any(
+        line.split() == ["status", "preempted" if preempted == "s" else "running"]
+        for line in detail
+    )
+    assert after(lines, "break") == [
+        "1: kind=PrefixCacheReset (hit 1 time)",
+        "2: when discard > 0 becomes true (hit 1 time)",
+    ]
     # The second request's flag is set at the very next event.
     assert lines[-2] == "breakpoint 2 hit: when discard > 0 becomes true"
     assert f"req={other} reason=reset_prefix_cache" in lines[-1]
@@ -91,8 +120,20 @@ def test_moving_forwards_and_backwards_matches_a_fold(flag_tape: Path) -> None:
     out = io.StringIO()
     dbg = TapeDebugger(tape, io.StringIO(), out, rich=False)
     n = len(tape)
-    script = ["step 40", "back 13", "step", "back 1", "goto 5", "goto @60", "next FrameProduced",
-              "back 30", "goto end", "back 100", "goto start", "step 3"]
+    script = [
+        "step 40",
+        "back 13",
+        "step",
+        "back 1",
+        "goto 5",
+        "goto @60",
+        "next FrameProduced",
+        "back 30",
+        "goto end",
+        "back 100",
+        "goto start",
+        "step 3",
+    ]
     expected_pos = [40, 27, 28, 27, None, 61, None, None, n, None, 0, 3]
     for command, pos in zip(script, expected_pos):
         dbg.onecmd(dbg.precmd(command))
@@ -131,12 +172,19 @@ def _named(event: ev.Event) -> list[str]:
 
 
 def test_events_where_requests_and_watch(monkeypatch, capsys, flag_tape) -> None:  # type: ignore[no-untyped-def]
-    lines = session(monkeypatch, capsys, flag_tape, "step 3\nevents\nwhere\nrequests\nwatch output\nstep\nevents 0-1\n")
+    lines = session(
+        monkeypatch,
+        capsys,
+        flag_tape,
+        "step 3\nevents\nwhere\nrequests\nwatch output\nstep\nevents 0-1\n",
+    )
     ev_lines = after(lines, "events")
     assert ev_lines[0].split()[:2] == ["0", "RequestAdded(step=0)"]
     assert ev_lines[2].startswith("->       2  StepScheduled(step=0)")
     assert len(ev_lines) == 8  # the current event and up to five either side
-    assert after(lines, "where")[1].startswith("  steps scheduled 1, paused no, waiting 0, running 2")
+    assert after(lines, "where")[1].startswith(
+        "  steps scheduled 1, paused no, waiting 0, running 2"
+    )
     table = after(lines, "requests")
     assert table[0] == "requests (2)"
     assert table[1].split()[:4] == ["id", "status", "prompt", "output"]
@@ -148,13 +196,38 @@ def test_events_where_requests_and_watch(monkeypatch, capsys, flag_tape) -> None
 
 def test_bad_input_is_one_line_and_the_debugger_stays_open(monkeypatch, capsys, flag_tape) -> None:  # type: ignore[no-untyped-def]
     n = len(load_tape(flag_tape))
-    lines = session(monkeypatch, capsys, flag_tape, script(
-        "frobnicate", "goto 9999", "goto @-1", "goto @99999", "print req nope", "break req=nope",
-        "break", "back", "step -2", "next Nope", "break discard >", "break __import__('os')",
-        "watch nosuch", "events 10-5", "diff", "goto end", "step", "where", "print 1 / 0",
-        "print 'a' * 100000000000", "print [0] * 70000", "print '%0999999999d' % 1",
-        "print " + " * ".join(["99999999999999999999"] * 30), "print " + "1 + " * 600 + "1",
-    ), failed=21)
+    lines = session(
+        monkeypatch,
+        capsys,
+        flag_tape,
+        script(
+            "frobnicate",
+            "goto 9999",
+            "goto @-1",
+            "goto @99999",
+            "print req nope",
+            "break req=nope",
+            "break",
+            "back",
+            "step -2",
+            "next Nope",
+            "break discard >",
+            "break __import__('os')",
+            "watch nosuch",
+            "events 10-5",
+            "diff",
+            "goto end",
+            "step",
+            "where",
+            "print 1 / 0",
+            "print 'a' * 100000000000",
+            "print [0] * 70000",
+            "print '%0999999999d' % 1",
+            "print " + " * ".join(["99999999999999999999"] * 30),
+            "print " + "1 + " * 600 + "1",
+        ),
+        failed=21,
+    )
     expected = {
         "frobnicate": "error: unknown command 'frobnicate' (type help for the commands)",
         "goto 9999": "error: step 9999 is out of range: the tape schedules steps 0..",
@@ -174,11 +247,13 @@ def test_bad_input_is_one_line_and_the_debugger_stays_open(monkeypatch, capsys, 
         "print 1 / 0": "error: '1 / 0' failed: ZeroDivisionError: division by zero",
         # What an expression may build is bounded: an error line, not a MemoryError.
         "print 'a' * 100000000000": "error: repeating a sequence 100000000000 times: an expression "
-                                    "may build at most 65536 elements",
+        "may build at most 65536 elements",
         "print [0] * 70000": "error: repeating a sequence 70000 times",
         "print '%0999999999d' % 1": "error: string formatting with % is not allowed",
         "print " + " * ".join(["99999999999999999999"] * 30): "error: a product this large",
-        "print " + "1 + " * 600 + "1": "error: the expression is 2401 characters long; at most 1000",
+        "print "
+        + "1 + " * 600
+        + "1": "error: the expression is 2401 characters long; at most 1000",
     }
     for command, message in expected.items():
         out = after(lines, command)
@@ -191,7 +266,10 @@ def test_unknown_request_before_it_is_added(flag_tape: Path) -> None:
     out = io.StringIO()
     dbg = TapeDebugger(load_tape(flag_tape), io.StringIO(), out, rich=False)
     dbg.onecmd("print req s")
-    assert out.getvalue().strip() == "error: no request 's' yet at this point of the tape (0 requests here)"
+    assert (
+        out.getvalue().strip()
+        == "error: no request 's' yet at this point of the tape (0 requests here)"
+    )
 
 
 def test_help_and_completion(flag_tape: Path) -> None:
@@ -199,8 +277,21 @@ def test_help_and_completion(flag_tape: Path) -> None:
     dbg = TapeDebugger(load_tape(flag_tape), io.StringIO(), out, rich=False)
     dbg.onecmd("help")
     lines = out.getvalue().splitlines()
-    for command in ("step", "back", "goto", "next", "continue", "reverse-continue", "break",
-                    "print", "requests", "events", "where", "diff", "watch"):
+    for command in (
+        "step",
+        "back",
+        "goto",
+        "next",
+        "continue",
+        "reverse-continue",
+        "break",
+        "print",
+        "requests",
+        "events",
+        "where",
+        "diff",
+        "watch",
+    ):
         assert any(line.startswith(f"  {command}") for line in lines), command
     out.truncate(0)
     out.seek(0)
@@ -233,16 +324,25 @@ def test_debugging_a_busy_run_with_a_condition_on_kv_pressure(tmp_path: Path) ->
     assert isinstance(event, ev.RequestPreempted) and event.reason == "kv_pressure"
 
 
-def test_cli_errors_before_the_session_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_errors_before_the_session_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = cli.main(["debug", str(tmp_path / "missing.tape")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and "no such tape file" in err
+    assert (
+        rc == 2
+        and err.count("\n") == 1
+        and err.startswith("error: ")
+        and "no such tape file" in err
+    )
     (tmp_path / "notatape.tape").write_text("hello")
     rc = cli.main(["debug", str(tmp_path / "notatape.tape")])
     assert rc == 2 and "not a tokentape tape" in capsys.readouterr().err
 
 
-def test_interrupting_a_long_command_keeps_the_debugger_open(flag_tape: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupting_a_long_command_keeps_the_debugger_open(
+    flag_tape: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = io.StringIO()
     dbg = TapeDebugger(load_tape(flag_tape), io.StringIO(), out, rich=False)
     calls = iter(range(1000))
@@ -251,7 +351,10 @@ def test_interrupting_a_long_command_keeps_the_debugger_open(flag_tape: Path, mo
         if next(calls) == 10:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("tokentape.replay.cursor.evolve", lambda state, event: (interrupt_at_10(), _evolve(state, event)))
+    monkeypatch.setattr(
+        "tokentape.replay.cursor.evolve",
+        lambda state, event: (interrupt_at_10(), _evolve(state, event)),
+    )
     dbg.onecmd("continue")
     assert "interrupted" in out.getvalue() and dbg.pos == 10
     assert dbg.state == load_tape(flag_tape).fold(until_seq=10)
@@ -282,7 +385,9 @@ def test_a_damaged_tape_is_debugged_up_to_the_damage() -> None:
     recording = load_tape(pause_resume("flag"))
     damaged = MemoryTape(recording.header)
     events = [e for _, e in recording.events()]
-    dropped = next(i for i, e in enumerate(events) if isinstance(e, ev.StepScheduled) and e.step == 4)
+    dropped = next(
+        i for i, e in enumerate(events) if isinstance(e, ev.StepScheduled) and e.step == 4
+    )
     for i, event in enumerate(events):
         if i != dropped:  # then step 5 is scheduled when step 4 was expected
             damaged.append(event)
@@ -291,7 +396,9 @@ def test_a_damaged_tape_is_debugged_up_to_the_damage() -> None:
     dbg = TapeDebugger(load_tape(damaged), io.StringIO(), out, rich=False)
     dbg.onecmd("goto end")
     lines = out.getvalue().splitlines()
-    refusal = f"error: event {frame} (StepScheduled of step 5) cannot be applied to the state before it: "
+    refusal = (
+        f"error: event {frame} (StepScheduled of step 5) cannot be applied to the state before it: "
+    )
     assert lines[0].startswith(refusal)
     assert lines[1].startswith(f"[0/{frame}]")  # it stays where it was, the tape now ends there
     dbg.onecmd("goto end")

@@ -35,11 +35,16 @@ def test_flag_against_epoch_is_shifted_by_one_token() -> None:
     assert not result.identical and len(result.divergences) == 2  # both requests lost a token
     first = result.first
     assert first is not None and first.req_id == "r" and first.what == "token"
-    a, b = client_streams(load_tape(epoch))["r"].token_ids, client_streams(load_tape(flag))["r"].token_ids
+    a, b = (
+        client_streams(load_tape(epoch))["r"].token_ids,
+        client_streams(load_tape(flag))["r"].token_ids,
+    )
     p = first.position
-    assert a[:p] == b[:p] and b[p:len(a) - 1] == a[p + 1:]
+    assert a[:p] == b[:p] and b[p : len(a) - 1] == a[p + 1 :]
     assert first.a_token == a[p] and first.b_token == b[p]
-    assert "B's stream from position" in first.explanation and "moved up by one" in first.explanation
+    assert (
+        "B's stream from position" in first.explanation and "moved up by one" in first.explanation
+    )
     # The context shows the resume before the divergence, on both tapes.
     for context, seq in ((result.a_context, first.a_seq), (result.b_context, first.b_seq)):
         kinds = [ev.kind_of(e) for _, e in context]
@@ -79,7 +84,9 @@ def test_a_shorter_stream_is_a_length_divergence() -> None:
     assert "A delivered 4 tokens and finished (length); B delivered 6" == first.explanation
 
 
-def test_diff_cli_exit_status_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_cli_exit_status_and_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a, b, c = tmp_path / "epoch.tape", tmp_path / "flag.tape", tmp_path / "other.tape"
     pause_resume("epoch", a)
     pause_resume("flag", b)
@@ -142,8 +149,13 @@ def test_recorded_commands_leave_out_what_a_pause_caused() -> None:
     llm.engine.resume_generation()
     llm.engine.abort_request("q0")  # already aborted by the pause: records nothing
     kinds = [ev.kind_of(e) for e in recorded_commands(load_tape(llm.engine.tape))]
-    assert kinds == ["RequestAdded"] * 3 + ["GenerationPaused", "GenerationResumed", "PrefixCacheReset",
-                                            "GenerationPaused", "GenerationResumed"]
+    assert kinds == ["RequestAdded"] * 3 + [
+        "GenerationPaused",
+        "GenerationResumed",
+        "PrefixCacheReset",
+        "GenerationPaused",
+        "GenerationResumed",
+    ]
     assert whatif(llm.engine.tape).diff.identical
 
 
@@ -155,22 +167,36 @@ def test_whatif_errors_are_clear() -> None:
         whatif(tape, pipeline_depth=7)
 
 
-def test_whatif_cli_writes_a_new_tape_and_prints_the_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_whatif_cli_writes_a_new_tape_and_prints_the_diff(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     flag = tmp_path / "flag.tape"
     pause_resume("flag", flag)
     rc, out, err = run(capsys, "replay", "whatif", str(flag), "--discard-policy", "epoch")
     new = tmp_path / "flag-whatif.tape"
     assert rc == 1 and new.exists()
     lines = out.splitlines()
-    assert lines[0].startswith(f"what-if: discard policy epoch, pipeline depth 2, model oracle-random; new tape {new}")
+    assert lines[0].startswith(
+        f"what-if: discard policy epoch, pipeline depth 2, model oracle-random; new tape {new}"
+    )
     assert lines[1].startswith("DIFFERENT: 2 of 2 requests differ")
     rc, out, _ = run(capsys, "replay", "whatif", str(flag), "--out", str(tmp_path / "same.tape"))
     assert rc == 0 and "identical: 2 requests" in out
     # The real model samples other tokens than the oracle the tape was recorded with.
-    rc, out, _ = run(capsys, "replay", "whatif", str(flag), "--runner", "model",
-                     "--out", str(tmp_path / "model.tape"))
+    rc, out, _ = run(
+        capsys,
+        "replay",
+        "whatif",
+        str(flag),
+        "--runner",
+        "model",
+        "--out",
+        str(tmp_path / "model.tape"),
+    )
     assert rc == 1 and (tmp_path / "model.tape").exists()
-    assert out.splitlines()[0].startswith("what-if: discard policy flag, pipeline depth 2, model tiny")
+    assert out.splitlines()[0].startswith(
+        "what-if: discard policy flag, pipeline depth 2, model tiny"
+    )
     rc, _, err = run(capsys, "replay", "whatif", str(flag), "--out", str(new))
     assert rc == 2 and "the file exists; pass --force to overwrite it" in err
     rc, _, err = run(capsys, "replay", "whatif", str(flag), "--out", str(flag), "--force")
@@ -196,7 +222,9 @@ def test_whatif_skips_a_weight_update_under_the_oracle() -> None:
     step = next(e.step for _, e in recording.events() if isinstance(e, ev.GenerationResumed))
     note = f"weight update to 'sha256:abc' at step {step} skipped: the oracle's tokens do not depend on weights"
     assert result.notes == [note]
-    assert [ev.kind_of(e) for e in recorded_commands(load_tape(with_update))].count("WeightsUpdated") == 1
+    assert [ev.kind_of(e) for e in recorded_commands(load_tape(with_update))].count(
+        "WeightsUpdated"
+    ) == 1
     # The real model would need the weights themselves, which the tape does not hold.
     with pytest.raises(WhatIfError, match="the weights are not on the tape"):
         whatif(with_update, runner="model")
@@ -213,22 +241,34 @@ def test_sync_against_async_runs_of_the_same_requests_are_identical() -> None:
     assert diff(tapes[0], tapes[1]).identical
 
 
-def test_whatif_replays_with_the_runner_that_recorded_the_tape(tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_whatif_replays_with_the_runner_that_recorded_the_tape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A tape of the real model replays with that model by default: the same tokens, so a
     change that cannot alter them (a synchronous schedule) is identical, not 'position 0'."""
     tape = tmp_path / "tiny.tape"
     llm = LLM(model="tiny", tape=tape, pipeline_depth=2)
     llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=6))
     llm.close()
-    rc, out, _ = run(capsys, "replay", "whatif", str(tape), "--discard-policy", "epoch",
-                     "--pipeline-depth", "1")
+    rc, out, _ = run(
+        capsys, "replay", "whatif", str(tape), "--discard-policy", "epoch", "--pipeline-depth", "1"
+    )
     assert rc == 0, out
-    assert out.splitlines()[0].startswith("what-if: discard policy epoch, pipeline depth 1, model tiny")
+    assert out.splitlines()[0].startswith(
+        "what-if: discard policy epoch, pipeline depth 1, model tiny"
+    )
     assert "identical: 2 requests" in out
     # --runner oracle still asks for the fake model, whose tokens differ from the start.
-    rc, out, _ = run(capsys, "replay", "whatif", str(tape), "--runner", "oracle",
-                     "--out", str(tmp_path / "oracle.tape"))
+    rc, out, _ = run(
+        capsys,
+        "replay",
+        "whatif",
+        str(tape),
+        "--runner",
+        "oracle",
+        "--out",
+        str(tmp_path / "oracle.tape"),
+    )
     assert rc == 1 and "model oracle;" in out.splitlines()[0] and "position 0" in out
     # An oracle tape replays with the oracle (the recorded runner) by default.
     assert whatif(pause_resume("epoch")).config.model == "oracle-random"
@@ -236,5 +276,9 @@ def test_whatif_replays_with_the_runner_that_recorded_the_tape(tmp_path: Path,
 
 def test_diff_counts_read_as_english() -> None:
     one_epoch, one_flag = pause_resume("epoch", second=False), pause_resume("flag", second=False)
-    assert diff(one_epoch, pause_resume("epoch", second=False)).format().startswith("identical: 1 request, ")
+    assert (
+        diff(one_epoch, pause_resume("epoch", second=False))
+        .format()
+        .startswith("identical: 1 request, ")
+    )
     assert diff(one_epoch, one_flag).format().startswith("DIFFERENT: 1 of 1 request differs ")

@@ -34,7 +34,9 @@ def test_generate_accepts_strings_and_token_lists_and_keeps_order() -> None:
 
 def test_generate_takes_one_params_per_prompt() -> None:
     llm = small_llm()
-    outs = llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=7)])
+    outs = llm.generate(
+        [[5, 6], [7, 8]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=7)]
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 7]
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate([[5, 6]], [SamplingParams(), SamplingParams()])
@@ -43,8 +45,13 @@ def test_generate_takes_one_params_per_prompt() -> None:
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [0, 2])
 def test_every_schedule_gives_the_oracle_stream(depth: int, k: int) -> None:
-    llm = small_llm(pipeline_depth=depth, num_speculative_tokens=k, num_kv_blocks=24,
-                    max_num_batched_tokens=24, max_num_seqs=3)
+    llm = small_llm(
+        pipeline_depth=depth,
+        num_speculative_tokens=k,
+        num_kv_blocks=24,
+        max_num_batched_tokens=24,
+        max_num_seqs=3,
+    )
     params = SamplingParams(max_tokens=30)
     outs = llm.generate([list(range(3, 3 + n)) for n in (3, 11, 20, 33, 7)], params)
     for o in outs:
@@ -139,7 +146,9 @@ def test_pause_keep_holds_requests_and_resume_continues_them() -> None:
         got = next((o.outputs[0].token_ids for o in e.step()), got)  # cumulative
     e.pause_generation(mode="keep", clear_cache=True)
     req = e.state.requests["a"]
-    assert not req.num_in_flight and req.num_computed_tokens == 0 and req.status.value == "preempted"
+    assert (
+        not req.num_in_flight and req.num_computed_tokens == 0 and req.status.value == "preempted"
+    )
     assert e.kv.num_free_blocks == e.kv.num_blocks
     for _ in range(3):
         got = next((o.outputs[0].token_ids for o in e.step()), got)
@@ -217,7 +226,9 @@ def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> None:
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="seed must be a 64-bit signed integer"):
         SamplingParams(seed=2**70)  # would not fit on the tape, killing the engine mid-step
-    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] must be a token id in the vocabulary"):
+    with pytest.raises(
+        ValueError, match=r"prompt_token_ids\[1\] must be a token id in the vocabulary"
+    ):
         e.add_request("oov", [5, 100000], SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         e.add_request("empty", [], SamplingParams())
@@ -268,8 +279,13 @@ def test_a_request_finished_by_the_scheduler_is_reported_to_the_client() -> None
     # Under `counter` with speculative decoding, dropped fresh frames leave positions
     # computed until the scheduler caps the request at max_model_len. That finish happens
     # while scheduling, with nothing in flight: the client must still be told.
-    llm = small_llm(pipeline_depth=2, num_speculative_tokens=1, discard_policy="counter",
-                    num_kv_blocks=8, enable_prefix_caching=False)
+    llm = small_llm(
+        pipeline_depth=2,
+        num_speculative_tokens=1,
+        discard_policy="counter",
+        num_kv_blocks=8,
+        enable_prefix_caching=False,
+    )
     e = llm.engine
     e.add_request("first", [3], SamplingParams(max_tokens=9))
     for i in range(3):
@@ -290,8 +306,11 @@ def test_step_returns_outputs_by_output_kind_cumulative_by_default() -> None:
     # vLLM's LLMEngine.step(): every token so far unless the request asked otherwise.
     llm = small_llm(pipeline_depth=1)
     e = llm.engine
-    kinds = {"cum": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
-             "final": RequestOutputKind.FINAL_ONLY}
+    kinds = {
+        "cum": RequestOutputKind.CUMULATIVE,
+        "delta": RequestOutputKind.DELTA,
+        "final": RequestOutputKind.FINAL_ONLY,
+    }
     for req_id, kind in kinds.items():
         e.add_request(req_id, [5, 6, 7], SamplingParams(max_tokens=4, output_kind=kind))
     seen: dict[str, list[list[int]]] = {k: [] for k in kinds}
@@ -303,12 +322,21 @@ def test_step_returns_outputs_by_output_kind_cumulative_by_default() -> None:
     assert seen["delta"] == [[t] for t in want]
     assert seen["final"] == [want]
     # The tape records the same new tokens whatever the kind.
-    emitted = [x for _, ev in e.tape.iter_events() if type(ev).__name__ == "OutputsEmitted" for x in ev.entries]
+    emitted = [
+        x
+        for _, ev in e.tape.iter_events()
+        if type(ev).__name__ == "OutputsEmitted"
+        for x in ev.entries
+    ]
     for req_id in kinds:
         assert [t for x in emitted if x.req_id == req_id for t in x.token_ids] == want
     assert verify(e.tape).ok
-    assert [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7]] * 3, [
-        SamplingParams(max_tokens=4, output_kind=k) for k in kinds.values()])] == [want] * 3
+    assert [
+        o.outputs[0].token_ids
+        for o in llm.generate(
+            [[5, 6, 7]] * 3, [SamplingParams(max_tokens=4, output_kind=k) for k in kinds.values()]
+        )
+    ] == [want] * 3
 
 
 def test_the_steps_in_flight_are_the_reducers_and_match_the_runner() -> None:
@@ -364,7 +392,7 @@ def test_generate_stopped_by_a_token_ends_with_a_complete_tape(tmp_path, depth: 
     params = SamplingParams(max_tokens=30, stop_token_ids=(stream[stop_at],))
     llm = small_llm(pipeline_depth=depth, tape=str(tmp_path / "run.tape"))
     out = llm.generate([[5, 6, 7]], params)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids == stream[:stop_at + 1]
+    assert out.finish_reason == "stop" and out.token_ids == stream[: stop_at + 1]
     assert not llm.engine.state.in_flight_steps
     llm.close()
     report = postmortem(tmp_path / "run.tape")

@@ -42,7 +42,9 @@ def check_trace_event_format(trace: dict) -> None:  # type: ignore[type-arg]
     json.dumps(trace)  # serialisable as it is
 
 
-@pytest.mark.parametrize("make", [lambda: pause_resume("flag"), lambda: double_reset("counter"), busy])
+@pytest.mark.parametrize(
+    "make", [lambda: pause_resume("flag"), lambda: double_reset("counter"), busy]
+)
 def test_perfetto_trace_follows_the_trace_event_format(make) -> None:  # type: ignore[no-untyped-def]
     tape = load_tape(make())
     trace = perfetto_trace(tape)
@@ -87,8 +89,14 @@ def test_jsonl_is_one_event_per_line_with_field_names() -> None:
     assert set(added) == {"seq", "kind", "step", "req_id", "prompt_token_ids", "params"}
     assert added["params"]["max_tokens"] == 20
     scheduled = next(r for r in records if r["kind"] == "StepScheduled")
-    assert set(scheduled["entries"][0]) == {"req_id", "epoch", "num_computed_before", "num_new_tokens",
-                                            "num_spec_tokens", "new_block_ids"}
+    assert set(scheduled["entries"][0]) == {
+        "req_id",
+        "epoch",
+        "num_computed_before",
+        "num_new_tokens",
+        "num_spec_tokens",
+        "new_block_ids",
+    }
 
 
 def test_csv_has_one_row_per_step_that_adds_up() -> None:
@@ -100,10 +108,15 @@ def test_csv_has_one_row_per_step_that_adds_up() -> None:
     assert list(rows[0]) == list(CSV_COLUMNS)
     assert [int(r["step"]) for r in rows] == list(range(state.step))
     assert sum(int(r["tokens_delivered"]) for r in rows) == sum(
-        len(r.output_token_ids) for r in state.requests.values())
+        len(r.output_token_ids) for r in state.requests.values()
+    )
     assert sum(int(r["added"]) for r in rows) == len(state.requests)
-    assert sum(int(r["preemptions"]) for r in rows) == sum(r.num_preemptions for r in state.requests.values())
-    assert sum(int(r["frames_dropped"]) for r in rows) == sum(r.num_frames_dropped for r in state.requests.values())
+    assert sum(int(r["preemptions"]) for r in rows) == sum(
+        r.num_preemptions for r in state.requests.values()
+    )
+    assert sum(int(r["frames_dropped"]) for r in rows) == sum(
+        r.num_frames_dropped for r in state.requests.values()
+    )
     assert sum(int(r["aborted"]) + int(r["finished"]) for r in rows) == len(state.requests)
     for r in rows[::5]:  # the queues are the state Tape.at(step) gives
         at = tape.at(int(r["step"]))
@@ -119,7 +132,9 @@ def test_export_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["export", str(path), "--format", "perfetto", "-o", str(tmp_path / "t.json")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "the file exists; pass --force" in err
-    rc = cli.main(["export", str(path), "--format", "csv", "-o", str(tmp_path / "t.json"), "--force"])
+    rc = cli.main(
+        ["export", str(path), "--format", "csv", "-o", str(tmp_path / "t.json"), "--force"]
+    )
     assert rc == 0 and (tmp_path / "t.json").read_text().startswith("step,seq,")
     rc = cli.main(["export", str(path), "--format", "jsonl", "-o", str(path), "--force"])
     err = capsys.readouterr().err
@@ -166,8 +181,12 @@ def test_export_sqlite_cli_copies_a_tape_into_one_file(
     rc = cli.main(["export", str(path), "--format", "sqlite", "-o", str(copy)])
     n = len(load_tape(path))
     assert rc == 0 and f"wrote {copy} ({n} events)" in capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["copy.tape"] and tape_file_status(copy).finished
-    assert [ev.encode(e) for _, e in load_tape(copy).events()] == [ev.encode(e) for _, e in load_tape(path).events()]
+    assert (
+        sorted(p.name for p in out.iterdir()) == ["copy.tape"] and tape_file_status(copy).finished
+    )
+    assert [ev.encode(e) for _, e in load_tape(copy).events()] == [
+        ev.encode(e) for _, e in load_tape(path).events()
+    ]
     assert verify(copy).ok
     rc = cli.main(["export", str(path), "--format", "sqlite", "-o", str(copy)])
     err = capsys.readouterr().err
@@ -178,7 +197,9 @@ def test_export_sqlite_cli_copies_a_tape_into_one_file(
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "--output" in err
     (tmp_path / "junk.tape").write_bytes(b"junk" * 100)
-    rc = cli.main(["export", str(tmp_path / "junk.tape"), "--format", "sqlite", "-o", str(out / "j.tape")])
+    rc = cli.main(
+        ["export", str(tmp_path / "junk.tape"), "--format", "sqlite", "-o", str(out / "j.tape")]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1
     assert sorted(p.name for p in out.iterdir()) == ["copy.tape"]

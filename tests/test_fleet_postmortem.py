@@ -25,7 +25,9 @@ def closed_mid_run(path: Path) -> None:
     """An engine closed with its requests running: the tape stops mid-run (tape_truncated)."""
     llm = LLM(model="oracle", tape=str(path), pipeline_depth=2)
     for i in range(3):
-        llm.engine.add_request(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=40, ignore_eos=True))
+        llm.engine.add_request(
+            f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=40, ignore_eos=True)
+        )
     for _ in range(8):
         llm.engine.step()
     llm.close()
@@ -49,8 +51,12 @@ def comparable(report: FleetReport) -> list[object]:
 
 
 def test_tapes_in_natural_order_and_one_row_per_engine(fleet: Path) -> None:
-    assert [Path(p).name for p in find_tapes(fleet)] == ["engine-0.tape", "engine-1.tape", "engine-2.tape",
-                                                          "engine-10.tape"]
+    assert [Path(p).name for p in find_tapes(fleet)] == [
+        "engine-0.tape",
+        "engine-1.tape",
+        "engine-2.tape",
+        "engine-10.tape",
+    ]
     report = fleet_postmortem(fleet, jobs=1)
     s = report.summary
     assert (s.tapes, s.ok, s.failed, s.unreadable) == (4, 2, 2, 0)
@@ -59,7 +65,11 @@ def test_tapes_in_natural_order_and_one_row_per_engine(fleet: Path) -> None:
     for name, row in s.engines.items():
         alone = postmortem(fleet / f"{name}.tape").summary
         assert (row.errors, row.warnings, row.counts, row.num_events) == (
-            alone.errors, alone.warnings, alone.counts, alone.num_events)
+            alone.errors,
+            alone.warnings,
+            alone.counts,
+            alone.num_events,
+        )
     assert s.errors == sum(r.errors for r in s.engines.values()) == 4
     assert s.counts["post_resume_token_dropped"] == 1 and s.counts["fresh_frame_dropped"] == 1
     assert s.ended == {"complete": 3, "truncated": 1}
@@ -110,15 +120,20 @@ def test_an_empty_directory_is_refused(tmp_path: Path) -> None:
 # -- the CLI ---------------------------------------------------------------------------------
 
 
-def test_cli_json_has_the_tapes_and_a_summary_per_engine(fleet: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_has_the_tapes_and_a_summary_per_engine(
+    fleet: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["postmortem", str(fleet), "--json", "--jobs", "2"]) == 1  # error findings
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"tapes", "summary"}
     assert doc["summary"]["tapes"] == 4 and doc["summary"]["failed"] == 2
     assert [t["engine"] for t in doc["tapes"]] == ["engine-0", "engine-1", "engine-2", "engine-10"]
     engines = doc["summary"]["engines"]
-    assert engines["engine-1"]["counts"] == {"post_resume_token_dropped": 1, "token_shifted": 1,
-                                             "count_nonzero_at_finish": 1}
+    assert engines["engine-1"]["counts"] == {
+        "post_resume_token_dropped": 1,
+        "token_shifted": 1,
+        "count_nonzero_at_finish": 1,
+    }
     assert engines["engine-2"]["ended"] == "truncated" and engines["engine-0"]["errors"] == 0
     assert doc["tapes"][1]["findings"][0]["bug_class"] == "vllm#42043"
     # The same document as the library's.
@@ -126,7 +141,9 @@ def test_cli_json_has_the_tapes_and_a_summary_per_engine(fleet: Path, capsys: py
     assert comparable(report) == comparable(fleet_postmortem(fleet, jobs=1))
 
 
-def test_cli_text_and_a_clean_fleet_exits_0(fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_text_and_a_clean_fleet_exits_0(
+    fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["postmortem", str(fleet), "--jobs", "1"]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"fleet {fleet}: 4 tapes, 2 without errors, 2 with errors, 0 unreadable")
@@ -144,8 +161,9 @@ def test_cli_text_and_a_clean_fleet_exits_0(fleet: Path, tmp_path: Path, capsys:
     assert "2 without errors, 0 with errors" in capsys.readouterr().out
 
 
-def test_cli_unreadable_tape_exits_2_after_the_report(fleet: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_unreadable_tape_exits_2_after_the_report(
+    fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shutil.copy(fleet / "engine-0.tape", tmp_path / "engine-0.tape")
     (tmp_path / "engine-1.tape").write_bytes(b"junk")
     assert main(["postmortem", str(tmp_path), "--json"]) == 2
@@ -168,8 +186,9 @@ def test_cli_refusals(fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture
         assert fragment in out
 
 
-def test_html_has_a_row_per_engine_and_escapes_names(fleet: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_html_has_a_row_per_engine_and_escapes_names(
+    fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for name in ("engine-0", "engine-1"):
         shutil.copy(fleet / f"{name}.tape", tmp_path / f"{name}.tape")
     shutil.copy(fleet / "engine-2.tape", tmp_path / '<img src=x onerror="alert(1)">.tape')
@@ -178,7 +197,7 @@ def test_html_has_a_row_per_engine_and_escapes_names(fleet: Path, tmp_path: Path
     assert f"report: {page_path}" in capsys.readouterr().out
     page = page_path.read_text()
     assert page.count("<tr class=") == 3  # a row per engine
-    assert '<img src=x' not in page and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page
+    assert "<img src=x" not in page and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in page
     assert 'data-engine="engine-1"' in page and "post_resume_token_dropped" in page
     assert "truncated" in page and "stopped mid-run at event" in page
     assert "<script" not in page and "http://" not in page and "https://" not in page
@@ -195,8 +214,23 @@ def test_cli_ray_starts_and_stops_its_own_instance(fleet: Path) -> None:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "tokentape.cli", "postmortem", str(fleet), "--ray", "--jobs", "1",
-                           "--json"], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokentape.cli",
+            "postmortem",
+            str(fleet),
+            "--ray",
+            "--jobs",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     report = msgspec.json.decode(proc.stdout, type=FleetReport)
     assert comparable(report) == comparable(fleet_postmortem(fleet, jobs=1))

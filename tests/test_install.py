@@ -19,17 +19,27 @@ def test_a_pure_install_removes_every_earlier_compiled_module(tmp_path: Path) ->
     shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-    shutil.copytree(ROOT / "tokentape", tmp_path / "tokentape",
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(
+        ROOT / "tokentape",
+        tmp_path / "tokentape",
+        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
+    )
     from tokentape.events._compiled import COMPILED_MODULES
 
-    builds = [tmp_path / (m.replace(".", "/") + ".cpython-311-x86_64-linux-gnu.so")
-              for m in COMPILED_MODULES]
+    builds = [
+        tmp_path / (m.replace(".", "/") + ".cpython-311-x86_64-linux-gnu.so")
+        for m in COMPILED_MODULES
+    ]
     builds.append(tmp_path / "0123abcd__mypyc.cpython-311-x86_64-linux-gnu.so")
     for so in builds:
         so.write_bytes(b"")
     env = {**os.environ, "TOKENTAPE_PURE_PYTHON": "1"}
-    subprocess.run([sys.executable, "setup.py", "--name"], cwd=tmp_path, env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "setup.py", "--name"],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     assert [so.name for so in builds if so.exists()] == []
     assert (tmp_path / "tokentape/events/reducer.py").exists()

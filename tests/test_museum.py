@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from tokentape import LLM, SamplingParams
-from tokentape.engine.scheduler import Scheduler
 from tokentape.events.discard import DISCARD_POLICIES, MUSEUM_POLICIES, get_policy
 from tokentape.events.faults import FAULTS
 from tokentape.postmortem import postmortem
@@ -75,7 +74,9 @@ def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> No
         LLM(model="oracle", tape=None, faults="late_stop_after_drain")
     plain = LLM(model="oracle", tape=None)
     # Nothing installed on the default path: the scheduler's own methods, no wrappers.
-    assert "preempt" not in vars(plain.engine.scheduler) and "pause_generation" not in vars(plain.engine)
+    assert "preempt" not in vars(plain.engine.scheduler) and "pause_generation" not in vars(
+        plain.engine
+    )
     assert not plain.engine.state.faults
     plain.close()
     llm = LLM(model="oracle", tape=str(tmp_path / "f.tape"), faults=list(FAULTS))
@@ -90,4 +91,6 @@ def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> No
 
 def test_a_fault_crash_verifies_as_the_recording_failed() -> None:
     result = verify(TAPES / "crash_aborted_52969.tape")
-    assert result.ok and result.ended_with_error is not None and "KeyError" in result.ended_with_error
+    assert (
+        result.ok and result.ended_with_error is not None and "KeyError" in result.ended_with_error
+    )

@@ -17,7 +17,9 @@ def test_oracle_is_a_pure_function_of_prompt_position_and_seed() -> None:
     p = SamplingParams(max_tokens=20)
     assert a.expected_stream([5, 6, 7], p) == b.expected_stream([5, 6, 7], p)
     assert a.expected_stream([5, 6, 7], p) != a.expected_stream([5, 6, 8], p)
-    assert a.expected_stream([5, 6, 7], p) != a.expected_stream([5, 6, 7], SamplingParams(max_tokens=20, seed=3))
+    assert a.expected_stream([5, 6, 7], p) != a.expected_stream(
+        [5, 6, 7], SamplingParams(max_tokens=20, seed=3)
+    )
     assert OracleRunner(seed=1).expected_stream([5, 6, 7], p) != a.expected_stream([5, 6, 7], p)
 
 
@@ -40,4 +42,5 @@ def test_cyclic_oracle_accepts_some_drafts_and_rejects_others() -> None:
     assert any(a > 0 for a in accepted) and any(a < 3 for a in accepted)
     for out in outs:  # spec decoding changes the steps, never the tokens
         assert out.outputs[0].token_ids == llm.engine.runner.expected_stream(
-            out.prompt_token_ids, SamplingParams(max_tokens=80))
+            out.prompt_token_ids, SamplingParams(max_tokens=80)
+        )

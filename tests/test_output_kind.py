@@ -21,11 +21,15 @@ def test_output_kind_is_last_defaults_to_cumulative_and_round_trips() -> None:
 
 
 def test_a_tape_written_before_output_kind_still_decodes() -> None:
-    old = msgspec.msgpack.encode(["RequestAdded", 0, "a", [5], [16, 1.0, 1.0, 0, None, [], False, None]])
+    old = msgspec.msgpack.encode(
+        ["RequestAdded", 0, "a", [5], [16, 1.0, 1.0, 0, None, [], False, None]]
+    )
     assert ev.decode(old).params == SamplingParams()
 
 
-@pytest.mark.parametrize(("bad", "error"), [(True, TypeError), ("delta", TypeError), (3, ValueError), (-1, ValueError)])
+@pytest.mark.parametrize(
+    ("bad", "error"), [(True, TypeError), ("delta", TypeError), (3, ValueError), (-1, ValueError)]
+)
 def test_a_bad_output_kind_is_refused(bad: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="output_kind"):
         SamplingParams(output_kind=bad)  # type: ignore[arg-type]
@@ -38,7 +42,11 @@ def test_build_request_output_by_kind() -> None:
         return build_request_output(kind, "r", [1], tokens, 2, lps, reason, decode=lambda t: str(t))
 
     cum = build(RequestOutputKind.CUMULATIVE, None)
-    assert cum.outputs[0].token_ids == [7, 8, 9] and cum.outputs[0].logprobs == lps and not cum.finished
+    assert (
+        cum.outputs[0].token_ids == [7, 8, 9]
+        and cum.outputs[0].logprobs == lps
+        and not cum.finished
+    )
     assert cum.outputs[0].token_ids is not tokens  # a copy: the engine's list keeps growing
     delta = build(RequestOutputKind.DELTA, None)
     assert delta.outputs[0].token_ids == [8, 9] and delta.outputs[0].logprobs == [-0.2, -0.3]

@@ -45,8 +45,13 @@ def kinds(report: Report) -> set[str]:
 def test_the_zoo_has_every_bug_class_and_clean_tapes() -> None:
     expected = {n: json.loads((TAPES / f"{n}.expected.json").read_text()) for n in ZOO}
     classes = {f["bug_class"] for doc in expected.values() for f in doc["findings"]}
-    assert {"vllm#42043", "vllm#42117-overwrite", "vllm#42117-spec-units", "vllm#47900",
-            "vllm#26400"} <= classes
+    assert {
+        "vllm#42043",
+        "vllm#42117-overwrite",
+        "vllm#42117-spec-units",
+        "vllm#47900",
+        "vllm#26400",
+    } <= classes
     assert sum(not doc["findings"] for doc in expected.values()) >= 2  # clean tapes
     assert classes - {None} <= set(BUG_CLASSES)
 
@@ -59,7 +64,8 @@ def test_zoo_tape_gives_exactly_its_findings(name: str) -> None:
     report = postmortem(tape)
     assert report.summary.complete
     assert found(report) == sorted(
-        (f["kind"], f["severity"], tuple(f["request_ids"]), f["bug_class"]) for f in expected)
+        (f["kind"], f["severity"], tuple(f["request_ids"]), f["bug_class"]) for f in expected
+    )
     assert report.ok == (not any(f["severity"] == "error" for f in expected))
     for f in report.findings:  # every finding is placed and shown
         assert 0 <= f.steps[0] <= f.steps[1] <= report.summary.num_steps
@@ -79,31 +85,48 @@ def test_the_regeneration_script_records_the_same_bugs(name: str, tmp_path: Path
     scenario, expected = regenerate.ZOO[name]
     scenario(tmp_path / "again.tape")
     assert found(postmortem(tmp_path / "again.tape")) == sorted(
-        (f["kind"], f["severity"], tuple(f["request_ids"]), f["bug_class"]) for f in expected)
+        (f["kind"], f["severity"], tuple(f["request_ids"]), f["bug_class"]) for f in expected
+    )
     assert json.loads((TAPES / f"{name}.expected.json").read_text())["findings"] == expected
 
 
 def test_flag_finding_cites_the_preemption_the_resume_and_the_dropped_frame() -> None:
     report = postmortem(TAPES / "flag_42043.tape")
     f = next(f for f in report.findings if f.kind == "post_resume_token_dropped")
-    assert [x.kind for x in f.excerpt] == ["RequestPreempted", "GenerationResumed", "StepScheduled",
-                                           "FrameProduced"]
+    assert [x.kind for x in f.excerpt] == [
+        "RequestPreempted",
+        "GenerationResumed",
+        "StepScheduled",
+        "FrameProduced",
+    ]
     assert report.summary.tokens["dropped_fresh"] == 1
     t = report.summary.tokens
     assert t["produced"] == t["applied"] + t["dropped_stale"] + t["dropped_fresh"] + t["after_stop"]
 
 
-STORM = StormSpec(seed=0, model="oracle-random", block_size=4, num_kv_blocks=24,
-                  max_num_batched_tokens=16, max_num_seqs=3)
+STORM = StormSpec(
+    seed=0,
+    model="oracle-random",
+    block_size=4,
+    num_kv_blocks=24,
+    max_num_batched_tokens=16,
+    max_num_seqs=3,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
-       depth=st.integers(1, 3), k=st.integers(0, 2), seed=st.integers(0, 2**16))
+@given(
+    commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
+    depth=st.integers(1, 3),
+    k=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
 def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int, seed: int) -> None:
     """No false positives: whatever the storm of pauses, resumes, resets and aborts, an
     epoch-policy run is clean, and the tape's tokens are all accounted for."""
-    result = run_storm(replace(STORM, seed=seed, pipeline_depth=depth, num_speculative_tokens=k), commands)
+    result = run_storm(
+        replace(STORM, seed=seed, pipeline_depth=depth, num_speculative_tokens=k), commands
+    )
     assert result.oracle_violations() == {}
     report = postmortem(result.tape)
     assert report.findings == []
@@ -112,16 +135,25 @@ def test_epoch_storms_give_no_finding(commands: list[str], depth: int, k: int, s
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
-       depth=st.integers(2, 3), k=st.integers(0, 2), policy=st.sampled_from(["flag", "counter"]),
-       seed=st.integers(0, 2**16))
-def test_a_wrong_stream_never_goes_unreported(commands: list[str], depth: int, k: int, policy: str,
-                                              seed: int) -> None:
+@given(
+    commands=st.lists(st.sampled_from(COMMANDS), min_size=4, max_size=50),
+    depth=st.integers(2, 3),
+    k=st.integers(0, 2),
+    policy=st.sampled_from(["flag", "counter"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_wrong_stream_never_goes_unreported(
+    commands: list[str], depth: int, k: int, policy: str, seed: int
+) -> None:
     """No false negatives: under the historical policies, whenever a request's delivered
     tokens are not the oracle's stream (a prefix of it, if aborted), the report has an error
     naming it, with the bug class it matches."""
-    result = run_storm(replace(STORM, seed=seed, pipeline_depth=depth, num_speculative_tokens=k,
-                               discard_policy=policy), commands)
+    result = run_storm(
+        replace(
+            STORM, seed=seed, pipeline_depth=depth, num_speculative_tokens=k, discard_policy=policy
+        ),
+        commands,
+    )
     wrong = result.oracle_violations()
     report = postmortem(result.tape)
     if wrong:
@@ -135,13 +167,21 @@ def test_a_wrong_stream_never_goes_unreported(commands: list[str], depth: int, k
 
 
 def test_the_same_storm_under_the_historical_policies_is_caught() -> None:
-    commands = ["step"] * 5 + ["pause_keep_clear", "step", "resume"] + ["step"] * 4 + ["reset_running"]
+    commands = (
+        ["step"] * 5 + ["pause_keep_clear", "step", "resume"] + ["step"] * 4 + ["reset_running"]
+    )
     for policy in ("flag", "counter"):
-        result = run_storm(replace(STORM, pipeline_depth=2, num_speculative_tokens=2,
-                                   discard_policy=policy), commands)
+        result = run_storm(
+            replace(STORM, pipeline_depth=2, num_speculative_tokens=2, discard_policy=policy),
+            commands,
+        )
         report = postmortem(result.tape)
         assert not report.ok, policy
-        assert kinds(report) & {"post_resume_token_dropped", "fresh_frame_dropped", "stale_frame_applied"}
+        assert kinds(report) & {
+            "post_resume_token_dropped",
+            "fresh_frame_dropped",
+            "stale_frame_applied",
+        }
 
 
 def test_cli_help_lists_postmortem(capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,8 +197,12 @@ def test_cli_help_lists_postmortem(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def small_llm(tmp_path: Path, **kw: object) -> LLM:
-    args: dict[str, object] = {"model": "oracle-random", "block_size": 4, "num_kv_blocks": 64,
-                               "tape": str(tmp_path / "run.tape")}
+    args: dict[str, object] = {
+        "model": "oracle-random",
+        "block_size": 4,
+        "num_kv_blocks": 64,
+        "tape": str(tmp_path / "run.tape"),
+    }
     args.update(kw)
     return LLM(**args)  # type: ignore[arg-type]
 
@@ -210,7 +254,9 @@ def test_kv_leak_is_found(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, num_kv_blocks=120, max_num_batched_tokens=16)
     with_kv(llm, LeakyKV)
     for i in range(16):
-        llm.engine.add_request(f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=20, ignore_eos=True))
+        llm.engine.add_request(
+            f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=20, ignore_eos=True)
+        )
     run_steps(llm, 400)
     llm.close()
     report = postmortem(tmp_path / "run.tape")
@@ -239,7 +285,9 @@ def test_clean_kv_runs_have_no_kv_findings(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4)
     shared = list(range(40, 48))
     for i in range(6):
-        llm.engine.add_request(f"q{i}", shared + list(range(i, i + 5)), SamplingParams(max_tokens=12, ignore_eos=True))
+        llm.engine.add_request(
+            f"q{i}", shared + list(range(i, i + 5)), SamplingParams(max_tokens=12, ignore_eos=True)
+        )
     run_steps(llm, 500)
     llm.close()
     report = postmortem(tmp_path / "run.tape")
@@ -285,9 +333,11 @@ def test_stuck_request_is_found(tmp_path: Path) -> None:
         llm.engine.step()
     llm.close()
     report = postmortem(tmp_path / "run.tape")
-    assert found(report) == [("replay_diverged", "error", ("long", "x"), None),
-                             ("request_stuck", "warning", ("x",), None),
-                             ("tape_truncated", "warning", ("x",), None)]
+    assert found(report) == [
+        ("replay_diverged", "error", ("long", "x"), None),
+        ("request_stuck", "warning", ("x",), None),
+        ("tape_truncated", "warning", ("x",), None),
+    ]
     by_kind = {f.kind: f for f in report.findings}
     # The faulty scheduler's first decision is where the tape stops replaying: x not admitted.
     assert by_kind["replay_diverged"].steps == (0, 0)
@@ -301,14 +351,25 @@ def test_requests_queued_behind_a_head_that_does_not_fit_are_not_stuck() -> None
     """First come, first served: a long request holds most of the KV cache, the head of the
     queue needs more than is left, and the small requests behind it wait for hundreds of steps
     although they would fit. They are not stuck (vLLM's scheduler does the same)."""
-    llm = LLM(model="oracle", tape=None, pipeline_depth=2, block_size=4, num_kv_blocks=80,
-              max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(
+        model="oracle",
+        tape=None,
+        pipeline_depth=2,
+        block_size=4,
+        num_kv_blocks=80,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
     engine = llm.engine
     # 60 + 240 tokens: 15 to 75 of the 80 blocks while it runs.
-    engine.add_request("long", [3 + i % 200 for i in range(60)], SamplingParams(max_tokens=240, ignore_eos=True))
+    engine.add_request(
+        "long", [3 + i % 200 for i in range(60)], SamplingParams(max_tokens=240, ignore_eos=True)
+    )
     engine.step()
     # 270 tokens: 68 blocks, never free while the long request runs.
-    engine.add_request("head", [10 + i % 200 for i in range(270)], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(
+        "head", [10 + i % 200 for i in range(270)], SamplingParams(max_tokens=4, ignore_eos=True)
+    )
     for i in range(3):
         engine.add_request(f"small{i}", [5 + i, 6], SamplingParams(max_tokens=2, ignore_eos=True))
     waited = 0
@@ -363,7 +424,9 @@ def test_reference_tape(tmp_path: Path) -> None:
     # Against a reference that ran longer, the shorter finished stream is named.
     longer = tmp_path / "longer.tape"
     with LLM(model="oracle-random", tape=str(longer), block_size=4, num_kv_blocks=64) as llm:
-        llm.engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True))
+        llm.engine.add_request(
+            "r", list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True)
+        )
         run_steps(llm, 200)
     report = postmortem(good, reference=longer)
     assert [(f.kind, f.request_ids) for f in report.findings] == [("token_mismatch", ["r"])]
@@ -387,7 +450,9 @@ def copy_with(src: Path, dst: Path, sql: str, *params: object) -> None:
 
 def test_corrupt_event_names_where_and_keeps_the_prefix(tmp_path: Path) -> None:
     bad = tmp_path / "corrupt.tape"
-    copy_with(TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 40", b"\xc1garbage")
+    copy_with(
+        TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 40", b"\xc1garbage"
+    )
     report = postmortem(bad)
     damaged = [f for f in report.findings if f.kind == "tape_damaged"]
     assert len(damaged) == 1 and damaged[0].seq == 40 and "event 40" in damaged[0].message
@@ -399,7 +464,9 @@ def test_corrupt_event_names_where_and_keeps_the_prefix(tmp_path: Path) -> None:
 def test_truncated_tape_is_analysed_up_to_the_break(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
     for i in range(30):
-        llm.engine.add_request(f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=30, ignore_eos=True))
+        llm.engine.add_request(
+            f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=30, ignore_eos=True)
+        )
     run_steps(llm, 2000)
     llm.close()
     data = (tmp_path / "run.tape").read_bytes()
@@ -413,9 +480,13 @@ def test_truncated_tape_is_analysed_up_to_the_break(tmp_path: Path) -> None:
     assert f"from event {report.summary.num_events} on" in report.findings[0].message
 
 
-def test_damaged_tape_still_gets_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_damaged_tape_still_gets_a_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "corrupt.tape"
-    copy_with(TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 50", b"\x00\x01")
+    copy_with(
+        TAPES / "flag_42043.tape", bad, "UPDATE events SET data = ? WHERE seq = 50", b"\x00\x01"
+    )
     page = tmp_path / "r.html"
     # Exit 2 (the tape cannot be read to its end), after the report of the readable part.
     assert main(["postmortem", str(bad), "--html", str(page)]) == 2
@@ -455,8 +526,12 @@ def test_inconsistent_tape(tmp_path: Path) -> None:
 
 def test_newer_format_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     newer = tmp_path / "newer.tape"
-    copy_with(TAPES / "flag_42043.tape", newer, "UPDATE meta SET value = ? WHERE key = 'format_version'",
-              ev.FORMAT_VERSION + 1)
+    copy_with(
+        TAPES / "flag_42043.tape",
+        newer,
+        "UPDATE meta SET value = ? WHERE key = 'format_version'",
+        ev.FORMAT_VERSION + 1,
+    )
     assert main(["postmortem", str(newer)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "newer" in err and "\n" not in err
@@ -477,7 +552,9 @@ def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"findings", "summary"}
     first = doc["findings"][0]
-    assert {"kind", "severity", "request_ids", "steps", "message", "excerpt", "bug_class"} <= set(first)
+    assert {"kind", "severity", "request_ids", "steps", "message", "excerpt", "bug_class"} <= set(
+        first
+    )
     assert doc["summary"]["errors"] == 2 and doc["summary"]["warnings"] == 1
     assert main(["postmortem", str(TAPES / "clean_epoch_storm.tape"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["findings"] == []
@@ -485,7 +562,9 @@ def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_text_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_html = tmp_path / "r.html"
-    assert main(["postmortem", str(TAPES / "counter_spec_units.tape"), "--html", str(out_html)]) == 1
+    assert (
+        main(["postmortem", str(TAPES / "counter_spec_units.tape"), "--html", str(out_html)]) == 1
+    )
     text = capsys.readouterr().out
     assert "[error] fresh_frame_dropped" in text
     assert f"  matches {BUG_CLASSES['vllm#42117-spec-units']}\n" in text  # the issue named once
@@ -497,7 +576,10 @@ def test_cli_text_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     captured = capsys.readouterr()
     assert captured.out == "" and "the file exists; pass --force to overwrite it" in captured.err
     assert out_html.read_text() == page
-    assert main(["postmortem", str(TAPES / "flag_42043.tape"), "--html", str(out_html), "--force"]) == 1
+    assert (
+        main(["postmortem", str(TAPES / "flag_42043.tape"), "--html", str(out_html), "--force"])
+        == 1
+    )
     assert "post_resume_token_dropped" in out_html.read_text()
     tape = TAPES / "flag_42043.tape"
     assert main(["postmortem", str(tape), "--html", str(tape), "--force"]) == 2
@@ -512,7 +594,10 @@ def test_the_text_report_reads_as_english(capsys: pytest.CaptureFixture[str]) ->
     assert "error(s)" not in text and "warning(s)" not in text and "1 requests" not in text
     report = postmortem(TAPES / "flag_42043.tape")
     errors, warnings = report.summary.errors, report.summary.warnings
-    assert f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''}\n" in text
+    assert (
+        f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''}\n"
+        in text
+    )
     assert "matches vllm#" not in text and text.count("vLLM #42043: vLLM #42043") == 0
 
 
@@ -556,10 +641,22 @@ def test_html_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     page = tmp_path / "report.html"
     page.write_text(render_report(postmortem(tape), tape))
     proc = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--enable-logging=stderr", "--v=0",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert console == []

@@ -23,7 +23,7 @@ def old_block_hashes(tokens: list[int], block_size: int) -> list[int]:
     """The scheme this replaced: Python's 64-bit hash() over (parent, block tokens)."""
     hashes, parent = [], 0
     for i in range(0, len(tokens) - len(tokens) % block_size, block_size):
-        parent = hash((parent, tuple(tokens[i:i + block_size])))
+        parent = hash((parent, tuple(tokens[i : i + block_size])))
         hashes.append(parent)
     return hashes
 
@@ -56,11 +56,19 @@ def cache(kv: KVCacheManager, r: RequestState) -> list[int]:
     return blocks
 
 
-@pytest.mark.parametrize("pair", [
-    COLLIDING,
-    ([0, 1, 2, 3], [2**61 - 1, 1, 2, 3]),  # hash(2**61 - 1) == hash(0): ints hash modulo 2**61 - 1
-])
-def test_blocks_that_collide_under_the_old_scheme_are_not_shared(pair: tuple[list[int], list[int]]) -> None:
+@pytest.mark.parametrize(
+    "pair",
+    [
+        COLLIDING,
+        (
+            [0, 1, 2, 3],
+            [2**61 - 1, 1, 2, 3],
+        ),  # hash(2**61 - 1) == hash(0): ints hash modulo 2**61 - 1
+    ],
+)
+def test_blocks_that_collide_under_the_old_scheme_are_not_shared(
+    pair: tuple[list[int], list[int]],
+) -> None:
     a, b = (block + TAIL for block in pair)
     assert old_block_hashes(a, 4) == old_block_hashes(b, 4)
     kv = KVCacheManager(num_blocks=16, block_size=4)
@@ -94,8 +102,9 @@ def test_each_full_block_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None
         return real(data)
 
     monkeypatch.setattr(hashlib, "sha256", counting)
-    config = EngineConfig(model="oracle", pipeline_depth=2, block_size=4, num_kv_blocks=12,
-                          max_num_batched_tokens=6)
+    config = EngineConfig(
+        model="oracle", pipeline_depth=2, block_size=4, num_kv_blocks=12, max_num_batched_tokens=6
+    )
     engine = new_engine(config, OracleRunner())
     params = SamplingParams(max_tokens=21, ignore_eos=True)
     prompts = {"a": list(range(3, 17)), "b": list(range(20, 33))}  # 14 and 13 tokens: chunked
@@ -114,8 +123,13 @@ def new_engine(config: EngineConfig, runner: OracleRunner) -> LLMEngine:
 
 
 def scheduled_entries(engine: LLMEngine, req_id: str) -> list[ev.ScheduledEntry]:
-    return [e for _, event in engine.tape.iter_events() if isinstance(event, ev.StepScheduled)
-            for e in event.entries if e.req_id == req_id]
+    return [
+        e
+        for _, event in engine.tape.iter_events()
+        if isinstance(event, ev.StepScheduled)
+        for e in event.entries
+        if e.req_id == req_id
+    ]
 
 
 def test_the_engine_does_not_share_kv_between_colliding_prompts() -> None:

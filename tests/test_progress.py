@@ -67,8 +67,9 @@ def test_request_progress_asks_for_the_token_count_only_when_it_redraws() -> Non
     assert not RequestProgress(4, stream=FakeTerminal(), enabled=False).shown
 
 
-def test_llm_generate_shows_vllms_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_llm_generate_shows_vllms_bar_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     llm = LLM(model="oracle", tape=None)
     params = SamplingParams(max_tokens=8)
     llm.generate(["a", "b", "c"], params)  # stderr is not a terminal here: nothing drawn
@@ -86,7 +87,8 @@ def test_llm_generate_shows_vllms_bar_on_a_terminal(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_cli_keeps_stdout_clean_and_draws_on_a_terminal_stderr(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = cli.main(["generate", "Hi", "--model", "oracle", "--json", "--no-tape"])
     captured = capsys.readouterr()
     assert rc == 0 and captured.err == "tape: none (--no-tape)\n"
@@ -98,7 +100,9 @@ def test_the_cli_keeps_stdout_clean_and_draws_on_a_terminal_stderr(
     assert "\x1b" not in out and out.startswith('{"request_id": "0"')
 
 
-def test_fold_reports_its_progress_and_gives_the_same_state(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fold_reports_its_progress_and_gives_the_same_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tape = load_tape(busy())
     monkeypatch.setattr("tokentape.replay.tape.PROGRESS_EVERY", 7)
     seen: list[int] = []

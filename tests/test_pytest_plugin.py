@@ -10,7 +10,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-TESTS = '''
+TESTS = """
 from tokentape import LLM, SamplingParams
 
 
@@ -46,21 +46,26 @@ def test_passes():
 
 def test_fails_without_an_engine():
     assert 1 == 2
-'''
+"""
 
 
 def test_plugin_keeps_the_tapes_of_failing_tests(pytester: pytest.Pytester, tmp_path: Path) -> None:
     pytester.makepyfile(test_sample=TESTS)
     keep = tmp_path / "tapes"
     junit = tmp_path / "junit.xml"
-    result = pytester.runpytest("--tokentape-dir", str(keep), f"--junitxml={junit}", "-p", "no:cacheprovider")
+    result = pytester.runpytest(
+        "--tokentape-dir", str(keep), f"--junitxml={junit}", "-p", "no:cacheprovider"
+    )
     result.assert_outcomes(passed=1, failed=3)
     result.stdout.fnmatch_lines(["*tokentape: tapes of failing tests*"])
     names = sorted(p.name for p in keep.iterdir())
     assert names == [
-        "test_sample.py_test_fails_with_a_file_tape-0.html", "test_sample.py_test_fails_with_a_file_tape-0.tape",
-        "test_sample.py_test_fails_with_a_file_tape-1.html", "test_sample.py_test_fails_with_a_file_tape-1.tape",
-        "test_sample.py_test_fails_with_a_memory_tape.html", "test_sample.py_test_fails_with_a_memory_tape.tape",
+        "test_sample.py_test_fails_with_a_file_tape-0.html",
+        "test_sample.py_test_fails_with_a_file_tape-0.tape",
+        "test_sample.py_test_fails_with_a_file_tape-1.html",
+        "test_sample.py_test_fails_with_a_file_tape-1.tape",
+        "test_sample.py_test_fails_with_a_memory_tape.html",
+        "test_sample.py_test_fails_with_a_memory_tape.tape",
     ]
     from tokentape.postmortem import postmortem
 
@@ -70,16 +75,23 @@ def test_plugin_keeps_the_tapes_of_failing_tests(pytester: pytest.Pytester, tmp_
     assert "post_resume_token_dropped" in html and "<svg" in html
 
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
-    props = {name: {p.get("name"): p.get("value") for p in case.iter("property")} for name, case in cases.items()}
+    props = {
+        name: {p.get("name"): p.get("value") for p in case.iter("property")}
+        for name, case in cases.items()
+    }
     assert props["test_fails_with_a_memory_tape"] == {
         "tokentape_tape": str(keep / "test_sample.py_test_fails_with_a_memory_tape.tape"),
         "tokentape_report": str(keep / "test_sample.py_test_fails_with_a_memory_tape.html"),
     }
     assert props["test_passes"] == {} and props["test_fails_without_an_engine"] == {}
-    assert len(props["test_fails_with_a_file_tape"]) == 2  # two engines: the last pair wins the name
+    assert (
+        len(props["test_fails_with_a_file_tape"]) == 2
+    )  # two engines: the last pair wins the name
     # The test's own tape file is untouched; the kept copy reads back whole.
     assert "post_resume_token_dropped" in {
-        f.kind for f in postmortem(keep / "test_sample.py_test_fails_with_a_file_tape-0.tape").findings}
+        f.kind
+        for f in postmortem(keep / "test_sample.py_test_fails_with_a_file_tape-0.tape").findings
+    }
 
 
 def test_plugin_is_off_without_the_option(pytester: pytest.Pytester, tmp_path: Path) -> None:

@@ -24,17 +24,32 @@ from tokentape.postmortem import postmortem
 from tokentape.replay import load_tape, verify
 from tokentape.replay.render import safe_text
 
-_TRIGGERS = ("events_no_update", "events_no_delete", "events_append_only",
-             "meta_no_update", "meta_no_delete", "meta_append_only")
+_TRIGGERS = (
+    "events_no_update",
+    "events_no_delete",
+    "events_append_only",
+    "meta_no_update",
+    "meta_no_delete",
+    "meta_append_only",
+)
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run with chunked prefill, KV-pressure preemptions, spec decoding and async steps."""
     path = tmp_path_factory.mktemp("readers") / "good.tape"
-    llm = LLM(model="oracle", tape=path, max_num_seqs=4, num_kv_blocks=24, block_size=4,
-              max_num_batched_tokens=32, num_speculative_tokens=2)
-    llm.generate([f"prompt number {i} " * (1 + i % 3) for i in range(8)], SamplingParams(max_tokens=12))
+    llm = LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=4,
+        num_kv_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=32,
+        num_speculative_tokens=2,
+    )
+    llm.generate(
+        [f"prompt number {i} " * (1 + i % 3) for i in range(8)], SamplingParams(max_tokens=12)
+    )
     llm.close()
     make_self_contained(path)
     return path
@@ -57,14 +72,17 @@ def edited(src: Path, dst: Path, *sql: str | tuple[str, tuple[object, ...]]) -> 
 def nth_seq(tape: Path, kind: str, n: int) -> int:
     conn = sqlite3.connect(f"file:{tape}?mode=ro", uri=True)
     try:
-        (seq,) = conn.execute("SELECT seq FROM events WHERE kind = ? ORDER BY seq LIMIT 1 OFFSET ?",
-                              (kind, n)).fetchone()
+        (seq,) = conn.execute(
+            "SELECT seq FROM events WHERE kind = ? ORDER BY seq LIMIT 1 OFFSET ?", (kind, n)
+        ).fetchone()
     finally:
         conn.close()
     return int(seq)
 
 
-def reencoded(tape: Path, seq: int, change: Callable[[ev.Event], ev.Event]) -> tuple[str, tuple[object, ...]]:
+def reencoded(
+    tape: Path, seq: int, change: Callable[[ev.Event], ev.Event]
+) -> tuple[str, tuple[object, ...]]:
     conn = sqlite3.connect(f"file:{tape}?mode=ro", uri=True)
     (data,) = conn.execute("SELECT data FROM events WHERE seq = ?", (seq,)).fetchone()
     conn.close()
@@ -74,7 +92,8 @@ def reencoded(tape: Path, seq: int, change: Callable[[ev.Event], ev.Event]) -> t
 def header_edit(tape: Path, **changes: object) -> tuple[str, tuple[object, ...]]:
     header = load_tape(tape).header
     return "UPDATE meta SET value = ? WHERE key = 'header'", (
-        ev.encode_header(msgspec.structs.replace(header, **changes)),)
+        ev.encode_header(msgspec.structs.replace(header, **changes)),
+    )
 
 
 # Each read command, as argv with TAPE for the damaged tape (diff compares it with the good one).
@@ -89,8 +108,14 @@ READERS: dict[str, list[str]] = {
 }
 
 
-def run_reader(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], reader: str,
-               tape: Path, good: Path, tmp_path: Path) -> tuple[int, str, str]:
+def run_reader(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    reader: str,
+    tape: Path,
+    good: Path,
+    tmp_path: Path,
+) -> tuple[int, str, str]:
     subs = {"TAPE": str(tape), "GOOD": str(good), "HTML": str(tmp_path / f"{tape.stem}.html")}
     monkeypatch.setattr("sys.stdin", io.StringIO("continue\nrequests\n"))
     rc = cli.main([subs.get(a, a) for a in READERS[reader]])
@@ -111,29 +136,50 @@ def assert_one_error_line(rc: int, err: str, *fragments: str) -> None:
 
 
 UNREADABLE = {
-    "NULL payload": (lambda good: ("UPDATE events SET data = NULL WHERE seq = 20",),
-                     "event data is NULL, not an encoded event"),
-    "text payload": (lambda good: ("UPDATE events SET data = 'hello' WHERE seq = 20",),
-                     "event data is str 'hello'"),
-    "number payload": (lambda good: ("UPDATE events SET data = 42 WHERE seq = 20",),
-                       "event data is int '42'"),
-    "garbage payload": (lambda good: (("UPDATE events SET data = ? WHERE seq = 20", (b"\xc1\x00",)),),
-                        "event cannot be decoded"),
+    "NULL payload": (
+        lambda good: ("UPDATE events SET data = NULL WHERE seq = 20",),
+        "event data is NULL, not an encoded event",
+    ),
+    "text payload": (
+        lambda good: ("UPDATE events SET data = 'hello' WHERE seq = 20",),
+        "event data is str 'hello'",
+    ),
+    "number payload": (
+        lambda good: ("UPDATE events SET data = 42 WHERE seq = 20",),
+        "event data is int '42'",
+    ),
+    "garbage payload": (
+        lambda good: (("UPDATE events SET data = ? WHERE seq = 20", (b"\xc1\x00",)),),
+        "event cannot be decoded",
+    ),
     "events missing": (lambda good: ("DELETE FROM events WHERE seq = 20",), "events are missing"),
-    "newer format in the header": (lambda good: (header_edit(good, format_version=99),),
-                                   "tape format version 99 is newer"),
-    "newer format in meta": (lambda good: ("UPDATE meta SET value = 7 WHERE key = 'format_version'",),
-                             "tape format version 7 is newer"),
+    "newer format in the header": (
+        lambda good: (header_edit(good, format_version=99),),
+        "tape format version 99 is newer",
+    ),
+    "newer format in meta": (
+        lambda good: ("UPDATE meta SET value = 7 WHERE key = 'format_version'",),
+        "tape format version 7 is newer",
+    ),
     "absurd KV pool in the header": (
-        lambda good: (header_edit(good, config={**load_tape(good).header.config, "num_kv_blocks": 10**12}),),
-        "num_kv_blocks 1000000000000 is more than"),
+        lambda good: (
+            header_edit(good, config={**load_tape(good).header.config, "num_kv_blocks": 10**12}),
+        ),
+        "num_kv_blocks 1000000000000 is more than",
+    ),
 }
 
 
 @pytest.mark.parametrize("reader", list(READERS))
 @pytest.mark.parametrize("damage", list(UNREADABLE))
-def test_an_unreadable_tape_is_one_error_line_and_exit_2(monkeypatch, capsys, tmp_path, good,  # type: ignore[no-untyped-def]
-                                                         reader: str, damage: str) -> None:
+def test_an_unreadable_tape_is_one_error_line_and_exit_2(
+    monkeypatch,
+    capsys,
+    tmp_path,
+    good,  # type: ignore[no-untyped-def]
+    reader: str,
+    damage: str,
+) -> None:
     sql, message = UNREADABLE[damage]
     bad = edited(good, tmp_path / "bad.tape", *sql(good))
     rc, out, err = run_reader(monkeypatch, capsys, reader, bad, good, tmp_path)
@@ -141,8 +187,13 @@ def test_an_unreadable_tape_is_one_error_line_and_exit_2(monkeypatch, capsys, tm
 
 
 @pytest.mark.parametrize("reader", list(READERS))
-def test_a_truncated_file_and_a_file_that_is_not_a_tape(monkeypatch, capsys, tmp_path, good,  # type: ignore[no-untyped-def]
-                                                        reader: str) -> None:
+def test_a_truncated_file_and_a_file_that_is_not_a_tape(
+    monkeypatch,
+    capsys,
+    tmp_path,
+    good,  # type: ignore[no-untyped-def]
+    reader: str,
+) -> None:
     cut = tmp_path / "cut.tape"
     cut.write_bytes(good.read_bytes()[:20_000])
     rc, _, err = run_reader(monkeypatch, capsys, reader, cut, good, tmp_path)
@@ -153,7 +204,9 @@ def test_a_truncated_file_and_a_file_that_is_not_a_tape(monkeypatch, capsys, tmp
     assert_one_error_line(rc, err, "not a tokentape tape")
 
 
-def test_a_damaged_tape_still_gets_the_postmortem_of_its_readable_part(monkeypatch, capsys, tmp_path, good) -> None:  # type: ignore[no-untyped-def]
+def test_a_damaged_tape_still_gets_the_postmortem_of_its_readable_part(
+    monkeypatch, capsys, tmp_path, good
+) -> None:  # type: ignore[no-untyped-def]
     bad = edited(good, tmp_path / "bad.tape", "UPDATE events SET data = NULL WHERE seq = 20")
     rc, out, err = run_reader(monkeypatch, capsys, "postmortem --json", bad, good, tmp_path)
     assert_one_error_line(rc, err, "the tape cannot be read from event 20 on")
@@ -169,13 +222,21 @@ def inconsistent(good: Path, tmp_path: Path, how: str) -> Path:
     bad = tmp_path / f"{how}.tape"
     if how == "frame deleted, rows renumbered":
         seq = nth_seq(good, "FrameProduced", 3)
-        return edited(good, bad, f"DELETE FROM events WHERE seq = {seq}",
-                      f"UPDATE events SET seq = seq - 1 WHERE seq > {seq}")
+        return edited(
+            good,
+            bad,
+            f"DELETE FROM events WHERE seq = {seq}",
+            f"UPDATE events SET seq = seq - 1 WHERE seq > {seq}",
+        )
     if how == "two frames swapped":
         a, b = nth_seq(good, "FrameProduced", 4), nth_seq(good, "FrameProduced", 5)
-        return edited(good, bad, f"UPDATE events SET seq = -1 WHERE seq = {a}",
-                      f"UPDATE events SET seq = {a} WHERE seq = {b}",
-                      f"UPDATE events SET seq = {b} WHERE seq = -1")
+        return edited(
+            good,
+            bad,
+            f"UPDATE events SET seq = -1 WHERE seq = {a}",
+            f"UPDATE events SET seq = {a} WHERE seq = {b}",
+            f"UPDATE events SET seq = {b} WHERE seq = -1",
+        )
     if how == "an entry claims 10^12 tokens":
         seq = nth_seq(good, "StepScheduled", 5)
 
@@ -190,8 +251,12 @@ def inconsistent(good: Path, tmp_path: Path, how: str) -> Path:
     raise AssertionError(how)
 
 
-INCONSISTENT = ("frame deleted, rows renumbered", "two frames swapped", "an entry claims 10^12 tokens",
-                "header policy disagrees with its config")
+INCONSISTENT = (
+    "frame deleted, rows renumbered",
+    "two frames swapped",
+    "an entry claims 10^12 tokens",
+    "header policy disagrees with its config",
+)
 
 
 @pytest.mark.parametrize("how", INCONSISTENT)
@@ -205,7 +270,9 @@ def test_diff_checks_each_tape_first(monkeypatch, capsys, tmp_path, good, how: s
 
 
 @pytest.mark.parametrize("how", INCONSISTENT)
-def test_postmortem_runs_verify_and_reports_where_it_fails(capsys, tmp_path, good, how: str) -> None:  # type: ignore[no-untyped-def]
+def test_postmortem_runs_verify_and_reports_where_it_fails(
+    capsys, tmp_path, good, how: str
+) -> None:  # type: ignore[no-untyped-def]
     bad = inconsistent(good, tmp_path, how)
     result = verify(bad)
     assert not result.ok and result.first_divergence is not None
@@ -262,7 +329,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def test_the_postmortem_says_where_a_killed_run_ends(tmp_path: Path) -> None:
     path = tmp_path / "killed.tape"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(path)], capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_RUN, str(path)], capture_output=True, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr
     tape = load_tape(path)
     last_seq, last = list(tape.events())[-1]
@@ -274,7 +343,8 @@ def test_the_postmortem_says_where_a_killed_run_ends(tmp_path: Path) -> None:
     assert sorted(f.request_ids) == ["r0", "r1", "r2", "r3"]
     assert f.seq == last_seq and f.message.startswith(
         f"the tape ends at event {last_seq} ({ev.kind_of(last)} of step {last.step}) after step 11 "
-        "was scheduled, with 4 request(s) unfinished; the frames of step(s) 10, 11 never recorded")
+        "was scheduled, with 4 request(s) unfinished; the frames of step(s) 10, 11 never recorded"
+    )
     assert "the engine process or its tape writer was killed" in f.message
 
 
@@ -293,9 +363,17 @@ def evil(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tape whose request id holds terminal escape sequences and a bidi override, recorded
     under the flag policy so that the postmortem has findings naming it."""
     path = tmp_path_factory.mktemp("evil") / "evil.tape"
-    llm = LLM(model="oracle-random", tape=path, pipeline_depth=2, discard_policy="flag",
-              block_size=4, num_kv_blocks=64)
-    llm.engine.add_request(EVIL, list(range(10, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    llm = LLM(
+        model="oracle-random",
+        tape=path,
+        pipeline_depth=2,
+        discard_policy="flag",
+        block_size=4,
+        num_kv_blocks=64,
+    )
+    llm.engine.add_request(
+        EVIL, list(range(10, 30)), SamplingParams(max_tokens=20, ignore_eos=True)
+    )
     for _ in range(10):
         llm.engine.step()
     llm.engine.pause_generation("keep", clear_cache=True)
@@ -308,14 +386,26 @@ def evil(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_safe_text_escapes_what_drives_a_terminal() -> None:
     assert safe_text(EVIL) == "r\\x1b[2J\\x1b]0;owned\\x07\\u202egnp.exe\\x9b31m"
-    assert safe_text("tabs\tand\nnewlines stay, é and 中 too") == "tabs\tand\nnewlines stay, é and 中 too"
+    assert (
+        safe_text("tabs\tand\nnewlines stay, é and 中 too")
+        == "tabs\tand\nnewlines stay, é and 中 too"
+    )
 
 
-@pytest.mark.parametrize("argv", [
-    ["inspect", "TAPE"], ["inspect", "TAPE", "--request", EVIL], ["postmortem", "TAPE"],
-    ["debug", "TAPE"], ["diff", "TAPE", "OTHER"], ["replay", "verify", "EDITED"],
-])
-def test_text_output_never_passes_escapes_through(monkeypatch, capsys, tmp_path, evil, argv) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "TAPE"],
+        ["inspect", "TAPE", "--request", EVIL],
+        ["postmortem", "TAPE"],
+        ["debug", "TAPE"],
+        ["diff", "TAPE", "OTHER"],
+        ["replay", "verify", "EDITED"],
+    ],
+)
+def test_text_output_never_passes_escapes_through(
+    monkeypatch, capsys, tmp_path, evil, argv
+) -> None:  # type: ignore[no-untyped-def]
     other = tmp_path / "other.tape"
     if "OTHER" in argv:  # the same request under epoch: the outputs differ, the report names it
         from tokentape.replay import whatif
@@ -325,11 +415,21 @@ def test_text_output_never_passes_escapes_through(monkeypatch, capsys, tmp_path,
 
         def more(e: ev.Event) -> ev.Event:
             assert isinstance(e, ev.StepScheduled)
-            return ev.StepScheduled(e.step, [msgspec.structs.replace(e.entries[0], num_new_tokens=99)])
+            return ev.StepScheduled(
+                e.step, [msgspec.structs.replace(e.entries[0], num_new_tokens=99)]
+            )
 
-        edited(evil, tmp_path / "edited.tape", reencoded(evil, nth_seq(evil, "StepScheduled", 3), more))
-    monkeypatch.setattr("sys.stdin", io.StringIO(
-        "requests\nevents 0-12\nnext FrameProduced\nprint req " + EVIL + "\nwhere\ndiff\nbreak req=nope\n"))
+        edited(
+            evil, tmp_path / "edited.tape", reencoded(evil, nth_seq(evil, "StepScheduled", 3), more)
+        )
+    monkeypatch.setattr(
+        "sys.stdin",
+        io.StringIO(
+            "requests\nevents 0-12\nnext FrameProduced\nprint req "
+            + EVIL
+            + "\nwhere\ndiff\nbreak req=nope\n"
+        ),
+    )
     paths = {"TAPE": str(evil), "OTHER": str(other), "EDITED": str(tmp_path / "edited.tape")}
     rc = cli.main([paths.get(a, a) for a in argv])
     captured = capsys.readouterr()

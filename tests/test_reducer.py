@@ -159,7 +159,9 @@ def test_inconsistent_events_are_refused() -> None:
 
 def test_events_round_trip_through_msgpack() -> None:
     events = [
-        ev.RequestAdded(0, "r", [5, 6], ev.SamplingParams(max_tokens=3, stop_token_ids=[4], seed=7)),
+        ev.RequestAdded(
+            0, "r", [5, 6], ev.SamplingParams(max_tokens=3, stop_token_ids=[4], seed=7)
+        ),
         ev.StepScheduled(0, [ev.ScheduledEntry("r", 0, 0, 2, 0, [0, 1])]),
         ev.FrameProduced(0, [ev.FrameEntry("r", [7], [], [-0.5])]),
         ev.OutputsEmitted(0, [ev.EmittedOutput("r", [7], False, None)]),

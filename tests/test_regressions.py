@@ -17,8 +17,14 @@ PROMPT = list(range(10, 30))
 
 def make_llm(policy: str, depth: int, k: int = 0, **kw: object) -> LLM:
     return LLM(
-        model="oracle-random", tape=None, pipeline_depth=depth, num_speculative_tokens=k,
-        discard_policy=policy, block_size=4, num_kv_blocks=64, **kw,
+        model="oracle-random",
+        tape=None,
+        pipeline_depth=depth,
+        num_speculative_tokens=k,
+        discard_policy=policy,
+        block_size=4,
+        num_kv_blocks=64,
+        **kw,
     )
 
 
@@ -87,7 +93,7 @@ def expected_shifted(exp: list[int], index: int) -> list[int]:
     """The stream from `index` on with the token at `index` skipped (one longer than needed)."""
     llm = make_llm("epoch", depth=1)
     longer = llm.engine.runner.expected_stream(PROMPT, SamplingParams(max_tokens=len(exp) + 1))
-    return longer[index + 1:]
+    return longer[index + 1 :]
 
 
 # -- the counter overwritten on a double reset ---------------------------------------------------
@@ -123,7 +129,7 @@ def test_double_reset_counter_lets_a_stale_token_through() -> None:
     # token is applied and then computed again: one token is delivered twice.
     first_bad = next(i for i, (a, b) in enumerate(zip(delivered, exp)) if a != b)
     assert delivered[first_bad] == exp[first_bad - 1]
-    assert delivered[first_bad + 1:] == exp[first_bad:len(delivered) - 1]
+    assert delivered[first_bad + 1 :] == exp[first_bad : len(delivered) - 1]
 
 
 # -- the counter's unit mismatch with speculative decoding ----------------------------------------

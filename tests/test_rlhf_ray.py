@@ -33,8 +33,12 @@ def example() -> Iterator[ModuleType]:
     import logging
 
     path = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     sys.path.insert(0, EXAMPLES)
     try:
         import rlhf_ray
@@ -49,11 +53,21 @@ def weight_updates(tape: Path) -> int:
     return sum(isinstance(e, ev.WeightsUpdated) for _, e in load_tape(tape).events())
 
 
-def test_the_loop_holds_and_the_fleet_is_clean(example: ModuleType, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_loop_holds_and_the_fleet_is_clean(
+    example: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Weights by a torch.distributed broadcast (gloo); the object store in the tests below."""
     tapes = tmp_path / "tapes"
-    argv = ["--engines", "2", "--iterations", "2", "--weight-sync", "broadcast", "--tape-dir", str(tapes)]
+    argv = [
+        "--engines",
+        "2",
+        "--iterations",
+        "2",
+        "--weight-sync",
+        "broadcast",
+        "--tape-dir",
+        str(tapes),
+    ]
     assert example.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("via broadcast: check held") == 2  # with requests paused mid-generation
@@ -68,10 +82,14 @@ def test_the_loop_holds_and_the_fleet_is_clean(example: ModuleType, tmp_path: Pa
     assert ray.is_initialized()  # the instance it found is left running
 
 
-def test_the_flag_policy_fails_as_vllm_did(example: ModuleType, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_flag_policy_fails_as_vllm_did(
+    example: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tapes = tmp_path / "tapes"
-    assert example.main(["--iterations", "1", "--discard-policy", "flag", "--tape-dir", str(tapes)]) == 1
+    assert (
+        example.main(["--iterations", "1", "--discard-policy", "flag", "--tape-dir", str(tapes)])
+        == 1
+    )
     out = capsys.readouterr().out
     # Each engine pauses once all its rollouts have tokens; the shorter ones may still end
     # first if the machine stalls the actor while its core runs on, but every engine must have
@@ -87,8 +105,9 @@ def test_the_flag_policy_fails_as_vllm_did(example: ModuleType, tmp_path: Path,
 
 
 @pytest.mark.parametrize("how", ["ray.kill", "sigkill"])
-def test_a_killed_engine_leaves_a_tape_that_says_where_it_ended(example: ModuleType, tmp_path: Path, how: str,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_killed_engine_leaves_a_tape_that_says_where_it_ended(
+    example: ModuleType, tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """ray.kill takes the engine core process with the actor: the tape stops mid-run. A SIGKILL
     of the actor's process alone (a crash, the OOM killer) leaves the core, which records it."""
     tapes = tmp_path / "tapes"
@@ -110,9 +129,13 @@ def test_a_killed_engine_leaves_a_tape_that_says_where_it_ended(example: ModuleT
     assert unfinished >= 1
     if how == "ray.kill":
         assert (row.ended, row.errors, s.errors) == ("truncated", 0, 0)
-        assert row.where.startswith(f"stopped mid-run at event {last_seq} after step {row.last_step} was "
-                                    f"scheduled, {unfinished} request(s) unfinished")
+        assert row.where.startswith(
+            f"stopped mid-run at event {last_seq} after step {row.last_step} was "
+            f"scheduled, {unfinished} request(s) unfinished"
+        )
     else:
         assert (row.ended, row.errors, s.errors) == ("engine_error", 1, 1)
-        assert row.where.startswith(f"the engine failed at step {row.last_step + 1}: FrontendDied: ")
+        assert row.where.startswith(
+            f"the engine failed at step {row.last_step + 1}: FrontendDied: "
+        )
         assert f"{unfinished} request(s) unfinished" in row.where

@@ -3,26 +3,35 @@ recorded, round-trip through the tape, and a version-1 event still decodes."""
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import pytest
 
 from tokentape import LLM, SamplingParams
-from tokentape.engine.async_llm import AsyncLLM
 from tokentape.events import schema as ev
 
 
-@pytest.mark.parametrize(("kw", "error"), [
-    (dict(n=0), ValueError), (dict(n=True), TypeError), (dict(presence_penalty=2.5), ValueError),
-    (dict(frequency_penalty="1"), TypeError), (dict(repetition_penalty=0.0), ValueError),
-    (dict(repetition_penalty=float("nan")), ValueError), (dict(min_tokens=-1), ValueError),
-    (dict(min_tokens=20, max_tokens=5), ValueError), (dict(stop=[""]), ValueError),
-    (dict(stop=[3]), TypeError), (dict(stop=["\ud800"]), ValueError),
-    (dict(include_stop_str_in_output=1), TypeError), (dict(bad_words=[[]]), ValueError),
-    (dict(bad_words=[[-1]]), ValueError), (dict(bad_words=[" "]), ValueError),
-    (dict(bad_words=[3]), TypeError), (dict(bad_words=[[1.5]]), TypeError),
-])
+@pytest.mark.parametrize(
+    ("kw", "error"),
+    [
+        (dict(n=0), ValueError),
+        (dict(n=True), TypeError),
+        (dict(presence_penalty=2.5), ValueError),
+        (dict(frequency_penalty="1"), TypeError),
+        (dict(repetition_penalty=0.0), ValueError),
+        (dict(repetition_penalty=float("nan")), ValueError),
+        (dict(min_tokens=-1), ValueError),
+        (dict(min_tokens=20, max_tokens=5), ValueError),
+        (dict(stop=[""]), ValueError),
+        (dict(stop=[3]), TypeError),
+        (dict(stop=["\ud800"]), ValueError),
+        (dict(include_stop_str_in_output=1), TypeError),
+        (dict(bad_words=[[]]), ValueError),
+        (dict(bad_words=[[-1]]), ValueError),
+        (dict(bad_words=[" "]), ValueError),
+        (dict(bad_words=[3]), TypeError),
+        (dict(bad_words=[[1.5]]), TypeError),
+    ],
+)
 def test_bad_options_are_refused(kw: dict[str, object], error: type[Exception]) -> None:
     name = next(iter(k for k in kw if k != "max_tokens"))
     with pytest.raises(error, match=name):
@@ -63,24 +72,40 @@ def test_string_bad_words_are_recorded_as_token_ids() -> None:
 
     enc = ByteTokenizer().encode
     assert encode_bad_word(" ab", enc) == [tuple(enc("ab"))]
-    words = {"hi": [1, 2], " hi": [3, 4], "x": [5]}  # a word-level tokenizer: " hi" is a new token pair
+    words = {
+        "hi": [1, 2],
+        " hi": [3, 4],
+        "x": [5],
+    }  # a word-level tokenizer: " hi" is a new token pair
     assert encode_bad_word("hi", lambda t: words[t]) == [(1, 2), (3, 4)]
     llm = LLM("tiny", tape=None, device="cpu")
-    llm.generate([[5, 6]], SamplingParams(max_tokens=2, bad_words=["ab", [7], " ab"]), use_tqdm=False)
+    llm.generate(
+        [[5, 6]], SamplingParams(max_tokens=2, bad_words=["ab", [7], " ab"]), use_tqdm=False
+    )
     added = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.RequestAdded)]
     assert added[0].params.bad_words == (tuple(enc("ab")), (7,))
     llm.close()
 
 
-@pytest.mark.parametrize("kw", [dict(presence_penalty=0.5), dict(frequency_penalty=-1.0),
-                                dict(repetition_penalty=1.1), dict(min_tokens=2), dict(bad_words=[[7]])])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=-1.0),
+        dict(repetition_penalty=1.1),
+        dict(min_tokens=2),
+        dict(bad_words=[[7]]),
+    ],
+)
 def test_the_oracle_refuses_options_it_cannot_honour(kw: dict[str, object]) -> None:
     llm = LLM("oracle", tape=None)
     before = len(llm.engine.tape)
     with pytest.raises(ValueError, match=f"oracle runner .*cannot honour {next(iter(kw))}"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=4, **kw), use_tqdm=False)  # type: ignore[arg-type]
     assert len(llm.engine.tape) == before
-    assert llm.generate([[5, 6]], SamplingParams(max_tokens=4), use_tqdm=False)[0].finished  # serves on
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=4), use_tqdm=False)[
+        0
+    ].finished  # serves on
     llm.close()
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from serve_process import ServerProcess
+
 from tokentape import SamplingParams
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.tokenizer import ByteTokenizer
@@ -41,7 +41,9 @@ class Live:
     def __init__(self, server: ServerProcess, tape: str) -> None:
         self.server, self.tape, self.url = server, tape, server.url
         self.weights = os.path.join(os.path.dirname(tape), "weights")  # --allowed-weight-dirs
-        self.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60
+        )
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +51,21 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     folder = tmp_path_factory.mktemp("serve")
     tape = str(folder / "serve.tape")
     (folder / "weights").mkdir()
-    server = ServerProcess("--model", "oracle", "--tape", tape, "--block-size", "4",
-                           "--num-kv-blocks", KV_BLOCKS, "--drain-timeout", "0.5",
-                           "--enable-rl-endpoints", "--allowed-weight-dirs", str(folder / "weights"))
+    server = ServerProcess(
+        "--model",
+        "oracle",
+        "--tape",
+        tape,
+        "--block-size",
+        "4",
+        "--num-kv-blocks",
+        KV_BLOCKS,
+        "--drain-timeout",
+        "0.5",
+        "--enable-rl-endpoints",
+        "--allowed-weight-dirs",
+        str(folder / "weights"),
+    )
     try:
         yield Live(server, tape)
     finally:
@@ -68,26 +82,41 @@ def test_models_health_and_metrics(live: Live) -> None:
     assert "tokentape:time_to_first_token_seconds_bucket" in text
     assert "tokentape:num_requests_running" in text
     # The engine core's lanes leave one CPU to the HTTP server (serve.server_cpu_threads).
-    assert load_tape(live.tape).header.config["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert load_tape(live.tape).header.config["cpu_threads"] == max(
+        1, len(os.sched_getaffinity(0)) - 1
+    )
 
 
 def test_completions_with_a_string_or_token_ids(live: Live) -> None:
-    out = live.client.completions.create(model="oracle", prompt="Hello", max_tokens=7,
-                                         extra_body={"return_token_ids": True})
+    out = live.client.completions.create(
+        model="oracle", prompt="Hello", max_tokens=7, extra_body={"return_token_ids": True}
+    )
     choice = out.choices[0]
     assert choice.token_ids == expected(TOK.encode("Hello"), 7)  # type: ignore[attr-defined]
     assert choice.text == TOK.decode(choice.token_ids) and choice.finish_reason == "length"  # type: ignore[attr-defined]
-    assert out.usage is not None and (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 7)
+    assert out.usage is not None and (out.usage.prompt_tokens, out.usage.completion_tokens) == (
+        5,
+        7,
+    )
     by_ids = live.client.completions.create(model="oracle", prompt=[5, 6, 7], max_tokens=4)
     assert by_ids.choices[0].text == TOK.decode(expected([5, 6, 7], 4))
     batch = live.client.completions.create(model="oracle", prompt=["ab", "cd"], max_tokens=3)
     assert [c.index for c in batch.choices] == [0, 1]
-    assert [c.text for c in batch.choices] == [TOK.decode(expected(TOK.encode(p), 3)) for p in ("ab", "cd")]
+    assert [c.text for c in batch.choices] == [
+        TOK.decode(expected(TOK.encode(p), 3)) for p in ("ab", "cd")
+    ]
 
 
 def test_streamed_completion_equals_the_oracle(live: Live) -> None:
-    chunks = list(live.client.completions.create(model="oracle", prompt="stream me", max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        live.client.completions.create(
+            model="oracle",
+            prompt="stream me",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == TOK.decode(expected(TOK.encode("stream me"), 12))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -100,7 +129,9 @@ def test_chat_completions_with_the_builtin_template(live: Live) -> None:
     want = TOK.decode(expected(prompt, 6))
     out = live.client.chat.completions.create(model="oracle", messages=messages, max_tokens=6)  # type: ignore[arg-type]
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want
-    stream = live.client.chat.completions.create(model="oracle", messages=messages, max_tokens=6, stream=True)  # type: ignore[arg-type]
+    stream = live.client.chat.completions.create(
+        model="oracle", messages=messages, max_tokens=6, stream=True
+    )  # type: ignore[arg-type]
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
@@ -113,18 +144,24 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(live: Live) -> 
     with pytest.raises(openai.BadRequestError, match="vocabulary"):
         live.client.completions.create(model="oracle", prompt=[5, 10**6], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="cannot honour presence_penalty"):  # no logits
-        live.client.completions.create(model="oracle", prompt="x", max_tokens=2, presence_penalty=0.5)
+        live.client.completions.create(
+            model="oracle", prompt="x", max_tokens=2, presence_penalty=0.5
+        )
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         live.client.completions.create(model="gpt-5", prompt="x", max_tokens=2)
     with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
         live.client.completions.create(model="oracle", prompt="x", max_tokens="many")  # type: ignore[arg-type]
-    r = httpx.post(f"{live.url}/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{live.url}/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{live.url}/pause", params={"mode": "nap"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "mode"
     r = httpx.get(f"{live.url}/v2/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
-    r = httpx.post(f"{live.url}/update_weights", json={"path": os.path.join(live.weights, "step-1")})
+    r = httpx.post(
+        f"{live.url}/update_weights", json={"path": os.path.join(live.weights, "step-1")}
+    )
     assert r.status_code == 400 and "pause" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "path"
     # Still serving, and none of the refused requests is on the tape (checked at the end).
@@ -134,11 +171,17 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(live: Live) -> 
 
 def test_pause_resume_and_reset_endpoints(live: Live) -> None:
     url = live.url
-    assert httpx.post(f"{url}/pause", params={"mode": "keep", "clear_cache": "true"}).json() == {"status": "paused"}
+    assert httpx.post(f"{url}/pause", params={"mode": "keep", "clear_cache": "true"}).json() == {
+        "status": "paused"
+    }
     assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
     got: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: got.setdefault("out", live.client.completions.create(
-        model="oracle", prompt="while paused", max_tokens=3)))
+    waiter = threading.Thread(
+        target=lambda: got.setdefault(
+            "out",
+            live.client.completions.create(model="oracle", prompt="while paused", max_tokens=3),
+        )
+    )
     waiter.start()
     waiter.join(0.5)
     assert waiter.is_alive()  # queued until resume
@@ -152,27 +195,49 @@ def test_pause_resume_and_reset_endpoints(live: Live) -> None:
 
 
 def test_a_client_that_disconnects_is_aborted_on_the_tape(live: Live) -> None:
-    body = {"model": "oracle", "prompt": "bye", "max_tokens": FOREVER_TOKENS, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers={"X-Request-Id": "gone"}) as r:
+    body = {
+        "model": "oracle",
+        "prompt": "bye",
+        "max_tokens": FOREVER_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{live.url}/v1/completions", json=body, headers={"X-Request-Id": "gone"}
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
     # Also one that leaves a non-streaming request while it waits.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{live.url}/v1/completions", json={**body, "stream": False},
-                   headers={"X-Request-Id": "gone-too"}, timeout=0.5)
+        httpx.post(
+            f"{live.url}/v1/completions",
+            json={**body, "stream": False},
+            headers={"X-Request-Id": "gone-too"},
+            timeout=0.5,
+        )
     live.server.wait_idle()  # both endless requests were aborted when their clients left
     # The aborts are checked on the tape after SIGTERM (test_sigterm_...), the file's last test.
 
 
 def test_sigterm_aborts_what_is_in_flight_and_the_tape_verifies(live: Live) -> None:
-    body = {"model": "oracle", "prompt": "forever", "max_tokens": FOREVER_TOKENS, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "oracle",
+        "prompt": "forever",
+        "max_tokens": FOREVER_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
     started = threading.Event()
 
     def stream() -> None:
         try:
-            with httpx.stream("POST", f"{live.url}/v1/completions", json=body,
-                              headers={"X-Request-Id": "inflight"}, timeout=60) as r:
+            with httpx.stream(
+                "POST",
+                f"{live.url}/v1/completions",
+                json=body,
+                headers={"X-Request-Id": "inflight"},
+                timeout=60,
+            ) as r:
                 for _ in r.iter_lines():
                     started.set()
         except httpx.HTTPError:
@@ -216,11 +281,25 @@ def test_rl_loop_over_http_with_a_checkpoint(tmp_path: Any, checkpoints: tuple[s
     tape = str(tmp_path / "rl.tape")
     prompts = ["The capital of France is", "Once upon a time"]
     max_tokens = 384  # long enough that the pause comes mid-stream, even on a busy machine
-    with ServerProcess("--model", old, "--tape", tape, "--enable-rl-endpoints",
-                       "--allowed-weight-dirs", os.path.dirname(new)) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-        chat = client.chat.completions.create(model=old, messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=3, temperature=0, extra_body={"return_token_ids": True})
+    with ServerProcess(
+        "--model",
+        old,
+        "--tape",
+        tape,
+        "--enable-rl-endpoints",
+        "--allowed-weight-dirs",
+        os.path.dirname(new),
+    ) as server:
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120
+        )
+        chat = client.chat.completions.create(
+            model=old,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
         chat_ids = chat.choices[0].token_ids  # type: ignore[attr-defined]
 
         async def rl_round() -> tuple[list[list[int]], list[int]]:
@@ -228,8 +307,15 @@ def test_rl_loop_over_http_with_a_checkpoint(tmp_path: Any, checkpoints: tuple[s
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
 
                 async def stream(i: int) -> None:
-                    body = {"model": old, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "stream": True, "return_token_ids": True}
+                    body = {
+                        "model": old,
+                        "prompt": prompts[i],
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "return_token_ids": True,
+                    }
                     async with http.stream("POST", "/v1/completions", json=body) as r:
                         async for line in r.aiter_lines():
                             if line.startswith("data: {"):
@@ -238,7 +324,9 @@ def test_rl_loop_over_http_with_a_checkpoint(tmp_path: Any, checkpoints: tuple[s
                 tasks = [asyncio.create_task(stream(i)) for i in range(len(prompts))]
                 while min(map(len, tokens)) < 3:
                     await asyncio.sleep(0.005)
-                assert (await http.post("/pause", params={"mode": "keep", "clear_cache": "true"})).status_code == 200
+                assert (
+                    await http.post("/pause", params={"mode": "keep", "clear_cache": "true"})
+                ).status_code == 200
                 await asyncio.sleep(0.2)  # the drained tokens reach the clients; nothing new comes
                 before = [len(t) for t in tokens]
                 r = await http.post("/update_weights", json={"path": new})
@@ -254,10 +342,20 @@ def test_rl_loop_over_http_with_a_checkpoint(tmp_path: Any, checkpoints: tuple[s
     with LLM(old, tape=None) as llm_old, LLM(new, tape=None) as llm_new:
         rendered = ChatTemplate.for_model(old).render([{"role": "user", "content": "Hi"}])
         greedy = SamplingParams(max_tokens=3, temperature=0)
-        assert chat_ids == llm_old.generate([llm_old.tokenizer.encode(rendered)], greedy)[0].outputs[0].token_ids
+        assert (
+            chat_ids
+            == llm_old.generate([llm_old.tokenizer.encode(rendered)], greedy)[0]
+            .outputs[0]
+            .token_ids
+        )
         for i, text in enumerate(prompts):
             prompt = llm_old.tokenizer.encode(text)
             p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            prefix = llm_old.generate([prompt], p)[0].outputs[0].token_ids[:before[i]]
-            rest = SamplingParams(max_tokens=max_tokens - len(prefix), temperature=0, ignore_eos=True)
-            assert streams[i] == prefix + llm_new.generate([prompt + prefix], rest)[0].outputs[0].token_ids
+            prefix = llm_old.generate([prompt], p)[0].outputs[0].token_ids[: before[i]]
+            rest = SamplingParams(
+                max_tokens=max_tokens - len(prefix), temperature=0, ignore_eos=True
+            )
+            assert (
+                streams[i]
+                == prefix + llm_new.generate([prompt + prefix], rest)[0].outputs[0].token_ids
+            )

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 import httpx
-
 from serve_process import ServerProcess
+
 from tokentape import SamplingParams
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.tokenizer import ByteTokenizer
@@ -24,11 +24,18 @@ MAX_TOKENS = 24
 
 
 async def stream(http: httpx.AsyncClient, i: int) -> tuple[list[int], str, str | None]:
-    body = {"model": "oracle", "prompt": f"client {i} says", "max_tokens": MAX_TOKENS, "stream": True,
-            "return_token_ids": True}
+    body = {
+        "model": "oracle",
+        "prompt": f"client {i} says",
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "return_token_ids": True,
+    }
     tokens: list[int] = []
     text, reason = "", None
-    async with http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"c{i}"}) as r:
+    async with http.stream(
+        "POST", "/v1/completions", json=body, headers={"X-Request-Id": f"c{i}"}
+    ) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
@@ -41,8 +48,16 @@ async def stream(http: httpx.AsyncClient, i: int) -> tuple[list[int], str, str |
 
 async def leave(http: httpx.AsyncClient, i: int) -> None:
     # Long enough to be still running when it leaves; within the context (32,768 tokens).
-    body = {"model": "oracle", "prompt": f"leaver {i}", "max_tokens": 30_000, "ignore_eos": True, "stream": True}
-    async with http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": f"leaver{i}"}) as r:
+    body = {
+        "model": "oracle",
+        "prompt": f"leaver {i}",
+        "max_tokens": 30_000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with http.stream(
+        "POST", "/v1/completions", json=body, headers={"X-Request-Id": f"leaver{i}"}
+    ) as r:
         seen = 0
         async for line in r.aiter_lines():
             seen += line.startswith("data: ")
@@ -56,17 +71,23 @@ def test_256_streaming_clients_and_disconnects(tmp_path: Any) -> None:
     with ServerProcess("--model", "oracle", "--tape", tape, "--drain-timeout", "1") as server:
 
         async def main() -> list[Any]:
-            limits = httpx.Limits(max_connections=NUM_CLIENTS + NUM_LEAVERS, max_keepalive_connections=0)
+            limits = httpx.Limits(
+                max_connections=NUM_CLIENTS + NUM_LEAVERS, max_keepalive_connections=0
+            )
             async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
                 return await asyncio.gather(
-                    *(stream(http, i) for i in range(NUM_CLIENTS)), *(leave(http, i) for i in range(NUM_LEAVERS)))
+                    *(stream(http, i) for i in range(NUM_CLIENTS)),
+                    *(leave(http, i) for i in range(NUM_LEAVERS)),
+                )
 
         start = time.perf_counter()
         results = asyncio.run(main())[:NUM_CLIENTS]
         elapsed = time.perf_counter() - start
         server.wait_idle()  # the leavers' endless requests were aborted when they left
     for i, (tokens, text, reason) in enumerate(results):
-        want = oracle.expected_stream(tok.encode(f"client {i} says"), SamplingParams(max_tokens=MAX_TOKENS))
+        want = oracle.expected_stream(
+            tok.encode(f"client {i} says"), SamplingParams(max_tokens=MAX_TOKENS)
+        )
         assert tokens == want, f"client {i}"
         assert text == tok.decode(want) and reason == "length"
     assert verify(tape).ok
@@ -82,9 +103,13 @@ def test_stream_interval_sends_tokens_in_groups(tmp_path: Any) -> None:
     tok, oracle = ByteTokenizer(), OracleRunner()
     with ServerProcess("--model", "oracle", "--tape", tape, "--stream-interval", "4") as server:
 
-        async def chunks(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        async def chunks(
+            http: httpx.AsyncClient, path: str, body: dict[str, Any]
+        ) -> list[dict[str, Any]]:
             got = []
-            async with http.stream("POST", path, json={**body, "stream": True, "return_token_ids": True}) as r:
+            async with http.stream(
+                "POST", path, json={**body, "stream": True, "return_token_ids": True}
+            ) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
@@ -94,9 +119,16 @@ def test_stream_interval_sends_tokens_in_groups(tmp_path: Any) -> None:
         async def main() -> list[list[dict[str, Any]]]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
                 return await asyncio.gather(
-                    *(chunks(http, "/v1/completions", {"prompt": f"group {i}", "max_tokens": 21}) for i in range(8)),
-                    chunks(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 21}))
+                    *(
+                        chunks(http, "/v1/completions", {"prompt": f"group {i}", "max_tokens": 21})
+                        for i in range(8)
+                    ),
+                    chunks(
+                        http,
+                        "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 21},
+                    ),
+                )
 
         results = asyncio.run(main())
     for i, got in enumerate(results[:8]):
@@ -106,6 +138,10 @@ def test_stream_interval_sends_tokens_in_groups(tmp_path: Any) -> None:
         assert "".join(c["text"] for c in got) == tok.decode(want)
         assert all(n >= 4 for n in sizes[1:-1]) and len(got) <= 1 + -(-20 // 4), sizes
     chat = [c for c in results[8] if c.get("token_ids")]
-    assert sum(len(c["token_ids"]) for c in chat) == 21 and all(len(c["token_ids"]) >= 4 for c in chat[1:-1])
-    assert "".join(c["delta"].get("content", "") for c in results[8]) == tok.decode([t for c in chat for t in c["token_ids"]])
+    assert sum(len(c["token_ids"]) for c in chat) == 21 and all(
+        len(c["token_ids"]) >= 4 for c in chat[1:-1]
+    )
+    assert "".join(c["delta"].get("content", "") for c in results[8]) == tok.decode(
+        [t for c in chat for t in c["token_ids"]]
+    )
     assert verify(tape).ok

@@ -11,8 +11,8 @@ from typing import Any
 
 import openai
 import pytest
-
 from serve_process import ServerProcess
+
 from tokentape import LLM, SamplingParams
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.entrypoints.chat_template import ChatTemplate
@@ -37,8 +37,12 @@ def pick_stops(outputs: list[Any]) -> list[str]:
     stops = []
     for c, size in zip(outputs, (1, 2)):
         toks = list(c.token_ids)
-        at = next(j for j in range(3, len(toks) - size) if all(3 + 32 <= t < 3 + 127 for t in toks[j:j + size]))
-        stops.append(TOK.decode(toks[at:at + size]))
+        at = next(
+            j
+            for j in range(3, len(toks) - size)
+            if all(3 + 32 <= t < 3 + 127 for t in toks[j : j + size])
+        )
+        stops.append(TOK.decode(toks[at : at + size]))
     return stops
 
 
@@ -67,11 +71,17 @@ def test_completions_n_stop_strings_and_logprobs(client: openai.OpenAI, include:
         assert lp.token_logprobs == pytest.approx(r.logprobs, abs=1e-5)
         # vLLM's: the running length of the tokens' own texts.
         assert lp.text_offset == [sum(len(x) for x in lp.tokens[:j]) for j in range(len(lp.tokens))]
-        assert lp.top_logprobs == [{TOK.decode([t]): pytest.approx(v, abs=1e-5) for t, v in d.items()}
-                                   for d in r.top_logprobs]
-    assert out.usage is not None and out.usage.completion_tokens == sum(len(r.token_ids) for r in ref)
+        assert lp.top_logprobs == [
+            {TOK.decode([t]): pytest.approx(v, abs=1e-5) for t, v in d.items()}
+            for d in r.top_logprobs
+        ]
+    assert out.usage is not None and out.usage.completion_tokens == sum(
+        len(r.token_ids) for r in ref
+    )
     # Streamed: every choice's chunks carry its index and join into the same text.
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True, extra_body=body, **kw))
+    chunks = list(
+        client.completions.create(model="tiny", prompt=PROMPT, stream=True, extra_body=body, **kw)
+    )
     texts: dict[int, str] = {}
     finals: dict[int, tuple[Any, Any]] = {}
     for chunk in chunks:
@@ -90,8 +100,13 @@ def test_chat_n_and_top_logprobs(client: openai.OpenAI) -> None:
     kw["stop"] = pick_stops(reference(prompt, **kw))
     ref = reference(prompt, logprobs=3, **kw)
     assert ref[0].stop_reason == kw["stop"][0]
-    out = client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=3,  # type: ignore[arg-type]
-                                         **kw)
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        logprobs=True,
+        top_logprobs=3,  # type: ignore[arg-type]
+        **kw,
+    )
     assert [c.index for c in out.choices] == [0, 1]
     for c, r in zip(out.choices, ref):
         assert c.message.content == r.text and c.finish_reason == r.finish_reason
@@ -102,7 +117,9 @@ def test_chat_n_and_top_logprobs(client: openai.OpenAI) -> None:
         for x, top in zip(content, r.top_logprobs):
             best = sorted(top.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
             assert [a.token for a in x.top_logprobs] == [TOK.decode([t]) for t, _ in best]
-            assert [a.logprob for a in x.top_logprobs] == pytest.approx([v for _, v in best], abs=1e-5)
+            assert [a.logprob for a in x.top_logprobs] == pytest.approx(
+                [v for _, v in best], abs=1e-5
+            )
     stream = client.chat.completions.create(model="tiny", messages=messages, stream=True, **kw)  # type: ignore[arg-type]
     texts: dict[int, str] = {}
     roles = set()
@@ -116,11 +133,24 @@ def test_chat_n_and_top_logprobs(client: openai.OpenAI) -> None:
 
 def test_bad_words_as_strings_and_penalties(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(max_tokens=24, temperature=0.0)
-    plain = client.completions.create(model="tiny", prompt=PROMPT, extra_body={"ignore_eos": True},
-                                      **kw).choices[0].text
+    plain = (
+        client.completions.create(
+            model="tiny", prompt=PROMPT, extra_body={"ignore_eos": True}, **kw
+        )
+        .choices[0]
+        .text
+    )
     word = next(ch for ch in plain if " " < ch < "\x7f")  # a character the greedy stream has
     body = {"bad_words": [word], "repetition_penalty": 1.3, "ignore_eos": True}
-    out = client.completions.create(model="tiny", prompt=PROMPT, extra_body=body, presence_penalty=0.5, **kw)
-    ref = reference(TOK.encode(PROMPT), bad_words=[word], repetition_penalty=1.3, ignore_eos=True,
-                    presence_penalty=0.5, **kw)
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, extra_body=body, presence_penalty=0.5, **kw
+    )
+    ref = reference(
+        TOK.encode(PROMPT),
+        bad_words=[word],
+        repetition_penalty=1.3,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        **kw,
+    )
     assert out.choices[0].text == ref[0].text and TOK.encode(word)[0] not in ref[0].token_ids

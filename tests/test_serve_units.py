@@ -9,16 +9,25 @@ from pathlib import Path
 import pytest
 
 from tokentape.engine.tokenizer import ByteTokenizer
-from tokentape.entrypoints.request_body import param_of_validation as _param_of
-from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
 from tokentape.entrypoints import protocol as p
+from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
 from tokentape.entrypoints.metrics import ServerMetrics
-from tokentape.entrypoints.serving import ByteDetokenizer, IncrementalDetokenizer, SSEFramer, detokenizer, sse_bytes
+from tokentape.entrypoints.request_body import param_of_validation as _param_of
+from tokentape.entrypoints.serving import (
+    ByteDetokenizer,
+    IncrementalDetokenizer,
+    SSEFramer,
+    detokenizer,
+    sse_bytes,
+)
 
 
 def test_builtin_chat_template() -> None:
     t = ChatTemplate.for_model("tiny")
-    msgs = [message_text("system", "Be brief."), message_text("user", [{"type": "text", "text": "Hi"}])]
+    msgs = [
+        message_text("system", "Be brief."),
+        message_text("user", [{"type": "text", "text": "Hi"}]),
+    ]
     assert t.render(msgs) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
     with pytest.raises(ChatTemplateError, match="text content"):
         message_text("user", [{"type": "image_url", "image_url": "x"}])
@@ -27,10 +36,18 @@ def test_builtin_chat_template() -> None:
 def test_a_checkpoint_template_and_a_checkpoint_without_one(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}" \
-               "{% if add_generation_prompt %}assistant:{% endif %}"
-    (tmp_path / "a" / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": [{"name": "default", "template": template}], "bos_token": {"content": "<s>"}}))
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    (tmp_path / "a" / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [{"name": "default", "template": template}],
+                "bos_token": {"content": "<s>"},
+            }
+        )
+    )
     t = ChatTemplate.for_model(str(tmp_path / "a"))
     assert t.render([{"role": "user", "content": "Hi"}]) == "<s>user: Hi;assistant:"
     bare = ChatTemplate.for_model(str(tmp_path / "b"))
@@ -47,7 +64,7 @@ def test_incremental_detokenizer_holds_back_a_cut_character(chunk: int) -> None:
     tok = ByteTokenizer()
     ids = tok.encode("héllo wörld ✓ — done")
     d = IncrementalDetokenizer(tok.decode)
-    deltas = [d.add(ids[i:i + chunk], i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
+    deltas = [d.add(ids[i : i + chunk], i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
     assert "".join(deltas) == tok.decode(ids) and "\ufffd" not in "".join(deltas)
 
 
@@ -59,11 +76,18 @@ def test_the_byte_detokenizer_gives_the_windowed_one_s_text() -> None:
     tok, rng = ByteTokenizer(), random.Random(0)
     assert isinstance(detokenizer(tok), ByteDetokenizer)
     for trial in range(500):
-        ids = tok.encode("héllo wörld ✓ — 日本語🙂") if trial % 2 else [rng.randrange(0, 262) for _ in range(25)]
+        ids = (
+            tok.encode("héllo wörld ✓ — 日本語🙂")
+            if trial % 2
+            else [rng.randrange(0, 262) for _ in range(25)]
+        )
         cuts = sorted(rng.sample(range(1, len(ids)), rng.randrange(0, 6)))
         parts = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
         windowed, fast = IncrementalDetokenizer(tok.decode), ByteDetokenizer(tok)
-        texts = ["".join(d.add(part, i == len(parts) - 1) for i, part in enumerate(parts)) for d in (windowed, fast)]
+        texts = [
+            "".join(d.add(part, i == len(parts) - 1) for i, part in enumerate(parts))
+            for d in (windowed, fast)
+        ]
         assert texts[0] == texts[1] == tok.decode(ids)
         assert windowed.num_chars == fast.num_chars == len(texts[0])
 
@@ -84,13 +108,20 @@ def test_latency_histograms_render_cumulative_buckets() -> None:
     m = ServerMetrics("tiny", SchedulerStats)
     for seconds in (0.0005, 0.001, 0.003, 100.0):
         m.itl.observe(seconds)
-    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in m.render().decode().splitlines()
-             if line.startswith("tokentape:inter_token_latency_seconds")}
-    assert lines['tokentape:inter_token_latency_seconds_bucket{le="0.001",model_name="tiny"}'] == 2  # le: <=
+    lines = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in m.render().decode().splitlines()
+        if line.startswith("tokentape:inter_token_latency_seconds")
+    }
+    assert (
+        lines['tokentape:inter_token_latency_seconds_bucket{le="0.001",model_name="tiny"}'] == 2
+    )  # le: <=
     assert lines['tokentape:inter_token_latency_seconds_bucket{le="0.005",model_name="tiny"}'] == 3
     assert lines['tokentape:inter_token_latency_seconds_bucket{le="+Inf",model_name="tiny"}'] == 4
     assert lines['tokentape:inter_token_latency_seconds_count{model_name="tiny"}'] == 4
-    assert lines['tokentape:inter_token_latency_seconds_sum{model_name="tiny"}'] == pytest.approx(100.0045)
+    assert lines['tokentape:inter_token_latency_seconds_sum{model_name="tiny"}'] == pytest.approx(
+        100.0045
+    )
 
 
 def test_the_bad_field_of_a_body_is_named() -> None:
@@ -100,15 +131,29 @@ def test_the_bad_field_of_a_body_is_named() -> None:
     assert _param_of("something else") is None
 
 
-def test_the_serve_parser_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_serve_parser_and_its_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import argparse
 
     from tokentape.entrypoints.serve import add_parser, engine_args, main
 
     sub = argparse.ArgumentParser(prog="tokentape").add_subparsers()
     srv = add_parser(sub)
-    args = srv.parse_args(["--model", "oracle", "--port", "0", "--pipeline-depth", "3",
-                                       "--max-model-len", "64", "--drain-timeout", "0.5"])
+    args = srv.parse_args(
+        [
+            "--model",
+            "oracle",
+            "--port",
+            "0",
+            "--pipeline-depth",
+            "3",
+            "--max-model-len",
+            "64",
+            "--drain-timeout",
+            "0.5",
+        ]
+    )
     assert (args.model, args.port, args.drain_timeout) == ("oracle", 0, 0.5)
     assert engine_args(args) == {"seed": 0, "pipeline_depth": 3, "max_model_len": 64}
     lanes = srv.parse_args(["--cpu-threads", "1", "--stream-interval", "4"])
@@ -119,6 +164,9 @@ def test_the_serve_parser_and_its_errors(tmp_path: Path, capsys: pytest.CaptureF
     assert "the file exists; pass --force to overwrite it" in capsys.readouterr().err
     # --force: bad engine arguments are still refused before the old tape is removed.
     assert main(["--model", "oracle", "--tape", str(existing), "--force", "--block-size", "0"]) == 2
-    assert main(["--model", "oracle", "--tape", str(existing), "--force", "--pipeline-depth", "9"]) == 2
+    assert (
+        main(["--model", "oracle", "--tape", str(existing), "--force", "--pipeline-depth", "9"])
+        == 2
+    )
     assert "pipeline_depth" in capsys.readouterr().err and existing.exists()
     assert main(["--port", "-1"]) == 2

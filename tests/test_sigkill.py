@@ -24,11 +24,21 @@ def chaos():  # type: ignore[no-untyped-def]
     return module
 
 
-@pytest.mark.parametrize(("seed", "model", "max_kill_s"), [
-    (1, "oracle", 0.6), (2, "oracle", 0.6), (3, "oracle", 0.6), (4, "tiny", 0.6),
-])
+@pytest.mark.parametrize(
+    ("seed", "model", "max_kill_s"),
+    [
+        (1, "oracle", 0.6),
+        (2, "oracle", 0.6),
+        (3, "oracle", 0.6),
+        (4, "tiny", 0.6),
+    ],
+)
 def test_a_sigkilled_engine_leaves_one_file_that_verifies(
-    chaos, seed: int, model: str, max_kill_s: float, tmp_path: Path  # type: ignore[no-untyped-def]
+    chaos,
+    seed: int,
+    model: str,
+    max_kill_s: float,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     it = chaos.run_iteration(tmp_path, seed, model, max_kill_s)
     assert it.ok, it.problem

@@ -5,7 +5,6 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tape_scenarios import busy, double_reset, pause_resume
@@ -21,7 +20,13 @@ from tokentape.replay.tape import Tape
 
 @cache
 def recorded() -> tuple[object, ...]:
-    return (busy(), busy(seed=3), pause_resume("flag"), double_reset("counter"), double_reset("epoch"))
+    return (
+        busy(),
+        busy(seed=3),
+        pause_resume("flag"),
+        double_reset("counter"),
+        double_reset("epoch"),
+    )
 
 
 def fold_to_step(tape: Tape, step: int) -> EngineState:
@@ -45,12 +50,16 @@ def test_seek_through_snapshots_equals_fold_from_start(data: st.DataObject) -> N
     for seq in data.draw(st.lists(st.integers(0, n), min_size=1, max_size=5), label="seqs"):
         assert tape.state_at(seq) == tape.fold(until_seq=seq)
     num_steps = tape.fold().step
-    for step in data.draw(st.lists(st.integers(0, num_steps + 2), min_size=1, max_size=4), label="steps"):
+    for step in data.draw(
+        st.lists(st.integers(0, num_steps + 2), min_size=1, max_size=4), label="steps"
+    ):
         if step < num_steps:
             assert tape.at(step) == fold_to_step(tape, step)
         else:
-            with pytest.raises(IndexError, match=f"step {step} is out of range: the tape "
-                               f"schedules steps 0..{num_steps - 1}"):
+            with pytest.raises(
+                IndexError,
+                match=f"step {step} is out of range: the tape schedules steps 0..{num_steps - 1}",
+            ):
                 tape.at(step)
 
 
@@ -92,7 +101,9 @@ def test_a_step_the_tape_does_not_schedule_is_an_index_error() -> None:
         with pytest.raises(IndexError, match=f"the tape schedules steps 0..{num_steps - 1}"):
             tape.at(step)
     for step in (-1, -5):
-        with pytest.raises(IndexError, match=f"step {step} is out of range: steps are numbered from 0"):
+        with pytest.raises(
+            IndexError, match=f"step {step} is out of range: steps are numbered from 0"
+        ):
             tape.at(step)
     empty = MemoryTape(tape.header)
     with pytest.raises(IndexError, match="step 0 is out of range: the tape schedules no step"):
@@ -131,22 +142,38 @@ def test_a_copy_shares_only_settled_requests() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(
-    depth=st.integers(1, 3), policy=st.sampled_from(["epoch", "counter", "flag"]),
-    k=st.integers(0, 2), blocks=st.integers(12, 40),
+    depth=st.integers(1, 3),
+    policy=st.sampled_from(["epoch", "counter", "flag"]),
+    k=st.integers(0, 2),
+    blocks=st.integers(12, 40),
     requests=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 16)), min_size=1, max_size=5),
-    commands=st.lists(st.tuples(st.integers(0, 12), st.sampled_from(["pause", "reset", "abort"])),
-                      max_size=3),
+    commands=st.lists(
+        st.tuples(st.integers(0, 12), st.sampled_from(["pause", "reset", "abort"])), max_size=3
+    ),
     data=st.data(),
 )
-def test_seek_equals_fold_on_random_runs(depth, policy, k, blocks, requests, commands, data) -> None:  # type: ignore[no-untyped-def]
+def test_seek_equals_fold_on_random_runs(
+    depth, policy, k, blocks, requests, commands, data
+) -> None:  # type: ignore[no-untyped-def]
     """Random engine runs (KV pressure, resets, pauses, aborts), random seeks."""
     from tokentape import LLM, SamplingParams
 
-    llm = LLM(model="oracle-random", tape=None, pipeline_depth=depth, discard_policy=policy,
-              num_speculative_tokens=k, block_size=4, num_kv_blocks=blocks, max_num_batched_tokens=16)
+    llm = LLM(
+        model="oracle-random",
+        tape=None,
+        pipeline_depth=depth,
+        discard_policy=policy,
+        num_speculative_tokens=k,
+        block_size=4,
+        num_kv_blocks=blocks,
+        max_num_batched_tokens=16,
+    )
     for i, (prompt_len, max_tokens) in enumerate(requests):
-        llm.engine.add_request(f"q{i}", list(range(3, 3 + prompt_len)),
-                               SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        llm.engine.add_request(
+            f"q{i}",
+            list(range(3, 3 + prompt_len)),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
     todo = sorted(commands)
     for n in range(400):
         while todo and todo[0][0] == n:

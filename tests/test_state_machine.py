@@ -63,7 +63,7 @@ class ClientRequest:
     finish_reason: str | None = None
 
 
-def tape_dump(m: "EngineMachine") -> str:
+def tape_dump(m: EngineMachine) -> str:
     """The engine config and every event on the tape: context for a failing assertion."""
     events = "\n".join(f"  {e!r}" for _, e in m.engine.tape.iter_events())
     return f"\n{m.engine.config!r}\ntape:\n{events}"
@@ -93,14 +93,29 @@ class EngineMachine(RuleBasedStateMachine):
         initial_requests=st.integers(1, 5),
         data=st.data(),
     )
-    def configure(self, pipeline_depth, num_spec, policy, num_kv_blocks, budget, max_num_seqs,
-                  prefix_caching, initial_requests, data):
+    def configure(
+        self,
+        pipeline_depth,
+        num_spec,
+        policy,
+        num_kv_blocks,
+        budget,
+        max_num_seqs,
+        prefix_caching,
+        initial_requests,
+        data,
+    ):
         self.busy = True
         self.llm = tokentape.LLM(
-            model="oracle", tape=None,
-            pipeline_depth=pipeline_depth, num_speculative_tokens=num_spec,
-            discard_policy=policy, block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max(budget, 1 + num_spec), max_num_seqs=max_num_seqs,
+            model="oracle",
+            tape=None,
+            pipeline_depth=pipeline_depth,
+            num_speculative_tokens=num_spec,
+            discard_policy=policy,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max(budget, 1 + num_spec),
+            max_num_seqs=max_num_seqs,
             enable_prefix_caching=prefix_caching,
         )
         self.epoch = policy == "epoch"
@@ -128,7 +143,7 @@ class EngineMachine(RuleBasedStateMachine):
                 f"({req.finish_reason}) with {req.delivered}"
             )
             got = out.outputs[0].token_ids  # cumulative: what it had, then the new tokens
-            assert got[:len(req.delivered)] == req.delivered, (out.request_id, req.delivered, got)
+            assert got[: len(req.delivered)] == req.delivered, (out.request_id, req.delivered, got)
             req.delivered = list(got)
             if out.finished:
                 req.finished = True
@@ -146,8 +161,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.busy = False
 
     def add_one_request(self, data):
-        shared = data.draw(st.sampled_from([[], [7, 8, 9, 10, 11, 12, 13, 14], [7, 8, 9, 10]]),
-                           label="shared_prefix")
+        shared = data.draw(
+            st.sampled_from([[], [7, 8, 9, 10, 11, 12, 13, 14], [7, 8, 9, 10]]),
+            label="shared_prefix",
+        )
         longest = min(16, self.max_len - 1)
         suffix = data.draw(st.lists(token_ids, min_size=1, max_size=longest), label="suffix")
         prompt = (shared + suffix)[:longest]
@@ -190,7 +207,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.busy = True
         self.engine.pause_generation(mode, clear_cache)
         assert self.engine.is_paused()
-        assert not self.engine.state.in_flight_steps, "pause_generation returned before the engine drained"
+        assert not self.engine.state.in_flight_steps, (
+            "pause_generation returned before the engine drained"
+        )
         if mode == "abort":
             assert not self.engine.state.unfinished
         if mode == "wait":
@@ -220,8 +239,19 @@ class EngineMachine(RuleBasedStateMachine):
         self.commands += 1
         self.busy = False
 
-    @rule(kind=st.sampled_from(["unknown_abort", "duplicate", "max_tokens", "too_long", "empty",
-                                "bad_token", "bad_mode"]))
+    @rule(
+        kind=st.sampled_from(
+            [
+                "unknown_abort",
+                "duplicate",
+                "max_tokens",
+                "too_long",
+                "empty",
+                "bad_token",
+                "bad_mode",
+            ]
+        )
+    )
     def bad_input(self, kind):
         self.busy = True
         engine = self.engine
@@ -269,21 +299,24 @@ class EngineMachine(RuleBasedStateMachine):
             out = r.output_token_ids
             # Every policy: the client got a prefix of what the reducer holds, never more
             # than max_tokens, and a finish only for a finished request.
-            assert out[:len(c.delivered)] == c.delivered, (req_id, c.delivered, out)
+            assert out[: len(c.delivered)] == c.delivered, (req_id, c.delivered, out)
             assert len(out) <= c.params.max_tokens, (req_id, out, c.params)
             if c.finished:
                 assert r.is_finished and r.finish_reason == c.finish_reason, (req_id, r.status)
                 assert c.delivered == out, (req_id, c.delivered, out)
             if not self.epoch:
                 continue
-            assert c.expected[:len(out)] == out, (
-                f"{req_id}: reducer holds {out}, oracle stream is {c.expected}" + tape_dump(self))
-            assert c.expected[:len(c.delivered)] == c.delivered, (
-                f"{req_id}: client got {c.delivered}, oracle stream is {c.expected}")
+            assert c.expected[: len(out)] == out, (
+                f"{req_id}: reducer holds {out}, oracle stream is {c.expected}" + tape_dump(self)
+            )
+            assert c.expected[: len(c.delivered)] == c.delivered, (
+                f"{req_id}: client got {c.delivered}, oracle stream is {c.expected}"
+            )
             if c.finished and c.finish_reason != "abort":
                 assert c.delivered == c.expected, (
                     f"{req_id} finished ({c.finish_reason}) with {c.delivered}, "
-                    f"oracle stream is {c.expected}" + tape_dump(self))
+                    f"oracle stream is {c.expected}" + tape_dump(self)
+                )
                 want = "stop" if c.expected[-1] in c.params.stop_token_ids else "length"
                 assert c.finish_reason == want, (req_id, c.finish_reason, want)
         self.busy = False
@@ -296,8 +329,9 @@ class EngineMachine(RuleBasedStateMachine):
         state = self.engine.state
         for r in state.requests.values():
             assert state.discard_count(r) >= 0, (r.req_id, state.discard_count(r), r)
-            in_flight = [(s, e) for s in state.in_flight_steps for e in s.entries
-                         if e.req_id == r.req_id]
+            in_flight = [
+                (s, e) for s in state.in_flight_steps for e in s.entries if e.req_id == r.req_id
+            ]
             assert r.num_in_flight == len(in_flight), (r.req_id, r.num_in_flight, r)
             stale = sum(1 for _, e in in_flight if e.epoch != r.epoch)
             assert r.num_stale_in_flight == stale, (r.req_id, r.num_stale_in_flight, r)
@@ -308,7 +342,11 @@ class EngineMachine(RuleBasedStateMachine):
                 fresh = sum(1 + e.num_spec_tokens for e in fresh_entries)
                 if not r.is_finished:
                     assert r.num_output_placeholders == fresh, (
-                        r.req_id, r.num_output_placeholders, fresh, r)
+                        r.req_id,
+                        r.num_output_placeholders,
+                        fresh,
+                        r,
+                    )
         self.busy = False
 
     @invariant()
@@ -354,9 +392,15 @@ class EngineMachine(RuleBasedStateMachine):
         event(f"requests: {min(len(state.requests) // 3 * 3, 12)}+")
         kinds = collections.Counter(
             type(e).__name__ + (f":{e.reason}" if hasattr(e, "reason") else "")
-            for _, e in self.engine.tape.iter_events())
-        for kind in ("RequestPreempted:kv_pressure", "RequestPreempted:reset_prefix_cache",
-                     "RequestFinished:stop", "RequestAborted", "GenerationPaused"):
+            for _, e in self.engine.tape.iter_events()
+        )
+        for kind in (
+            "RequestPreempted:kv_pressure",
+            "RequestPreempted:reset_prefix_cache",
+            "RequestFinished:stop",
+            "RequestAborted",
+            "GenerationPaused",
+        ):
             event(f"{kind}: {kinds[kind] > 0}")
         event(f"frames dropped: {any(r.num_frames_dropped for r in state.requests.values())}")
 
@@ -401,8 +445,11 @@ TestEngineStateMachine.settings = settings(
     max_examples=MAX_EXAMPLES,
     stateful_step_count=STEP_COUNT,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                           HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+    ],
 )
 
 
@@ -425,12 +472,19 @@ def test_repro_spec_decode_pipeline_not_cut_short_by_max_model_len():
     cache: the scheduler's max_model_len cap compares num_computed_tokens (which counts the
     draft positions of steps still in flight) with max_model_len, and finishes the request
     with "length" before the in-flight frames come back. The client gets 16 of 19 tokens."""
-    llm = tokentape.LLM(model="oracle", tape=None, pipeline_depth=3, num_speculative_tokens=1,
-                        block_size=4, num_kv_blocks=8)  # max_model_len = 32
+    llm = tokentape.LLM(
+        model="oracle",
+        tape=None,
+        pipeline_depth=3,
+        num_speculative_tokens=1,
+        block_size=4,
+        num_kv_blocks=8,
+    )  # max_model_len = 32
     prompt = [7, 8, 9, 10, 11, 12, 13, 14, 3, 3, 3, 3, 4]  # 13 tokens
     params = SamplingParams(max_tokens=19)  # 13 + 19 = 32 tokens: fits exactly
-    want = llm.engine.runner.expected_stream(prompt, params,
-                                             max_model_len=llm.config.effective_max_model_len)
+    want = llm.engine.runner.expected_stream(
+        prompt, params, max_model_len=llm.config.effective_max_model_len
+    )
     assert len(want) == 19
     out = llm.generate(prompt, params)[0].outputs[0]
     assert out.token_ids == want, (out.finish_reason, len(out.token_ids), len(want))
@@ -440,12 +494,20 @@ def test_repro_spec_decode_pipeline_not_cut_short_by_max_model_len():
 def test_repro_spec_decode_pipeline_not_cut_short_below_max_model_len():
     """The same cap fires even when the whole stream stays below max_model_len (9 + 21 = 30
     of 32 tokens): the optimistic draft positions alone push num_computed_tokens past it."""
-    llm = tokentape.LLM(model="oracle", tape=None, pipeline_depth=3, num_speculative_tokens=2,
-                        block_size=4, num_kv_blocks=8, enable_prefix_caching=False)
+    llm = tokentape.LLM(
+        model="oracle",
+        tape=None,
+        pipeline_depth=3,
+        num_speculative_tokens=2,
+        block_size=4,
+        num_kv_blocks=8,
+        enable_prefix_caching=False,
+    )
     prompt = [3, 126, 3, 3, 3, 5, 14, 3, 17]
     params = SamplingParams(max_tokens=21)
-    want = llm.engine.runner.expected_stream(prompt, params,
-                                             max_model_len=llm.config.effective_max_model_len)
+    want = llm.engine.runner.expected_stream(
+        prompt, params, max_model_len=llm.config.effective_max_model_len
+    )
     assert len(want) == 21
     out = llm.generate(prompt, params)[0].outputs[0]
     assert out.token_ids == want, (out.finish_reason, len(out.token_ids), len(want))
@@ -456,8 +518,7 @@ def test_repro_finished_requests_keep_output_placeholders():
     of it is in flight never gives that step's placeholders back: the reducer skips the
     decrement for the frames of a finished request. Once idle, nothing is in flight, yet
     num_output_placeholders stays 1."""
-    llm = tokentape.LLM(model="oracle", tape=None, pipeline_depth=2, block_size=4,
-                        num_kv_blocks=8)
+    llm = tokentape.LLM(model="oracle", tape=None, pipeline_depth=2, block_size=4, num_kv_blocks=8)
     engine = llm.engine
     first = engine.runner.expected_stream([3], SamplingParams(max_tokens=1))[0]
     engine.add_request("stop", [3], SamplingParams(max_tokens=4, stop_token_ids=(first,)))
@@ -478,8 +539,14 @@ def test_repro_counter_policy_discard_count_goes_negative():
     stale frames slip through and drive num_output_placeholders below zero (the historical
     bug, expected); the next preemption then copies the negative placeholder count into
     async_tokens_to_discard, and the derived discard count becomes -1."""
-    llm = tokentape.LLM(model="oracle", tape=None, pipeline_depth=4, discard_policy="counter",
-                        block_size=4, num_kv_blocks=8)
+    llm = tokentape.LLM(
+        model="oracle",
+        tape=None,
+        pipeline_depth=4,
+        discard_policy="counter",
+        block_size=4,
+        num_kv_blocks=8,
+    )
     engine = llm.engine
     engine.add_request("r0", [3], SamplingParams(max_tokens=16))
     req = engine.state.requests["r0"]

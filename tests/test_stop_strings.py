@@ -35,15 +35,18 @@ def _stops(rng: random.Random, text: str) -> list[str]:
     stops = []
     for _ in range(rng.randint(1, 3)):
         i = rng.randrange(max(1, len(text) - 1))
-        stops.append(text[i:i + rng.randint(1, 6)] or "x")
+        stops.append(text[i : i + rng.randint(1, 6)] or "x")
     return stops
 
 
 def _check_frames(tok: ByteTokenizer | HFTokenizer, output: list[int], rng: random.Random) -> int:
     """Feed `output` frame by frame; both ways must agree after every frame. Returns the
     number of frames where a stop string was found."""
-    params = SamplingParams(stop=tuple(_stops(rng, tok.decode(output))), min_tokens=rng.choice([0, 0, 3, 17]),
-                            max_tokens=len(output) + 1)
+    params = SamplingParams(
+        stop=tuple(_stops(rng, tok.decode(output))),
+        min_tokens=rng.choice([0, 0, 3, 17]),
+        max_tokens=len(output) + 1,
+    )
     found = 0
     before = 0
     while before < len(output):
@@ -73,7 +76,10 @@ def test_byte_tokenizer_finds_matches() -> None:
     euro = tok.encode("\u20ac")
     out = tok.encode("abc") + euro[:1] + [0] + euro[1:]  # a special token inside the character
     params = SamplingParams(stop=("c\u20ac",), max_tokens=10)
-    got = [find_stop_string(tok.decode, params, out, before, split=tok.safe_split) for before in range(len(out))]
+    got = [
+        find_stop_string(tok.decode, params, out, before, split=tok.safe_split)
+        for before in range(len(out))
+    ]
     assert got == [find_stop_string(tok.decode, params, out, before) for before in range(len(out))]
     assert got[:4] == ["c\u20ac"] * 4
 
@@ -112,8 +118,11 @@ def byte_level_bpe(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<s>", "</s>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>"],
+    )
     tok.train_from_iterator([TEXT * 3, "the end of the text, the end."] * 20, trainer)
     tok.add_tokens([AddedToken("<tool>", special=False)])
     path = Path(tmp_path_factory.mktemp("bpe")) / "tokenizer.json"
@@ -125,7 +134,9 @@ def byte_level_bpe(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
 def test_hf_byte_level_windowed_equals_full(byte_level_bpe: HFTokenizer, seed: int) -> None:
     rng = random.Random(seed)
     tok = byte_level_bpe
-    out = [rng.randrange(tok.vocab_size + 1) for _ in range(rng.choice([20, 200]))]  # every id, added ones too
+    out = [
+        rng.randrange(tok.vocab_size + 1) for _ in range(rng.choice([20, 200]))
+    ]  # every id, added ones too
     _check_frames(tok, out, rng)
     _safe_split_is_additive(tok, out[:30])
     assert any(tok.safe_split(out, p) > 0 for p in range(len(out)))  # the window is used
@@ -142,8 +153,11 @@ def test_hf_other_decoder_decodes_everything(tmp_path: Path) -> None:
     out = [0, 1, 0, 0, 1, 1, 0]
     assert all(hf.safe_split(out, p) == 0 for p in range(len(out) + 1))
     params = SamplingParams(stop=("b a",), max_tokens=10)
-    assert find_stop_string(hf.decode, params, out, 5, split=hf.safe_split) == \
-        find_stop_string(hf.decode, params, out, 5) == "b a"
+    assert (
+        find_stop_string(hf.decode, params, out, 5, split=hf.safe_split)
+        == find_stop_string(hf.decode, params, out, 5)
+        == "b a"
+    )
 
 
 def test_stop_decoder_cuts_as_stop_text() -> None:

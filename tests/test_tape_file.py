@@ -35,10 +35,18 @@ from tokentape.replay import load_tape, verify
 
 def record(path: Path, n_requests: int = 6, max_tokens: int = 24) -> LLM:
     """A finished run on an open tape (the caller closes it)."""
-    llm = LLM(model="oracle", tape=path, max_num_seqs=4, num_kv_blocks=24, block_size=4,
-              num_speculative_tokens=1)
-    llm.generate([f"prompt {i} " * (1 + i % 3) for i in range(n_requests)],
-                 SamplingParams(max_tokens=max_tokens))
+    llm = LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=4,
+        num_kv_blocks=24,
+        block_size=4,
+        num_speculative_tokens=1,
+    )
+    llm.generate(
+        [f"prompt {i} " * (1 + i % 3) for i in range(n_requests)],
+        SamplingParams(max_tokens=max_tokens),
+    )
     return llm
 
 
@@ -112,8 +120,12 @@ def closed_tape(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("kind", ["rollback", "wal-without-wal-file"])
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_read_only_commands_leave_nothing_beside_a_closed_tape(
-    command: str, kind: str, closed_tape: Path, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    command: str,
+    kind: str,
+    closed_tape: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     folder, out = tmp_path / "tape", tmp_path / "out"
     folder.mkdir()
@@ -130,7 +142,9 @@ def test_read_only_commands_leave_nothing_beside_a_closed_tape(
         assert sum(1 for _ in reader.iter_events()) == len(reader) > 0
         reader.close()
     else:
-        monkeypatch.setattr(sys, "stdin", io.StringIO("step 5\nprint req 0\ngoto end\nback 2\nquit\n"))
+        monkeypatch.setattr(
+            sys, "stdin", io.StringIO("step 5\nprint req 0\ngoto end\nback 2\nquit\n")
+        )
         rc = cli.main([a.format(tape=tape, out=out) for a in argv])
         capsys.readouterr()
         assert rc == 0, command
@@ -179,7 +193,9 @@ def _run_with_a_pinned_reader(path: Path, release_before_close: bool) -> tuple[i
     pin = sqlite3.connect(path, isolation_level=None)
     pin.execute("BEGIN")
     assert pin.execute("SELECT COUNT(*) FROM events").fetchone() == (0,)
-    llm.generate([[3 + i, 5, 7] for i in range(96)], SamplingParams(max_tokens=100, ignore_eos=True))
+    llm.generate(
+        [[3 + i, 5, 7] for i in range(96)], SamplingParams(max_tokens=100, ignore_eos=True)
+    )
     wal = os.path.getsize(f"{path}-wal")  # only grows while pinned: this is its peak
     n = len(llm.engine.tape)
     if release_before_close:
@@ -245,8 +261,14 @@ def test_an_idle_reader_connected_at_close_gets_the_events_into_the_file(tmp_pat
 def test_copy_a_live_tape_into_one_file(tmp_path: Path) -> None:
     path, out = tmp_path / "live.tape", tmp_path / "copies"
     out.mkdir()
-    llm = LLM(model="oracle", tape=path, max_num_seqs=4, num_kv_blocks=16, block_size=4,
-              num_speculative_tokens=2)
+    llm = LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=4,
+        num_kv_blocks=16,
+        block_size=4,
+        num_speculative_tokens=2,
+    )
     engine = llm.engine
     for i in range(8):
         engine.add_request(f"r{i}", [3 + i, 4, 5, 6], SamplingParams(max_tokens=40))
@@ -265,7 +287,9 @@ def test_copy_a_live_tape_into_one_file(tmp_path: Path) -> None:
     assert load_tape(out / "copy.tape").fold().num_events == n
     conn = sqlite3.connect(out / "copy.tape")
     triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
-    assert triggers == {f"{t}_{k}" for t in ("events", "meta") for k in ("no_update", "no_delete", "append_only")}
+    assert triggers == {
+        f"{t}_{k}" for t in ("events", "meta") for k in ("no_update", "no_delete", "append_only")
+    }
     with pytest.raises(sqlite3.IntegrityError, match="append-only"):
         conn.execute("UPDATE events SET step = 0")
     conn.close()
@@ -308,7 +332,9 @@ def test_a_killed_writer_names_the_lost_events_and_steps(
         engine.step()
     tape.flush()
     committed_before = len(tape)
-    os.kill(tape.writer_pid, signal.SIGSTOP)  # it reads nothing more: what follows stays in the pipe
+    os.kill(
+        tape.writer_pid, signal.SIGSTOP
+    )  # it reads nothing more: what follows stays in the pipe
     for _ in range(12):
         engine.step()
     os.kill(tape.writer_pid, signal.SIGKILL)
@@ -319,16 +345,19 @@ def test_a_killed_writer_names_the_lost_events_and_steps(
     err = info.value
     assert err.committed is not None and committed_before <= err.committed < len(log)
     assert err.lost == range(err.committed, err.lost.stop) and len(err.lost) > 0
-    lost_events = log[err.lost.start:err.lost.stop]
+    lost_events = log[err.lost.start : err.lost.stop]
     assert err.lost_steps == tuple(sorted({e.step for e in lost_events}))
     first, last = err.lost_steps[0], err.lost_steps[-1]
-    assert f"events {err.lost.start}-{err.lost.stop - 1} ({len(err.lost)} of {err.lost.stop})" in str(err)
+    assert (
+        f"events {err.lost.start}-{err.lost.stop - 1} ({len(err.lost)} of {err.lost.stop})"
+        in str(err)
+    )
     assert f"of steps {first}-{last}" in str(err) and "exit code -9" in str(err)
     llm.close()
     # The file: one file, every committed event as appended, then the error that ended it.
     assert files(tmp_path) == ["lost.tape"] and tape_file_status(path).finished
     on_file = encoded_events(path)
-    assert on_file[:-1] == [ev.encode(e) for e in log[:err.committed]]
+    assert on_file[:-1] == [ev.encode(e) for e in log[: err.committed]]
     last_event = ev.decode(on_file[-1])
     assert isinstance(last_event, ev.EngineError) and last_event.error_type == "TapeWriterError"
     assert last_event.message == err.message
@@ -342,7 +371,9 @@ def test_a_writer_killed_with_nothing_pending_loses_nothing(tmp_path: Path) -> N
     llm = record(path)
     n = len(llm.engine.tape)
     os.kill(llm.engine.tape.writer_pid, signal.SIGKILL)  # everything was flushed by generate
-    with pytest.raises(TapeWriterError, match=rf"no event was lost: the tape holds all {n}") as info:
+    with pytest.raises(
+        TapeWriterError, match=rf"no event was lost: the tape holds all {n}"
+    ) as info:
         llm.close()
     assert info.value.committed == n and not info.value.lost
     assert files(tmp_path) == ["nothing-lost.tape"] and tape_file_status(path).finished

@@ -30,10 +30,19 @@ from tokentape.events.sqlite_store import make_self_contained
 from tokentape.replay import load_tape
 
 TIME_LIMIT_S = 20  # per command: a small tape is read in well under a second
-FUZZ = settings(max_examples=30, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-_TRIGGERS = ("events_no_update", "events_no_delete", "events_append_only",
-             "meta_no_update", "meta_no_delete", "meta_append_only")
+FUZZ = settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+_TRIGGERS = (
+    "events_no_update",
+    "events_no_delete",
+    "events_append_only",
+    "meta_no_update",
+    "meta_no_delete",
+    "meta_append_only",
+)
 READERS = {
     "inspect": ["inspect", "TAPE"],
     "inspect --json": ["inspect", "TAPE", "--json", "--step", "3"],
@@ -53,8 +62,16 @@ def good_tape() -> Path:
     """A small recorded run: chunked prefill, KV-pressure preemptions, spec decoding, a pause
     with a cache reset, an abort."""
     path = Path(tempfile.mkdtemp(prefix="tokentape-fuzz-")) / "good.tape"
-    llm = LLM(model="oracle", tape=path, max_num_seqs=3, num_kv_blocks=16, block_size=4,
-              max_num_batched_tokens=16, num_speculative_tokens=2, pipeline_depth=3)
+    llm = LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=3,
+        num_kv_blocks=16,
+        block_size=4,
+        max_num_batched_tokens=16,
+        num_speculative_tokens=2,
+        pipeline_depth=3,
+    )
     engine = llm.engine
     for i in range(5):
         engine.add_request(f"q{i}", list(range(3 + i, 12 + 2 * i)), SamplingParams(max_tokens=8))
@@ -97,11 +114,19 @@ def run_all(damaged: Path, workdir: Path) -> dict[str, int]:
     """Every read command on the damaged tape: exit status by command, checked as it runs."""
     results = {}
     for name, argv in READERS.items():
-        subs = {"TAPE": str(damaged), "GOOD": str(good_tape()), "HTML": str(workdir / "report.html")}
+        subs = {
+            "TAPE": str(damaged),
+            "GOOD": str(good_tape()),
+            "HTML": str(workdir / "report.html"),
+        }
         out, err = io.StringIO(), io.StringIO()
         stdin = io.StringIO("continue\nrequests\nreverse-continue\ngoto end\nprint req q1\n")
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                _stdin(stdin), time_limit(TIME_LIMIT_S):
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            _stdin(stdin),
+            time_limit(TIME_LIMIT_S),
+        ):
             rc = cli.main([subs.get(a, a) for a in argv])
         text = err.getvalue()
         assert rc in (0, 1, 2), (name, rc, text)
@@ -149,7 +174,7 @@ def assert_refused_if_changed(damaged: Path, results: dict[str, int]) -> None:
     """A tape whose events are not a prefix of the recording (a prefix ending at a call
     boundary is what a killed run leaves) must not pass the commands that check it."""
     events, good = events_of(damaged), good_events()
-    if events is not None and events == good[:len(events)]:
+    if events is not None and events == good[: len(events)]:
         return
     for name in CHECKERS:
         assert results[name] != 0, (name, results)
@@ -174,7 +199,11 @@ def test_truncated_file(workdir: Path, fraction: float) -> None:
 
 
 @FUZZ
-@given(flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=6))
+@given(
+    flips=st.lists(
+        st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=6
+    )
+)
 def test_byte_flips(workdir: Path, flips: list[tuple[float, int]]) -> None:
     data = bytearray(good_tape().read_bytes())
     for where, mask in flips:
@@ -185,13 +214,18 @@ def test_byte_flips(workdir: Path, flips: list[tuple[float, int]]) -> None:
 
 
 @FUZZ
-@given(where=st.floats(0, 1, exclude_max=True), payload=st.sampled_from([None, "hello", "", 7, 2.5, b"", b"\xc1"]))
+@given(
+    where=st.floats(0, 1, exclude_max=True),
+    payload=st.sampled_from([None, "hello", "", 7, 2.5, b"", b"\xc1"]),
+)
 def test_payload_that_is_not_an_event(workdir: Path, where: float, payload: object) -> None:
     seq = int(where * len(good_events()))
     damaged = workdir / "payload.tape"
     with_sql(damaged, ("UPDATE events SET data = ? WHERE seq = ?", (payload, seq)))
     results = run_all(damaged, workdir)
-    assert all(rc != 0 for name, rc in results.items() if not name.startswith("inspect --json")), results
+    assert all(rc != 0 for name, rc in results.items() if not name.startswith("inspect --json")), (
+        results
+    )
 
 
 @FUZZ
@@ -199,7 +233,9 @@ def test_payload_that_is_not_an_event(workdir: Path, where: float, payload: obje
 def test_deleted_row(workdir: Path, where: float, renumber: bool) -> None:
     seq = int(where * len(good_events()))
     damaged = workdir / "deleted.tape"
-    statements: list[tuple[str, tuple[object, ...]]] = [("DELETE FROM events WHERE seq = ?", (seq,))]
+    statements: list[tuple[str, tuple[object, ...]]] = [
+        ("DELETE FROM events WHERE seq = ?", (seq,))
+    ]
     if renumber:  # hide the gap: the rows after it move up
         statements.append(("UPDATE events SET seq = seq - 1 WHERE seq > ?", (seq,)))
     with_sql(damaged, *statements)
@@ -212,11 +248,16 @@ def test_duplicated_row(workdir: Path, where: float) -> None:
     seq = int(where * len(good_events()))
     damaged = workdir / "duplicated.tape"
     n = len(good_events())
-    with_sql(damaged,
-             # Make room after the row (from the end, so that no two rows share a seq), copy it.
-             *[("UPDATE events SET seq = seq + 1 WHERE seq = ?", (s,)) for s in range(n - 1, seq, -1)],
-             ("INSERT INTO events(seq, step, kind, data) SELECT seq + 1, step, kind, data FROM events "
-              "WHERE seq = ?", (seq,)))
+    with_sql(
+        damaged,
+        # Make room after the row (from the end, so that no two rows share a seq), copy it.
+        *[("UPDATE events SET seq = seq + 1 WHERE seq = ?", (s,)) for s in range(n - 1, seq, -1)],
+        (
+            "INSERT INTO events(seq, step, kind, data) SELECT seq + 1, step, kind, data FROM events "
+            "WHERE seq = ?",
+            (seq,),
+        ),
+    )
     assert_refused_if_changed(damaged, run_all(damaged, workdir))
 
 
@@ -226,9 +267,12 @@ def test_reordered_rows(workdir: Path, a: float, b: float) -> None:
     n = len(good_events())
     sa, sb = int(a * n), int(b * n)
     damaged = workdir / "reordered.tape"
-    with_sql(damaged, ("UPDATE events SET seq = -1 WHERE seq = ?", (sa,)),
-             ("UPDATE events SET seq = ? WHERE seq = ?", (sa, sb)),
-             ("UPDATE events SET seq = ? WHERE seq = -1", (sb,)))
+    with_sql(
+        damaged,
+        ("UPDATE events SET seq = -1 WHERE seq = ?", (sa,)),
+        ("UPDATE events SET seq = ? WHERE seq = ?", (sa, sb)),
+        ("UPDATE events SET seq = ? WHERE seq = -1", (sb,)),
+    )
     assert_refused_if_changed(damaged, run_all(damaged, workdir))
 
 
@@ -251,8 +295,11 @@ def with_value(value: object, path: tuple[int, ...], new: int) -> object:
 
 
 @FUZZ
-@given(where=st.floats(0, 1, exclude_max=True), which=st.floats(0, 1, exclude_max=True),
-       new=st.one_of(st.integers(-3, 300), st.integers(-(2**63), 2**63 - 1)))
+@given(
+    where=st.floats(0, 1, exclude_max=True),
+    which=st.floats(0, 1, exclude_max=True),
+    new=st.one_of(st.integers(-3, 300), st.integers(-(2**63), 2**63 - 1)),
+)
 def test_edited_number(workdir: Path, where: float, which: float, new: int) -> None:
     """An event that still decodes, with one of its numbers changed: a step, a token, an
     entry's token count or epoch, a block id, a finish or preemption count."""
@@ -262,8 +309,13 @@ def test_edited_number(workdir: Path, where: float, which: float, new: int) -> N
     paths = int_paths(form)
     path = paths[int(which * len(paths))]
     damaged = workdir / "edited.tape"
-    with_sql(damaged, ("UPDATE events SET data = ? WHERE seq = ?",
-                       (msgspec.msgpack.encode(with_value(form, path, new)), seq)))
+    with_sql(
+        damaged,
+        (
+            "UPDATE events SET data = ? WHERE seq = ?",
+            (msgspec.msgpack.encode(with_value(form, path, new)), seq),
+        ),
+    )
     results = run_all(damaged, workdir)
     # The scheduler's decisions and what the client was given are checked by the replay.
     if ev.kind_of(events[seq]) in ("StepScheduled", "RequestPreempted", "OutputsEmitted"):
@@ -271,7 +323,10 @@ def test_edited_number(workdir: Path, where: float, which: float, new: int) -> N
 
 
 @FUZZ
-@given(where=st.sampled_from(["meta", "header", "both"]), version=st.integers(ev.FORMAT_VERSION + 1, 2**40))
+@given(
+    where=st.sampled_from(["meta", "header", "both"]),
+    version=st.integers(ev.FORMAT_VERSION + 1, 2**40),
+)
 def test_newer_format_version(workdir: Path, where: str, version: int) -> None:
     damaged = workdir / "newer.tape"
     statements: list[tuple[str, tuple[object, ...]]] = []
@@ -279,7 +334,9 @@ def test_newer_format_version(workdir: Path, where: str, version: int) -> None:
         statements.append(("UPDATE meta SET value = ? WHERE key = 'format_version'", (version,)))
     if where in ("header", "both"):
         header = msgspec.structs.replace(load_tape(good_tape()).header, format_version=version)
-        statements.append(("UPDATE meta SET value = ? WHERE key = 'header'", (ev.encode_header(header),)))
+        statements.append(
+            ("UPDATE meta SET value = ? WHERE key = 'header'", (ev.encode_header(header),))
+        )
     with_sql(damaged, *statements)
     results = run_all(damaged, workdir)
     assert set(results.values()) == {2}, results

@@ -89,8 +89,13 @@ def write_tape(
 
 def record_run(tape: object, **engine_args: object) -> LLM:
     """A small but busy run: chunked prefill, preemptions under KV pressure, spec decoding."""
-    args: dict[str, object] = {"max_num_seqs": 4, "num_kv_blocks": 24, "block_size": 4,
-                               "max_num_batched_tokens": 32, "num_speculative_tokens": 2}
+    args: dict[str, object] = {
+        "max_num_seqs": 4,
+        "num_kv_blocks": 24,
+        "block_size": 4,
+        "max_num_batched_tokens": 32,
+        "num_speculative_tokens": 2,
+    }
     args.update(engine_args)
     llm = LLM(model="oracle", tape=tape, **args)  # type: ignore[arg-type]
     prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(10)]
@@ -202,17 +207,30 @@ def test_uncommitted_events_are_invisible_to_readers(tmp_path: Path) -> None:
 
 def test_header_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "header.tape"
-    header = make_test_header(discard_policy="counter", pipeline_depth=3, num_speculative_tokens=2,
-                              seed=1234, max_model_len=77, block_size=8, num_kv_blocks=16)
+    header = make_test_header(
+        discard_policy="counter",
+        pipeline_depth=3,
+        num_speculative_tokens=2,
+        seed=1234,
+        max_model_len=77,
+        block_size=8,
+        num_kv_blocks=16,
+    )
     SQLiteTape(path, header).close()
     reader = SQLiteTapeReader(path)
     assert reader.header == header
     assert reader.header.format_version == ev.FORMAT_VERSION
     assert len(reader) == 0 and list(reader.iter_events()) == []
     tape = load_tape(path)
-    assert tape.config == EngineConfig(discard_policy="counter", pipeline_depth=3,
-                                       num_speculative_tokens=2, seed=1234, max_model_len=77,
-                                       block_size=8, num_kv_blocks=16)
+    assert tape.config == EngineConfig(
+        discard_policy="counter",
+        pipeline_depth=3,
+        num_speculative_tokens=2,
+        seed=1234,
+        max_model_len=77,
+        block_size=8,
+        num_kv_blocks=16,
+    )
     assert tape.header.discard_policy == "counter" and tape.header.seed == 1234
 
 
@@ -223,8 +241,14 @@ def test_engine_run_round_trips_and_verifies(tmp_path: Path) -> None:
     tape = load_tape(path)
     events = [e for _, e in tape.events()]
     kinds = {ev.kind_of(e) for e in events}
-    assert {"RequestAdded", "StepScheduled", "FrameProduced", "OutputsEmitted",
-            "RequestFinished", "RequestPreempted"} <= kinds
+    assert {
+        "RequestAdded",
+        "StepScheduled",
+        "FrameProduced",
+        "OutputsEmitted",
+        "RequestFinished",
+        "RequestPreempted",
+    } <= kinds
     assert tape.fold().num_events == len(events) == len(tape)
     result = verify(path)
     assert result.ok, result.first_divergence and result.first_divergence.format()
@@ -289,8 +313,9 @@ def test_append_only_rejects_insert_or_replace(tmp_path: Path) -> None:
     conn = sqlite3.connect(path)
     try:
         with pytest.raises(sqlite3.IntegrityError):
-            conn.execute("INSERT OR REPLACE INTO events(seq, step, kind, data) "
-                         "VALUES (1, 0, 'X', x'00')")
+            conn.execute(
+                "INSERT OR REPLACE INTO events(seq, step, kind, data) VALUES (1, 0, 'X', x'00')"
+            )
         conn.commit()
     finally:
         conn.close()
@@ -448,8 +473,11 @@ def _copy_without(src: Path, dst: Path, drop: ev.Event) -> None:
 def _admitting_step_of_a_preempted_request(events: list[ev.Event]) -> ev.Event:
     """The StepScheduled that put a later-preempted request in the running list."""
     preempted = next(e for e in events if isinstance(e, ev.RequestPreempted))
-    return [e for e in events[: events.index(preempted)] if isinstance(e, ev.StepScheduled)
-            and any(x.req_id == preempted.req_id for x in e.entries)][-1]
+    return [
+        e
+        for e in events[: events.index(preempted)]
+        if isinstance(e, ev.StepScheduled) and any(x.req_id == preempted.req_id for x in e.entries)
+    ][-1]
 
 
 _MISSING = {
@@ -524,13 +552,20 @@ def test_reader_in_another_process_sees_consistent_prefix(tmp_path: Path) -> Non
     path, done, out = tmp_path / "live.tape", tmp_path / "done", tmp_path / "reads.txt"
     script = tmp_path / "reader.py"
     script.write_text(_READER_SCRIPT)
-    llm = LLM(model="oracle", tape=path, max_num_seqs=4, num_speculative_tokens=1,
-              num_kv_blocks=64, block_size=4)
+    llm = LLM(
+        model="oracle",
+        tape=path,
+        max_num_seqs=4,
+        num_speculative_tokens=1,
+        num_kv_blocks=64,
+        block_size=4,
+    )
     engine = llm.engine
     boundaries = [len(engine.tape)]  # what is committed after each engine call
     for i in range(8):
-        engine.add_request(f"r{i}", [3 + (i * 7 + j) % 200 for j in range(5 + i)],
-                           SamplingParams(max_tokens=150))
+        engine.add_request(
+            f"r{i}", [3 + (i * 7 + j) % 200 for j in range(5 + i)], SamplingParams(max_tokens=150)
+        )
         boundaries.append(len(engine.tape))
     reader = subprocess.Popen([sys.executable, str(script), str(path), str(done), str(out)])
     try:
@@ -595,8 +630,9 @@ def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
     path = tmp_path / "killed.tape"
     script = tmp_path / "writer.py"
     script.write_text(_KILLED_WRITER_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True
+    )
     committed = 0
     try:
         assert proc.stdout is not None
@@ -610,17 +646,23 @@ def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert committed > 0
+
     # The engine's tape writer process outlives it: it commits everything the engine handed
     # over, checkpoints, switches the file out of WAL mode and exits, which removes the -wal
     # and -shm files (one after the other: wait for all of it, not for the -wal alone).
     def one_file() -> bool:
-        return (tape_file_status(path).finished and not os.path.exists(f"{path}-wal")
-                and not os.path.exists(f"{path}-shm"))
+        return (
+            tape_file_status(path).finished
+            and not os.path.exists(f"{path}-wal")
+            and not os.path.exists(f"{path}-shm")
+        )
 
     deadline = time.monotonic() + 30
     while not one_file() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert one_file(), f"the tape writer did not finish after the engine died: {tape_file_status(path)}"
+    assert one_file(), (
+        f"the tape writer did not finish after the engine died: {tape_file_status(path)}"
+    )
     tape = load_tape(path)
     assert len(tape) >= committed
     state = tape.fold()
@@ -649,7 +691,9 @@ def test_a_dead_writer_process_is_reported_and_stops_the_engine(tmp_path: Path) 
     engine.step()
     engine.tape.flush()
     os.kill(engine.tape.writer_pid, signal.SIGKILL)
-    with pytest.raises(TapeError, match=r"dead-writer\.tape: the tape writer process stopped \(exit code -9"):
+    with pytest.raises(
+        TapeError, match=r"dead-writer\.tape: the tape writer process stopped \(exit code -9"
+    ):
         for _ in range(200):  # the kill lands asynchronously; the next write after it fails
             engine.step()
             time.sleep(0.01)

@@ -11,7 +11,9 @@ from tokentape.replay import load_tape
 from tokentape.replay.timeline import ENGINE_MARKERS, PHASES, build_timeline, iter_items
 
 
-@pytest.mark.parametrize("make", [lambda: pause_resume("flag"), lambda: double_reset("counter"), busy])
+@pytest.mark.parametrize(
+    "make", [lambda: pause_resume("flag"), lambda: double_reset("counter"), busy]
+)
 def test_spans_cover_each_request_from_add_to_finish(make) -> None:  # type: ignore[no-untyped-def]
     tape = load_tape(make())
     tl = build_timeline(tape)
@@ -22,7 +24,9 @@ def test_spans_cover_each_request_from_add_to_finish(make) -> None:  # type: ign
     for req_id in tl.requests:
         spans = tl.spans_of(req_id)
         assert spans and all(s.phase in PHASES and s.end_seq > s.start_seq for s in spans)
-        assert all(a.end_seq == b.start_seq and a.phase != b.phase for a, b in itertools.pairwise(spans))
+        assert all(
+            a.end_seq == b.start_seq and a.phase != b.phase for a, b in itertools.pairwise(spans)
+        )
         finish = [m for m in tl.markers_of(req_id) if m.kind == "finish"]
         assert len(finish) == 1 and finish[0].detail == state.requests[req_id].finish_reason
         assert spans[-1].end_seq == finish[0].seq + 1 and not spans[-1].open
@@ -48,7 +52,9 @@ def test_epoch_double_reset_discards_only_stale_frames() -> None:
     tl = build_timeline(double_reset("epoch"))
     dropped = [m for m in tl.markers if m.kind == "discarded"]
     assert dropped and all(m.detail == "stale" for m in dropped)
-    assert [m.detail for m in tl.markers_of("r") if m.kind == "preempt"] == ["reset_prefix_cache"] * 2
+    assert [m.detail for m in tl.markers_of("r") if m.kind == "preempt"] == [
+        "reset_prefix_cache"
+    ] * 2
 
 
 def test_busy_run_has_kv_pressure_preemptions_and_an_abort() -> None:

@@ -63,7 +63,9 @@ def _clean(llm: LLM) -> None:
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
-def test_stop_by_max_tokens_schedules_prompt_plus_max_tokens_minus_one(depth: int, max_tokens: int) -> None:
+def test_stop_by_max_tokens_schedules_prompt_plus_max_tokens_minus_one(
+    depth: int, max_tokens: int
+) -> None:
     llm = _llm(pipeline_depth=depth)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(3):
@@ -80,7 +82,9 @@ def test_abort_order_with_two_steps_in_flight() -> None:
     order = [0, 8, 3, 1, 6, 4, 2, 5, 7, 9]
     llm = _llm(pipeline_depth=2)
     for i in range(10):
-        llm.engine.add_request(str(i), PROMPT[i % 5:], SamplingParams(max_tokens=100, ignore_eos=True))
+        llm.engine.add_request(
+            str(i), PROMPT[i % 5 :], SamplingParams(max_tokens=100, ignore_eos=True)
+        )
     got: dict[str, list[int]] = {}
     for victim in order:
         for out in llm.engine.step():  # schedules a step; from the second on, applies one
@@ -110,13 +114,18 @@ def _fold_checking(llm: LLM, check: Any) -> None:
 
 def test_spec_placeholders_of_unscheduled_requests_are_cleared() -> None:
     # A small budget leaves running requests out of steps, and KV pressure preempts some.
-    llm = _llm(pipeline_depth=2, num_speculative_tokens=2, max_num_batched_tokens=10,
-               num_kv_blocks=20, model="oracle")
+    llm = _llm(
+        pipeline_depth=2,
+        num_speculative_tokens=2,
+        max_num_batched_tokens=10,
+        num_kv_blocks=20,
+        model="oracle",
+    )
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     for i in range(5):
-        llm.engine.add_request(f"s{i}", PROMPT[i:i + 9], params)
+        llm.engine.add_request(f"s{i}", PROMPT[i : i + 9], params)
     got = _run(llm)
-    assert all(got[f"s{i}"] == _expected(llm, PROMPT[i:i + 9], params) for i in range(5))
+    assert all(got[f"s{i}"] == _expected(llm, PROMPT[i : i + 9], params) for i in range(5))
     left_out = 0
 
     def check(state: Any, e: ev.Event) -> None:
@@ -126,8 +135,12 @@ def test_spec_placeholders_of_unscheduled_requests_are_cleared() -> None:
             left_out += sum(r not in step_ids for r in state.running)
         for req in state.requests.values():  # placeholders are exactly the fresh slots in flight
             fresh = [x for _, x in state.in_flight_entries(req.req_id) if x.epoch == req.epoch]
-            sampling = [x for s in state.in_flight_steps for x in s.entries
-                        if x.req_id == req.req_id and x.epoch == req.epoch and s.samples(x)]
+            sampling = [
+                x
+                for s in state.in_flight_steps
+                for x in s.entries
+                if x.req_id == req.req_id and x.epoch == req.epoch and s.samples(x)
+            ]
             assert len(fresh) >= len(sampling)
             if req.stop_reason is None:
                 assert req.num_output_placeholders == sum(1 + x.num_spec_tokens for x in sampling)
@@ -156,7 +169,9 @@ def test_prefix_cache_dedup_within_a_step_and_hits_on_a_second_turn() -> None:
     first = next(e for e in _events(llm) if isinstance(e, ev.StepScheduled))
     a, b = first.entries
     # b is scheduled in the same step as a and shares a's full blocks: computed once.
-    assert a.num_computed_before == 0 and b.num_computed_before == 12  # the last block stays b's own
+    assert (
+        a.num_computed_before == 0 and b.num_computed_before == 12
+    )  # the last block stays b's own
     assert b.new_block_ids[:3] == a.new_block_ids[:3]
     assert got["a"] == got["b"] == _expected(llm, PROMPT, params)
     # Second turn: the conversation so far hits the cache (prompt and confirmed output).
@@ -175,16 +190,22 @@ def test_prefix_cache_dedup_within_a_step_and_hits_on_a_second_turn() -> None:
 
 @pytest.mark.parametrize("policy", ["epoch", "deliver"])
 def test_no_placeholder_underflow_on_stale_spec_output(policy: str) -> None:
-    llm = _llm(pipeline_depth=3, num_speculative_tokens=3, discard_policy=policy, model="oracle",
-               num_kv_blocks=22, max_num_seqs=4)
+    llm = _llm(
+        pipeline_depth=3,
+        num_speculative_tokens=3,
+        discard_policy=policy,
+        model="oracle",
+        num_kv_blocks=22,
+        max_num_seqs=4,
+    )
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for i in range(4):
-        llm.engine.add_request(f"u{i}", PROMPT[i:i + 10], params)
+        llm.engine.add_request(f"u{i}", PROMPT[i : i + 10], params)
     for _ in range(6):
         llm.engine.step()
     llm.engine.reset_prefix_cache(reset_running_requests=True)  # stale spec output in flight
     got = _run(llm)
-    assert all(got[f"u{i}"] == _expected(llm, PROMPT[i:i + 10], params) for i in range(4))
+    assert all(got[f"u{i}"] == _expected(llm, PROMPT[i : i + 10], params) for i in range(4))
 
     def check(state: Any, e: ev.Event) -> None:
         for req in state.requests.values():
@@ -200,9 +221,9 @@ def test_a_preemption_marks_all_in_flight_output_stale() -> None:
     llm = _llm(pipeline_depth=3, num_kv_blocks=14, max_num_seqs=4)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     for i in range(3):
-        llm.engine.add_request(f"q{i}", PROMPT[i:i + 12], params)
+        llm.engine.add_request(f"q{i}", PROMPT[i : i + 12], params)
     got = _run(llm)
-    assert all(got[f"q{i}"] == _expected(llm, PROMPT[i:i + 12], params) for i in range(3))
+    assert all(got[f"q{i}"] == _expected(llm, PROMPT[i : i + 12], params) for i in range(3))
     seen = 0
 
     def check(state: Any, e: ev.Event) -> None:
@@ -210,7 +231,12 @@ def test_a_preemption_marks_all_in_flight_output_stale() -> None:
         if isinstance(e, ev.RequestPreempted):
             req = state.requests[e.req_id]
             assert req.num_stale_in_flight == e.in_flight == len(state.in_flight_entries(e.req_id))
-            assert req.num_fresh_in_flight == req.num_partial_in_flight == req.num_output_placeholders == 0
+            assert (
+                req.num_fresh_in_flight
+                == req.num_partial_in_flight
+                == req.num_output_placeholders
+                == 0
+            )
             seen += e.in_flight
 
     _fold_checking(llm, check)
@@ -259,9 +285,17 @@ def test_greedy_output_unchanged_by_a_reset_at_step_10() -> None:
     assert runs[0] == runs[1] and all(len(v) == 24 for v in runs[0].values())
 
 
-def _matrix_run(async_scheduling: bool, kv_blocks: int, budget: int, params: SamplingParams) -> tuple[Any, int]:
-    llm = _llm("tiny", async_scheduling=async_scheduling, num_kv_blocks=kv_blocks,
-               max_num_batched_tokens=budget, cpu_threads=1, max_num_seqs=4)
+def _matrix_run(
+    async_scheduling: bool, kv_blocks: int, budget: int, params: SamplingParams
+) -> tuple[Any, int]:
+    llm = _llm(
+        "tiny",
+        async_scheduling=async_scheduling,
+        num_kv_blocks=kv_blocks,
+        max_num_batched_tokens=budget,
+        cpu_threads=1,
+        max_num_seqs=4,
+    )
     prompts = [PROMPT[:9], PROMPT[2:14], PROMPT[4:], PROMPT[1:6]]
     outs = llm.generate(prompts, params)
     preempted = sum(isinstance(e, ev.RequestPreempted) for e in _events(llm))
@@ -274,16 +308,29 @@ def _flat(logprobs: Any) -> list[float]:
     """Per position, the sampled token's logprob and its alternatives', in a fixed order."""
     out: list[float] = []
     for x in logprobs or []:
-        out += [x] if isinstance(x, float) else [float(getattr(v, "logprob", v)) for _, v in sorted(x.items())]
+        out += (
+            [x]
+            if isinstance(x, float)
+            else [float(getattr(v, "logprob", v)) for _, v in sorted(x.items())]
+        )
     return out
 
 
 SAMPLING = {
     "greedy": SamplingParams(max_tokens=14, temperature=0.0, logprobs=1, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=14, temperature=0.8, seed=7, logprobs=2, ignore_eos=True),
-    "penalties": SamplingParams(max_tokens=14, temperature=0.0, logprobs=0, presence_penalty=0.5,
-                                frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True),
-    "n2_min_tokens": SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=2, min_tokens=4, logprobs=1),
+    "penalties": SamplingParams(
+        max_tokens=14,
+        temperature=0.0,
+        logprobs=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+    ),
+    "n2_min_tokens": SamplingParams(
+        max_tokens=10, temperature=1.0, seed=3, n=2, min_tokens=4, logprobs=1
+    ),
 }
 
 
@@ -300,9 +347,15 @@ def test_consistency_matrix(sampling: str) -> None:
             got, preempted = _matrix_run(async_scheduling, 13, budget, params)
             # Tokens exactly; logprobs to float rounding (as vLLM's test): a recomputed position
             # comes out of a prefill, where it first came out of a decode.
-            assert [[t for t, _ in o] for o in got] == [[t for t, _ in o] for o in reference], (async_scheduling, budget)
+            assert [[t for t, _ in o] for o in got] == [[t for t, _ in o] for o in reference], (
+                async_scheduling,
+                budget,
+            )
             for o, r in zip(got, reference):
                 for (_, lp), (_, ref_lp) in zip(o, r):
-                    assert _flat(lp) == pytest.approx(_flat(ref_lp), abs=1e-4), (async_scheduling, budget)
+                    assert _flat(lp) == pytest.approx(_flat(ref_lp), abs=1e-4), (
+                        async_scheduling,
+                        budget,
+                    )
             preemptions += preempted
     assert preemptions > 0  # the small cache did force preemptions

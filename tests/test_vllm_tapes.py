@@ -21,7 +21,7 @@ from tokentape.replay import diff, load_tape, verify
 
 sys.path.insert(0, str(Path(__file__).parent / "integrations"))
 
-from vllm_scenarios import aborts_scenario, async_scenario, engine_scenario, run_tokentape  # noqa: E402
+from vllm_scenarios import async_scenario, engine_scenario, run_tokentape  # noqa: E402
 
 TAPES = Path(__file__).parent / "tapes" / "vllm"
 NAMES = ["engine_cpu", "async_scheduler", "async_aborts"]
@@ -65,8 +65,11 @@ def test_the_tapes_hold_what_they_were_made_for() -> None:
     for e in asy:
         if isinstance(e, ev.FrameProduced):
             flight = state.in_flight_steps[0]
-            before = [(r, x.epoch != r.epoch, len(r.output_token_ids), r.num_frames_dropped)
-                      for x, r in zip(flight.entries, flight.requests) if x.req_id not in flight.partial]
+            before = [
+                (r, x.epoch != r.epoch, len(r.output_token_ids), r.num_frames_dropped)
+                for x, r in zip(flight.entries, flight.requests)
+                if x.req_id not in flight.partial
+            ]
             evolve(state, e)
             delivered += sum(stale and len(r.output_token_ids) > n for r, stale, n, _ in before)
             dropped += sum(stale and r.num_frames_dropped > d for r, stale, _, d in before)
@@ -77,9 +80,13 @@ def test_the_tapes_hold_what_they_were_made_for() -> None:
     assert {e.mode for e in aborts if isinstance(e, ev.GenerationPaused)} == {"wait"}
 
 
-@pytest.mark.parametrize("name, model, scenario", [
-    ("engine_cpu", "tiny", engine_scenario), ("async_scheduler", "oracle", async_scenario)])
-def test_a_vllm_tape_diffs_identical_with_tokentape(name: str, model: str, scenario, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "name, model, scenario",
+    [("engine_cpu", "tiny", engine_scenario), ("async_scheduler", "oracle", async_scenario)],
+)
+def test_a_vllm_tape_diffs_identical_with_tokentape(
+    name: str, model: str, scenario, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     """The same requests, greedy, on tokentape's engine (the tiny model is the checkpoint vLLM
     ran; the oracle is the model the scheduler driver gave vLLM): no client-visible difference,
     whatever the preemptions, resets and pauses of the vLLM run."""
@@ -94,7 +101,9 @@ def test_the_commands_read_a_vllm_tape(tmp_path: Path, capsys: pytest.CaptureFix
     tape = str(TAPES / "async_scheduler.tape")
     assert cli.main(["replay", "verify", tape]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("ok: ") and "events consistent" in out and "recorded by vllm 0.32.0" in out
+    assert (
+        out.startswith("ok: ") and "events consistent" in out and "recorded by vllm 0.32.0" in out
+    )
     assert cli.main(["inspect", tape]) == 0
     assert "recorded from           vllm 0.32.0" in capsys.readouterr().out
     assert cli.main(["export", tape, "--format", "jsonl", "-o", str(tmp_path / "t.jsonl")]) == 0
@@ -130,15 +139,23 @@ def test_verify_checks_what_the_client_was_given_against_the_fold() -> None:
     def extra_token(e: ev.Event) -> ev.Event:
         if isinstance(e, ev.OutputsEmitted) and e.entries and e.entries[0].token_ids:
             first = e.entries[0]
-            return msgspec.structs.replace(e, entries=[msgspec.structs.replace(first, token_ids=first.token_ids * 2),
-                                                       *e.entries[1:]])
+            return msgspec.structs.replace(
+                e,
+                entries=[
+                    msgspec.structs.replace(first, token_ids=first.token_ids * 2),
+                    *e.entries[1:],
+                ],
+            )
         return e
+
     _fails(_edited("async_scheduler", extra_token), "the client was given tokens")
     kinds = {f.kind for f in postmortem(_edited("async_scheduler", extra_token)).findings}
     assert "output_mismatch" in kinds
 
 
-def test_verify_on_a_vllm_tape_under_the_wrong_policy_fails_where_stale_output_was_delivered() -> None:
+def test_verify_on_a_vllm_tape_under_the_wrong_policy_fails_where_stale_output_was_delivered() -> (
+    None
+):
     """The policy models vLLM: folded as tokentape's epoch policy (stale output dropped), the
     tape contradicts what vLLM gave its clients."""
     tape = load_tape(TAPES / "async_scheduler.tape")
@@ -154,41 +171,55 @@ def test_verify_checks_the_scheduling_facts() -> None:
     def moved(e: ev.Event) -> ev.Event:  # a decode that does not continue where the request is
         if isinstance(e, ev.StepScheduled) and e.step == 5:
             x = e.entries[0]
-            return msgspec.structs.replace(e, entries=[msgspec.structs.replace(
-                x, num_computed_before=x.num_computed_before + 1), *e.entries[1:]])
+            return msgspec.structs.replace(
+                e,
+                entries=[
+                    msgspec.structs.replace(x, num_computed_before=x.num_computed_before + 1),
+                    *e.entries[1:],
+                ],
+            )
         return e
+
     _fails(_edited("async_scheduler", moved), "the fold has it computed to")
 
     def in_flight(e: ev.Event) -> ev.Event:
         if isinstance(e, ev.RequestPreempted):
             return msgspec.structs.replace(e, in_flight=e.in_flight + 1)
         return e
+
     _fails(_edited("async_scheduler", in_flight), "steps in flight, the fold has")
 
     def reset_ok(e: ev.Event) -> ev.Event:
         if isinstance(e, ev.PrefixCacheReset):
             return msgspec.structs.replace(e, ok=not e.ok)
         return e
+
     _fails(_edited("engine_cpu", reset_ok), "the prefix-cache reset records ok=")
 
     def length_as_stop(e: ev.Event) -> ev.Event:
         if isinstance(e, ev.RequestFinished):
             return msgspec.structs.replace(e, reason="abort")
         return e
+
     result = verify(_edited("engine_cpu", length_as_stop))
     assert not result.ok and "reach the length condition" in result.first_divergence.message  # type: ignore[union-attr]
 
     def dropped_preemption(e: ev.Event) -> ev.Event | None:
-        return None if isinstance(e, ev.RequestPreempted) and e.reason == "reset_prefix_cache" else e
+        return (
+            None if isinstance(e, ev.RequestPreempted) and e.reason == "reset_prefix_cache" else e
+        )
+
     _fails(_edited("engine_cpu", dropped_preemption), "left 1 request(s) running")
 
 
 def test_verify_refuses_a_budget_or_epoch_vllm_never_gives() -> None:
     def epoch(e: ev.Event) -> ev.Event:
         if isinstance(e, ev.StepScheduled) and e.step == 3:
-            return msgspec.structs.replace(e, entries=[msgspec.structs.replace(e.entries[0], epoch=7),
-                                                       *e.entries[1:]])
+            return msgspec.structs.replace(
+                e, entries=[msgspec.structs.replace(e.entries[0], epoch=7), *e.entries[1:]]
+            )
         return e
+
     _fails(_edited("async_aborts", epoch), "is scheduled in epoch 7")
 
     tape = load_tape(TAPES / "async_aborts.tape")
@@ -209,7 +240,9 @@ def test_the_debugger_steps_through_a_vllm_tape() -> None:
 
     tape = load_tape(TAPES / "async_scheduler.tape")
     events = [e for _, e in tape.events()]
-    first = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestPreempted) and e.in_flight)
+    first = next(
+        i for i, e in enumerate(events) if isinstance(e, ev.RequestPreempted) and e.in_flight
+    )
     out = io.StringIO()
     dbg = TapeDebugger(tape, io.StringIO(), out, rich=False)
     for command in ("break kind=RequestPreempted", "continue"):
@@ -253,7 +286,11 @@ def test_vllm_0_20_0_leaves_a_request_hung_after_the_dropped_token() -> None:
     assert verify(tape).ok
     report = postmortem(tape)
     phantom = [f for f in report.findings if f.kind == "phantom_placeholders"]
-    assert len(phantom) == 1 and phantom[0].severity == "error" and phantom[0].bug_class == "vllm#42043"
+    assert (
+        len(phantom) == 1
+        and phantom[0].severity == "error"
+        and phantom[0].bug_class == "vllm#42043"
+    )
     assert "hangs" in phantom[0].message
     assert {f.kind for f in report.findings} >= {"post_resume_token_dropped", "tape_truncated"}
 
@@ -274,11 +311,19 @@ def test_the_recorder_knows_each_release_and_refuses_the_others_by_name() -> Non
     from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
     from tokentape.integrations.vllm.releases import release_of
 
-    policies = {v: release_of(v).discard_policy for v in ("0.20.0", "0.21.0", "0.22.0", "0.26.0",
-                                                          "0.27.0", "0.32.0+cpu", "0.33.1rc1")}
-    assert policies == {"0.20.0": "vllm-flag", "0.21.0": "vllm-flag", "0.22.0": "vllm-counter",
-                        "0.26.0": "vllm-counter", "0.27.0": "deliver", "0.32.0+cpu": "deliver",
-                        "0.33.1rc1": "deliver"}
+    policies = {
+        v: release_of(v).discard_policy
+        for v in ("0.20.0", "0.21.0", "0.22.0", "0.26.0", "0.27.0", "0.32.0+cpu", "0.33.1rc1")
+    }
+    assert policies == {
+        "0.20.0": "vllm-flag",
+        "0.21.0": "vllm-flag",
+        "0.22.0": "vllm-counter",
+        "0.26.0": "vllm-counter",
+        "0.27.0": "deliver",
+        "0.32.0+cpu": "deliver",
+        "0.33.1rc1": "deliver",
+    }
     for version in ("0.19.1", "0.34.0", "1.0.0"):
         with pytest.raises(UnsupportedByRecorder, match=rf"vLLM {version} is not a release"):
             release_of(version)

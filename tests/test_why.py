@@ -15,8 +15,16 @@ from tokentape.replay.diff import client_streams
 from tokentape.replay.why import WhyError, trace_request, why
 from tokentape.replay.why_source import WhySource
 
-FIELDS = ("output_token_ids", "num_frames_dropped", "epoch", "finish_reason", "num_preemptions",
-          "num_output_placeholders", "num_computed_tokens", "stop_reason")
+FIELDS = (
+    "output_token_ids",
+    "num_frames_dropped",
+    "epoch",
+    "finish_reason",
+    "num_preemptions",
+    "num_output_placeholders",
+    "num_computed_tokens",
+    "stop_reason",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -24,12 +32,18 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("policy,depth,k", [("epoch", 2, 0), ("flag", 3, 0), ("counter", 2, 2),
-                                            ("deliver", 3, 1)])
+@pytest.mark.parametrize(
+    "policy,depth,k", [("epoch", 2, 0), ("flag", 3, 0), ("counter", 2, 2), ("deliver", 3, 1)]
+)
 def test_projected_request_equals_full_fold(tmp_path, policy, depth, k):
     path = str(tmp_path / "storm.tape")
-    spec = StormSpec(seed=11, pipeline_depth=depth, num_speculative_tokens=k,
-                     discard_policy=policy, num_commands=400)
+    spec = StormSpec(
+        seed=11,
+        pipeline_depth=depth,
+        num_speculative_tokens=k,
+        discard_policy=policy,
+        num_commands=400,
+    )
     run_storm(spec, tape=path)
     tape = load_tape(path)
     full = tape.fold()
@@ -68,7 +82,9 @@ def _flag_tapes(tmp_path):
         path = str(tmp_path / f"{policy}.tape")
         with LLM("oracle", tape=path, discard_policy=policy, pipeline_depth=2) as llm:
             engine = llm.engine
-            engine.add_request("0", list(range(3, 20)), SamplingParams(max_tokens=12, ignore_eos=True))
+            engine.add_request(
+                "0", list(range(3, 20)), SamplingParams(max_tokens=12, ignore_eos=True)
+            )
             for _ in range(4):
                 engine.step()
             engine.pause_generation("keep", clear_cache=True)
@@ -129,7 +145,11 @@ def test_missing_token_and_errors(tmp_path, capsys):
     assert main(["why", path, "a", "0", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["delivered"] and record["chain"][-1]["role"] == "delivered"
-    for argv in (["why", path, "b", "0"], ["why", path, "a", "99"], ["why", str(tmp_path / "x"), "a", "0"]):
+    for argv in (
+        ["why", path, "b", "0"],
+        ["why", path, "a", "99"],
+        ["why", str(tmp_path / "x"), "a", "0"],
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1

@@ -6,8 +6,13 @@ from tokentape.engine import LLM, CompletionOutput, EngineConfig, RequestOutput,
 from tokentape.engine.async_llm import AsyncLLM  # noqa: E402  (pyzmq only when it starts a core process)
 from tokentape.engine.outputs import RequestOutputKind  # noqa: E402
 
-
 __all__ = [
-    "LLM", "AsyncLLM", "CompletionOutput", "EngineConfig", "RequestOutput", "RequestOutputKind",
-    "SamplingParams", "__version__",
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "__version__",
 ]

@@ -35,7 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     from tokentape import __version__
     from tokentape.entrypoints import serve
     from tokentape.entrypoints.cli import (
-        bisect, chaos, debug, diff, export, generate, inspect, replay, why,
+        bisect,
+        chaos,
+        debug,
+        diff,
+        export,
+        generate,
+        inspect,
+        replay,
+        why,
     )
     from tokentape.postmortem import cli as postmortem
 
@@ -67,8 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tokentape {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for family in (generate, replay, postmortem, serve, inspect, debug, diff, export, why, bisect,
-                   chaos):
+    for family in (
+        generate,
+        replay,
+        postmortem,
+        serve,
+        inspect,
+        debug,
+        diff,
+        export,
+        why,
+        bisect,
+        chaos,
+    ):
         family.add_parser(sub)
     return parser
 

@@ -32,8 +32,9 @@ def _bar(stream: TextIO, *columns: Any, transient: bool) -> Any:
 
 
 @contextlib.contextmanager
-def progress(total: int | None, description: str, stream: TextIO | None = None,
-             minimum: int = 200_000) -> Iterator[Callable[[int], None]]:
+def progress(
+    total: int | None, description: str, stream: TextIO | None = None, minimum: int = 200_000
+) -> Iterator[Callable[[int], None]]:
     """A bar for a long read of a tape: at least `minimum` events (`total` None when the
     length is unknown, as in a damaged tape), on a terminal. Yields `update(done)`, a no-op
     when no bar is drawn."""
@@ -43,8 +44,14 @@ def progress(total: int | None, description: str, stream: TextIO | None = None,
         return
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
-    with _bar(stream, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-              TimeRemainingColumn(), transient=True) as bar:
+    with _bar(
+        stream,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+    ) as bar:
         task = bar.add_task(description, total=total)
         last = time.monotonic()
 
@@ -71,8 +78,15 @@ class RequestProgress:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-        self._bar = _bar(stream, TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                         TimeElapsedColumn(), TextColumn("{task.fields[speed]}"), transient=False)
+        self._bar = _bar(
+            stream,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[speed]}"),
+            transient=False,
+        )
         self._task = self._bar.add_task("Processed prompts", total=total, speed="")
         self._start = self._last = time.monotonic()
         self._bar.start()

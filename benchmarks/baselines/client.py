@@ -27,8 +27,16 @@ class SideProcess:
     **args)` sends one command and returns its reply; `close()` asks it to quit, then waits.
     """
 
-    def __init__(self, python: str, script: str, spec: dict[str, Any], *, label: str,
-                 env: dict[str, str] | None = None, workdir: str | None = None) -> None:
+    def __init__(
+        self,
+        python: str,
+        script: str,
+        spec: dict[str, Any],
+        *,
+        label: str,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+    ) -> None:
         self.label = label
         self._dir = tempfile.mkdtemp(prefix=f"tokentape-{label}-", dir=workdir)
         spec_path = os.path.join(self._dir, "spec.json")
@@ -38,8 +46,11 @@ class SideProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [python, str(HERE / script), spec_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            env={**os.environ, **(env or {})}, cwd=self._dir,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **(env or {})},
+            cwd=self._dir,
         )
         self._buf = b""
         self.failed = False

@@ -35,7 +35,8 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     dtype_arg = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        spec["model"], **{dtype_arg: getattr(torch, spec["dtype"])}).eval()
+        spec["model"], **{dtype_arg: getattr(torch, spec["dtype"])}
+    ).eval()
     prompts: list[list[int]] = spec["prompts"]
     max_tokens: list[int] = spec["max_tokens"]
     pad: int = spec["pad_token_id"]
@@ -44,15 +45,22 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
     def generate(batch: list[int], tokens: dict[int, list[int]]) -> None:
         width = max(len(prompts[i]) for i in batch)
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i])
-                             for i in batch])
+        mask = torch.tensor(
+            [[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch]
+        )
         new = max(max_tokens[i] for i in batch)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=pad,
-                                 eos_token_id=None)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=None,
+            )
         for row, i in enumerate(batch):
-            tokens[i] = out[row, width: width + max_tokens[i]].tolist()
+            tokens[i] = out[row, width : width + max_tokens[i]].tolist()
 
     generate(order[:2], {})  # warm-up
 
@@ -62,16 +70,22 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
         gc.collect()
         c0, t0 = time.process_time(), time.perf_counter()
         for start in range(0, len(order), size):
-            generate(order[start: start + size], tokens)
+            generate(order[start : start + size], tokens)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        reply: dict[str, Any] = {"seconds": seconds, "output_tokens": sum(max_tokens),
-                                 "cpu_s": {"transformers": cpu}}
+        reply: dict[str, Any] = {
+            "seconds": seconds,
+            "output_tokens": sum(max_tokens),
+            "cpu_s": {"transformers": cpu},
+        }
         if args.get("tokens"):
             reply["tokens"] = [tokens[i] for i in range(len(prompts))]
         return reply
 
-    info = {"transformers": transformers.__version__, "torch": torch.__version__,
-            "torch_threads": threads}
+    info = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "torch_threads": threads,
+    }
     return info, {"round": round_}
 
 

@@ -48,8 +48,9 @@ class Found:
 
 def _probe(python: str, module: str, *dists: str) -> str | None:
     try:
-        proc = subprocess.run([python, "-c", _PROBE, module, *dists], capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [python, "-c", _PROBE, module, *dists], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout.strip() if proc.returncode == 0 else None

@@ -45,8 +45,9 @@ def _config_info(llm: Any) -> dict[str, Any]:
     return info
 
 
-def _cpu_by_name(before: dict[int, tuple[str, float]],
-                 after: dict[int, tuple[str, float]]) -> dict[str, float]:
+def _cpu_by_name(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
     me = os.getpid()
     relabel = {p: ("front end" if p == me else label, s) for p, (label, s) in after.items()}
     before = {p: ("front end" if p == me else label, s) for p, (label, s) in before.items()}
@@ -59,11 +60,19 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"],
-              seed=spec["seed"], max_model_len=spec["max_model_len"], **spec.get("llm", {}))
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec["dtype"],
+        seed=spec["seed"],
+        max_model_len=spec["max_model_len"],
+        **spec.get("llm", {}),
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-              for n in spec["max_tokens"]]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        for n in spec["max_tokens"]
+    ]
     w = spec.get("warmup_prompts", 2)
     llm.generate(prompts[:w], params[:w], use_tqdm=False)
 
@@ -75,8 +84,11 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
         seconds = time.perf_counter() - t0
         cpu = _cpu_by_name(cpu0, procstat.tree_cpu(os.getpid()))
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        reply: dict[str, Any] = {"seconds": seconds, "output_tokens": sum(map(len, tokens)),
-                                 "cpu_s": cpu}
+        reply: dict[str, Any] = {
+            "seconds": seconds,
+            "output_tokens": sum(map(len, tokens)),
+            "cpu_s": cpu,
+        }
         if args.get("tokens"):
             reply["tokens"] = tokens
         return reply
@@ -86,10 +98,14 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
         return {"cpu_s": _cpu_by_name({}, snap)}
 
     processes = {procstat.name(p): p for p in procstat.descendants(os.getpid())}
-    info = {"vllm": vllm.__version__, "torch": torch.__version__,
-            "front_end_torch_threads": torch.get_num_threads(),
-            "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-            "processes": processes, **_config_info(llm)}
+    info = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "front_end_torch_threads": torch.get_num_threads(),
+        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+        "processes": processes,
+        **_config_info(llm),
+    }
     return info, {"round": round_, "cpu": cpu}
 
 

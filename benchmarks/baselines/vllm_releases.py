@@ -67,8 +67,9 @@ def recorder_missing(found: Found | None, where: str, *folders: Path) -> str | N
     these folders beside its venv (overlay_dir, vllm_tests_dir); None when it can."""
     if found is None:
         return where
-    probe = subprocess.run([found.python, "-c", "import tokentape.events.sqlite_store"],
-                           capture_output=True)
+    probe = subprocess.run(
+        [found.python, "-c", "import tokentape.events.sqlite_store"], capture_output=True
+    )
     if probe.returncode != 0:
         return f"tokentape is not on {found.python}'s path: run benchmarks/setup_vllm_venv.sh"
     for folder in folders:

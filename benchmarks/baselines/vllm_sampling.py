@@ -24,8 +24,13 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"],
-              seed=spec["seed"], max_model_len=spec["max_model_len"])
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec["dtype"],
+        seed=spec["seed"],
+        max_model_len=spec["max_model_len"],
+    )
 
     def generate(args: dict[str, Any]) -> dict[str, Any]:
         prompts, params = [], []
@@ -37,8 +42,10 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
             params.append(p)
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        logprobs = [[[[t, lp.logprob] for t, lp in pos.items()] for pos in (o.outputs[0].logprobs or [])]
-                    for o in outs]
+        logprobs = [
+            [[[t, lp.logprob] for t, lp in pos.items()] for pos in (o.outputs[0].logprobs or [])]
+            for o in outs
+        ]
         return {"tokens": tokens, "logprobs": logprobs}
 
     return {"vllm": vllm.__version__}, {"generate": generate}

@@ -49,22 +49,38 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
             scheduler_config=SchedulerConfig(
                 max_num_seqs=spec["max_num_seqs"],
                 max_num_batched_tokens=spec["max_num_batched_tokens"],
-                max_model_len=spec["max_model_len"], is_encoder_decoder=False),
-            model_config=ModelConfig(model=spec["model"], dtype="float32", seed=0,
-                                     skip_tokenizer_init=True),
+                max_model_len=spec["max_model_len"],
+                is_encoder_decoder=False,
+            ),
+            model_config=ModelConfig(
+                model=spec["model"], dtype="float32", seed=0, skip_tokenizer_init=True
+            ),
             cache_config=CacheConfig(block_size=block_size),  # prefix caching: its default
         )
         config = json_model_config(spec["model"])
         kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layers"], FullAttentionSpec(
-                block_size=block_size, num_kv_heads=config["num_key_value_heads"],
-                head_size=config["head_dim"], dtype=torch.float32))],
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layers"],
+                    FullAttentionSpec(
+                        block_size=block_size,
+                        num_kv_heads=config["num_key_value_heads"],
+                        head_size=config["head_dim"],
+                        dtype=torch.float32,
+                    ),
+                )
+            ],
         )
         vllm_config.cache_config.num_gpu_blocks = num_blocks
-        scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                        structured_output_manager=StructuredOutputManager(vllm_config),
-                        block_size=block_size, log_stats=False)
+        scheduler = cls(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            log_stats=False,
+        )
         return vllm_config, scheduler
 
     def time_steps(args: dict[str, Any]) -> dict[str, Any]:
@@ -79,9 +95,15 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
             hasher = get_request_block_hasher(block_size, hash_fn)
         params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True, temperature=0.0)
         for i, prompt in enumerate(spec["prompts"][:n]):
-            scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt,
-                                          sampling_params=params, pooling_params=None,
-                                          block_hasher=hasher))
+            scheduler.add_request(
+                Request(
+                    request_id=str(i),
+                    prompt_token_ids=prompt,
+                    sampling_params=params,
+                    pooling_params=None,
+                    block_hasher=hasher,
+                )
+            )
         depth = 2 if cls is AsyncScheduler else 1
         in_flight: deque[Any] = deque()
         wall = cpu = 0.0
@@ -102,8 +124,10 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
             done = in_flight.popleft()
             ids = list(done.num_scheduled_tokens)
             runner_output = ModelRunnerOutput(
-                req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
-                sampled_token_ids=[[3 + (int(r) * 31 + step * 17) % 256] for r in ids])
+                req_ids=ids,
+                req_id_to_index={r: k for k, r in enumerate(ids)},
+                sampled_token_ids=[[3 + (int(r) * 31 + step * 17) % 256] for r in ids],
+            )
             step += 1
             t2, c2 = time.perf_counter(), time.process_time()
             scheduler.update_from_output(done, runner_output)
@@ -123,9 +147,12 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
         return {"wall_s": wall / window, "cpu_s": cpu / window}
 
     cache = build(Scheduler)[0].cache_config
-    info = {"vllm": vllm.__version__, "torch": torch.__version__,
-            "enable_prefix_caching": cache.enable_prefix_caching,
-            "prefix_caching_hash_algo": cache.prefix_caching_hash_algo}
+    info = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
+    }
     return info, {"time": time_steps}
 
 

@@ -47,8 +47,13 @@ VLLM_TESTS = ["tests/v1/core/test_scheduler.py", "tests/v1/core/test_async_sched
 def _skip_reason() -> str | None:
     if FOUND is None or VENV is None:
         return WHERE
-    return recorder_missing(FOUND, WHERE, vllm_tests_dir(VENV, FOUND.version),
-                            vllm_tests_dir(VENV, "0.20.0"), overlay_dir(VENV, "0.20.0"))
+    return recorder_missing(
+        FOUND,
+        WHERE,
+        vllm_tests_dir(VENV, FOUND.version),
+        vllm_tests_dir(VENV, "0.20.0"),
+        overlay_dir(VENV, "0.20.0"),
+    )
 
 
 REASON = _skip_reason()

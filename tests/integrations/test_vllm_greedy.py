@@ -37,10 +37,23 @@ def test_greedy_streams_equal_vllm(tmp_path: Path) -> None:
     assert FOUND is not None
     prompts, outputs = workload()
     folder = save_checkpoint(builtin_model("tiny", 0)[1], tmp_path / "tiny")
-    spec = {"model": folder, "dtype": "float32", "seed": 0, "max_model_len": 128,
-            "prompts": prompts, "max_tokens": outputs, "warmup_prompts": 1}
-    with SideProcess(FOUND.python, "vllm_generate.py", spec, label="vllm",
-                     env={"VLLM_CPU_KVCACHE_SPACE": "1"}, workdir=str(tmp_path)) as side:
+    spec = {
+        "model": folder,
+        "dtype": "float32",
+        "seed": 0,
+        "max_model_len": 128,
+        "prompts": prompts,
+        "max_tokens": outputs,
+        "warmup_prompts": 1,
+    }
+    with SideProcess(
+        FOUND.python,
+        "vllm_generate.py",
+        spec,
+        label="vllm",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        workdir=str(tmp_path),
+    ) as side:
         side.start()
         theirs = side.call("round", tokens=True)["tokens"]
 
@@ -53,4 +66,5 @@ def test_greedy_streams_equal_vllm(tmp_path: Path) -> None:
     differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     assert not differ, (
         f"{len(differ)}/{len(prompts)} streams differ; request {differ[0]}: "
-        f"tokentape {ours[differ[0]]} vs vLLM {theirs[differ[0]]}")
+        f"tokentape {ours[differ[0]]} vs vLLM {theirs[differ[0]]}"
+    )

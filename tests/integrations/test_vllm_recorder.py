@@ -57,7 +57,9 @@ def model(work: Path) -> str:
     return str(save_checkpoint(builtin_model("tiny", 0)[1], work / "tiny"))
 
 
-def _vllm(driver: Path, spec: dict[str, Any], work: Path, name: str, tape: bool = True) -> dict[str, Any]:
+def _vllm(
+    driver: Path, spec: dict[str, Any], work: Path, name: str, tape: bool = True
+) -> dict[str, Any]:
     assert FOUND is not None
     return run_vllm(FOUND.python, driver, spec, work, name, tape=tape)
 
@@ -98,9 +100,14 @@ def test_vllm_async_scheduler_delivers_and_drops_stale_output(work: Path, model:
     result = _vllm(SCHEDULER_DRIVER, spec, work, "async")
     assert result["scheduler"] == "AsyncRecordingScheduler"
     events = _checked(result)
-    assert any(isinstance(e, ev.RequestPreempted) and e.in_flight and e.reason == "kv_pressure" for e in events)
-    assert any(isinstance(e, ev.RequestPreempted) and e.in_flight and e.reason == "reset_prefix_cache"
-               for e in events)
+    assert any(
+        isinstance(e, ev.RequestPreempted) and e.in_flight and e.reason == "kv_pressure"
+        for e in events
+    )
+    assert any(
+        isinstance(e, ev.RequestPreempted) and e.in_flight and e.reason == "reset_prefix_cache"
+        for e in events
+    )
     report = postmortem(result["tape"])
     assert report.summary.tokens["dropped_stale"] > 0
     ours = work / "async-tokentape.tape"
@@ -113,7 +120,9 @@ def test_vllm_async_scheduler_delivers_and_drops_stale_output(work: Path, model:
 def test_vllm_scheduler_with_aborts_and_pauses(work: Path, model: str, asynchronous: bool) -> None:
     name = f"aborts-{'async' if asynchronous else 'sync'}"
     result = _vllm(SCHEDULER_DRIVER, aborts_scenario(model, asynchronous), work, name)
-    assert result["scheduler"] == ("AsyncRecordingScheduler" if asynchronous else "SyncRecordingScheduler")
+    assert result["scheduler"] == (
+        "AsyncRecordingScheduler" if asynchronous else "SyncRecordingScheduler"
+    )
     events = _checked(result)
     aborted = {e.req_id for e in events if isinstance(e, ev.RequestAborted)}
     assert "b1" in aborted and len(aborted) > 1  # the abort, and the pause that aborts the rest

@@ -33,18 +33,41 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(FOUND is None, reason=WHERE)]
 LOGPROB_TOL = 1e-3  # float32 logits from two different CPU kernels
 
 
-def cases(greedy: list[list[int]], prompts: list[list[int]]) -> list[tuple[list[int], dict[str, Any]]]:
+def cases(
+    greedy: list[list[int]], prompts: list[list[int]]
+) -> list[tuple[list[int], dict[str, Any]]]:
     """Per prompt, options chosen so that each changes the unconstrained greedy stream."""
     tok = ByteTokenizer()
     out = []
     for prompt, g in zip(prompts, greedy):
-        base: dict[str, Any] = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}
+        base: dict[str, Any] = {
+            "max_tokens": 24,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 3,
+        }
         out += [
             (prompt, {**base, "presence_penalty": 1.5}),
             (prompt, {**base, "frequency_penalty": 1.0}),
             (prompt, {**base, "repetition_penalty": 1.5}),
-            (prompt, {**base, "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}),
-            (prompt, {**base, "presence_penalty": -1.0, "frequency_penalty": -0.5, "repetition_penalty": 0.8}),
+            (
+                prompt,
+                {
+                    **base,
+                    "presence_penalty": 0.5,
+                    "frequency_penalty": 0.3,
+                    "repetition_penalty": 1.2,
+                },
+            ),
+            (
+                prompt,
+                {
+                    **base,
+                    "presence_penalty": -1.0,
+                    "frequency_penalty": -0.5,
+                    "repetition_penalty": 0.8,
+                },
+            ),
             # Its first greedy token is a stop id, held back until 6 tokens are out.
             (prompt, {**base, "stop_token_ids": [g[0]], "min_tokens": 6}),
             # The first greedy token banned, and the third after the second (both as text).
@@ -61,10 +84,19 @@ def test_sampling_options_equal_vllm(tmp_path: Path) -> None:
     llm = LLM(model="tiny", seed=0, tape=None)
     plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     greedy = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, plain, use_tqdm=False)]
-    todo = [(p, kw) for p, kw in cases(greedy, prompts)
-            if all(35 <= t < 129 for t in greedy[prompts.index(p)][:3]) or "bad_words" not in kw]
-    ours = llm.generate([p for p, _ in todo], [SamplingParams(**kw) for _, kw in todo], use_tqdm=False)
-    recorded = {e.req_id: e.params for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.RequestAdded)}
+    todo = [
+        (p, kw)
+        for p, kw in cases(greedy, prompts)
+        if all(35 <= t < 129 for t in greedy[prompts.index(p)][:3]) or "bad_words" not in kw
+    ]
+    ours = llm.generate(
+        [p for p, _ in todo], [SamplingParams(**kw) for _, kw in todo], use_tqdm=False
+    )
+    recorded = {
+        e.req_id: e.params
+        for _, e in llm.engine.tape.iter_events()
+        if isinstance(e, ev.RequestAdded)
+    }
     ids = [o.request_id for o in ours]
     llm.close()
 
@@ -78,8 +110,14 @@ def test_sampling_options_equal_vllm(tmp_path: Path) -> None:
         requests.append(r)
     folder = save_checkpoint(builtin_model("tiny", 0)[1], tmp_path / "tiny")
     spec = {"model": folder, "dtype": "float32", "seed": 0, "max_model_len": 128}
-    with SideProcess(FOUND.python, "vllm_sampling.py", spec, label="vllm",
-                     env={"VLLM_CPU_KVCACHE_SPACE": "1"}, workdir=str(tmp_path)) as side:
+    with SideProcess(
+        FOUND.python,
+        "vllm_sampling.py",
+        spec,
+        label="vllm",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        workdir=str(tmp_path),
+    ) as side:
         side.start()
         theirs = side.call("generate", requests=requests)
 
@@ -90,13 +128,18 @@ def test_sampling_options_equal_vllm(tmp_path: Path) -> None:
             assert c.token_ids[0] != greedy[prompts.index(prompt)][0]
         vllm_lps = theirs["logprobs"][i]
         assert len(vllm_lps) == len(c.token_ids) and c.top_logprobs is not None
-        for pos, (tok, lp, top, their) in enumerate(zip(c.token_ids, c.logprobs, c.top_logprobs, vllm_lps)):
+        for pos, (tok, lp, top, their) in enumerate(
+            zip(c.token_ids, c.logprobs, c.top_logprobs, vllm_lps)
+        ):
             their_d = {t: v for t, v in their}
             assert their_d[tok] == pytest.approx(lp, abs=LOGPROB_TOL), (i, pos)
             # Both hold the sampled token and the top k (3), the same ids unless two tie.
             assert len(top) in (3, 4) and set(top) == set(their_d), (i, pos)
-            assert [top[t] for t in sorted(top)] == pytest.approx([their_d[t] for t in sorted(top)],
-                                                                  abs=LOGPROB_TOL), (i, pos)
-    changed = sum(list(o.outputs[0].token_ids[:8]) != g for o, g in
-                  zip(ours, [greedy[prompts.index(p)] for p, _ in todo]))
+            assert [top[t] for t in sorted(top)] == pytest.approx(
+                [their_d[t] for t in sorted(top)], abs=LOGPROB_TOL
+            ), (i, pos)
+    changed = sum(
+        list(o.outputs[0].token_ids[:8]) != g
+        for o, g in zip(ours, [greedy[prompts.index(p)] for p, _ in todo])
+    )
     assert changed >= len(todo) // 2  # the options did act (else equality would say little)

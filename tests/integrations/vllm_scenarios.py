@@ -26,14 +26,22 @@ SCHEDULER_DRIVER = HERE / "vllm_scheduler_run.py"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def requests(n: int, seed: int, late: int = 0, late_at: int = 0, prefix: str = "r") -> list[dict[str, Any]]:
+def requests(
+    n: int, seed: int, late: int = 0, late_at: int = 0, prefix: str = "r"
+) -> list[dict[str, Any]]:
     """n greedy requests with random token prompts; the last `late` of them added at step
     `late_at` (admissions mid-run)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        out.append({"id": f"{prefix}{i}", "prompt": [rng.randrange(3, 259) for _ in range(rng.randint(10, 40))],
-                    "max_tokens": rng.randint(20, 48), "add_at": late_at if i >= n - late else 0})
+        out.append(
+            {
+                "id": f"{prefix}{i}",
+                "prompt": [rng.randrange(3, 259) for _ in range(rng.randint(10, 40))],
+                "max_tokens": rng.randint(20, 48),
+                "add_at": late_at if i >= n - late else 0,
+            }
+        )
     return out
 
 
@@ -41,39 +49,68 @@ def engine_scenario(model: str) -> dict[str, Any]:
     """vLLM's CPU engine with a KV cache of 8 blocks of 32 tokens (7 usable): KV-pressure
     preemptions; a reset of running requests at step 10; pause(keep, clear_cache) at step 15;
     requests admitted at step 30. Nothing aborted, so the streams diff with tokentape's."""
-    return {"model": model, "llm": {"block_size": 32, "num_gpu_blocks_override": 8, "max_num_seqs": 8},
-            "requests": requests(12, seed=3, late=2, late_at=30), "reset_at": [10],
-            "pause_at": [[15, "keep", True]]}
+    return {
+        "model": model,
+        "llm": {"block_size": 32, "num_gpu_blocks_override": 8, "max_num_seqs": 8},
+        "requests": requests(12, seed=3, late=2, late_at=30),
+        "reset_at": [10],
+        "pause_at": [[15, "keep", True]],
+    }
 
 
 def async_scenario(model: str) -> dict[str, Any]:
     """vLLM's AsyncScheduler (depth 2), 14 blocks of 16 tokens: KV-pressure preemptions with a
     step in flight (stale output delivered, #48245), a reset of running requests at step 9
     with a step in flight (stale output dropped), pause(keep, clear_cache) at step 30."""
-    return {"model": model, "async": True, "num_blocks": 14, "block_size": 16, "max_num_seqs": 8,
-            "max_num_batched_tokens": 256, "max_model_len": 128,
-            "requests": requests(12, seed=5, late=4, late_at=20, prefix="a"),
-            "reset_at": [9], "pause_at": [[30, "keep", True]]}
+    return {
+        "model": model,
+        "async": True,
+        "num_blocks": 14,
+        "block_size": 16,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 128,
+        "requests": requests(12, seed=5, late=4, late_at=20, prefix="a"),
+        "reset_at": [9],
+        "pause_at": [[30, "keep", True]],
+    }
 
 
 def aborts_scenario(model: str, asynchronous: bool = True) -> dict[str, Any]:
     """The scheduler with aborts: one mid-run, a pause(wait) (running requests finish, nothing
     is admitted) and a pause(abort) that aborts everything left, then late requests."""
-    return {"model": model, "async": asynchronous, "num_blocks": 12, "block_size": 16, "max_num_seqs": 6,
-            "max_num_batched_tokens": 128, "max_model_len": 128,
-            "requests": requests(10, seed=7, late=3, late_at=45, prefix="b"),
-            "abort_at": [[6, "b1"]], "pause_at": [[12, "wait", False], [25, "abort", True]]}
+    return {
+        "model": model,
+        "async": asynchronous,
+        "num_blocks": 12,
+        "block_size": 16,
+        "max_num_seqs": 6,
+        "max_num_batched_tokens": 128,
+        "max_model_len": 128,
+        "requests": requests(10, seed=7, late=3, late_at=45, prefix="b"),
+        "abort_at": [[6, "b1"]],
+        "pause_at": [[12, "wait", False], [25, "abort", True]],
+    }
 
 
 def pause_resume_scenario(model: str) -> dict[str, Any]:
     """The seed bug's scenario (vLLM #42043): two requests decoding under async scheduling (a
     batch queue of depth 2), pause(keep, clear_cache=True) at step 6, resume. vLLM 0.20-0.21
     drop each request's first token after the resume."""
-    return {"model": model, "async": True, "num_blocks": 64, "block_size": 16, "max_num_seqs": 8,
-            "max_num_batched_tokens": 256, "max_model_len": 128,
-            "requests": [{"id": "a", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 16},
-                         {"id": "b", "prompt": [21, 22, 23, 24, 25, 26], "max_tokens": 16}],
-            "pause_at": [[6, "keep", True]]}
+    return {
+        "model": model,
+        "async": True,
+        "num_blocks": 64,
+        "block_size": 16,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 128,
+        "requests": [
+            {"id": "a", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 16},
+            {"id": "b", "prompt": [21, 22, 23, 24, 25, 26], "max_tokens": 16},
+        ],
+        "pause_at": [[6, "keep", True]],
+    }
 
 
 def spec_reset_scenario(model: str) -> dict[str, Any]:
@@ -81,25 +118,54 @@ def spec_reset_scenario(model: str) -> dict[str, Any]:
     while a step is in flight (steps 9 and 21): the step in flight holds 1 + 2 placeholders per
     request. vLLM 0.22-0.26 set the discard counter to them and drain it one frame at a time,
     so after the stale frame two fresh ones are dropped (#42117's token-unit counter, #41190)."""
-    return {"model": model, "async": True, "num_blocks": 64, "block_size": 16, "max_num_seqs": 8,
-            "max_num_batched_tokens": 256, "max_model_len": 128, "num_speculative_tokens": 2,
-            "requests": requests(6, seed=11, prefix="s"), "reset_at": [9, 21]}
+    return {
+        "model": model,
+        "async": True,
+        "num_blocks": 64,
+        "block_size": 16,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 128,
+        "num_speculative_tokens": 2,
+        "requests": requests(6, seed=11, prefix="s"),
+        "reset_at": [9, 21],
+    }
 
 
-def run_vllm(python: str, driver: Path, spec: dict[str, Any], workdir: Path, name: str,
-             tape: bool = True, timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_vllm(
+    python: str,
+    driver: Path,
+    spec: dict[str, Any],
+    workdir: Path,
+    name: str,
+    tape: bool = True,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Run a driver in vLLM's Python (with `env` added: another release's overlay,
     benchmarks/baselines/vllm_releases.py); returns its result with "tape" (the path, or None)."""
-    spec = {**spec, "tape": str(workdir / f"{name}.tape") if tape else None, "out": str(workdir / f"{name}.json")}
+    spec = {
+        **spec,
+        "tape": str(workdir / f"{name}.tape") if tape else None,
+        "out": str(workdir / f"{name}.json"),
+    }
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.run([python, str(driver), str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, **VLLM_ENV, **(env or {})}, cwd=workdir, timeout=timeout)
+        proc = subprocess.run(
+            [python, str(driver), str(spec_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **VLLM_ENV, **(env or {})},
+            cwd=workdir,
+            timeout=timeout,
+        )
     if proc.returncode != 0:
         tail = log_path.read_bytes()[-3000:].decode(errors="replace")
-        raise RuntimeError(f"{driver.name} {name} failed (exit {proc.returncode}); end of {log_path}:\n{tail}")
+        raise RuntimeError(
+            f"{driver.name} {name} failed (exit {proc.returncode}); end of {log_path}:\n{tail}"
+        )
     result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
     result["tape"] = spec["tape"]
     return result
@@ -113,8 +179,11 @@ def run_tokentape(spec: dict[str, Any], model: str, tape: Path) -> dict[str, lis
     llm = LLM(model=model, seed=0, tape=str(tape), max_model_len=spec.get("max_model_len", 128))
     engine = llm.engine
     for r in spec["requests"]:
-        engine.add_request(r["id"], r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                                               ignore_eos=True))
+        engine.add_request(
+            r["id"],
+            r["prompt"],
+            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True),
+        )
     got: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -63,10 +63,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     vllm_config = VllmConfig(
         speculative_config=speculative,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-            max_model_len=spec["max_model_len"], is_encoder_decoder=False, scheduler_cls=RECORDER),
-        model_config=ModelConfig(model=spec["model"], dtype="float32", seed=0, skip_tokenizer_init=True,
-                                 max_model_len=spec["max_model_len"]),
+            max_num_seqs=spec["max_num_seqs"],
+            max_num_batched_tokens=spec["max_num_batched_tokens"],
+            max_model_len=spec["max_model_len"],
+            is_encoder_decoder=False,
+            scheduler_cls=RECORDER,
+        ),
+        model_config=ModelConfig(
+            model=spec["model"],
+            dtype="float32",
+            seed=0,
+            skip_tokenizer_init=True,
+            max_model_len=spec["max_model_len"],
+        ),
         cache_config=CacheConfig(block_size=block_size),
     )
     # The CPU platform has just turned async scheduling off; a GPU platform leaves it on.
@@ -75,14 +84,29 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     with open(os.path.join(spec["model"], "config.json")) as f:
         hf = json.load(f)
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layers"], FullAttentionSpec(
-            block_size=block_size, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"],
-            dtype=torch.float32))])
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layers"],
+                FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=hf["num_key_value_heads"],
+                    head_size=hf["head_dim"],
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
     scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-    sched = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=block_size, hash_block_size=block_size, log_stats=False)
+    sched = scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=block_size,
+        log_stats=False,
+    )
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(block_size, hash_fn)
@@ -90,6 +114,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # vLLM's pause(clear_cache) resets the connector too since 0.2x; 0.20 resets the prefix
     # cache alone (and with no connector, a connector reset reads as a failed reset).
     from vllm.v1.engine.core import EngineCore
+
     reset_kwargs = {"reset_running_requests": True}
     if "reset_connector" in inspect.signature(EngineCore._reset_caches).parameters:
         reset_kwargs["reset_connector"] = True
@@ -118,15 +143,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             if req.is_prefill_chunk:
                 tokens.append([])
                 continue
-            n, drafts = out.num_scheduled_tokens[r], len(out.scheduled_spec_decode_tokens.get(r, ()))
+            n, drafts = (
+                out.num_scheduled_tokens[r],
+                len(out.scheduled_spec_decode_tokens.get(r, ())),
+            )
             position, epoch = next_position.get(r, (-1, -1))
             if epoch != req.num_preemptions or not drafts:  # a prefill, or a decode without drafts
                 position = before[r] + n - drafts
             accepted = accept.randint(0, drafts)
             tokens.append([oracle.token_at(keys[r], position + i) for i in range(accepted + 1)])
             next_position[r] = (position + accepted + 1, req.num_preemptions)
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=tokens)
+        return ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens
+        )
 
     def apply_oldest() -> bool:
         """Apply the oldest step's output; whether that step ran anything."""
@@ -162,7 +191,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         the engine core sends the others an abort output."""
         for r in requests:  # Requests, or (id, client index) pairs before vLLM 0.26
             rid = r[0] if isinstance(r, tuple) else r.request_id
-            outputs.setdefault(rid, {"tokens": [], "finish_reason": None})["finish_reason"] = "abort"
+            outputs.setdefault(rid, {"tokens": [], "finish_reason": None})["finish_reason"] = (
+                "abort"
+            )
 
     def drain() -> None:
         while queue or sched.has_requests():
@@ -181,8 +212,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             r = pending.pop(0)
             params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)
             keys[r["id"]] = oracle.request_key(r["prompt"], TapeParams())
-            sched.add_request(Request(request_id=r["id"], prompt_token_ids=r["prompt"],
-                                      sampling_params=params, pooling_params=None, block_hasher=hasher))
+            sched.add_request(
+                Request(
+                    request_id=r["id"],
+                    prompt_token_ids=r["prompt"],
+                    sampling_params=params,
+                    pooling_params=None,
+                    block_hasher=hasher,
+                )
+            )
         if step in resets:
             sched.reset_prefix_cache(reset_running_requests=True)
         if step in aborts:
@@ -191,7 +229,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             mode, clear = pauses[step]
             if mode == "abort":
                 aborted(sched.finish_requests(None, RequestStatus.FINISHED_ABORTED))
-            sched.set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
+            sched.set_pause_state(
+                PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+            )
             drain()  # the pause completes once the engine has no work
             if clear:  # EngineCore._reset_caches, as this release has it
                 sched.reset_prefix_cache(**reset_kwargs)

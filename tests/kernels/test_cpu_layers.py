@@ -34,8 +34,10 @@ def test_rms_norm_and_the_residual_add_match_the_module(dim: int) -> None:
     assert torch.equal(residual, expected_residual)  # added in place, exactly
     torch.testing.assert_close(out, norm(expected_residual))
     # Row by row: a row's result is the same alone as in the batch, to the bit.
-    assert torch.equal(cpu_layers.rms_norm(x[5:6], norm.weight, norm.eps),
-                       cpu_layers.rms_norm(x, norm.weight, norm.eps)[5:6])
+    assert torch.equal(
+        cpu_layers.rms_norm(x[5:6], norm.weight, norm.eps),
+        cpu_layers.rms_norm(x, norm.weight, norm.eps)[5:6],
+    )
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
@@ -50,9 +52,16 @@ def test_qk_norms_and_rope_match_the_modules(qk_norm: bool) -> None:
     eq, ek = (q_norm(q), k_norm(k)) if qk_norm else (q, k)
     eq, ek = apply_rotary(eq, ek, *rope.cos_sin(positions, torch.float32))
     ours_q, ours_k = q.clone(), k.clone()
-    cpu_layers.qk_norm_rope(ours_q, ours_k, q_norm.weight if qk_norm else None,
-                            k_norm.weight if qk_norm else None, 1e-6,
-                            rope.cos_cached, rope.sin_cached, positions)
+    cpu_layers.qk_norm_rope(
+        ours_q,
+        ours_k,
+        q_norm.weight if qk_norm else None,
+        k_norm.weight if qk_norm else None,
+        1e-6,
+        rope.cos_cached,
+        rope.sin_cached,
+        positions,
+    )
     torch.testing.assert_close(ours_q, eq)
     torch.testing.assert_close(ours_k, ek)
 
@@ -70,15 +79,21 @@ def test_silu_mul_matches_the_mlp_for_every_magnitude() -> None:
 def test_the_fused_forward_pass_matches_the_modules() -> None:
     _, model = builtin_model("tiny", 0)
     block_size, num_blocks = 4, 64
-    kv = [(randn(num_blocks, block_size, 2, 64), randn(num_blocks, block_size, 2, 64))
-          for _ in range(len(model.model.layers))]
+    kv = [
+        (randn(num_blocks, block_size, 2, 64), randn(num_blocks, block_size, 2, 64))
+        for _ in range(len(model.model.layers))
+    ]
     kv_copy = [(k.clone(), v.clone()) for k, v in kv]
     # A 6-token prompt and a decode at position 9, on blocks 0-1 and 2-4.
     tables = torch.tensor([[0, 1, 0], [2, 3, 4]], dtype=torch.int32)
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 9])
     slots = torch.tensor([0, 1, 2, 3, 4, 5, 4 * 4 + 1])
-    meta = AttentionMetadata(slots, torch.tensor([0, 6, 7], dtype=torch.int32),
-                             torch.tensor([6, 10], dtype=torch.int32), tables)
+    meta = AttentionMetadata(
+        slots,
+        torch.tensor([0, 6, 7], dtype=torch.int32),
+        torch.tensor([6, 10], dtype=torch.int32),
+        tables,
+    )
     ids = torch.randint(3, 259, (7,), generator=GEN)
     with torch.inference_mode():
         model.fused = True

@@ -30,10 +30,19 @@ MIXED = [(11, 1), (6, 6), (13, 5), (1, 1), (9, 3), (150, 70), (600, 1), (40, 33)
     "num_heads,num_kv_heads,head_dim,block_size",
     [(4, 2, 64, 16), (4, 4, 16, 4), (8, 1, 32, 1), (16, 8, 128, 16), (2, 2, 24, 5)],
 )
-def test_matches_the_reference(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-    case = make_case(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     block_size=block_size)
-    ours = cpu_native.paged_attention_cpu(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+def test_matches_the_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    case = make_case(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    ours = cpu_native.paged_attention_cpu(
+        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+    )
     ref = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(ours.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
@@ -44,16 +53,20 @@ def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_coun
     results = {}
     for threads in (1, 2):  # run where the engine runs it: a worker thread with its own count
         worker = ModelWorker(threads)
-        results[threads] = worker.run(lambda: cpu_native.paged_attention_cpu(
-            case.query, case.k_cache, case.v_cache, **case.attention_kwargs()))
+        results[threads] = worker.run(
+            lambda: cpu_native.paged_attention_cpu(
+                case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+            )
+        )
         worker.close()
     assert torch.equal(results[1], results[2])
     cu = case.cu_seqlens_q.tolist()
     for index in range(len(MIXED)):
         alone = case.select(index)
-        out = cpu_native.paged_attention_cpu(alone.query, alone.k_cache, alone.v_cache,
-                                            **alone.attention_kwargs())
-        assert torch.equal(out, results[1][cu[index]:cu[index + 1]]), index
+        out = cpu_native.paged_attention_cpu(
+            alone.query, alone.k_cache, alone.v_cache, **alone.attention_kwargs()
+        )
+        assert torch.equal(out, results[1][cu[index] : cu[index + 1]]), index
 
 
 def test_inputs_that_do_not_fit_are_refused_before_anything_is_read() -> None:
@@ -62,18 +75,21 @@ def test_inputs_that_do_not_fit_are_refused_before_anything_is_read() -> None:
     bad_lens = case.seq_lens.clone()
     bad_lens[1] = 2  # 3 new tokens in a context of 2
     with pytest.raises(ValueError, match="sequence 1 has more new tokens than its seq_len"):
-        cpu_native.paged_attention_cpu(case.query, case.k_cache, case.v_cache,
-                                       **{**kwargs, "seq_lens": bad_lens})
+        cpu_native.paged_attention_cpu(
+            case.query, case.k_cache, case.v_cache, **{**kwargs, "seq_lens": bad_lens}
+        )
     bad_table = case.block_tables.clone()
     bad_table[0, 1] = case.k_cache.shape[0]  # one past the last block
     with pytest.raises(ValueError, match="sequence 0 has a block id outside the cache"):
-        cpu_native.paged_attention_cpu(case.query, case.k_cache, case.v_cache,
-                                       **{**kwargs, "block_tables": bad_table})
+        cpu_native.paged_attention_cpu(
+            case.query, case.k_cache, case.v_cache, **{**kwargs, "block_tables": bad_table}
+        )
     too_long = case.seq_lens.clone()
     too_long[0] = 4 * case.block_tables.shape[1] + 1
     with pytest.raises(ValueError, match="sequence 0 needs more blocks than block_tables has"):
-        cpu_native.paged_attention_cpu(case.query, case.k_cache, case.v_cache,
-                                       **{**kwargs, "seq_lens": too_long})
+        cpu_native.paged_attention_cpu(
+            case.query, case.k_cache, case.v_cache, **{**kwargs, "seq_lens": too_long}
+        )
 
 
 def test_dispatch_picks_it_for_float32_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,8 +101,12 @@ def test_dispatch_picks_it_for_float32_on_the_cpu(monkeypatch: pytest.MonkeyPatc
         resolve_backend(cpu, "cpu", torch.bfloat16)
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
     ours = paged_attention(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
-    assert torch.equal(ours, cpu_native.paged_attention_cpu(
-        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()))
+    assert torch.equal(
+        ours,
+        cpu_native.paged_attention_cpu(
+            case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+        ),
+    )
     monkeypatch.setenv("TOKENTAPE_KERNELS", "torch")
     assert torch.equal(
         paged_attention(case.query, case.k_cache, case.v_cache, **case.attention_kwargs()),

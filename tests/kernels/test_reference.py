@@ -39,13 +39,9 @@ def test_reference_chunks_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
     from tokentape.kernels import reference
 
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
-    whole = paged_attention_ref(
-        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
-    )
+    whole = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     monkeypatch.setattr(reference, "SCORE_ELEMENTS_PER_CHUNK", 4 * 13 * 2)  # 2-token chunks
-    chunked = paged_attention_ref(
-        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
-    )
+    chunked = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(chunked.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
 
@@ -61,9 +57,7 @@ def test_reference_low_precision_returns_query_dtype(dtype: torch.dtype) -> None
 def test_reference_is_batch_invariant() -> None:
     """Each sequence alone gives bit-identical results to the same sequence in the batch."""
     case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=3)
-    batched = paged_attention_ref(
-        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
-    )
+    batched = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     cu = case.cu_seqlens_q.tolist()
     for index in range(len(MIXED)):
         alone = case.select(index)
@@ -78,9 +72,7 @@ def test_reference_decode_batch_is_batch_invariant() -> None:
     alone, with GQA, odd lengths and contexts of one to several blocks, gives the same bits."""
     decodes = [(n, 1) for n in (1, 3, 4, 5, 17, 31, 64, 9)]
     case = make_case(decodes, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, seed=5)
-    batched = paged_attention_ref(
-        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
-    )
+    batched = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     torch.testing.assert_close(batched.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
     for index in range(len(decodes)):
         alone = case.select(index)
@@ -99,7 +91,9 @@ def test_scripted_decode_loop_gives_the_python_functions_bits(
 
     decodes = [(n, 1) for n in (1, 3, 4, 5, 17, 31)]
     case = make_case(decodes, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype)
-    scripted = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
+    scripted = paged_attention_ref(
+        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+    )
     assert isinstance(reference._decode_loop(), torch.jit.ScriptFunction)
     monkeypatch.setattr(reference, "_decode_loop", lambda: reference._attend_decodes)
     plain = paged_attention_ref(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
@@ -198,7 +192,9 @@ def test_reference_rejects_bad_shapes() -> None:
         )
     with pytest.raises(ValueError, match="seq_lens must be an integer tensor"):
         paged_attention_ref(
-            case.query, case.k_cache, case.v_cache,
+            case.query,
+            case.k_cache,
+            case.v_cache,
             **{**kwargs, "seq_lens": case.seq_lens.float()},
         )
     with pytest.raises(ValueError, match="slot_mapping must be an integer tensor"):

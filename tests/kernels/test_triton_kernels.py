@@ -115,8 +115,9 @@ def test_triton_kernels_are_batch_invariant() -> None:
 def test_decode_single_split_equals_merged_splits() -> None:
     """A short block table runs one split that writes the output itself; the same sequences
     with the table padded to several splits go through the merge: the same bits."""
-    case = make_case(DECODES[:2] + DECODES[3:], num_heads=4, num_kv_heads=2, head_dim=16,
-                     block_size=8)
+    case = make_case(
+        DECODES[:2] + DECODES[3:], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8
+    )
     assert case.block_tables.shape[1] * 8 <= MIN_SPLIT_TOKENS  # a single split
     single = paged_decode_triton(case.query, case.k_cache, case.v_cache, **case.attention_kwargs())
     wide = torch.full((case.block_tables.shape[0], 100), PAD_BLOCK, dtype=torch.int32)
@@ -169,6 +170,7 @@ def test_kernels_property(
     seed: int,
 ) -> None:
     """Random ragged batches: the prefill kernel, and the decode kernel on the same contexts."""
+
     def case_of(seqs: list[tuple[int, int]]) -> PagedCase:
         return make_case(
             seqs,

@@ -32,8 +32,11 @@ def test_text_prompts_are_refused_and_nothing_is_recorded(folder: Path) -> None:
     llm = LLM(model=str(folder), tape=None, block_size=4, num_kv_blocks=64)
     assert isinstance(llm.tokenizer, MissingTokenizer)
     missing = re.escape(str(folder / "tokenizer.json"))
-    with pytest.raises(CheckpointError, match=rf"^{missing}: missing, so text cannot be encoded "
-                       "for this checkpoint; pass prompts as token ids"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{missing}: missing, so text cannot be encoded "
+        "for this checkpoint; pass prompts as token ids",
+    ):
         llm.generate([[5, 6, 7], "w3 w4"], GREEDY)
     assert not llm.engine.state.requests and len(llm.engine.tape) == 0  # the header alone
 
@@ -92,8 +95,9 @@ def test_a_saved_builtin_model_keeps_its_byte_tokenizer(tmp_path: Path) -> None:
     assert [tokenizer.encode(t) for t in texts] == [byte.encode(t) for t in texts]
     ids = [0, 1, 2, *byte.encode("é🎉")[:-1], 72, 258]  # specials, a cut character, 0xff
     assert tokenizer.decode(ids) == byte.decode(ids)
-    assert [tokenizer.safe_split(ids, k) for k in range(len(ids) + 1)] \
-        == [byte.safe_split(ids, k) for k in range(len(ids) + 1)]
+    assert [tokenizer.safe_split(ids, k) for k in range(len(ids) + 1)] == [
+        byte.safe_split(ids, k) for k in range(len(ids) + 1)
+    ]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompt = "The capital of France is"
     [from_folder] = LLM(model=folder, tape=None).generate([prompt], params)
@@ -101,6 +105,7 @@ def test_a_saved_builtin_model_keeps_its_byte_tokenizer(tmp_path: Path) -> None:
     assert from_folder.outputs[0].token_ids == builtin.outputs[0].token_ids
     assert from_folder.outputs[0].text == builtin.outputs[0].text
     # byte_tokenizer=False: no tokenizer.json (for a model with one of its own to copy)
-    no_tokenizer = save_checkpoint(LLM("tiny", tape=None).engine.runner.model, tmp_path / "x",
-                                   byte_tokenizer=False)
+    no_tokenizer = save_checkpoint(
+        LLM("tiny", tape=None).engine.runner.model, tmp_path / "x", byte_tokenizer=False
+    )
     assert isinstance(frontend_tokenizer(no_tokenizer), MissingTokenizer)

@@ -57,11 +57,15 @@ def test_every_eos_id_of_the_checkpoint_stops_a_request(tmp_path: Path) -> None:
     loaded, _ = load_checkpoint(tmp_path / "ckpt")
     assert (loaded.eos_token_id, loaded.extra_eos_token_ids) == (1, (stream[j], stream[i]))
     tape = tmp_path / "eos.tape"
-    llm = LLM(device="cpu", model=str(tmp_path / "ckpt"), tape=str(tape), block_size=4, num_kv_blocks=64)
+    llm = LLM(
+        device="cpu", model=str(tmp_path / "ckpt"), tape=str(tape), block_size=4, num_kv_blocks=64
+    )
     stopped, ignored = llm.generate(
         [prompt, prompt],
-        [SamplingParams(max_tokens=12, temperature=0.0),
-         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)],
+        [
+            SamplingParams(max_tokens=12, temperature=0.0),
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        ],
     )
     llm.close()
     assert stopped.outputs[0].token_ids == stream[: i + 1]
@@ -170,12 +174,16 @@ def test_an_integer_tensor_in_a_checkpoint_is_refused_not_cast(tmp_path: Path) -
     name = min(tensors)
     tensors[name] = tensors[name].to(torch.int32)
     save_file(tensors, str(shard))
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{name}' is torch.int32, not floating point"):
+    with pytest.raises(
+        CheckpointError, match=rf"{shard.name}: tensor '{name}' is torch.int32, not floating point"
+    ):
         load_checkpoint(ckpt)
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_save_checkpoint_writes_a_folder_that_loads_back_bit_for_bit(tmp_path: Path, tie: bool) -> None:
+def test_save_checkpoint_writes_a_folder_that_loads_back_bit_for_bit(
+    tmp_path: Path, tie: bool
+) -> None:
     from tokentape.engine.model.loader import save_checkpoint
 
     config = small_config("qwen3", tie=tie)
@@ -189,5 +197,7 @@ def test_save_checkpoint_writes_a_folder_that_loads_back_bit_for_bit(tmp_path: P
         assert torch.equal(tensor, original[name]), name
     # The same greedy tokens through the engine, from the folder and from the seeded model.
     llm = LLM(model=str(tmp_path / "ckpt"), tape=False, num_kv_blocks=32)
-    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    out = llm.generate(
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
     assert out[0].outputs[0].token_ids == dense_greedy(model, [5, 6, 7, 8], 6)

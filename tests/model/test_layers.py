@@ -85,7 +85,9 @@ def test_the_calibrated_row_multiple_is_the_smallest_that_holds() -> None:
         for w in weights:
             x = torch.randn(1024, w.shape[1], generator=gen)
             ref = linear(x, w)
-            if not all(torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2)):
+            if not all(
+                torch.equal(linear(x[:m], w, None, c), ref[:m]) for m in range(1, 2 * c + 2)
+            ):
                 return False
         return True
 

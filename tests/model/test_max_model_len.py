@@ -50,22 +50,31 @@ def test_a_kv_cache_smaller_than_the_context_caps_it_and_says_so(
     assert record.getMessage() == (
         "max_model_len 64: the model's context length is 256 (max_position_embeddings = 256 "
         "in the model's config), but the KV cache holds 64 tokens (num_kv_blocks=16 x "
-        "block_size=4); raise num_kv_blocks to serve the whole context")
+        "block_size=4); raise num_kv_blocks to serve the whole context"
+    )
 
 
 def test_an_explicit_max_model_len_stands_unless_past_the_context(tmp_path: Path) -> None:
-    config = dataclasses.replace(small_config("qwen2"),
-                                 rope_scaling=RopeScaling("yarn", 4.0, 32),
-                                 max_position_embeddings=32)
+    config = dataclasses.replace(
+        small_config("qwen2"), rope_scaling=RopeScaling("yarn", 4.0, 32), max_position_embeddings=32
+    )
     write_checkpoint(tmp_path / "ckpt", config)
     folder = str(tmp_path / "ckpt")
-    assert LLM(model=folder, tape=None, block_size=4, num_kv_blocks=64).config.max_model_len \
-        == 128  # yarn: its original 32 positions x factor 4, as vLLM derives it
-    assert LLM(model=folder, tape=None, block_size=4, num_kv_blocks=64,
-               max_model_len=100).config.max_model_len == 100
-    with pytest.raises(ValueError, match=r"max_model_len \(129\) is greater than the model's "
-                       r"context length \(128: original_max_position_embeddings = 32 x yarn "
-                       r"factor 4.0 in the model's config\)"):
+    assert (
+        LLM(model=folder, tape=None, block_size=4, num_kv_blocks=64).config.max_model_len == 128
+    )  # yarn: its original 32 positions x factor 4, as vLLM derives it
+    assert (
+        LLM(
+            model=folder, tape=None, block_size=4, num_kv_blocks=64, max_model_len=100
+        ).config.max_model_len
+        == 100
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len \(129\) is greater than the model's "
+        r"context length \(128: original_max_position_embeddings = 32 x yarn "
+        r"factor 4.0 in the model's config\)",
+    ):
         LLM(model=folder, tape=None, block_size=4, num_kv_blocks=64, max_model_len=129)
 
 
@@ -83,8 +92,9 @@ def test_the_builtin_models_and_the_oracle(caplog: pytest.LogCaptureFixture) -> 
 
 def test_async_llm_reports_the_resolved_length(tmp_path: Path) -> None:
     write_checkpoint(tmp_path / "ckpt", small_config("llama"))
-    engine = AsyncLLM(str(tmp_path / "ckpt"), multiprocess_mode=False, block_size=4,
-                      num_kv_blocks=128)
+    engine = AsyncLLM(
+        str(tmp_path / "ckpt"), multiprocess_mode=False, block_size=4, num_kv_blocks=128
+    )
     try:
         assert engine.max_model_len == 256
     finally:
@@ -95,9 +105,12 @@ def test_a_prompt_past_the_context_is_refused_in_vllms_words(tmp_path: Path) -> 
     write_checkpoint(tmp_path / "ckpt", small_config("llama"))
     llm = LLM(model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=128)
     for length in (256, 300):  # a prompt of 256 leaves no position for the output
-        with pytest.raises(ValueError, match=rf"request '\d+': This model's maximum context "
-                           rf"length is 256 tokens. However, your request has {length} input "
-                           r"tokens. Please reduce the length of the input messages."):
+        with pytest.raises(
+            ValueError,
+            match=rf"request '\d+': This model's maximum context "
+            rf"length is 256 tokens. However, your request has {length} input "
+            r"tokens. Please reduce the length of the input messages.",
+        ):
             llm.generate([[5] * length], SamplingParams(max_tokens=1))
     assert not llm.engine.state.requests and len(llm.engine.tape) == 0  # nothing recorded
     out = llm.generate([[5] * 255], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]

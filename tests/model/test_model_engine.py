@@ -153,10 +153,17 @@ def test_a_big_model_shares_its_matmuls_instead_of_the_batch(monkeypatch) -> Non
 def test_a_step_goes_to_another_lane_only_with_enough_work() -> None:
     """A lane's pass has a fixed cost (input_batch.MIN_LANE_WORK): a small step stays on one
     lane, a big one is shared out over as many lanes as it holds the minimum of work."""
-    from tokentape.engine.runners.input_batch import FLOPS_PER_BYTE, EntryInputs, SeqState, split_over_lanes
+    from tokentape.engine.runners.input_batch import (
+        FLOPS_PER_BYTE,
+        EntryInputs,
+        SeqState,
+        split_over_lanes,
+    )
 
     def decodes(n: int, context: int) -> list[EntryInputs]:
-        seq = SeqState(SamplingParams(), 0, [1] * context, list(range(context // 16 + 1)), context - 1)
+        seq = SeqState(
+            SamplingParams(), 0, [1] * context, list(range(context // 16 + 1)), context - 1
+        )
         return [EntryInputs(f"r{i}", seq, [1], context - 1, [], samples=True) for i in range(n)]
 
     def lanes(num_lanes: int, least: int) -> list[int]:  # 1,000 flops a token, 10 KV bytes

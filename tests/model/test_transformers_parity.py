@@ -24,8 +24,12 @@ from tokentape.engine.model.rope import RopeScaling
 transformers = pytest.importorskip("transformers")
 
 ORIGINAL = 32  # the "pretraining" length of the scaled styles; the sequences run to 100
-LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": ORIGINAL}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": ORIGINAL,
+}
 YARN = {"factor": 4.0, "original_max_position_embeddings": ORIGINAL}
 
 
@@ -58,11 +62,21 @@ def style_config(style: Style) -> ModelConfig:
         values = {k: v for k, v in style.scaling.items() if k not in ("type", "rope_type")}
         scaling = RopeScaling(style.scaling.get("rope_type") or style.scaling["type"], **values)
     return ModelConfig(
-        model_type=style.model_type, vocab_size=256, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        rope_theta=style.theta, rope_scaling=scaling, max_position_embeddings=style.max_positions,
-        tie_word_embeddings=style.tie, attention_bias=style.model_type == "qwen2",
-        qk_norm=style.model_type == "qwen3", eos_token_id=1,
+        model_type=style.model_type,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=style.theta,
+        rope_scaling=scaling,
+        max_position_embeddings=style.max_positions,
+        tie_word_embeddings=style.tie,
+        attention_bias=style.model_type == "qwen2",
+        qk_norm=style.model_type == "qwen3",
+        eos_token_id=1,
     )
 
 
@@ -73,14 +87,16 @@ def config_json(style: Style, config: ModelConfig, form: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("form", ["transformers4", "transformers5"])
 @pytest.mark.parametrize("style", STYLES, ids=[s.name for s in STYLES])
-def test_a_checkpoint_generates_as_transformers_does(tmp_path: Path, style: Style,
-                                                     form: str) -> None:
+def test_a_checkpoint_generates_as_transformers_does(
+    tmp_path: Path, style: Style, form: str
+) -> None:
     config = style_config(style)
     folder = tmp_path / "ckpt"
     raw = config_json(style, config, form)
     model = write_checkpoint(folder, config, seed=7, hf_config=raw, attention_gain=8.0)
-    assert ("rope_parameters" in json.loads((folder / "config.json").read_text())) \
-        == (form == "transformers5")
+    assert ("rope_parameters" in json.loads((folder / "config.json").read_text())) == (
+        form == "transformers5"
+    )
     loaded, loaded_model = load_checkpoint(folder)
     assert loaded == config  # theta and scaling read from either form
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -122,8 +138,9 @@ def test_dynamic_ntk_is_served_up_to_max_position_embeddings(tmp_path: Path, for
     such a checkpoint up to max_position_embeddings and refuses a longer max_model_len."""
     config = style_config(DYNAMIC)
     folder = tmp_path / "ckpt"
-    write_checkpoint(folder, config, seed=7, hf_config=config_json(DYNAMIC, config, form),
-                     attention_gain=8.0)
+    write_checkpoint(
+        folder, config, seed=7, hf_config=config_json(DYNAMIC, config, form), attention_gain=8.0
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     prompt = torch.randint(2, 256, (120,), generator=torch.Generator().manual_seed(4)).tolist()
     llm = LLM(model=str(folder), device="cpu", tape=None, block_size=4, num_kv_blocks=64)
@@ -137,7 +154,16 @@ def test_dynamic_ntk_is_served_up_to_max_position_embeddings(tmp_path: Path, for
         # Why no further: one position more and transformers rotates position 0 differently.
         longer = hf(torch.tensor([prompt + out.token_ids + [5]])).logits[0]
     assert not torch.allclose(longer[:128], expected, atol=1e-3)
-    with pytest.raises(ValueError, match=r"max_model_len \(129\) is greater than the model's "
-                       r"context length \(128: max_position_embeddings = 128 .*'dynamic'"):
-        LLM(model=str(folder), device="cpu", tape=None, block_size=4, num_kv_blocks=64,
-            max_model_len=129)
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len \(129\) is greater than the model's "
+        r"context length \(128: max_position_embeddings = 128 .*'dynamic'",
+    ):
+        LLM(
+            model=str(folder),
+            device="cpu",
+            tape=None,
+            block_size=4,
+            num_kv_blocks=64,
+            max_model_len=129,
+        )

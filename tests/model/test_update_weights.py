@@ -110,7 +110,14 @@ def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int, tmp_pat
         policy,
     ]
     if policy == "flag":
-        args += ["--pipeline-depth", "1", "--pipeline-depth", "2", "--tape", str(tmp_path / "rl.tape")]
+        args += [
+            "--pipeline-depth",
+            "1",
+            "--pipeline-depth",
+            "2",
+            "--tape",
+            str(tmp_path / "rl.tape"),
+        ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == rc, proc.stdout + proc.stderr
     assert "pipeline_depth=1 discard_policy=" in proc.stdout

@@ -30,8 +30,14 @@ Delivered = dict[str, list[int]]
 def _llm(path: Path | None, policy: str = "epoch", depth: int = 2, k: int = 0, **kw: Any) -> LLM:
     args: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 64}
     args.update(kw)
-    return LLM(model="oracle-random", tape=None if path is None else str(path), pipeline_depth=depth,
-               num_speculative_tokens=k, discard_policy=policy, **args)
+    return LLM(
+        model="oracle-random",
+        tape=None if path is None else str(path),
+        pipeline_depth=depth,
+        num_speculative_tokens=k,
+        discard_policy=policy,
+        **args,
+    )
 
 
 def _drive(llm: LLM, delivered: Delivered) -> None:
@@ -110,10 +116,15 @@ class _AbortRacingFinalStep(LLMEngine):
         if isinstance(event, ev.OutputsEmitted) and self._raced is not None:
             req_id, step = self._raced
             final = [f.token_ids for f in self.runner._results[step] if f.req_id == req_id]  # type: ignore[attr-defined]
-            event = ev.OutputsEmitted(event.step, [
-                ev.EmittedOutput(o.req_id, final[0], True, "length")
-                if o.req_id == req_id and o.finish_reason == "abort" else o
-                for o in event.entries])
+            event = ev.OutputsEmitted(
+                event.step,
+                [
+                    ev.EmittedOutput(o.req_id, final[0], True, "length")
+                    if o.req_id == req_id and o.finish_reason == "abort"
+                    else o
+                    for o in event.entries
+                ],
+            )
             self._raced = None
         super()._emit(event)
 
@@ -122,15 +133,23 @@ def abort_final_step(path: Path, clean: bool = False) -> None:
     llm = _llm(path, depth=2)
     engine = llm.engine
     if not clean:  # the same runner and (still empty) tape, driven by the faulty engine
-        engine = llm.engine = _AbortRacingFinalStep(llm.config, llm.engine.runner, llm.engine.tape, llm.tokenizer)
+        engine = llm.engine = _AbortRacingFinalStep(
+            llm.config, llm.engine.runner, llm.engine.tape, llm.tokenizer
+        )
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request("a", PROMPT, params)
     engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
     delivered: Delivered = {}
     req = engine.state.requests["a"]
     # The final step is in flight: the steps in flight cover every token it may still take.
-    _until(llm, delivered, lambda: req.num_fresh_in_flight >= 1
-           and len(req.output_token_ids) + req.num_fresh_in_flight >= params.max_tokens)
+    _until(
+        llm,
+        delivered,
+        lambda: (
+            req.num_fresh_in_flight >= 1
+            and len(req.output_token_ids) + req.num_fresh_in_flight >= params.max_tokens
+        ),
+    )
     engine.abort_request("a")
     _run_until_idle(llm, delivered)
     llm.close()
@@ -142,7 +161,9 @@ def kv_pressure_in_flight(path: Path, clean: bool = False) -> None:
     output placeholders go negative."""
     llm = _llm(path, "epoch" if clean else "flag", depth=3, num_kv_blocks=14, max_num_seqs=4)
     for i in range(3):
-        llm.engine.add_request(f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+        llm.engine.add_request(
+            f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True)
+        )
     delivered: Delivered = {}
     _run_until_idle(llm, delivered)
     llm.close()
@@ -153,14 +174,17 @@ def kv_pressure_in_flight(path: Path, clean: bool = False) -> None:
 # which tests/test_museum.py holds to no finding at all.
 
 
-def _museum_llm(path: Path, clean: bool, policy: str = "epoch", faults: tuple[str, ...] = (),
-                **kw: Any) -> LLM:
+def _museum_llm(
+    path: Path, clean: bool, policy: str = "epoch", faults: tuple[str, ...] = (), **kw: Any
+) -> LLM:
     return _llm(path, "epoch" if clean else policy, faults=() if clean else faults, **kw)
 
 
 def _kv_pressure(llm: LLM) -> None:
     for i in range(3):
-        llm.engine.add_request(f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+        llm.engine.add_request(
+            f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True)
+        )
     _run_until_idle(llm, {})
     llm.close()
 
@@ -168,14 +192,18 @@ def _kv_pressure(llm: LLM) -> None:
 def flag_reset_only_38624(path: Path, clean: bool = False) -> None:
     """vLLM #38624 (museum policy flag-reset-only): the discard flag is set by a reset's
     preemptions only; KV-pressure preemptions with output in flight let it through."""
-    _kv_pressure(_museum_llm(path, clean, "flag-reset-only", depth=2, num_kv_blocks=14, max_num_seqs=4))
+    _kv_pressure(
+        _museum_llm(path, clean, "flag-reset-only", depth=2, num_kv_blocks=14, max_num_seqs=4)
+    )
 
 
 def counter_reset_only_47900(path: Path, clean: bool = False) -> None:
     """vLLM #47900, before #48245 (museum policy counter-reset-only): the discard counter is
     set by a reset's preemptions only; after a KV-pressure preemption the stale output is
     applied and counted, and output placeholders go below zero (vLLM asserted)."""
-    _kv_pressure(_museum_llm(path, clean, "counter-reset-only", depth=2, num_kv_blocks=14, max_num_seqs=4))
+    _kv_pressure(
+        _museum_llm(path, clean, "counter-reset-only", depth=2, num_kv_blocks=14, max_num_seqs=4)
+    )
 
 
 def counter_spec_budget_41190(path: Path, clean: bool = False) -> None:
@@ -223,7 +251,9 @@ def chunk_underflow_57562(path: Path, clean: bool = False) -> None:
     """vLLM #57562 (fault chunk_placeholder_underflow): chunked prefill with two requests
     sharing the token budget, no speculative decoding, no preemption; the final chunk's
     placeholder is not counted, so its token takes placeholders to -1."""
-    llm = _museum_llm(path, clean, faults=("chunk_placeholder_underflow",), depth=2, max_num_batched_tokens=8)
+    llm = _museum_llm(
+        path, clean, faults=("chunk_placeholder_underflow",), depth=2, max_num_batched_tokens=8
+    )
     llm.engine.add_request("a", PROMPT[:13], SamplingParams(max_tokens=6, ignore_eos=True))
     llm.engine.add_request("b", PROMPT[3:10], SamplingParams(max_tokens=6, ignore_eos=True))
     _run_until_idle(llm, {})
@@ -234,8 +264,14 @@ def double_free_33377(path: Path, clean: bool = False) -> None:
     """vLLM #33377 (fault double_free_on_abort): a request aborted with a step in flight has
     its KV blocks freed at the abort and again when the step comes back, by then taken by
     the request admitted in its place; they are handed out twice."""
-    llm = _museum_llm(path, clean, faults=("double_free_on_abort",), depth=2, num_kv_blocks=12,
-                      enable_prefix_caching=False)
+    llm = _museum_llm(
+        path,
+        clean,
+        faults=("double_free_on_abort",),
+        depth=2,
+        num_kv_blocks=12,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     engine.add_request("a", PROMPT[:15], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.add_request("b", PROMPT[:14], SamplingParams(max_tokens=20, ignore_eos=True))
@@ -272,10 +308,14 @@ def crash_aborted_52969(path: Path, clean: bool = False) -> None:
 def clean_epoch_storm(path: Path) -> None:
     """The epoch policy through storms of pause/resume/reset, with speculative decoding,
     chunked prefill, KV-pressure preemptions and an abort."""
-    llm = _llm(path, "epoch", depth=3, k=2, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = _llm(
+        path, "epoch", depth=3, k=2, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4
+    )
     engine = llm.engine
     for i in range(6):
-        engine.add_request(f"s{i}", list(range(3 + i, 12 + 3 * i)), SamplingParams(max_tokens=14, ignore_eos=True))
+        engine.add_request(
+            f"s{i}", list(range(3 + i, 12 + 3 * i)), SamplingParams(max_tokens=14, ignore_eos=True)
+        )
     delivered: Delivered = {}
     modes = ("keep", "wait", "keep")
     for round_ in range(9):
@@ -309,78 +349,122 @@ def clean_epoch_pause_resume(path: Path) -> None:
     llm.close()
 
 
-def _finding(kind: str, request_ids: list[str], bug_class: str | None = None,
-             severity: str = "error") -> dict[str, Any]:
+def _finding(
+    kind: str, request_ids: list[str], bug_class: str | None = None, severity: str = "error"
+) -> dict[str, Any]:
     return {"kind": kind, "severity": severity, "request_ids": request_ids, "bug_class": bug_class}
 
 
 # name -> (scenario, the findings the postmortem must report, exactly)
 ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
-    "flag_42043": (flag_42043, [
-        _finding("post_resume_token_dropped", ["r"], "vllm#42043"),
-        # Every later token moved up by one; the dropped frame's placeholder never came back.
-        _finding("token_shifted", ["r"], "vllm#42043"),
-        _finding("count_nonzero_at_finish", ["r"], "vllm#42043", severity="warning"),
-    ]),
-    "counter_double_reset": (counter_double_reset, [
-        _finding("stale_frame_applied", ["r"], "vllm#42117-overwrite"),
-        _finding("negative_count", ["r"], "vllm#42117-overwrite"),  # placeholders -1
-        _finding("token_duplicated", ["r"], "vllm#42117-overwrite"),
-        _finding("count_nonzero_at_finish", ["r"], "vllm#42117-overwrite", severity="warning"),  # -1
-    ]),
-    "counter_spec_units": (counter_spec_units, [
-        _finding("fresh_frame_dropped", ["r"], "vllm#42117-spec-units"),
-        _finding("token_shifted", ["r"], "vllm#42117-spec-units"),
-        _finding("count_nonzero_at_finish", ["r"], "vllm#42117-spec-units", severity="warning"),
-    ]),
-    "abort_final_step": (abort_final_step, [
-        _finding("output_mismatch", ["a"], "vllm#26400"),
-    ]),
-    "kv_pressure_in_flight": (kv_pressure_in_flight, [
-        _finding("stale_frame_applied", ["q2"], "vllm#47900"),
-        # The applied stale token is the one after the dropped one, in its place; the
-        # recompute then carries on from the right position: one wrong token.
-        _finding("token_mismatch", ["q2"], "vllm#47900"),
-        _finding("negative_count", ["q2"], "vllm#47900"),
-        _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
-    ]),
+    "flag_42043": (
+        flag_42043,
+        [
+            _finding("post_resume_token_dropped", ["r"], "vllm#42043"),
+            # Every later token moved up by one; the dropped frame's placeholder never came back.
+            _finding("token_shifted", ["r"], "vllm#42043"),
+            _finding("count_nonzero_at_finish", ["r"], "vllm#42043", severity="warning"),
+        ],
+    ),
+    "counter_double_reset": (
+        counter_double_reset,
+        [
+            _finding("stale_frame_applied", ["r"], "vllm#42117-overwrite"),
+            _finding("negative_count", ["r"], "vllm#42117-overwrite"),  # placeholders -1
+            _finding("token_duplicated", ["r"], "vllm#42117-overwrite"),
+            _finding(
+                "count_nonzero_at_finish", ["r"], "vllm#42117-overwrite", severity="warning"
+            ),  # -1
+        ],
+    ),
+    "counter_spec_units": (
+        counter_spec_units,
+        [
+            _finding("fresh_frame_dropped", ["r"], "vllm#42117-spec-units"),
+            _finding("token_shifted", ["r"], "vllm#42117-spec-units"),
+            _finding("count_nonzero_at_finish", ["r"], "vllm#42117-spec-units", severity="warning"),
+        ],
+    ),
+    "abort_final_step": (
+        abort_final_step,
+        [
+            _finding("output_mismatch", ["a"], "vllm#26400"),
+        ],
+    ),
+    "kv_pressure_in_flight": (
+        kv_pressure_in_flight,
+        [
+            _finding("stale_frame_applied", ["q2"], "vllm#47900"),
+            # The applied stale token is the one after the dropped one, in its place; the
+            # recompute then carries on from the right position: one wrong token.
+            _finding("token_mismatch", ["q2"], "vllm#47900"),
+            _finding("negative_count", ["q2"], "vllm#47900"),
+            _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
+        ],
+    ),
     # The museum (each scenario also runs clean: tests/test_museum.py).
-    "flag_reset_only_38624": (flag_reset_only_38624, [
-        _finding("stale_frame_applied", ["q2"], "vllm#38624"),
-        _finding("negative_count", ["q2"], "vllm#38624"),
-        _finding("count_nonzero_at_finish", ["q2"], "vllm#38624", severity="warning"),
-    ]),
-    "counter_reset_only_47900": (counter_reset_only_47900, [
-        _finding("stale_frame_applied", ["q2"], "vllm#47900"),
-        _finding("negative_count", ["q2"], "vllm#47900"),  # vLLM's assert placeholders >= 0
-        _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
-    ]),
-    "counter_spec_budget_41190": (counter_spec_budget_41190, [
-        _finding("fresh_frame_dropped", ["r"], "vllm#41190"),
-        _finding("token_shifted", ["r"], "vllm#41190"),
-        _finding("count_nonzero_at_finish", ["r"], "vllm#41190", severity="warning"),
-    ]),
-    "spec_placeholder_input_40768": (spec_placeholder_input_40768, [
-        _finding("spec_placeholder_in_input", ["r"], "vllm#40768"),
-        _finding("token_shifted", ["r"], "vllm#40768"),  # the oracle counts each -1 as a position
-    ]),
-    "late_stop_49860": (late_stop_49860, [
-        _finding("scheduled_past_stop", ["r"], "vllm#49860"),
-    ]),
-    "chunk_underflow_57562": (chunk_underflow_57562, [
-        _finding("negative_count", ["a"], "vllm#57562"),
-        _finding("negative_count", ["b"], "vllm#57562"),
-        _finding("count_nonzero_at_finish", ["a"], "vllm#57562", severity="warning"),
-        _finding("count_nonzero_at_finish", ["b"], "vllm#57562", severity="warning"),
-    ]),
-    "double_free_33377": (double_free_33377, [
-        _finding("kv_block_freed_twice", ["b", "w"], "vllm#33377"),
-        _finding("kv_block_freed_twice", ["w"], "vllm#33377"),
-        _finding("engine_error", ["b", "w"], "vllm#33377"),  # the pool notices at last
-    ]),
-    "crash_aborted_52969": (crash_aborted_52969, [
-        _finding("engine_error", ["a"], "vllm#52969"),
-    ]),
+    "flag_reset_only_38624": (
+        flag_reset_only_38624,
+        [
+            _finding("stale_frame_applied", ["q2"], "vllm#38624"),
+            _finding("negative_count", ["q2"], "vllm#38624"),
+            _finding("count_nonzero_at_finish", ["q2"], "vllm#38624", severity="warning"),
+        ],
+    ),
+    "counter_reset_only_47900": (
+        counter_reset_only_47900,
+        [
+            _finding("stale_frame_applied", ["q2"], "vllm#47900"),
+            _finding("negative_count", ["q2"], "vllm#47900"),  # vLLM's assert placeholders >= 0
+            _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
+        ],
+    ),
+    "counter_spec_budget_41190": (
+        counter_spec_budget_41190,
+        [
+            _finding("fresh_frame_dropped", ["r"], "vllm#41190"),
+            _finding("token_shifted", ["r"], "vllm#41190"),
+            _finding("count_nonzero_at_finish", ["r"], "vllm#41190", severity="warning"),
+        ],
+    ),
+    "spec_placeholder_input_40768": (
+        spec_placeholder_input_40768,
+        [
+            _finding("spec_placeholder_in_input", ["r"], "vllm#40768"),
+            _finding(
+                "token_shifted", ["r"], "vllm#40768"
+            ),  # the oracle counts each -1 as a position
+        ],
+    ),
+    "late_stop_49860": (
+        late_stop_49860,
+        [
+            _finding("scheduled_past_stop", ["r"], "vllm#49860"),
+        ],
+    ),
+    "chunk_underflow_57562": (
+        chunk_underflow_57562,
+        [
+            _finding("negative_count", ["a"], "vllm#57562"),
+            _finding("negative_count", ["b"], "vllm#57562"),
+            _finding("count_nonzero_at_finish", ["a"], "vllm#57562", severity="warning"),
+            _finding("count_nonzero_at_finish", ["b"], "vllm#57562", severity="warning"),
+        ],
+    ),
+    "double_free_33377": (
+        double_free_33377,
+        [
+            _finding("kv_block_freed_twice", ["b", "w"], "vllm#33377"),
+            _finding("kv_block_freed_twice", ["w"], "vllm#33377"),
+            _finding("engine_error", ["b", "w"], "vllm#33377"),  # the pool notices at last
+        ],
+    ),
+    "crash_aborted_52969": (
+        crash_aborted_52969,
+        [
+            _finding("engine_error", ["a"], "vllm#52969"),
+        ],
+    ),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),
 }

@@ -44,8 +44,10 @@ class ChaosOptions:
 
     def __post_init__(self) -> None:
         if self.discard_policy not in DISCARD_POLICIES:
-            raise ValueError(f"unknown discard_policy {self.discard_policy!r}; choose one of "
-                             f"{sorted(DISCARD_POLICIES)}")
+            raise ValueError(
+                f"unknown discard_policy {self.discard_policy!r}; choose one of "
+                f"{sorted(DISCARD_POLICIES)}"
+            )
         if type(self.num_commands) is not int or self.num_commands < 1:
             raise ValueError(f"num_commands must be an integer >= 1, got {self.num_commands!r}")
 
@@ -53,11 +55,17 @@ class ChaosOptions:
 def chaos_spec(seed: int, options: ChaosOptions) -> StormSpec:
     """The storm of a seed: its engine shape drawn from the seed (the same seed, the same run)."""
     rng = random.Random(f"chaos-{seed}")
-    return StormSpec(seed=seed, pipeline_depth=rng.choice(_DEPTHS),
-                     num_speculative_tokens=rng.choice(_SPECULATIVE),
-                     discard_policy=options.discard_policy, num_commands=options.num_commands,
-                     model=options.model, num_kv_blocks=rng.choice(_KV_BLOCKS),
-                     max_num_seqs=rng.choice(_MAX_SEQS), max_num_batched_tokens=rng.choice(_BUDGETS))
+    return StormSpec(
+        seed=seed,
+        pipeline_depth=rng.choice(_DEPTHS),
+        num_speculative_tokens=rng.choice(_SPECULATIVE),
+        discard_policy=options.discard_policy,
+        num_commands=options.num_commands,
+        model=options.model,
+        num_kv_blocks=rng.choice(_KV_BLOCKS),
+        max_num_seqs=rng.choice(_MAX_SEQS),
+        max_num_batched_tokens=rng.choice(_BUDGETS),
+    )
 
 
 class SeedOutcome(msgspec.Struct):
@@ -87,8 +95,10 @@ class SeedOutcome(msgspec.Struct):
 
 
 def _stem(spec: StormSpec) -> str:
-    return (f"chaos-{spec.discard_policy}-seed{spec.seed}-d{spec.pipeline_depth}"
-            f"-k{spec.num_speculative_tokens}-kv{spec.num_kv_blocks}")
+    return (
+        f"chaos-{spec.discard_policy}-seed{spec.seed}-d{spec.pipeline_depth}"
+        f"-k{spec.num_speculative_tokens}-kv{spec.num_kv_blocks}"
+    )
 
 
 def _keep(result: StormResult, report: object, out_dir: str, stem: str) -> tuple[str, str]:
@@ -117,8 +127,14 @@ def run_seed(seed: int, options: ChaosOptions, out_dir: str) -> SeedOutcome:
 
     start, cpu = time.perf_counter(), time.process_time()
     spec = chaos_spec(seed, options)
-    outcome = SeedOutcome(seed, spec.pipeline_depth, spec.num_speculative_tokens,
-                          spec.num_kv_blocks, spec.max_num_seqs, spec.max_num_batched_tokens)
+    outcome = SeedOutcome(
+        seed,
+        spec.pipeline_depth,
+        spec.num_speculative_tokens,
+        spec.num_kv_blocks,
+        spec.max_num_seqs,
+        spec.max_num_batched_tokens,
+    )
     try:
         result = run_storm(spec)
     except Exception as exc:  # noqa: BLE001 - a hang (StormError) or any failure is a finding
@@ -148,8 +164,9 @@ def _run_chunk(seeds: list[int], options: ChaosOptions, out_dir: str) -> list[Se
     return [run_seed(s, options, out_dir) for s in seeds]
 
 
-def iter_outcomes(seeds: Iterable[int], options: ChaosOptions, out_dir: str,
-                  jobs: int = 1) -> Iterator[SeedOutcome]:
+def iter_outcomes(
+    seeds: Iterable[int], options: ChaosOptions, out_dir: str, jobs: int = 1
+) -> Iterator[SeedOutcome]:
     """Each seed's outcome, in seed order: in this process (jobs=1) or a spawn process pool."""
     seeds = list(seeds)
     if jobs <= 1:
@@ -157,11 +174,12 @@ def iter_outcomes(seeds: Iterable[int], options: ChaosOptions, out_dir: str,
             yield run_seed(seed, options, out_dir)
         return
     chunk = 8  # seeds per task: the pool's round trip is small beside 8 storms
-    chunks = [seeds[i:i + chunk] for i in range(0, len(seeds), chunk)]
+    chunks = [seeds[i : i + chunk] for i in range(0, len(seeds), chunk)]
     context = multiprocessing.get_context("spawn")  # no fork of the caller's threads
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        for outcomes in pool.map(_run_chunk, chunks, [options] * len(chunks),
-                                 [out_dir] * len(chunks)):
+        for outcomes in pool.map(
+            _run_chunk, chunks, [options] * len(chunks), [out_dir] * len(chunks)
+        ):
             yield from outcomes
 
 
@@ -207,19 +225,35 @@ class CampaignSummary:
             self.found.append(o)
 
     def to_json(self) -> dict[str, object]:
-        return {"discard_policy": self.options.discard_policy,
-                "num_commands": self.options.num_commands, "first_seed": self.first_seed,
-                "seeds": self.num_seeds, "jobs": self.jobs, "wall_s": self.wall_s,
-                "seeds_per_hour": self.seeds_per_hour,
-                "cpu_s": self.cpu_s, "seeds_per_cpu_hour": self.seeds_per_cpu_hour, "runs_with_findings": self.runs_with_findings,
-                "broken_streams": self.broken_streams, "errors": self.errors, "events": self.events,
-                "preemptions": self.preemptions, "resets": self.resets,
-                "finding_kinds": dict(self.finding_kinds), "bug_classes": dict(self.bug_classes),
-                "found": msgspec.to_builtins(self.found)}
+        return {
+            "discard_policy": self.options.discard_policy,
+            "num_commands": self.options.num_commands,
+            "first_seed": self.first_seed,
+            "seeds": self.num_seeds,
+            "jobs": self.jobs,
+            "wall_s": self.wall_s,
+            "seeds_per_hour": self.seeds_per_hour,
+            "cpu_s": self.cpu_s,
+            "seeds_per_cpu_hour": self.seeds_per_cpu_hour,
+            "runs_with_findings": self.runs_with_findings,
+            "broken_streams": self.broken_streams,
+            "errors": self.errors,
+            "events": self.events,
+            "preemptions": self.preemptions,
+            "resets": self.resets,
+            "finding_kinds": dict(self.finding_kinds),
+            "bug_classes": dict(self.bug_classes),
+            "found": msgspec.to_builtins(self.found),
+        }
 
 
-def run_campaign(seeds: range, options: ChaosOptions, out_dir: str, jobs: int = 1,
-                 on_outcome: Callable[[SeedOutcome], None] | None = None) -> CampaignSummary:
+def run_campaign(
+    seeds: range,
+    options: ChaosOptions,
+    out_dir: str,
+    jobs: int = 1,
+    on_outcome: Callable[[SeedOutcome], None] | None = None,
+) -> CampaignSummary:
     """Run every seed; `out_dir` (created) receives the kept tapes and reports."""
     os.makedirs(out_dir, exist_ok=True)
     summary = CampaignSummary(replace(options), seeds.start, jobs=jobs)

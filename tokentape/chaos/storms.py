@@ -31,13 +31,22 @@ from tokentape.events.discard import DISCARD_POLICIES
 from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
 
-PAUSES = tuple(f"pause_{mode}{clear}" for mode in ("keep", "wait", "abort") for clear in ("", "_clear"))
+PAUSES = tuple(
+    f"pause_{mode}{clear}" for mode in ("keep", "wait", "abort") for clear in ("", "_clear")
+)
 COMMANDS = ("step", "add", "abort", "resume", "reset", "reset_running", *PAUSES)
 # How often a seeded storm draws each command: steps and adds dominate, so that requests
 # progress between the disturbances while the queue stays long (KV pressure, and requests
 # queued behind a head that does not fit, are the common case, not the exception).
-_WEIGHTS = {"step": 60, "add": 40, "abort": 3, "resume": 8, "reset": 3, "reset_running": 4,
-            **{p: (1 if p.startswith("pause_abort") else 3) for p in PAUSES}}
+_WEIGHTS = {
+    "step": 60,
+    "add": 40,
+    "abort": 3,
+    "resume": 8,
+    "reset": 3,
+    "reset_running": 4,
+    **{p: (1 if p.startswith("pause_abort") else 3) for p in PAUSES},
+}
 DRAIN_LIMIT = 20_000  # steps allowed to finish every request once the storm is over
 
 
@@ -63,10 +72,16 @@ class StormSpec:
     initial_requests: int = 3
 
     def engine_args(self) -> dict[str, object]:
-        return {"pipeline_depth": self.pipeline_depth, "num_speculative_tokens": self.num_speculative_tokens,
-                "discard_policy": self.discard_policy, "block_size": self.block_size,
-                "num_kv_blocks": self.num_kv_blocks, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_num_seqs": self.max_num_seqs, "seed": self.seed}
+        return {
+            "pipeline_depth": self.pipeline_depth,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "discard_policy": self.discard_policy,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "seed": self.seed,
+        }
 
 
 @dataclass(slots=True)
@@ -96,7 +111,7 @@ class StormResult:
                 if got != want:
                     wrong[req_id] = f"finished ({reason}) with {got}, the oracle's stream is {want}"
             elif reason == "abort":
-                if got != want[:len(got)]:
+                if got != want[: len(got)]:
                     wrong[req_id] = f"aborted with {got}, not a prefix of the oracle's {want}"
             else:
                 wrong[req_id] = f"never finished (received {len(got)} of {len(want)} tokens)"
@@ -119,8 +134,10 @@ class StormDriver:
         self.result = result
         runner = engine.runner
         if not isinstance(runner, OracleRunner):
-            raise StormError(f"storms need the oracle model ({' or '.join(ORACLE_MODELS)}), "
-                             f"got {runner.model_id!r}")
+            raise StormError(
+                f"storms need the oracle model ({' or '.join(ORACLE_MODELS)}), "
+                f"got {runner.model_id!r}"
+            )
         self.oracle = runner
         self._added = 0
 
@@ -132,11 +149,15 @@ class StormDriver:
         stop = (rng.randrange(3 + 32, 3 + 127),) if rng.random() < 0.3 else ()
         # Mostly short requests, some long ones that hold their KV blocks for a long time.
         max_tokens = rng.randint(1, 28) if rng.random() < 0.8 else rng.randint(40, 240)
-        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop,
-                                seed=rng.randrange(1 << 32) if rng.random() < 0.3 else None)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            stop_token_ids=stop,
+            seed=rng.randrange(1 << 32) if rng.random() < 0.3 else None,
+        )
         self.engine.add_request(req_id, prompt, params)
         self.result.expected[req_id] = self.oracle.expected_stream(
-            prompt, params, self.engine.config.effective_max_model_len)
+            prompt, params, self.engine.config.effective_max_model_len
+        )
         self.result.received[req_id] = []
         self.result.finish_reasons[req_id] = None
 
@@ -175,19 +196,26 @@ class StormDriver:
                 return
             self.step()
         unfinished = [r.req_id for r in self.engine.state.unfinished]
-        raise StormError(f"storm seed {self.result.spec.seed}: {len(unfinished)} requests still "
-                         f"unfinished after {limit} steps ({', '.join(unfinished[:8])})")
+        raise StormError(
+            f"storm seed {self.result.spec.seed}: {len(unfinished)} requests still "
+            f"unfinished after {limit} steps ({', '.join(unfinished[:8])})"
+        )
 
 
-def run_storm(spec: StormSpec, commands: Sequence[str] | None = None,
-              tape: str | os.PathLike[str] | None = None) -> StormResult:
+def run_storm(
+    spec: StormSpec,
+    commands: Sequence[str] | None = None,
+    tape: str | os.PathLike[str] | None = None,
+) -> StormResult:
     """Run one storm to the end (every request finished) and return what the client received.
     `commands` defaults to `storm_commands(spec.seed, spec.num_commands)`; `tape` is a path for
     an SQLite tape (default: in memory). An engine failure propagates (it is on the tape)."""
     if spec.discard_policy not in DISCARD_POLICIES:
         raise StormError(f"unknown discard policy {spec.discard_policy!r}")
     if spec.model not in ORACLE_MODELS:
-        raise StormError(f"storms need the oracle model ({' or '.join(ORACLE_MODELS)}), got {spec.model!r}")
+        raise StormError(
+            f"storms need the oracle model ({' or '.join(ORACLE_MODELS)}), got {spec.model!r}"
+        )
     names = list(commands) if commands is not None else storm_commands(spec.seed, spec.num_commands)
     bad = [c for c in names if c not in COMMANDS]
     if bad:
@@ -211,12 +239,16 @@ def run_storm(spec: StormSpec, commands: Sequence[str] | None = None,
     return result
 
 
-def storm_grid(seeds: Sequence[int], depths: Sequence[int] = (1, 2, 3, 4),
-               speculative: Sequence[int] = (0, 1, 2, 3),
-               policies: Sequence[str] = tuple(DISCARD_POLICIES),
-               base: StormSpec | None = None) -> Iterator[StormSpec]:
+def storm_grid(
+    seeds: Sequence[int],
+    depths: Sequence[int] = (1, 2, 3, 4),
+    speculative: Sequence[int] = (0, 1, 2, 3),
+    policies: Sequence[str] = tuple(DISCARD_POLICIES),
+    base: StormSpec | None = None,
+) -> Iterator[StormSpec]:
     """Every (policy, depth, speculative tokens, seed) combination, as specs."""
     base = base if base is not None else StormSpec(seed=0)
     for policy, depth, k, seed in product(policies, depths, speculative, seeds):
-        yield replace(base, seed=seed, pipeline_depth=depth, num_speculative_tokens=k,
-                      discard_policy=policy)
+        yield replace(
+            base, seed=seed, pipeline_depth=depth, num_speculative_tokens=k, discard_policy=policy
+        )

@@ -6,4 +6,11 @@ from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.events.schema import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -74,7 +74,11 @@ class AsyncLLM:
         client_cls = MPClient if multiprocess_mode else InprocClient
         self.engine_core: CoreClient = client_cls(model, tape, dict(engine_args))
         info = self.engine_core.info
-        self.model_id, self.vocab_size, self.max_model_len = info.model_id, info.vocab_size, info.max_model_len
+        self.model_id, self.vocab_size, self.max_model_len = (
+            info.model_id,
+            info.vocab_size,
+            info.max_model_len,
+        )
         self.tape_path: str | None = info.tape_path
         self.stats = SchedulerStats()
         # By request id: its collector and the engine requests behind it (itself, or its n
@@ -177,8 +181,10 @@ class AsyncLLM:
         core_ids = [request_id] if n == 1 else [child_request_id(i, request_id) for i in range(n)]
         for core_id in core_ids:
             if core_id in self._routes:
-                raise ValueError(f"request {request_id!r} with n={n}: its child id {core_id!r} "
-                                 "is already in use on this engine")
+                raise ValueError(
+                    f"request {request_id!r} with n={n}: its child id {core_id!r} "
+                    "is already in use on this engine"
+                )
         collector = RequestOutputCollector(params, self.stream_interval)
         self._streams[request_id] = (collector, core_ids)
         # The request's own id too: a refusal of n > 1 comes back under it.
@@ -229,7 +235,9 @@ class AsyncLLM:
         for i in ids:
             check_str("request_id", i)
         # A request of n > 1 is its children on the engine.
-        self.engine_core.abort([c for i in ids for c in (self._streams[i][1] if i in self._streams else [i])])
+        self.engine_core.abort(
+            [c for i in ids for c in (self._streams[i][1] if i in self._streams else [i])]
+        )
 
     async def abort_all(self) -> None:
         """Abort every request this frontend is streaming (a server's drain ran out); their
@@ -266,9 +274,13 @@ class AsyncLLM:
         if isinstance(weights, (str, os.PathLike)):
             arg: Any = os.fspath(weights)
         elif isinstance(weights, Mapping):
-            arg = weights if isinstance(self.engine_core, InprocClient) else state_dict_bytes(weights)
+            arg = (
+                weights if isinstance(self.engine_core, InprocClient) else state_dict_bytes(weights)
+            )
         else:
-            raise TypeError(f"update_weights takes a state_dict or a checkpoint folder, got {shown(weights)}")
+            raise TypeError(
+                f"update_weights takes a state_dict or a checkpoint folder, got {shown(weights)}"
+            )
         return str(await self._call("update_weights", arg))
 
     # -- lifetime -------------------------------------------------------------------------------

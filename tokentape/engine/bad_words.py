@@ -36,8 +36,10 @@ def resolve_bad_words(params: SamplingParams, encode: Encode | None) -> Sampling
     if not has_text_bad_words(params):
         return params
     if encode is None:
-        raise ValueError("bad_words given as strings need a tokenizer, and this engine has none "
-                         "(pass token-id sequences instead)")
+        raise ValueError(
+            "bad_words given as strings need a tokenizer, and this engine has none "
+            "(pass token-id sequences instead)"
+        )
     # vLLM drops repeated words; a dict keeps the first of each in order, in linear time (a
     # scan of the list for each word took 8 s for 40,000 words, inside the engine core).
     words: dict[tuple[int, ...], None] = {}

@@ -77,29 +77,43 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if not ok:
                 raise ValueError(message)
 
-        need(self.discard_policy in ALL_POLICIES,
-             f"discard_policy must be one of {sorted(ALL_POLICIES)}, got {self.discard_policy!r}")
+        need(
+            self.discard_policy in ALL_POLICIES,
+            f"discard_policy must be one of {sorted(ALL_POLICIES)}, got {self.discard_policy!r}",
+        )
         if isinstance(self.faults, str) or not isinstance(self.faults, (tuple, list)):
             raise TypeError(f"faults must be a list of fault names, got {self.faults!r}")
         msgspec.structs.force_setattr(self, "faults", list(self.faults))  # equal after a round trip
         for name in self.faults:
-            need(isinstance(name, str) and name in FAULTS,
-                 f"unknown fault {name!r}; the faults are {sorted(FAULTS)}")
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        need(self.kv_capacity <= INT64_MAX,
-             f"num_kv_blocks * block_size must be < 2**63, got {self.kv_capacity}")
-        need(self.max_num_batched_tokens >= 1 + self.num_speculative_tokens,
-             "max_num_batched_tokens must leave room for one decode with its speculative tokens")
-        need(self.prompt_lookup_min <= self.prompt_lookup_max,
-             "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+            need(
+                isinstance(name, str) and name in FAULTS,
+                f"unknown fault {name!r}; the faults are {sorted(FAULTS)}",
+            )
+        need(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
+        )
+        need(
+            self.kv_capacity <= INT64_MAX,
+            f"num_kv_blocks * block_size must be < 2**63, got {self.kv_capacity}",
+        )
+        need(
+            self.max_num_batched_tokens >= 1 + self.num_speculative_tokens,
+            "max_num_batched_tokens must leave room for one decode with its speculative tokens",
+        )
+        need(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "need 1 <= prompt_lookup_min <= prompt_lookup_max",
+        )
 
     def check_runnable(self) -> None:
         """What tokentape's engine needs beyond a config a tape can hold: room in the KV cache
         for one sequence of max_model_len (vLLM's tests record schedulers with less)."""
         if self.max_model_len is not None and self.max_model_len > self.kv_capacity:
-            raise ValueError(f"max_model_len must be in 2..{self.kv_capacity} (the KV capacity), "
-                             f"got {self.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be in 2..{self.kv_capacity} (the KV capacity), "
+                f"got {self.max_model_len}"
+            )
 
     @property
     def kv_capacity(self) -> int:

@@ -25,15 +25,24 @@ def with_model_max_len(config: EngineConfig, runner: ModelRunner) -> EngineConfi
     source: str = model_config.context_length_source  # type: ignore[union-attr]
     if config.max_model_len is not None:
         if config.max_model_len > derived:
-            raise ValueError(f"max_model_len ({config.max_model_len}) is greater than the model's "
-                             f"context length ({derived}: {source})")
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) is greater than the model's "
+                f"context length ({derived}: {source})"
+            )
         return config
     capacity = config.kv_capacity
     if derived > capacity:
-        _log.warning("max_model_len %d: the model's context length is %d (%s), but the KV cache "
-                     "holds %d tokens (num_kv_blocks=%d x block_size=%d); raise num_kv_blocks to "
-                     "serve the whole context", capacity, derived, source, capacity,
-                     config.num_kv_blocks, config.block_size)
+        _log.warning(
+            "max_model_len %d: the model's context length is %d (%s), but the KV cache "
+            "holds %d tokens (num_kv_blocks=%d x block_size=%d); raise num_kv_blocks to "
+            "serve the whole context",
+            capacity,
+            derived,
+            source,
+            capacity,
+            config.num_kv_blocks,
+            config.block_size,
+        )
     return msgspec.structs.replace(config, max_model_len=min(derived, capacity))
 
 

@@ -33,8 +33,14 @@ def _spec_placeholder_input(engine: LLMEngine) -> None:
     leftover: dict[str, int] = {}  # request -> draft placeholders it still holds
     preempt, admit = sched.preempt, sched._admit_waiting
 
-    def preempt_keeping_drafts(req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()) -> None:
-        spec = [e.num_spec_tokens for _, e in state.in_flight_entries(req.req_id) if e.epoch == req.epoch]
+    def preempt_keeping_drafts(
+        req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()
+    ) -> None:
+        spec = [
+            e.num_spec_tokens
+            for _, e in state.in_flight_entries(req.req_id)
+            if e.epoch == req.epoch
+        ]
         if spec and spec[-1]:
             leftover[req.req_id] = spec[-1]
         preempt(req, reason, extra_blocks)
@@ -53,8 +59,11 @@ def _spec_placeholder_input(engine: LLMEngine) -> None:
                 continue
             del leftover[req_id]
             plan.entries[req_id] = msgspec.structs.replace(
-                entry, num_new_tokens=entry.num_new_tokens + n, num_spec_tokens=n,
-                new_block_ids=[*entry.new_block_ids, *more])
+                entry,
+                num_new_tokens=entry.num_new_tokens + n,
+                num_spec_tokens=n,
+                new_block_ids=[*entry.new_block_ids, *more],
+            )
             plan.budget -= n
             plan.batch.token_ids[req_id] = [*plan.batch.token_ids[req_id], *[-1] * n]
 
@@ -69,7 +78,11 @@ def _late_stop_after_drain(engine: LLMEngine) -> None:
     prompt + max_tokens) then fails, and one more decode is scheduled per step drained."""
     sched, state = engine.scheduler, engine.state
     inflated: dict[str, int] = {}
-    pause, preempt, schedule_running = engine.pause_generation, sched.preempt, sched._schedule_running
+    pause, preempt, schedule_running = (
+        engine.pause_generation,
+        sched.preempt,
+        sched._schedule_running,
+    )
 
     def pause_without_returning(mode: str = "keep", clear_cache: bool = True) -> None:
         for req_id in state.running:
@@ -78,7 +91,9 @@ def _late_stop_after_drain(engine: LLMEngine) -> None:
                 inflated[req_id] = inflated.get(req_id, 0) + n
         pause(mode, clear_cache)
 
-    def preempt_zeroing(req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()) -> None:
+    def preempt_zeroing(
+        req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()
+    ) -> None:
         inflated.pop(req.req_id, None)  # a preemption zeroes the placeholders
         preempt(req, reason, extra_blocks)
 
@@ -87,18 +102,31 @@ def _late_stop_after_drain(engine: LLMEngine) -> None:
         for req_id in list(state.running):
             extra = inflated.get(req_id)
             req = state.requests[req_id]
-            if (not extra or req_id in plan.entries or plan.budget <= 0 or not req.prefill_complete
-                    or req.status is not RequestStatus.RUNNING or req.stop_reason is not None):
+            if (
+                not extra
+                or req_id in plan.entries
+                or plan.budget <= 0
+                or not req.prefill_complete
+                or req.status is not RequestStatus.RUNNING
+                or req.stop_reason is not None
+            ):
                 continue
             computed = req.num_computed_tokens
-            if (computed + 2 - (req.num_output_placeholders + extra) >= req.num_prompt_tokens + req.params.max_tokens
-                    or computed + 1 > sched.max_model_len):
+            if (
+                computed + 2 - (req.num_output_placeholders + extra)
+                >= req.num_prompt_tokens + req.params.max_tokens
+                or computed + 1 > sched.max_model_len
+            ):
                 continue  # the look-ahead holds, or there is no position left
             new_blocks = sched._allocate_or_preempt(req, computed + 1, plan)
             if new_blocks is None:
                 continue
             sched.kv.cache_full_blocks(req, req.block_ids, new_blocks, computed + 1)
-            plan.add(ev.ScheduledEntry(req_id, req.epoch, computed, 1, 0, new_blocks), None, partial=False)
+            plan.add(
+                ev.ScheduledEntry(req_id, req.epoch, computed, 1, 0, new_blocks),
+                None,
+                partial=False,
+            )
 
     engine.pause_generation = pause_without_returning  # type: ignore[method-assign]
     sched.preempt = preempt_zeroing  # type: ignore[method-assign]
@@ -156,7 +184,9 @@ def _crash_on_aborted_output(engine: LLMEngine) -> None:
     def look_up(ids: list[str]) -> None:
         for req_id in ids:
             if req_id in aborted:
-                raise KeyError(f"output for request {req_id!r}, which is no longer running (aborted)")
+                raise KeyError(
+                    f"output for request {req_id!r}, which is no longer running (aborted)"
+                )
 
     _aborted_in_flight(engine, lambda req: aborted.add(req.req_id))
     _after_frames(engine, look_up)

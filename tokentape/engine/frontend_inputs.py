@@ -43,13 +43,16 @@ def prompt_token_ids(tokenizer: Tokenizer, prompt: PromptType) -> tuple[list[int
 def check_token_ids(name: str, token_ids: Sequence[object], vocab_size: int) -> None:
     """Every id an int of the vocabulary (one pass at C speed for the usual good list)."""
     if all(type(t) is int for t in token_ids) and (
-            not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)):  # type: ignore[type-var]
+        not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)
+    ):  # type: ignore[type-var]
         return
     for i, t in enumerate(token_ids):
         check_int(f"{name}[{i}]", t, 0)  # the type (a bool is not a token id), then the vocabulary
         if t >= vocab_size:  # type: ignore[operator]
-            raise ValueError(f"{name}[{i}] must be a token id in the vocabulary [0, {vocab_size}), "
-                             f"got {short_repr(t)}")
+            raise ValueError(
+                f"{name}[{i}] must be a token id in the vocabulary [0, {vocab_size}), "
+                f"got {short_repr(t)}"
+            )
 
 
 def check_prompt_tokens(token_ids: Sequence[object], vocab_size: int, max_model_len: int) -> None:
@@ -72,6 +75,7 @@ def state_dict_bytes(weights: Mapping[str, Any]) -> bytes:
     for name, t in weights.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(  # noqa: TRY004 - a refused update is a ValueError, as the core's
-                f"update_weights: {name!r} is not a tensor ({shown(t)}); nothing was changed")
+                f"update_weights: {name!r} is not a tensor ({shown(t)}); nothing was changed"
+            )
         tensors[name] = t.detach().to("cpu").contiguous().clone()
     return save(tensors)

@@ -29,7 +29,9 @@ ROOT_BLOCK_HASH = bytes(32)  # the parent of every request's first block
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -38,7 +40,9 @@ class KVCacheManager:
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._req_hashes: dict[str, list[bytes]] = {}  # hash chain over each request's full blocks
-        self._pack_block = struct.Struct(f"<{block_size}q").pack  # a full block's tokens, fixed width
+        self._pack_block = struct.Struct(
+            f"<{block_size}q"
+        ).pack  # a full block's tokens, fixed width
         self._num_cached: dict[str, int] = {}  # how many of a request's held blocks are hashed
 
     @property
@@ -61,7 +65,7 @@ class KVCacheManager:
             pack = self._pack_block
             for i in range(0, len(tokens), bs):
                 # Fixed-width fields: the bytes hashed determine the parent and the tokens.
-                parent = hashlib.sha256(parent + pack(*tokens[i:i + bs])).digest()
+                parent = hashlib.sha256(parent + pack(*tokens[i : i + bs])).digest()
                 hashes.append(parent)
         # The chain may already be longer (a preempted request whose length is a multiple of
         # the block size): callers get exactly the blocks they asked for.

@@ -59,7 +59,9 @@ def check_tape_path(tape: TapeSpec) -> None:
     if tape is True:
         raise ValueError("tape=True is ambiguous: pass a file path, None (memory) or False (off)")
     if not isinstance(tape, (str, os.PathLike)):
-        raise TypeError(f"tape must be a file path, None (memory) or False (off), got {shown(tape)}")
+        raise TypeError(
+            f"tape must be a file path, None (memory) or False (off), got {shown(tape)}"
+        )
     path = os.fspath(tape)
     if not isinstance(path, str):
         raise TypeError(f"tape must be a str path, got {shown(path)}")
@@ -68,7 +70,9 @@ def check_tape_path(tape: TapeSpec) -> None:
     try:
         os.fsencode(path)
     except UnicodeEncodeError as exc:
-        raise ValueError(f"tape path {short_repr(path)} cannot be encoded for the file system: {exc.reason}") from None
+        raise ValueError(
+            f"tape path {short_repr(path)} cannot be encoded for the file system: {exc.reason}"
+        ) from None
     what = f"{path}: cannot create the tape"
     if os.path.isdir(path):
         raise IsADirectoryError(f"{what}: it is a directory; pass a file path inside it")
@@ -106,7 +110,9 @@ class LLM:
     4
     """
 
-    def __init__(self, model: str = "tiny", *, tape: TapeSpec = None, **engine_args: object) -> None:
+    def __init__(
+        self, model: str = "tiny", *, tape: TapeSpec = None, **engine_args: object
+    ) -> None:
         self.config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
         self.config.check_runnable()  # before the model is built
         check_tape_path(tape)  # before the model is built: a bad path fails in milliseconds
@@ -175,7 +181,9 @@ class LLM:
                 self.engine.check_request(req_id, tokens, params)
                 # As vLLM's LLM does: the caller gets the whole output at the end, so the engine
                 # builds none before (a copy of every stream at every step otherwise).
-                final_only = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                final_only = msgspec.structs.replace(
+                    params, output_kind=RequestOutputKind.FINAL_ONLY
+                )
                 requests.append((req_id, tokens, final_only))
             if scenario is not None:
                 scenario.check_requests([r[0] for r in requests])
@@ -184,15 +192,18 @@ class LLM:
             raise
         for req_id, tokens, params in requests:
             self.engine.add_request(req_id, tokens, params)
-        return self._run_to_completion([r[0] for r in requests], [r[2].n for r in requests],
-                                       prompts, use_tqdm, scenario)
+        return self._run_to_completion(
+            [r[0] for r in requests], [r[2].n for r in requests], prompts, use_tqdm, scenario
+        )
 
     def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             check_str(f"prompts[{index}]", prompt)  # a lone surrogate, before any tokenizer sees it
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
-            raise TypeError(f"prompts[{index}] must be a string or a list of token ids, got {shown(prompt)}")
+            raise TypeError(
+                f"prompts[{index}] must be a string or a list of token ids, got {shown(prompt)}"
+            )
         return list(prompt)
 
     def _new_request_id(self) -> str:
@@ -204,14 +215,22 @@ class LLM:
         self._next_id += 1
         return str(self._next_id - 1)
 
-    def _run_to_completion(self, ids: list[str], ns: list[int], prompts: Sequence[object], use_tqdm: bool,
-                           scenario: Scenario | None) -> list[RequestOutput]:
+    def _run_to_completion(
+        self,
+        ids: list[str],
+        ns: list[int],
+        prompts: Sequence[object],
+        use_tqdm: bool,
+        scenario: Scenario | None,
+    ) -> list[RequestOutput]:
         wanted = set(ids)
         finished: set[str] = set()
         engine = self.engine
         requests = engine.state.requests
         # The engine's requests behind each output: the request, or a parent's n children.
-        members = [[i] if n == 1 else [child_request_id(c, i) for c in range(n)] for i, n in zip(ids, ns)]
+        members = [
+            [i] if n == 1 else [child_request_id(c, i) for c in range(n)] for i, n in zip(ids, ns)
+        ]
 
         def output_tokens() -> int:  # asked for only when the bar is redrawn
             return sum(len(requests[m].output_token_ids) for ms in members for m in ms)
@@ -236,19 +255,29 @@ class LLM:
         for req_id, ms, prompt in zip(ids, members, prompts):
             # Every token the engine delivered (OutputsEmitted is on the tape), whatever the
             # request's output kind: the state holds them.
-            completions = [self._completion(index, engine.state.requests[m]) for index, m in enumerate(ms)]
-            results.append(RequestOutput(
-                req_id, requests[ms[0]].prompt_token_ids, completions, req_id in finished,
-                prompt=prompt if isinstance(prompt, str) else None,
-            ))
+            completions = [
+                self._completion(index, engine.state.requests[m]) for index, m in enumerate(ms)
+            ]
+            results.append(
+                RequestOutput(
+                    req_id,
+                    requests[ms[0]].prompt_token_ids,
+                    completions,
+                    req_id in finished,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                )
+            )
         return results
 
     def _completion(self, index: int, req: RequestState) -> CompletionOutput:
         toks = list(req.output_token_ids)
         lps = list(req.output_logprobs) if req.params.logprobs is not None else None
         top = list(req.output_top_logprobs) if req.params.logprobs else None
-        text = stop_text(self.tokenizer.decode, req.params, toks, req.stop_str) if req.stop_str \
+        text = (
+            stop_text(self.tokenizer.decode, req.params, toks, req.stop_str)
+            if req.stop_str
             else self.tokenizer.decode(toks)
+        )
         return CompletionOutput(index, text, toks, req.finish_reason, lps, None, top, req.stop_str)
 
     def close(self) -> None:

@@ -67,10 +67,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.depth = config.effective_pipeline_depth
         self.state = initial_state(
-            config.discard_policy, self.depth > 1, runner.eos_token_id, config.effective_max_model_len,
+            config.discard_policy,
+            self.depth > 1,
+            runner.eos_token_id,
+            config.effective_max_model_len,
             config.faults,
         )
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
         self._finished_since_last_batch: list[str] = []
         self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
@@ -119,16 +124,25 @@ class LLMEngine:
         params = self._with_extra_eos(self._resolve_bad_words(request_id, params))
         if params.n == 1:
             with self._recorded():
-                self._emit(ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params))
+                self._emit(
+                    ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params)
+                )
             return
         # n > 1: n child requests on the tape, gathered into one output (parallel_sampling.py).
-        children = [(child_request_id(i, request_id), child_params(params, i, self.config.seed, prompt_token_ids))
-                    for i in range(params.n)]
+        children = [
+            (
+                child_request_id(i, request_id),
+                child_params(params, i, self.config.seed, prompt_token_ids),
+            )
+            for i in range(params.n)
+        ]
         self._parents[request_id] = parent = ParentRequest(request_id, params)
         with self._recorded():
             for child_id, child in children:
                 self._parent_of[child_id] = parent
-                self._emit(ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child))
+                self._emit(
+                    ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child)
+                )
 
     def _resolve_bad_words(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """String bad words as token ids, encoded by this engine's tokenizer (bad_words.py)."""
@@ -144,7 +158,9 @@ class LLMEngine:
             return params
         return msgspec.structs.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
-    def check_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
         """Refuse a request the engine could not serve or the tape could not hold, or whose
         per-step work would exceed the limits, before anything is recorded (request_checks.py;
         SamplingParams checked its own fields when it was built)."""
@@ -196,7 +212,10 @@ class LLMEngine:
         if len(in_flight) < self.depth:
             batch = self.scheduler.schedule()
             if batch is not None:
-                batch.finished_req_ids, self._finished_since_last_batch = self._finished_since_last_batch, []
+                batch.finished_req_ids, self._finished_since_last_batch = (
+                    self._finished_since_last_batch,
+                    [],
+                )
                 self.runner.submit(batch)
                 scheduled = True
         if in_flight and (len(in_flight) >= self.depth or not scheduled):
@@ -208,17 +227,24 @@ class LLMEngine:
         requests = self.state.requests
         # Stop strings are looked for in the text the frame adds (vLLM's front end does it in
         # its detokenizer); the output length before the frame says where that text begins.
-        before = {e.req_id: len(requests[e.req_id].output_token_ids)
-                  for e in frame if requests[e.req_id].params.stop}
+        before = {
+            e.req_id: len(requests[e.req_id].output_token_ids)
+            for e in frame
+            if requests[e.req_id].params.stop
+        }
         self._emit(ev.FrameProduced(step, frame))
         for entry in frame:
             req = requests[entry.req_id]
             if req.is_finished:
                 continue
             if entry.req_id in before and req.stop_reason != "stop":  # a stop token wins
-                stop_str = find_stop_string(self._decode_for_stop, req.params, req.output_token_ids,
-                                            before.pop(entry.req_id),
-                                            split=getattr(self.tokenizer, "safe_split", None))
+                stop_str = find_stop_string(
+                    self._decode_for_stop,
+                    req.params,
+                    req.output_token_ids,
+                    before.pop(entry.req_id),
+                    split=getattr(self.tokenizer, "safe_split", None),
+                )
                 if stop_str is not None:  # it overrides "length", as in vLLM
                     self.scheduler.finish(req, "stop", stop_str)
                     continue
@@ -239,17 +265,30 @@ class LLMEngine:
         requests = state.requests
         for req_id in state.pending_output:
             req = requests[req_id]
-            new_tokens = req.output_token_ids[req.num_emitted:]
+            new_tokens = req.output_token_ids[req.num_emitted :]
             reason = req.finish_reason
             entries.append(ev.EmittedOutput(req_id, new_tokens, reason is not None, reason))
             # The tape records the new tokens; the client gets them by its output kind.
             logprobs = req.output_logprobs if req.params.logprobs is not None else None
             top = req.output_top_logprobs if req.params.logprobs else None
-            req_decode = decode if decode is None or req.stop_str is None else \
-                stop_decoder(decode, req.params, req.output_token_ids, req.stop_str)
-            out = build_request_output(req.params.output_kind, req_id, req.prompt_token_ids,
-                                       req.output_token_ids, len(new_tokens), logprobs, reason,
-                                       req_decode, None, top, req.stop_str)
+            req_decode = (
+                decode
+                if decode is None or req.stop_str is None
+                else stop_decoder(decode, req.params, req.output_token_ids, req.stop_str)
+            )
+            out = build_request_output(
+                req.params.output_kind,
+                req_id,
+                req.prompt_token_ids,
+                req.output_token_ids,
+                len(new_tokens),
+                logprobs,
+                reason,
+                req_decode,
+                None,
+                top,
+                req.stop_str,
+            )
             parent = self._parent_of.get(req_id)
             if parent is not None and out is not None:
                 out = parent.gather(out)
@@ -329,12 +368,18 @@ class LLMEngine:
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
         if self.state.paused is None:
-            raise RuntimeError("update_weights: pause generation first (pause_generation(mode='keep'))")
+            raise RuntimeError(
+                "update_weights: pause generation first (pause_generation(mode='keep'))"
+            )
         if self.state.in_flight_steps:
-            raise RuntimeError(f"update_weights: {len(self.state.in_flight_steps)} step(s) still in flight")
+            raise RuntimeError(
+                f"update_weights: {len(self.state.in_flight_steps)} step(s) still in flight"
+            )
         update = getattr(self.runner, "update_weights", None)
         if update is None:
-            raise RuntimeError(f"update_weights: model {self.runner.model_id!r} has no weights to update")
+            raise RuntimeError(
+                f"update_weights: model {self.runner.model_id!r} has no weights to update"
+            )
         weights_id = update(weights)  # raises before any change on bad input; the engine lives on
         with self._recorded():
             self._emit(ev.WeightsUpdated(self.state.step, weights_id))

@@ -12,9 +12,9 @@ def propose_ngram_drafts(tokens: list[int], k: int, max_n: int = 3, min_n: int =
         return []
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
+        suffix = tokens[length - n :]
         first = suffix[0]
         for start in range(length - n - 1, -1, -1):
-            if tokens[start] == first and tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+            if tokens[start] == first and tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []

@@ -30,11 +30,25 @@ class _Sequence:
 class RequestOutputAssembler:
     """One request's RequestOutputs from the deltas its collector hands over."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "prompt", "params", "tokenizer", "finished",
-                 "_seqs", "_final")
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "prompt",
+        "params",
+        "tokenizer",
+        "finished",
+        "_seqs",
+        "_final",
+    )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
-                 params: SamplingParams, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        prompt: str | None,
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.prompt = prompt
@@ -42,12 +56,18 @@ class RequestOutputAssembler:
         self.tokenizer = tokenizer
         self.finished = False  # all n engine requests are
         self._seqs = [_Sequence(i, params) for i in range(params.n)]
-        self._final: dict[int, CompletionOutput] = {}  # FINAL_ONLY with n > 1: the finished children
+        self._final: dict[
+            int, CompletionOutput
+        ] = {}  # FINAL_ONLY with n > 1: the finished children
 
     def add(self, deltas: dict[int, Delta]) -> RequestOutput | None:
         """The output for these deltas (by engine request index), None when there is none
         to give yet."""
-        completions = [c for i, d in sorted(deltas.items()) if (c := self._completion(self._seqs[i], d)) is not None]
+        completions = [
+            c
+            for i, d in sorted(deltas.items())
+            if (c := self._completion(self._seqs[i], d)) is not None
+        ]
         self.finished = all(seq.finished for seq in self._seqs)
         n = len(self._seqs)
         if self.params.output_kind == RequestOutputKind.FINAL_ONLY and n > 1:
@@ -57,7 +77,9 @@ class RequestOutputAssembler:
             completions = [self._final[i] for i in range(n)]
         if not completions:
             return None
-        return RequestOutput(self.request_id, self.prompt_token_ids, completions, self.finished, self.prompt)
+        return RequestOutput(
+            self.request_id, self.prompt_token_ids, completions, self.finished, self.prompt
+        )
 
     def _completion(self, seq: _Sequence, d: Delta) -> CompletionOutput | None:
         """One engine request's completion for what it sent (None: FINAL_ONLY, not done)."""
@@ -71,9 +93,19 @@ class RequestOutputAssembler:
         decode: Callable[[list[int]], str] = self.tokenizer.decode
         if d.stop_reason is not None:  # the text is cut at the stop string, as LLM's
             decode = stop_decoder(decode, params, seq.tokens, d.stop_reason)
-        out = build_request_output(params.output_kind, self.request_id, self.prompt_token_ids, seq.tokens,
-                                   len(d.tokens), seq.logprobs, d.finish_reason, decode, self.prompt, seq.top,
-                                   d.stop_reason)
+        out = build_request_output(
+            params.output_kind,
+            self.request_id,
+            self.prompt_token_ids,
+            seq.tokens,
+            len(d.tokens),
+            seq.logprobs,
+            d.finish_reason,
+            decode,
+            self.prompt,
+            seq.top,
+            d.stop_reason,
+        )
         if out is None:
             return None
         completion = out.outputs[0]

@@ -58,8 +58,12 @@ class RequestOutputCollector:
                 d.top += out.new_top_logprobs
             if out.finish_reason is not None:
                 d.finish_reason, d.stop_reason = out.finish_reason, out.stop_reason
-            if self._interval > 1 and out.finish_reason is None and index in self._started \
-                    and len(d.tokens) < self._interval:
+            if (
+                self._interval > 1
+                and out.finish_reason is None
+                and index in self._started
+                and len(d.tokens) < self._interval
+            ):
                 return  # gathering: the consumer is woken at N tokens, the finish or a flush
             self._started.add(index)
         self._ready.set()

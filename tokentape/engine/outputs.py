@@ -20,8 +20,17 @@ class CompletionOutput:
     read.
     """
 
-    __slots__ = ("index", "finish_reason", "_token_ids", "_logprobs", "_span", "_text", "_decode",
-                 "_top", "stop_reason")
+    __slots__ = (
+        "index",
+        "finish_reason",
+        "_token_ids",
+        "_logprobs",
+        "_span",
+        "_text",
+        "_decode",
+        "_top",
+        "stop_reason",
+    )
 
     def __init__(
         self,
@@ -41,8 +50,9 @@ class CompletionOutput:
         self._token_ids: list[int] | None = token_ids
         self.finish_reason = finish_reason
         self._logprobs = logprobs
-        self._span: tuple[list[int], list[float] | None, list[dict[int, float]] | None,
-                          int, int] | None = None
+        self._span: (
+            tuple[list[int], list[float] | None, list[dict[int, float]] | None, int, int] | None
+        ) = None
         self._text = text
         self._decode = decode
 
@@ -116,11 +126,18 @@ class CompletionOutput:
         if not isinstance(other, CompletionOutput):
             return NotImplemented
         return (self.index, self.token_ids, self.finish_reason, self.logprobs, self.text) == (
-            other.index, other.token_ids, other.finish_reason, other.logprobs, other.text)
+            other.index,
+            other.token_ids,
+            other.finish_reason,
+            other.logprobs,
+            other.text,
+        )
 
     def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index}, text={self.text!r}, "
-                f"token_ids={self.token_ids}, finish_reason={self.finish_reason!r})")
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={self.token_ids}, finish_reason={self.finish_reason!r})"
+        )
 
 
 @dataclass(slots=True)
@@ -155,6 +172,7 @@ def build_request_output(
     end = len(token_ids)
     start = end - num_new if kind == RequestOutputKind.DELTA else 0
     # The caller's lists only grow at the end: the span is copied out when it is read.
-    completion = CompletionOutput.of_span(token_ids, logprobs, start, end, finish_reason, decode,
-                                          top_logprobs, stop_reason)
+    completion = CompletionOutput.of_span(
+        token_ids, logprobs, start, end, finish_reason, decode, top_logprobs, stop_reason
+    )
     return RequestOutput(request_id, prompt_token_ids, [completion], finished, prompt)

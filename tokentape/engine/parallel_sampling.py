@@ -25,7 +25,9 @@ def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
 
-def child_params(params: SamplingParams, index: int, engine_seed: int, prompt: Sequence[int]) -> SamplingParams:
+def child_params(
+    params: SamplingParams, index: int, engine_seed: int, prompt: Sequence[int]
+) -> SamplingParams:
     base = params.seed if params.seed is not None else prompt_seed(engine_seed, prompt) & INT64_MAX
     seed = base + index
     if seed > INT64_MAX:
@@ -59,4 +61,6 @@ class ParentRequest:
             outputs = [c for c in self.final if c is not None]
         else:
             outputs = [completion]
-        return RequestOutput(self.request_id, child.prompt_token_ids, outputs, finished, child.prompt)
+        return RequestOutput(
+            self.request_id, child.prompt_token_ids, outputs, finished, child.prompt
+        )

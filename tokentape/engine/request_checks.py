@@ -98,8 +98,10 @@ def check_prompt(request_id: str, prompt: object, vocab_size: int, max_model_len
     try:
         check_prompt_fits(len(prompt), max_model_len)  # vLLM's words (context_length.py)
     except ValueError as exc:
-        raise ValueError(f"request {request_id!r}: {exc} (raise max_model_len or num_kv_blocks, "
-                         "or shorten the prompt)") from None
+        raise ValueError(
+            f"request {request_id!r}: {exc} (raise max_model_len or num_kv_blocks, "
+            "or shorten the prompt)"
+        ) from None
 
 
 def check_request(

@@ -71,8 +71,10 @@ class Scenario:
                 raise TypeError(f"a scenario holds Pause, Reset and Abort calls, got {call!r}")
             check_int(f"{call.describe()}: step", call.step, 0)
             if isinstance(call, Pause) and call.mode not in PAUSE_MODES:
-                raise ValueError(f"pause at step {call.step}: mode must be one of "
-                                 f"{', '.join(PAUSE_MODES)}, got {call.mode!r}")
+                raise ValueError(
+                    f"pause at step {call.step}: mode must be one of "
+                    f"{', '.join(PAUSE_MODES)}, got {call.mode!r}"
+                )
             if isinstance(call, Abort):
                 check_str(f"abort at step {call.step}: request id", call.req_id)
         self.calls = sorted(calls, key=lambda c: c.step)  # stable: the given order within a step
@@ -96,4 +98,4 @@ class Scenario:
     @property
     def pending(self) -> list[Call]:
         """The calls not made (yet): the run ended before their step."""
-        return self.calls[self._next:]
+        return self.calls[self._next :]

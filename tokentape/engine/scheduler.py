@@ -40,13 +40,17 @@ class Scheduler:
         self.emit = emit
         self.max_model_len = config.effective_max_model_len
 
-    def preempt(self, req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()) -> None:
+    def preempt(
+        self, req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()
+    ) -> None:
         """Free the request's KV (and blocks given to it in the step being planned) and
         record the preemption; the reducer requeues it."""
         self.kv.free(req.req_id, [*req.block_ids, *extra_blocks])
         self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, req.num_in_flight))
 
-    def finish(self, req: RequestState, reason: ev.FinishReason, stop_str: str | None = None) -> None:
+    def finish(
+        self, req: RequestState, reason: ev.FinishReason, stop_str: str | None = None
+    ) -> None:
         """Free the request's blocks and record its finish (with the stop string that ended
         it, if one did)."""
         self.kv.free(req.req_id, req.block_ids)
@@ -101,7 +105,9 @@ class Scheduler:
                     self.finish(req, "length")
                     continue
                 if max_spec:
-                    num_spec = max(0, min(max_spec, budget - num_new, max_model_len - computed - num_new))
+                    num_spec = max(
+                        0, min(max_spec, budget - num_new, max_model_len - computed - num_new)
+                    )
                     num_new += num_spec
             new_blocks = self._allocate_or_preempt(req, computed + num_new, plan)
             if new_blocks is None:
@@ -114,7 +120,9 @@ class Scheduler:
                 tokens = req.token_ids_between(computed, computed + num_new)
                 plan.add(entry, tokens, partial=computed + num_new < num_tokens)
 
-    def _allocate_or_preempt(self, req: RequestState, num_tokens: int, plan: _StepPlan) -> list[int] | None:
+    def _allocate_or_preempt(
+        self, req: RequestState, num_tokens: int, plan: _StepPlan
+    ) -> list[int] | None:
         """Blocks for `num_tokens`, preempting the most recently admitted running requests
         until they fit; None if `req` itself had to go."""
         requests, running = self.state.requests, self.state.running
@@ -148,8 +156,11 @@ class Scheduler:
             entry = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
             # It (re)enters the batch: the runner gets its tokens from position 0.
             plan.batch.new_requests[req_id] = NewRequest(req.prompt_token_ids, req.params)
-            plan.add(entry, req.token_ids_between(0, num_cached + num_new),
-                     partial=num_cached + num_new < req.num_tokens)
+            plan.add(
+                entry,
+                req.token_ids_between(0, num_cached + num_new),
+                partial=num_cached + num_new < req.num_tokens,
+            )
             num_running += 1
 
 

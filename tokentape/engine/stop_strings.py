@@ -38,8 +38,13 @@ def _earliest_match(text: str, start: int, stops: Sequence[str]) -> tuple[str, i
     return best
 
 
-def find_stop_string(decode: Decode, params: SamplingParams, output: list[int], num_before: int,
-                     split: SafeSplit | None = None) -> str | None:
+def find_stop_string(
+    decode: Decode,
+    params: SamplingParams,
+    output: list[int],
+    num_before: int,
+    split: SafeSplit | None = None,
+) -> str | None:
     """The stop string completed by the output tokens after `num_before` (the frame just
     applied), or None. Text of the first min_tokens tokens cannot complete one.
 
@@ -82,7 +87,7 @@ def _cut(text: str, start: int, params: SamplingParams, stop_str: str) -> str:
     i = text.find(stop_str, max(0, start - len(stop_str) + 1))
     if i == -1:  # cannot happen for a recorded match; keep the text whole
         return text
-    return text[:i + len(stop_str)] if params.include_stop_str_in_output else text[:i]
+    return text[: i + len(stop_str)] if params.include_stop_str_in_output else text[:i]
 
 
 def stop_text(decode: Decode, params: SamplingParams, output: list[int], stop_str: str) -> str:
@@ -90,24 +95,30 @@ def stop_text(decode: Decode, params: SamplingParams, output: list[int], stop_st
     after it with include_stop_str_in_output. Every check before the last found nothing, so
     the match is the string's first occurrence that ends after the min_tokens text."""
     text = decode(output)
-    start = _stable_len(decode(output[:params.min_tokens]), text) if params.min_tokens else 0
+    start = _stable_len(decode(output[: params.min_tokens]), text) if params.min_tokens else 0
     return _cut(text, start, params, stop_str)
 
 
-def stop_decoder(decode: Decode, params: SamplingParams, full_output: list[int], stop_str: str | None) -> Decode:
+def stop_decoder(
+    decode: Decode, params: SamplingParams, full_output: list[int], stop_str: str | None
+) -> Decode:
     """A decode for a request's outputs that cuts the text of the request's last tokens at
     its stop string: the full output's text loses the same tail, a delta's text too."""
     if stop_str is None:
         return decode
     full = decode(full_output)  # decoded once: stop_text's cut of the same text
-    start = _stable_len(decode(full_output[:params.min_tokens]), full) if params.min_tokens else 0
+    start = _stable_len(decode(full_output[: params.min_tokens]), full) if params.min_tokens else 0
     cut = len(full) - len(_cut(full, start, params, stop_str))
 
     def decode_cut(tokens: list[int]) -> str:
         text = decode(tokens)
         # Only a span that ends the output holds the cut tail (cumulative, final or last delta).
-        if cut and len(tokens) <= len(full_output) and full_output[len(full_output) - len(tokens):] == tokens:
-            return text[:max(0, len(text) - cut)]
+        if (
+            cut
+            and len(tokens) <= len(full_output)
+            and full_output[len(full_output) - len(tokens) :] == tokens
+        ):
+            return text[: max(0, len(text) - cut)]
         return text
 
     return decode_cut

@@ -34,7 +34,9 @@ class ByteTokenizer:
         byte at or after it begins a UTF-8 sequence (the decoder never takes such a byte into
         the character before; special tokens have no bytes)."""
         lo, hi = self._OFFSET, self.vocab_size
-        return _split_before_lead(token_ids, pos, lambda t: (t - lo) & 0xC0 != 0x80 if lo <= t < hi else None)
+        return _split_before_lead(
+            token_ids, pos, lambda t: (t - lo) & 0xC0 != 0x80 if lo <= t < hi else None
+        )
 
     def to_bytes(self, token_ids: list[int]) -> bytes:
         """The bytes the ids stand for; the special tokens stand for none."""
@@ -99,8 +101,9 @@ def byte_tokenizer_json() -> str:
 
     specials = ["<|tokentape:bos|>", "<|tokentape:eos|>", "<|tokentape:pad|>"]
     vocab = {name: i for i, name in enumerate(specials)}
-    vocab.update({char: byte + ByteTokenizer._OFFSET
-                  for char, byte in _byte_level_alphabet().items()})
+    vocab.update(
+        {char: byte + ByteTokenizer._OFFSET for char, byte in _byte_level_alphabet().items()}
+    )
     tok = HFTokenizerFile(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -141,8 +144,9 @@ def checkpoint_tokenizer(folder: str | os.PathLike[str]) -> HFTokenizer | Missin
         return HFTokenizer(file)
     except Exception as exc:  # noqa: BLE001 (`tokenizers` raises a bare Exception)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{file}: not a tokenizer the tokenizers library can read "
-                              f"({reason})") from None
+        raise CheckpointError(
+            f"{file}: not a tokenizer the tokenizers library can read ({reason})"
+        ) from None
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -157,7 +161,9 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in chars.items()}
 
 
-def _split_before_lead(token_ids: Sequence[int], pos: int, lead: Callable[[int], bool | None]) -> int:
+def _split_before_lead(
+    token_ids: Sequence[int], pos: int, lead: Callable[[int], bool | None]
+) -> int:
     """The greatest k <= pos whose first byte-giving token at or after k begins a UTF-8
     sequence, or after which no token gives a byte (`lead`: True, False for a continuation
     byte, None for no bytes); 0 if none."""

@@ -58,14 +58,19 @@ class ServerOptions:
     allowed_weight_dirs: tuple[str, ...] = ()
 
 
-def build_app(engine: AsyncLLM, model_name: str | None = None,
-              chat_template: ChatTemplate | None = None,
-              options: ServerOptions | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    model_name: str | None = None,
+    chat_template: ChatTemplate | None = None,
+    options: ServerOptions | None = None,
+) -> FastAPI:
     """The app over a started AsyncLLM. The caller owns the engine (and shuts it down)."""
     options = options or ServerOptions()
     name = model_name or engine.model
     metrics = ServerMetrics(name, lambda: engine.stats)
-    serving = OpenAIServing(engine, name, chat_template or ChatTemplate.for_model(engine.model), metrics)
+    serving = OpenAIServing(
+        engine, name, chat_template or ChatTemplate.for_model(engine.model), metrics
+    )
     app = FastAPI(title="tokentape", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
 
@@ -74,8 +79,11 @@ def build_app(engine: AsyncLLM, model_name: str | None = None,
         return error_response(status, message, type, param)
 
     def unauthorized() -> Response:
-        return error(401, "Unauthorized: this route needs a valid API key (Authorization: "
-                     "Bearer <key>)", "AuthenticationError")
+        return error(
+            401,
+            "Unauthorized: this route needs a valid API key (Authorization: Bearer <key>)",
+            "AuthenticationError",
+        )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -85,8 +93,12 @@ def build_app(engine: AsyncLLM, model_name: str | None = None,
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ())]
-        return error(422, f"{'.'.join(loc)}: {first.get('msg', 'invalid')}", "invalid_request_error",
-                     loc[-1] if loc else None)
+        return error(
+            422,
+            f"{'.'.join(loc)}: {first.get('msg', 'invalid')}",
+            "invalid_request_error",
+            loc[-1] if loc else None,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -140,6 +152,6 @@ def build_app(engine: AsyncLLM, model_name: str | None = None,
         add_rl_endpoints(app, engine, options.allowed_weight_dirs, json_response)
     if options.api_keys:
         app.add_middleware(
-            APIKeyMiddleware, keys=options.api_keys, protected_paths=RL_PATHS,
-            error=unauthorized)
+            APIKeyMiddleware, keys=options.api_keys, protected_paths=RL_PATHS, error=unauthorized
+        )
     return app

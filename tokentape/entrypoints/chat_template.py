@@ -60,7 +60,9 @@ class ChatTemplate:
         if source is None and os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 source = f.read()
-        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        return cls(
+            source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        )
 
     @property
     def available(self) -> bool:
@@ -77,13 +79,17 @@ class ChatTemplate:
             return text + ("<|assistant|>\n" if add_generation_prompt else "")
         try:
             return self._compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
             )
         except ChatTemplateError:
             raise
         except Exception as exc:  # a template error is the request's problem, not the server's
-            raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+            raise ChatTemplateError(
+                f"the chat template failed: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 def _raise(message: str) -> None:
@@ -98,7 +104,11 @@ def message_text(role: str, content: object) -> dict[str, str]:
         return {"role": role, "content": content}
     parts = []
     for part in content:  # type: ignore[attr-defined]
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
             raise ChatTemplateError(f"only text content parts are supported, got {str(part)[:80]}")
         parts.append(part["text"])
     return {"role": role, "content": "".join(parts)}

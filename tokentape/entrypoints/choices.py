@@ -32,7 +32,9 @@ class ChoiceText:
     def __init__(self, detok: Detokenizer, decode: Decode, params: SamplingParams) -> None:
         self.detok, self.decode, self.params = detok, decode, params
         stops = params.stop
-        self.holdback = max(map(len, stops)) - 1 if stops and not params.include_stop_str_in_output else 0
+        self.holdback = (
+            max(map(len, stops)) - 1 if stops and not params.include_stop_str_in_output else 0
+        )
         self.tokens: list[int] = []  # for the final cut at a stop string
         # Only the decoded text not yet given out is kept (the holdback window): appending to
         # an attribute copies it each time, quadratic over a long stream.
@@ -55,7 +57,7 @@ class ChoiceText:
             return delta
         delta = unsent
         if c.stop_reason is not None:
-            delta = stop_text(self.decode, self.params, self.tokens, c.stop_reason)[self.sent:]
+            delta = stop_text(self.decode, self.params, self.tokens, c.stop_reason)[self.sent :]
         self.unsent = ""
         self.sent += len(delta)
         return delta
@@ -86,6 +88,8 @@ def chat_logprobs(decode: Decode, c: CompletionOutput, k: int) -> list[p.ChatLog
         if top and k:
             for alt, alt_lp in sorted(top.items(), key=lambda x: (-x[1], x[0]))[:k]:
                 s = decode([alt])
-                alts.append({"token": s, "logprob": alt_lp, "bytes": list(s.encode("utf-8", "replace"))})
+                alts.append(
+                    {"token": s, "logprob": alt_lp, "bytes": list(s.encode("utf-8", "replace"))}
+                )
         content.append(p.ChatLogprob(piece, lp, list(piece.encode("utf-8", "replace")), alts))
     return content

@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "for the built-in models and the oracle), /v1/models, /health, /metrics (Prometheus),\n"
             "and, with --enable-rl-endpoints (or VLLM_SERVER_DEV_MODE=1), vLLM's RL endpoints:\n"
             "POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume, GET\n"
-            "/is_paused, POST /reset_prefix_cache, POST /update_weights (JSON {\"path\": FOLDER},\n"
+            '/is_paused, POST /reset_prefix_cache, POST /update_weights (JSON {"path": FOLDER},\n'
             "a folder under --allowed-weight-dirs). With an API key (--api-key, or the\n"
             "TOKENTAPE_API_KEY or VLLM_API_KEY environment variable) every /v1 route and RL\n"
             "endpoint needs 'Authorization: Bearer KEY'. The engine core runs in a background\n"
@@ -88,66 +88,137 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "      'localhost:8000/pause?mode=keep&clear_cache=true'"
         ),
     )
-    srv.add_argument("--model", default="tiny",
-                     help="'tiny' (default), 'qwen3-0.6b', a Hugging Face checkpoint folder, "
-                     "'oracle' or 'oracle-random'")
-    srv.add_argument("--served-model-name", default=None, metavar="NAME",
-                     help="the model name clients use (default: --model)")
+    srv.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (default), 'qwen3-0.6b', a Hugging Face checkpoint folder, "
+        "'oracle' or 'oracle-random'",
+    )
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients use (default: --model)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    srv.add_argument("--port", type=int_at_least(0), default=8000,
-                     help="port to bind; 0 picks a free one (default: 8000)")
+    srv.add_argument(
+        "--port",
+        type=int_at_least(0),
+        default=8000,
+        help="port to bind; 0 picks a free one (default: 8000)",
+    )
     tape = srv.add_mutually_exclusive_group()
-    tape.add_argument("--tape", metavar="PATH", default=None,
-                      help="tape file to create; an existing file is refused unless --force "
-                      "(default: tokentape-serve-<UTC timestamp>.tape in the current directory)")
+    tape.add_argument(
+        "--tape",
+        metavar="PATH",
+        default=None,
+        help="tape file to create; an existing file is refused unless --force "
+        "(default: tokentape-serve-<UTC timestamp>.tape in the current directory)",
+    )
     tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
     add_force_argument(srv, "tape file")
     srv.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
     pipe = srv.add_mutually_exclusive_group()
     pipe.add_argument("--sync", action="store_true", help="synchronous scheduling")
-    pipe.add_argument("--pipeline-depth", type=int_at_least(1), default=None, metavar="N",
-                      help="steps in flight with async scheduling (engine default: 2)")
-    srv.add_argument("--num-speculative-tokens", type=int_at_least(0), default=None, metavar="K",
-                     help="n-gram speculative tokens per decode (engine default: 0)")
-    srv.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
-                     help="epoch (default, exact); counter and flag reproduce vLLM's historical bugs")
-    for flag, what in (("--num-kv-blocks", "KV cache blocks (engine default: 2048)"),
-                       ("--block-size", "tokens per KV block (engine default: 16)"),
-                       ("--max-num-seqs", "most requests running at once (engine default: 256)"),
-                       ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
-                       ("--max-model-len", ("longest sequence (default: the model's context length, capped "
-                                            "at the KV capacity)")),
-                       ("--cpu-threads", ("CPU threads of the engine core (a small model's lanes; "
-                        "default: one per CPU less one, left to the HTTP server, at least one; one "
-                        "per CPU with --in-process)"))):
+    pipe.add_argument(
+        "--pipeline-depth",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="steps in flight with async scheduling (engine default: 2)",
+    )
+    srv.add_argument(
+        "--num-speculative-tokens",
+        type=int_at_least(0),
+        default=None,
+        metavar="K",
+        help="n-gram speculative tokens per decode (engine default: 0)",
+    )
+    srv.add_argument(
+        "--discard-policy",
+        choices=list(DISCARD_POLICIES),
+        default=None,
+        help="epoch (default, exact); counter and flag reproduce vLLM's historical bugs",
+    )
+    for flag, what in (
+        ("--num-kv-blocks", "KV cache blocks (engine default: 2048)"),
+        ("--block-size", "tokens per KV block (engine default: 16)"),
+        ("--max-num-seqs", "most requests running at once (engine default: 256)"),
+        ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
+        (
+            "--max-model-len",
+            ("longest sequence (default: the model's context length, capped at the KV capacity)"),
+        ),
+        (
+            "--cpu-threads",
+            (
+                "CPU threads of the engine core (a small model's lanes; "
+                "default: one per CPU less one, left to the HTTP server, at least one; one "
+                "per CPU with --in-process)"
+            ),
+        ),
+    ):
         srv.add_argument(flag, type=int_at_least(1), default=None, metavar="N", help=what)
-    srv.add_argument("--stream-interval", type=int_at_least(1), default=1, metavar="N",
-                     help="tokens per streamed chunk after a stream's first (vLLM's option): N > 1 "
-                     "sends fewer, larger chunks, so serving costs less CPU per token, and tokens "
-                     "arrive up to N - 1 steps later (default: 1)")
-    srv.add_argument("--max-logprobs", type=int_at_least(-1), default=None, metavar="N",
-                     help="the most log-probabilities a request may ask for per token (vLLM's "
-                     "option; -1: no limit but the vocabulary; engine default: 20)")
-    srv.add_argument("--api-key", default=None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on every /v1 route and RL endpoint "
-                     "(default: the TOKENTAPE_API_KEY environment variable, else VLLM_API_KEY; "
-                     "prefer them: a command line is visible to every user of the machine)")
-    srv.add_argument("--enable-rl-endpoints", action="store_true",
-                     help="serve vLLM's RL endpoints (/pause, /resume, /is_paused, "
-                     "/reset_prefix_cache, /update_weights), which change what every client gets; "
-                     "also on with VLLM_SERVER_DEV_MODE=1 (default: off)")
-    srv.add_argument("--allowed-weight-dirs", nargs="+", default=[], metavar="DIR",
-                     help="the folders /update_weights may load checkpoints from (their "
-                     "subfolders too); any other path is refused (default: none)")
-    srv.add_argument("--drain-timeout", type=_seconds, default=10.0, metavar="S",
-                     help="on SIGTERM, seconds to let requests in flight finish before they are "
-                     "aborted (default: 10)")
-    srv.add_argument("--in-process", action="store_true",
-                     help="step the engine inside the server's event loop instead of a background "
-                     "process (for debugging)")
-    srv.add_argument("--log-level", default="warning",
-                     choices=["critical", "error", "warning", "info", "debug"],
-                     help="uvicorn's log level (default: warning)")
+    srv.add_argument(
+        "--stream-interval",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="tokens per streamed chunk after a stream's first (vLLM's option): N > 1 "
+        "sends fewer, larger chunks, so serving costs less CPU per token, and tokens "
+        "arrive up to N - 1 steps later (default: 1)",
+    )
+    srv.add_argument(
+        "--max-logprobs",
+        type=int_at_least(-1),
+        default=None,
+        metavar="N",
+        help="the most log-probabilities a request may ask for per token (vLLM's "
+        "option; -1: no limit but the vocabulary; engine default: 20)",
+    )
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every /v1 route and RL endpoint "
+        "(default: the TOKENTAPE_API_KEY environment variable, else VLLM_API_KEY; "
+        "prefer them: a command line is visible to every user of the machine)",
+    )
+    srv.add_argument(
+        "--enable-rl-endpoints",
+        action="store_true",
+        help="serve vLLM's RL endpoints (/pause, /resume, /is_paused, "
+        "/reset_prefix_cache, /update_weights), which change what every client gets; "
+        "also on with VLLM_SERVER_DEV_MODE=1 (default: off)",
+    )
+    srv.add_argument(
+        "--allowed-weight-dirs",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="the folders /update_weights may load checkpoints from (their "
+        "subfolders too); any other path is refused (default: none)",
+    )
+    srv.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM, seconds to let requests in flight finish before they are "
+        "aborted (default: 10)",
+    )
+    srv.add_argument(
+        "--in-process",
+        action="store_true",
+        help="step the engine inside the server's event loop instead of a background "
+        "process (for debugging)",
+    )
+    srv.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default: warning)",
+    )
     srv.set_defaults(func=cmd_serve)
     return srv
 
@@ -156,9 +227,18 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"seed": args.seed}
     if args.sync:
         kwargs["async_scheduling"] = False
-    for name in ("pipeline_depth", "num_speculative_tokens", "discard_policy", "num_kv_blocks",
-                 "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "cpu_threads",
-                 "max_logprobs"):
+    for name in (
+        "pipeline_depth",
+        "num_speculative_tokens",
+        "discard_policy",
+        "num_kv_blocks",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "cpu_threads",
+        "max_logprobs",
+    ):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
@@ -219,8 +299,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # a port in use fails before the engine is built
     try:
         with sigterm_stops_startup():
-            engine = AsyncLLM(args.model, tape=tape, multiprocess_mode=not args.in_process,
-                              stream_interval=args.stream_interval, **kwargs)
+            engine = AsyncLLM(
+                args.model,
+                tape=tape,
+                multiprocess_mode=not args.in_process,
+                stream_interval=args.stream_interval,
+                **kwargs,
+            )
     except StoppedBeforeServing:
         sock.close()
         return EXIT_OK
@@ -248,8 +333,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.shutdown(CORE_STOP_TIMEOUT_S)  # a no-op when the server closed it
         sock.close()
     if engine.failure is not None:
-        print(f"error: the engine core failed while serving: {engine.failure}", file=sys.stderr,
-              flush=True)
+        print(
+            f"error: the engine core failed while serving: {engine.failure}",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_ENGINE_FAILED
     return EXIT_OK
 

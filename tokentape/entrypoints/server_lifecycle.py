@@ -73,8 +73,12 @@ def sigterm_stops_startup() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def make_server(config: Any, drain_timeout_s: float, abort_all: Callable[[], Awaitable[None]],
-                on_shutdown: Callable[[], None]) -> Any:
+def make_server(
+    config: Any,
+    drain_timeout_s: float,
+    abort_all: Callable[[], Awaitable[None]],
+    on_shutdown: Callable[[], None],
+) -> Any:
     """uvicorn's Server, announcing the bound address (a --port 0 server's real port); on
     shutdown it lets requests finish for `drain_timeout_s`, then aborts the rest through the
     engine (their streams end with finish_reason "abort" and [DONE], not a cut connection;

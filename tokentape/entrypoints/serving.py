@@ -54,11 +54,15 @@ class IncrementalDetokenizer:
     def add(self, new_tokens: list[int], final: bool) -> str:
         tokens = self.tokens
         tokens += new_tokens
-        prefix = self.decode(tokens[self.prefix_offset:self.read_offset]) if self.read_offset > self.prefix_offset else ""
-        full = self.decode(tokens[self.prefix_offset:])
+        prefix = (
+            self.decode(tokens[self.prefix_offset : self.read_offset])
+            if self.read_offset > self.prefix_offset
+            else ""
+        )
+        full = self.decode(tokens[self.prefix_offset :])
         if len(full) <= len(prefix) or (not final and full.endswith("\ufffd")):
             return ""
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
         self.num_chars += len(delta)
         return delta
@@ -118,7 +122,9 @@ class PromptStream:
     """One prompt's generation: its first output is taken before the response starts, so a
     refusal still becomes a 400."""
 
-    def __init__(self, agen: AsyncIterator[RequestOutput], prompt_token_ids: list[int], timer: RequestTimer) -> None:
+    def __init__(
+        self, agen: AsyncIterator[RequestOutput], prompt_token_ids: list[int], timer: RequestTimer
+    ) -> None:
         self.agen, self.prompt_token_ids, self.timer = agen, prompt_token_ids, timer
         self.first: RequestOutput | None = None
         self.finished = False
@@ -149,15 +155,28 @@ class PromptStream:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: ChatTemplate, metrics: ServerMetrics) -> None:
-        self.engine, self.model_name, self.chat_template, self.metrics = engine, model_name, chat_template, metrics
+    def __init__(
+        self, engine: AsyncLLM, model_name: str, chat_template: ChatTemplate, metrics: ServerMetrics
+    ) -> None:
+        self.engine, self.model_name, self.chat_template, self.metrics = (
+            engine,
+            model_name,
+            chat_template,
+            metrics,
+        )
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
-    def sampling_params(self, req: p._SamplingFields, max_tokens: int | None, num_prompt_tokens: int,
-                        logprobs: int | None, aliases: Mapping[str, str]) -> SamplingParams:
+    def sampling_params(
+        self,
+        req: p._SamplingFields,
+        max_tokens: int | None,
+        num_prompt_tokens: int,
+        logprobs: int | None,
+        aliases: Mapping[str, str],
+    ) -> SamplingParams:
         """The request's SamplingParams; a refused value is a 400 naming its field (as the
         endpoint calls it: `aliases`), and so is a max_tokens past the context (vLLM's)."""
         asked = max_tokens
@@ -177,7 +196,9 @@ class OpenAIServing:
                 output_kind=RequestOutputKind.DELTA,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=1.0
+                if req.repetition_penalty is None
+                else req.repetition_penalty,
                 min_tokens=req.min_tokens,
                 stop=req.stop or (),
                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -186,12 +207,22 @@ class OpenAIServing:
             )
         except (ValueError, TypeError) as exc:
             raise refusal(exc, aliases) from None
-        check_fits_context(num_prompt_tokens, asked, self.engine.max_model_len,
-                           aliases.get("max_tokens", "max_tokens"))
+        check_fits_context(
+            num_prompt_tokens,
+            asked,
+            self.engine.max_model_len,
+            aliases.get("max_tokens", "max_tokens"),
+        )
         return params
 
-    async def start(self, request: Request, prompts: list[list[int]], params: SamplingParams,
-                    request_id: str, aliases: Mapping[str, str]) -> list[PromptStream]:
+    async def start(
+        self,
+        request: Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        aliases: Mapping[str, str],
+    ) -> list[PromptStream]:
         """Start every prompt's stream and take its first output: a refusal by the engine
         (nothing recorded) is a 400 naming its field, a dead engine a 503. Every prompt is
         checked first, so a request of several is refused whole, none of it recorded."""
@@ -201,7 +232,11 @@ class OpenAIServing:
             except (ValueError, TypeError) as exc:
                 raise refusal(exc, aliases) from None
         streams = [
-            PromptStream(self.engine.generate(tokens, params, f"{request_id}-{i}"), tokens, RequestTimer(self.metrics))
+            PromptStream(
+                self.engine.generate(tokens, params, f"{request_id}-{i}"),
+                tokens,
+                RequestTimer(self.metrics),
+            )
             for i, tokens in enumerate(prompts)
         ]
 
@@ -231,6 +266,7 @@ class OpenAIServing:
             for s in streams:
                 await s.agen.aclose()  # type: ignore[attr-defined]
             raise
+
 
 def sse_bytes(chunk: Any) -> bytes:
     return b"data: " + p.encode_json(chunk) + b"\n\n"

@@ -43,7 +43,9 @@ def content_of(message: p.ChatMessage) -> str | list[dict[str, object]] | None:
     return message.content
 
 
-async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(
+    serving: OpenAIServing, req: p.ChatCompletionRequest, request: Request
+) -> Response:
     """POST /v1/chat/completions: the messages through the chat template, n choices."""
     serving.check_model(req.model)
     if not req.messages:
@@ -59,7 +61,9 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     if not tokens:
         raise APIError(400, "the rendered chat prompt is empty", param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     aliases = param_aliases(req)
     params = serving.sampling_params(req, max_tokens, len(tokens), logprobs, aliases)
     request_id = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
@@ -86,20 +90,32 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
                 for c in out.outputs:  # n > 1: the choices with something new
                     generated += len(c.token_ids)
                     delta = p.ChatDelta(content=texts[c.index].add(c))
-                    ch = p.ChatStreamChoice(c.index, delta, c.finish_reason, choice_logprobs(c),
-                                            c.token_ids if req.return_token_ids else None,  # a copy already
-                                            c.stop_reason)
+                    ch = p.ChatStreamChoice(
+                        c.index,
+                        delta,
+                        c.finish_reason,
+                        choice_logprobs(c),
+                        c.token_ids if req.return_token_ids else None,  # a copy already
+                        c.stop_reason,
+                    )
                     yield framer.chunk(ch)
             if include_usage:
-                yield sse_bytes(p.ChatCompletionChunk(request_id, created, serving.model_name, [],
-                                                 usage_of(streams, generated)))
+                yield sse_bytes(
+                    p.ChatCompletionChunk(
+                        request_id, created, serving.model_name, [], usage_of(streams, generated)
+                    )
+                )
             yield SSE_DONE
 
         return StreamingResponse(guarded_sse(sse()), media_type="text/event-stream")
 
     async def collect() -> p.ChatCompletionResponse:
-        merged = [CompletionOutput(j, None, [], None, [] if req.logprobs else None, None,
-                                   [] if logprobs else None) for j in range(n)]
+        merged = [
+            CompletionOutput(
+                j, None, [], None, [] if req.logprobs else None, None, [] if logprobs else None
+            )
+            for j in range(n)
+        ]
         async for out in streams[0].outputs():
             for c in out.outputs:
                 m = merged[c.index]
@@ -109,12 +125,24 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
                 if m.top_logprobs is not None:
                     m.top_logprobs.extend(c.top_logprobs or ())
                 m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
-        choices = [p.ChatChoice(m.index, p.ChatResponseMessage("assistant", texts[m.index].add(m)),
-                                m.finish_reason, choice_logprobs(m) if req.logprobs else None,
-                                m.token_ids if req.return_token_ids else None, m.stop_reason)
-                   for m in merged]
-        return p.ChatCompletionResponse(request_id, created, serving.model_name, choices,
-                                        usage_of(streams, sum(len(m.token_ids) for m in merged)))
+        choices = [
+            p.ChatChoice(
+                m.index,
+                p.ChatResponseMessage("assistant", texts[m.index].add(m)),
+                m.finish_reason,
+                choice_logprobs(m) if req.logprobs else None,
+                m.token_ids if req.return_token_ids else None,
+                m.stop_reason,
+            )
+            for m in merged
+        ]
+        return p.ChatCompletionResponse(
+            request_id,
+            created,
+            serving.model_name,
+            choices,
+            usage_of(streams, sum(len(m.token_ids) for m in merged)),
+        )
 
     body = await serving.finish(request, streams, collect())
     return Response(p.encode_json(body), media_type="application/json")

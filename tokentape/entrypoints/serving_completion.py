@@ -38,7 +38,9 @@ def completion_prompts(serving: OpenAIServing, prompt: str | list[Any]) -> list[
             try:
                 return encode(x)
             except ValueError as exc:  # a lone surrogate; a checkpoint without a tokenizer
-                raise APIError(400, f"the prompt cannot be encoded: {exc}", param="prompt") from None
+                raise APIError(
+                    400, f"the prompt cannot be encoded: {exc}", param="prompt"
+                ) from None
         return x
 
     if isinstance(prompt, str):
@@ -47,20 +49,28 @@ def completion_prompts(serving: OpenAIServing, prompt: str | list[Any]) -> list[
         raise APIError(400, "the prompt is empty", param="prompt")
     if all(type(t) is int for t in prompt):
         return [prompt]
-    if all(isinstance(x, str) or (isinstance(x, list) and x and all(type(t) is int for t in x)) for x in prompt):
+    if all(
+        isinstance(x, str) or (isinstance(x, list) and x and all(type(t) is int for t in x))
+        for x in prompt
+    ):
         return [one(x) for x in prompt]
-    raise APIError(400, "prompt must be a string, a list of token ids, or a list of either", param="prompt")
+    raise APIError(
+        400, "prompt must be a string, a list of token ids, or a list of either", param="prompt"
+    )
 
 
-async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, request: Request) -> Response:
+async def create_completion(
+    serving: OpenAIServing, req: p.CompletionRequest, request: Request
+) -> Response:
     """POST /v1/completions: n choices per prompt (index prompt * n + j, as vLLM's), streamed
     as SSE or in one body."""
     serving.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
     prompts = completion_prompts(serving, req.prompt)
-    params = serving.sampling_params(req, req.max_tokens, max(map(len, prompts)), req.logprobs,
-                                     PARAM_ALIASES)
+    params = serving.sampling_params(
+        req, req.max_tokens, max(map(len, prompts)), req.logprobs, PARAM_ALIASES
+    )
     request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
     streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES)
     created = int(time.time())
@@ -73,11 +83,19 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
         if text is None:
             text = texts[index] = ChoiceText(detokenizer(tokenizer), tokenizer.decode, params)
         delta = text.add(c)
-        lps = text.completion_logprobs(c) if req.logprobs is not None and c.logprobs is not None else None
+        lps = (
+            text.completion_logprobs(c)
+            if req.logprobs is not None and c.logprobs is not None
+            else None
+        )
         return p.CompletionChoice(
-            index, delta, c.finish_reason, lps,
+            index,
+            delta,
+            c.finish_reason,
+            lps,
             token_ids=c.token_ids if req.return_token_ids else None,  # a copy already
-            prompt_token_ids=None, stop_reason=c.stop_reason,
+            prompt_token_ids=None,
+            stop_reason=c.stop_reason,
         )
 
     if req.stream:
@@ -96,7 +114,9 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
                     yield framer.chunk(ch)
             if include_usage:
                 usage = usage_of(streams, generated)
-                yield sse_bytes(p.CompletionResponse(request_id, created, serving.model_name, [], usage))
+                yield sse_bytes(
+                    p.CompletionResponse(request_id, created, serving.model_name, [], usage)
+                )
             yield SSE_DONE
 
         return StreamingResponse(guarded_sse(sse()), media_type="text/event-stream")
@@ -105,8 +125,18 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
         choices: list[p.CompletionChoice] = []
         generated = 0
         for i, s in enumerate(streams):
-            merged = [CompletionOutput(j, None, [], None, [] if req.logprobs is not None else None, None,
-                                       [] if req.logprobs else None) for j in range(n)]
+            merged = [
+                CompletionOutput(
+                    j,
+                    None,
+                    [],
+                    None,
+                    [] if req.logprobs is not None else None,
+                    None,
+                    [] if req.logprobs else None,
+                )
+                for j in range(n)
+            ]
             async for out in s.outputs():
                 for c in out.outputs:
                     m = merged[c.index]
@@ -122,7 +152,9 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, re
                 if req.return_token_ids:
                     ch.prompt_token_ids = s.prompt_token_ids
                 choices.append(ch)
-        return p.CompletionResponse(request_id, created, serving.model_name, choices, usage_of(streams, generated))
+        return p.CompletionResponse(
+            request_id, created, serving.model_name, choices, usage_of(streams, generated)
+        )
 
     body = await serving.finish(request, streams, collect())
     return Response(p.encode_json(body), media_type="application/json")

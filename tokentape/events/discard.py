@@ -169,7 +169,8 @@ class DeliverPolicy(_Policy):
         # vLLM's _preempt_request: a reset drops; an undrained dropped share stays dropped
         # (its positions may already be scheduled again), now with everything in flight.
         req.drop_stale_output = reason == "reset_prefix_cache" or (
-            req.drop_stale_output and req.num_stale_in_flight > 0)
+            req.drop_stale_output and req.num_stale_in_flight > 0
+        )
 
     def should_drop(self, req: RequestState, stale: bool, num_tokens: int) -> bool:
         return stale and req.drop_stale_output
@@ -253,8 +254,14 @@ DISCARD_POLICIES: dict[str, DiscardPolicy] = {
 # Later bugs of the family, reproduced on purpose (tests/tapes/regenerate.py): selectable by
 # name like the others, but not in DISCARD_POLICIES (the CLI's choices, chaos grids).
 MUSEUM_POLICIES: dict[str, DiscardPolicy] = {
-    p.name: p for p in (FlagResetOnlyPolicy(), CounterResetOnlyPolicy(), CounterSpecBudgetPolicy(),
-                        VllmFlagPolicy(), VllmCounterPolicy())
+    p.name: p
+    for p in (
+        FlagResetOnlyPolicy(),
+        CounterResetOnlyPolicy(),
+        CounterSpecBudgetPolicy(),
+        VllmFlagPolicy(),
+        VllmCounterPolicy(),
+    )
 }
 ALL_POLICIES: dict[str, DiscardPolicy] = {**DISCARD_POLICIES, **MUSEUM_POLICIES}
 

@@ -16,7 +16,13 @@ class ReducerError(RuntimeError):
 # ReducerError, and a damaged or hand-edited event can also trip a lookup, a conversion or an
 # arithmetic limit (a negative token id where bytes are built, an integer too large).
 FOLD_ERRORS: tuple[type[Exception], ...] = (
-    ReducerError, ValueError, KeyError, IndexError, TypeError, ArithmeticError)
+    ReducerError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    ArithmeticError,
+)
 
 
 def event_refused(seq: int, event: Event, exc: BaseException) -> ReducerError:

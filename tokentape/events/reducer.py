@@ -31,8 +31,13 @@ def initial_state(
     faults: Iterable[str] = (),
 ) -> EngineState:
     get_policy(discard_policy)  # fail early on an unknown name
-    return EngineState(discard_policy, async_scheduling, eos_token_id, max_model_len,
-                       frozenset(faults) & REDUCER_FAULTS)
+    return EngineState(
+        discard_policy,
+        async_scheduling,
+        eos_token_id,
+        max_model_len,
+        frozenset(faults) & REDUCER_FAULTS,
+    )
 
 
 def _request(state: EngineState, req_id: str) -> RequestState:
@@ -68,7 +73,9 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
     if e.req_id in state.requests:
         raise ReducerError(f"request {e.req_id!r} added twice")
-    req = state.requests[e.req_id] = RequestState(e.req_id, list(e.prompt_token_ids), e.params, e.step)
+    req = state.requests[e.req_id] = RequestState(
+        e.req_id, list(e.prompt_token_ids), e.params, e.step
+    )
     eos = () if e.params.ignore_eos or state.eos_token_id is None else (state.eos_token_id,)
     req.stop_ids = frozenset((*e.params.stop_token_ids, *eos))
     req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - req.num_prompt_tokens)
@@ -85,8 +92,10 @@ def _on_finished(state: EngineState, e: ev.RequestFinished) -> None:
     req = _request(state, e.req_id)
     if e.stop_reason is not None:
         if e.reason != "stop" or e.stop_reason not in req.params.stop:
-            raise ReducerError(f"request {e.req_id!r} finished on stop string {e.stop_reason!r}, "
-                               f"which is not one of its stop strings {list(req.params.stop)}")
+            raise ReducerError(
+                f"request {e.req_id!r} finished on stop string {e.stop_reason!r}, "
+                f"which is not one of its stop strings {list(req.params.stop)}"
+            )
         req.stop_str = e.stop_reason
     _finish(state, req, e.reason)
 
@@ -150,8 +159,14 @@ def _later_chunks(state: EngineState, e: ev.StepScheduled) -> list[ev.ScheduledE
     if "chunk_placeholder_underflow" not in state.faults or len(e.entries) < 2:
         return []
     requests, running = state.requests, RequestStatus.RUNNING
-    return [x for x in e.entries if x.num_computed_before > 0 and x.req_id in requests
-            and requests[x.req_id].status is running and not requests[x.req_id].prefill_complete]
+    return [
+        x
+        for x in e.entries
+        if x.num_computed_before > 0
+        and x.req_id in requests
+        and requests[x.req_id].status is running
+        and not requests[x.req_id].prefill_complete
+    ]
 
 
 def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
@@ -185,8 +200,10 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     should_drop, may_drop_fresh = policy.should_drop, policy.may_drop_fresh
     delivers_stale = policy.delivers_stale
     if len(e.entries) != len(scheduled.entries) - len(partial):
-        raise ReducerError(f"frame of step {e.step} has {len(e.entries)} entries for "
-                           f"{len(scheduled.entries) - len(partial)} sampling entries")
+        raise ReducerError(
+            f"frame of step {e.step} has {len(e.entries)} entries for "
+            f"{len(scheduled.entries) - len(partial)} sampling entries"
+        )
     frames: Sequence[ev.FrameEntry | None] = e.entries  # one per sampling entry, in order
     if partial:
         answers = iter(e.entries)
@@ -235,12 +252,19 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
                 req.stop_reason = "length"
                 break
         if frame.logprobs is not None:
-            req.output_logprobs += frame.logprobs[:len(output) - num_before]
-        if frame.top_token_ids is not None and frame.top_logprobs is not None and frame.logprobs is not None:
+            req.output_logprobs += frame.logprobs[: len(output) - num_before]
+        if (
+            frame.top_token_ids is not None
+            and frame.top_logprobs is not None
+            and frame.logprobs is not None
+        ):
             # vLLM's dict per position: the sampled token first, then the top k, best first.
             req.output_top_logprobs += [
-                {tok: lp, **dict(zip(ids, lps))} for tok, lp, ids, lps in
-                zip(output[num_before:], frame.logprobs, frame.top_token_ids, frame.top_logprobs)]
+                {tok: lp, **dict(zip(ids, lps))}
+                for tok, lp, ids, lps in zip(
+                    output[num_before:], frame.logprobs, frame.top_token_ids, frame.top_logprobs
+                )
+            ]
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:
@@ -280,7 +304,9 @@ def evolve(state: EngineState, event: ev.Event) -> EngineState:
     return state
 
 
-def fold_events(events: Iterable[tuple[int, ev.Event]], state: EngineState, until_seq: int | None = None) -> EngineState:
+def fold_events(
+    events: Iterable[tuple[int, ev.Event]], state: EngineState, until_seq: int | None = None
+) -> EngineState:
     """Apply `(seq, event)` pairs in order, stopping before `until_seq`: `evolve` in a loop,
     with the dispatch hoisted out of it (replay folds millions of events)."""
     handlers = _HANDLERS

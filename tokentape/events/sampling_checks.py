@@ -25,11 +25,16 @@ def check_sampling_options(params: Any, set_field: Callable[[Any, str, Any], Non
     check_int("n", params.n, 1, MAX_N)
     for name in ("presence_penalty", "frequency_penalty"):  # the OpenAI API's range
         set_field(params, name, check_number(name, getattr(params, name), -2.0, 2.0))
-    set_field(params, "repetition_penalty",
-              check_number("repetition_penalty", params.repetition_penalty, 0.0, lo_open=True))
+    set_field(
+        params,
+        "repetition_penalty",
+        check_number("repetition_penalty", params.repetition_penalty, 0.0, lo_open=True),
+    )
     check_int("min_tokens", params.min_tokens, 0)
     if params.min_tokens > params.max_tokens:
-        raise ValueError(f"min_tokens must be <= max_tokens={params.max_tokens}, got {params.min_tokens}")
+        raise ValueError(
+            f"min_tokens must be <= max_tokens={params.max_tokens}, got {params.min_tokens}"
+        )
     stop = params.stop
     stop = (stop,) if isinstance(stop, str) else _sequence("stop", stop, "strings")
     for i, s in enumerate(stop):
@@ -39,7 +44,9 @@ def check_sampling_options(params: Any, set_field: Callable[[Any, str, Any], Non
     set_field(params, "stop", stop)
     check_bool("include_stop_str_in_output", params.include_stop_str_in_output)
     words: list[Any] = []
-    for i, word in enumerate(_sequence("bad_words", params.bad_words, "strings or token-id sequences")):
+    for i, word in enumerate(
+        _sequence("bad_words", params.bad_words, "strings or token-id sequences")
+    ):
         if isinstance(word, str):  # vLLM's form: the engine encodes it and records the ids
             check_str(f"bad_words[{i}]", word)
             if not word.strip():

@@ -81,14 +81,19 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
         if type(kind) is not RequestOutputKind:
             check_int("output_kind", kind)
             if kind not in RequestOutputKind._value2member_map_:
-                raise ValueError(f"output_kind must be a RequestOutputKind (0, 1 or 2), got {kind!r}")
+                raise ValueError(
+                    f"output_kind must be a RequestOutputKind (0, 1 or 2), got {kind!r}"
+                )
             set_field(self, "output_kind", RequestOutputKind(kind))
         check_sampling_options(self, set_field)
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 class TapeHeader(msgspec.Struct, frozen=True):
@@ -247,8 +252,14 @@ EVENT_KINDS: dict[str, type[Event]] = {t.__struct_config__.tag: t for t in EVENT
 # Events that a client command starts. Replay re-issues these as commands; everything else
 # must be re-derived by the engine itself.
 COMMAND_KINDS = frozenset(
-    {"RequestAdded", "RequestAborted", "GenerationPaused", "GenerationResumed",
-     "PrefixCacheReset", "WeightsUpdated"}
+    {
+        "RequestAdded",
+        "RequestAborted",
+        "GenerationPaused",
+        "GenerationResumed",
+        "PrefixCacheReset",
+        "WeightsUpdated",
+    }
 )
 
 _encoder = msgspec.msgpack.Encoder()

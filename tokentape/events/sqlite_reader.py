@@ -97,7 +97,9 @@ class SQLiteTapeReader:
                 rows = dict(self._conn.execute("SELECT key, value FROM meta").fetchall())
             except sqlite3.DatabaseError:
                 self._conn.close()
-                raise TapeError(self.path, f"not a tokentape tape or damaged header ({exc})") from None
+                raise TapeError(
+                    self.path, f"not a tokentape tape or damaged header ({exc})"
+                ) from None
         if "format_version" not in rows or "header" not in rows:
             self._conn.close()
             raise TapeError(self.path, "not a tokentape tape (no format version in its header)")
@@ -139,11 +141,15 @@ class SQLiteTapeReader:
             if damage is not None:
                 raise TapeError(self.path, f"the tape is truncated or damaged ({damage})", next_seq)
 
-    def _rows_until_damage(self, start: int) -> tuple[list[tuple[int, bytes]], sqlite3.DatabaseError | None]:
+    def _rows_until_damage(
+        self, start: int
+    ) -> tuple[list[tuple[int, bytes]], sqlite3.DatabaseError | None]:
         rows: list[tuple[int, bytes]] = []
         for seq in range(start, start + _READ_BATCH):
             try:
-                row = self._conn.execute("SELECT seq, data FROM events WHERE seq = ?", (seq,)).fetchone()
+                row = self._conn.execute(
+                    "SELECT seq, data FROM events WHERE seq = ?", (seq,)
+                ).fetchone()
             except sqlite3.DatabaseError as exc:
                 return rows, exc
             if row is None:

@@ -28,8 +28,14 @@ class TapeWriterError(TapeError):
     `committed`: events in the file (None if the file could not be read); `lost`: the seqs
     appended but never committed; `lost_steps`: their steps, in order, each once."""
 
-    def __init__(self, path: str, message: str, committed: int | None, lost: range,
-                 lost_steps: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        path: str,
+        message: str,
+        committed: int | None,
+        lost: range,
+        lost_steps: tuple[int, ...],
+    ) -> None:
         super().__init__(path, message)
         self.message = message
         self.committed = committed
@@ -37,17 +43,25 @@ class TapeWriterError(TapeError):
         self.lost_steps = lost_steps
 
 
-def account_for_loss(path: str, cause: str, appended: int,
-                     unconfirmed: deque[tuple[int, bytes]],
-                     buffer: list[tuple[int, int, str, bytes]]) -> TapeWriterError:
+def account_for_loss(
+    path: str,
+    cause: str,
+    appended: int,
+    unconfirmed: deque[tuple[int, bytes]],
+    buffer: list[tuple[int, int, str, bytes]],
+) -> TapeWriterError:
     """What a dead writer left: repair the file, name the events it never committed (their
     rows are in the unconfirmed messages and the engine's buffer) and record why it ends."""
     try:
         committed = repair_tape(path)
     except (sqlite3.Error, OSError) as exc:
         return TapeWriterError(
-            path, f"{cause}; the tape file cannot be read to tell which events are lost ({exc})",
-            None, range(0), ())
+            path,
+            f"{cause}; the tape file cannot be read to tell which events are lost ({exc})",
+            None,
+            range(0),
+            (),
+        )
     steps: dict[int, int] = {}
     for end, message in unconfirmed:
         if end > committed:
@@ -56,14 +70,23 @@ def account_for_loss(path: str, cause: str, appended: int,
     lost = range(committed, appended)
     lost_steps = tuple(sorted({steps[s] for s in lost if s in steps}))
     if not lost:
-        return TapeWriterError(path, f"{cause}; no event was lost: the tape holds all {appended}",
-                               committed, lost, lost_steps)
+        return TapeWriterError(
+            path,
+            f"{cause}; no event was lost: the tape holds all {appended}",
+            committed,
+            lost,
+            lost_steps,
+        )
     end = f"ends after event {committed - 1}" if committed else "holds no event"
-    message = (f"{cause}; events {lost.start}-{lost.stop - 1} ({len(lost)} of {appended}), of "
-               f"steps {_ranges(lost_steps)}, were handed to it but never committed: the tape "
-               f"{end}")
+    message = (
+        f"{cause}; events {lost.start}-{lost.stop - 1} ({len(lost)} of {appended}), of "
+        f"steps {_ranges(lost_steps)}, were handed to it but never committed: the tape "
+        f"{end}"
+    )
     try:
-        _append_to_file(path, ev.EngineError(max(steps.values(), default=0), "TapeWriterError", message))
+        _append_to_file(
+            path, ev.EngineError(max(steps.values(), default=0), "TapeWriterError", message)
+        )
     except (sqlite3.Error, OSError) as exc:
         message += f" (recording this on the tape failed: {exc})"
     return TapeWriterError(path, message, committed, lost, lost_steps)
@@ -99,8 +122,10 @@ def _append_to_file(path: str, event: ev.Event) -> None:
     try:
         conn.execute("BEGIN IMMEDIATE")
         (seq,) = conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events").fetchone()
-        conn.execute(sqlite_writer.INSERT_EVENT,
-                     (seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event)))
+        conn.execute(
+            sqlite_writer.INSERT_EVENT,
+            (seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event)),
+        )
         conn.execute("COMMIT")
     finally:
         conn.close()

@@ -33,8 +33,16 @@ from tokentape.events.sqlite_repair import TapeWriterError, account_for_loss, re
 from tokentape.events.store import TapeError
 
 __all__ = [
-    "SQLiteTape", "SQLiteTapeReader", "TapeFileStatus", "TapeWarning", "TapeWriterError",
-    "copy_tape", "make_self_contained", "remove_tape_files", "repair_tape", "tape_file_status",
+    "SQLiteTape",
+    "SQLiteTapeReader",
+    "TapeFileStatus",
+    "TapeWarning",
+    "TapeWriterError",
+    "copy_tape",
+    "make_self_contained",
+    "remove_tape_files",
+    "repair_tape",
+    "tape_file_status",
     "write_tape",
 ]
 
@@ -127,7 +135,10 @@ class SQLiteTape:
             self._ack = sqlite_writer.map_ack(ack_fd)
             self._writer = subprocess.Popen(
                 [sys.executable, "-I", sqlite_writer.__file__, self.path, str(ack_fd)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                bufsize=0,
                 pass_fds=(ack_fd,),
             )
         finally:
@@ -147,7 +158,9 @@ class SQLiteTape:
         self._finalizer = weakref.finalize(self, _stop_writer, self._writer)
 
     def append(self, event: ev.Event) -> None:
-        self._buffer.append((self._next_seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event)))
+        self._buffer.append(
+            (self._next_seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event))
+        )
         self._next_seq += 1
 
     def commit(self) -> None:
@@ -186,7 +199,7 @@ class SQLiteTape:
         view = memoryview(data)
         try:
             while view:
-                view = view[os.write(self._to_writer, view):]
+                view = view[os.write(self._to_writer, view) :]
         except BrokenPipeError:
             self._writer_failed()
 
@@ -194,8 +207,9 @@ class SQLiteTape:
         """Stop the writer (unless the caller did), repair the file, and raise what was lost."""
         code, message = stopped or self._finalizer() or (None, "")
         cause = f"the tape writer process stopped (exit code {code}: {message or 'no message'})"
-        self._failure = account_for_loss(self.path, cause, self._next_seq,
-                                         self._unconfirmed, self._buffer)
+        self._failure = account_for_loss(
+            self.path, cause, self._next_seq, self._unconfirmed, self._buffer
+        )
         self._unconfirmed.clear()
         raise self._failure
 
@@ -221,10 +235,13 @@ class SQLiteTape:
         if stopped is None:
             return
         if stopped[0] == sqlite_writer.EXIT_WAL_KEPT:
-            warnings.warn(TapeWarning(
-                f"{self.path}: {stopped[1]}; the tape is complete only with that file beside it "
-                f"(copy it with `tokentape export {self.path} --format sqlite -o COPY.tape`)"
-            ), stacklevel=2)
+            warnings.warn(
+                TapeWarning(
+                    f"{self.path}: {stopped[1]}; the tape is complete only with that file beside it "
+                    f"(copy it with `tokentape export {self.path} --format sqlite -o COPY.tape`)"
+                ),
+                stacklevel=2,
+            )
         elif stopped[0] != 0:
             self._writer_failed(stopped)
         self._unconfirmed.clear()
@@ -236,7 +253,9 @@ def _stop_writer(writer: subprocess.Popen[bytes]) -> tuple[int, str]:
     return writer.returncode, err.decode(errors="replace").strip()
 
 
-def write_tape(path: str | os.PathLike[str], header: ev.TapeHeader, events: Iterable[ev.Event]) -> int:
+def write_tape(
+    path: str | os.PathLike[str], header: ev.TapeHeader, events: Iterable[ev.Event]
+) -> int:
     """Write a whole tape at once, in this process, as one finished file: for a tape recorded
     in memory and kept afterwards (no writer process to start). Refuses an existing `path`.
     Returns the number of events written."""

@@ -65,7 +65,7 @@ def frame_rows(rows: list[Row]) -> bytes:
 
 def unframe_rows(message: bytes) -> list[Row]:
     """The rows of one message (for the engine's report of what a dead writer lost)."""
-    return _decode_rows(memoryview(message)[_length.size:])
+    return _decode_rows(memoryview(message)[_length.size :])
 
 
 def map_ack(fd: int) -> mmap.mmap:
@@ -97,7 +97,7 @@ class _Messages:
                 (size,) = _length.unpack_from(self.buf, self.pos)
                 end = self.pos + 4 + size
                 if len(self.buf) >= end:
-                    body = bytes(self.buf[self.pos + 4:end])
+                    body = bytes(self.buf[self.pos + 4 : end])
                     self.pos = end
                     return body
             if timeout is not None and not select.select([self.fd], [], [], timeout)[0]:
@@ -106,7 +106,7 @@ class _Messages:
             if not chunk:
                 return None  # a message cut short by the sender's death is dropped
             if self.pos:
-                del self.buf[:self.pos]
+                del self.buf[: self.pos]
                 self.pos = 0
             self.buf += chunk
 
@@ -207,8 +207,11 @@ def serve(path: str, stdin_fd: int, stdout: BinaryIO, ack: mmap.mmap) -> int:
     finally:
         conn.close()
     if not in_file:
-        print(f"a reader held a snapshot of the tape for {FINISH_WAIT_S:g} s after the last "
-              f"commit: {frames} WAL frames are still only in {path}-wal", file=sys.stderr)
+        print(
+            f"a reader held a snapshot of the tape for {FINISH_WAIT_S:g} s after the last "
+            f"commit: {frames} WAL frames are still only in {path}-wal",
+            file=sys.stderr,
+        )
         return EXIT_WAL_KEPT
     return 0
 
@@ -228,7 +231,10 @@ def _yield_to_the_engine() -> None:
 
 def main() -> int:
     if len(sys.argv) != 3:
-        print("usage: sqlite_writer.py TAPE ACK_FD (started by tokentape's SQLiteTape)", file=sys.stderr)
+        print(
+            "usage: sqlite_writer.py TAPE ACK_FD (started by tokentape's SQLiteTape)",
+            file=sys.stderr,
+        )
         return 2
     _yield_to_the_engine()
     try:

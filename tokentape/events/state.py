@@ -74,7 +74,9 @@ class RequestState:
     drop_stale_output: bool = False
     num_frames_dropped: int = 0  # frames thrown away by the discard policy, stale or not
     num_emitted: int = 0  # output tokens delivered to the client before its pending ones
-    stop_reason: FinishReason | None = None  # set when it takes no more tokens (stop condition or finish)
+    stop_reason: FinishReason | None = (
+        None  # set when it takes no more tokens (stop condition or finish)
+    )
     finish_reason: FinishReason | None = None  # set when the request finished
     stop_str: str | None = None  # the stop string that finished it (RequestFinished.stop_reason)
     # Fixed when the request is added, so the stop check per token is two comparisons.
@@ -98,10 +100,10 @@ class RequestState:
         """all_token_ids[start:end], without building the whole list."""
         p = self.num_prompt_tokens
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
+            return self.output_token_ids[start - p : end - p]
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def num_in_flight(self) -> int:

@@ -24,13 +24,16 @@ def shown(value: object) -> str:
     return f"{type(value).__name__} {short_repr(value)}"
 
 
-def check_int(name: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX, *,
-              optional: bool = False) -> None:
+def check_int(
+    name: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX, *, optional: bool = False
+) -> None:
     """An int (never a bool) in [lo, hi]; hi defaults to what the tape can hold."""
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer{' or None' if optional else ''}, got {shown(value)}")
+        raise TypeError(
+            f"{name} must be an integer{' or None' if optional else ''}, got {shown(value)}"
+        )
     if not lo <= value <= hi:
         if lo == INT64_MIN and hi == INT64_MAX:
             wanted = "a 64-bit signed integer"
@@ -38,11 +41,14 @@ def check_int(name: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX
             wanted = f"an integer >= {lo} (and < 2**63)"
         else:
             wanted = f"in {lo}..{hi}"
-        raise ValueError(f"{name} must be {wanted}{' or None' if optional else ''}, got {short_repr(value)}")
+        raise ValueError(
+            f"{name} must be {wanted}{' or None' if optional else ''}, got {short_repr(value)}"
+        )
 
 
-def check_number(name: str, value: object, lo: float, hi: float = math.inf, *,
-                 lo_open: bool = False) -> float:
+def check_number(
+    name: str, value: object, lo: float, hi: float = math.inf, *, lo_open: bool = False
+) -> float:
     """A finite int or float (never a bool) in [lo, hi], or (lo, hi] with lo_open; as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {shown(value)}")
@@ -53,8 +59,11 @@ def check_number(name: str, value: object, lo: float, hi: float = math.inf, *,
     low_ok = number > lo if lo_open else number >= lo
     if not (math.isfinite(number) and low_ok and number <= hi):
         bound = f"> {lo}" if lo_open else f">= {lo}"
-        wanted = f"a finite number {bound}" if hi == math.inf else \
-            f"a number in {'(' if lo_open else '['}{lo}, {hi}]"
+        wanted = (
+            f"a finite number {bound}"
+            if hi == math.inf
+            else f"a number in {'(' if lo_open else '['}{lo}, {hi}]"
+        )
         raise ValueError(f"{name} must be {wanted}, got {short_repr(value)}")
     return number
 
@@ -63,7 +72,9 @@ def check_bool(name: str, value: object, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, got {shown(value)}")
+        raise TypeError(
+            f"{name} must be True or False{' or None' if optional else ''}, got {shown(value)}"
+        )
 
 
 def check_str(name: str, value: object) -> None:

@@ -63,7 +63,9 @@ def resolve_backend(
         native = device.type == "cpu" and dtype == torch.float32 and cpu_native.load() is not None
         return "cpu" if native else "torch"
     if choice == "cpu" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"kernel backend 'cpu' takes float32 CPU tensors, got {dtype} on {device.type}")
+        raise ValueError(
+            f"kernel backend 'cpu' takes float32 CPU tensors, got {dtype} on {device.type}"
+        )
     if choice == "cpu" and cpu_native.load() is None:
         raise ValueError(f"kernel backend 'cpu' is not available: {cpu_native.load_error()}")
     if choice == "triton" and not triton_available():
@@ -91,8 +93,12 @@ def write_kv_cache(
         from tokentape.kernels.triton_kv_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
-    elif chosen == "cpu" and key.dtype == value.dtype == torch.float32 and k_cache.is_contiguous() \
-            and v_cache.is_contiguous():
+    elif (
+        chosen == "cpu"
+        and key.dtype == value.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    ):
         cpu_native.write_kv_cache_cpu(key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)

@@ -30,8 +30,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    _lib().tt_add_rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(),
-                               x.numel() // dim, dim, eps)
+    _lib().tt_add_rms_norm_f32(
+        x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps
+    )
     return out
 
 
@@ -43,8 +44,15 @@ def add_rms_norm(
     assert residual.is_contiguous() and residual.shape == x.shape
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    _lib().tt_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                               out.data_ptr(), x.numel() // dim, dim, eps)
+    _lib().tt_add_rms_norm_f32(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+    )
     return out
 
 
@@ -63,10 +71,18 @@ def qk_norm_rope(
     assert q.is_contiguous() and k.is_contiguous() and positions.dtype == torch.int64
     tokens, heads, dim = q.shape
     code = _lib().tt_qk_norm_rope_f32(
-        q.data_ptr(), k.data_ptr(), tokens, heads, k.shape[1], dim,
+        q.data_ptr(),
+        k.data_ptr(),
+        tokens,
+        heads,
+        k.shape[1],
+        dim,
         q_norm.data_ptr() if q_norm is not None else None,
         k_norm.data_ptr() if k_norm is not None else None,
-        eps, cos_table.data_ptr(), sin_table.data_ptr(), positions.contiguous().data_ptr(),
+        eps,
+        cos_table.data_ptr(),
+        sin_table.data_ptr(),
+        positions.contiguous().data_ptr(),
     )
     if code:
         raise ValueError(f"qk_norm_rope: head size {dim} is not supported (even, at most 512)")

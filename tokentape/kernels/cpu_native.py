@@ -31,7 +31,9 @@ from tokentape.kernels.shapes import check_kv_write_shapes
 
 # Compiled into one library: the attention and KV write (here), the layers' row operations
 # (cpu_layers.py).
-SOURCES = tuple(Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "layers.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "layers.c")
+)
 HEADERS = (Path(__file__).with_name("cpu") / "vec.h",)  # their shared vector helpers
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
@@ -158,18 +160,39 @@ def paged_attention_cpu(
     prefills = query.shape[0] > lens.shape[0]  # some sequence has more than one new token
     bad = ctypes.c_int64(-1)
     code = lib.tt_paged_decode_f32(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        cu.data_ptr(), lens.data_ptr(), tables.data_ptr(),
-        lens.shape[0], tables.shape[1], num_blocks, query.shape[1], num_kv_heads, head_dim,
-        block_size, scale, torch.get_num_threads(), ctypes.byref(bad),
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        cu.data_ptr(),
+        lens.data_ptr(),
+        tables.data_ptr(),
+        lens.shape[0],
+        tables.shape[1],
+        num_blocks,
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+        ctypes.byref(bad),
     )
     if code == _NO_MEMORY:
         raise MemoryError("paged attention: no working memory for the score buffers")
     if code:
         raise ValueError(f"paged attention: sequence {bad.value} {_ERRORS[code]}")
     if prefills:
-        prefill_attention_ref(query, k_cache, v_cache, out, cu_seqlens_q=cu, seq_lens=lens,
-                              block_tables=tables, scale=scale)
+        prefill_attention_ref(
+            query,
+            k_cache,
+            v_cache,
+            out,
+            cu_seqlens_q=cu,
+            seq_lens=lens,
+            block_tables=tables,
+            scale=scale,
+        )
     return out
 
 
@@ -189,8 +212,14 @@ def write_kv_cache_cpu(
     num_blocks, block_size = k_cache.shape[:2]
     bad = ctypes.c_int64(-1)
     code = lib.tt_write_kv_f32(
-        key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        slots.data_ptr(), slots.shape[0], k_cache[0, 0].numel(), num_blocks * block_size,
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        slots.shape[0],
+        k_cache[0, 0].numel(),
+        num_blocks * block_size,
         ctypes.byref(bad),
     )
     if code:

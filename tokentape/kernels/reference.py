@@ -70,8 +70,9 @@ def paged_attention_ref(
     check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
     total_q, num_heads, head_dim = query.shape
     out = torch.empty((total_q, num_heads, head_dim), dtype=torch.float32, device=query.device)
-    _attend(query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale,
-            decodes_too=True)
+    _attend(
+        query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, decodes_too=True
+    )
     return out.to(query.dtype)
 
 
@@ -91,8 +92,9 @@ def prefill_attention_ref(
     they are. The compiled CPU kernel takes the decodes and leaves whole prompts and chunks
     here, where they go through a few large matmuls."""
     check_attention_shapes(query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
-    _attend(query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale,
-            decodes_too=False)
+    _attend(
+        query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, decodes_too=False
+    )
 
 
 def _attend(

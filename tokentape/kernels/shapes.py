@@ -51,8 +51,7 @@ def check_attention_shapes(
         )
     if query.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(
-            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads "
-            f"({k_cache.shape[2]})"
+            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({k_cache.shape[2]})"
         )
     for name, t in (
         ("cu_seqlens_q", cu_seqlens_q),

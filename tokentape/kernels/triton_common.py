@@ -6,7 +6,6 @@ import torch
 
 from tokentape.kernels.shapes import check_attention_shapes
 
-
 LOG2_E = 1.4426950408889634  # the kernels use exp2: scores are scaled by log2(e) up front
 
 

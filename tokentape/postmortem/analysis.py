@@ -38,21 +38,39 @@ Progress = Callable[[int], None]  # called with the number of events analysed so
 
 
 class EngineErrorChecker(Checker):
-    _frame: tuple[int, ev.FrameProduced, list[str]] | None = None  # the latest frame, its aborted requests
+    _frame: tuple[int, ev.FrameProduced, list[str]] | None = (
+        None  # the latest frame, its aborted requests
+    )
 
     def after(self) -> dict[type, Hook]:
-        return {ev.EngineError: self._error, ev.FrameProduced: self._frame_applied,
-                ev.RecordingStopped: self._stopped}
+        return {
+            ev.EngineError: self._error,
+            ev.FrameProduced: self._frame_applied,
+            ev.RecordingStopped: self._stopped,
+        }
 
     def _stopped(self, seq: int, e: ev.RecordingStopped) -> None:
         """Not a failure of the run: the recorder lost track of it, and says where and why."""
-        self.ctx.report("recording_stopped", "warning", sorted(self.state.running)[:8], e.step,
-                        f"the recording stops at step {e.step}, the run went on unrecorded: "
-                        f"{' '.join(e.reason.split())}", [(seq, e)], None, seq, per_request=False)
+        self.ctx.report(
+            "recording_stopped",
+            "warning",
+            sorted(self.state.running)[:8],
+            e.step,
+            f"the recording stops at step {e.step}, the run went on unrecorded: "
+            f"{' '.join(e.reason.split())}",
+            [(seq, e)],
+            None,
+            seq,
+            per_request=False,
+        )
 
     def _frame_applied(self, seq: int, e: ev.FrameProduced) -> None:
         requests = self.state.requests
-        self._frame = (seq, e, [x.req_id for x in e.entries if requests[x.req_id].finish_reason == "abort"])
+        self._frame = (
+            seq,
+            e,
+            [x.req_id for x in e.entries if requests[x.req_id].finish_reason == "abort"],
+        )
 
     def _error(self, seq: int, e: ev.EngineError) -> None:
         names, bug, cause, excerpt = sorted(self.state.running)[:8], None, "", [(seq, e)]
@@ -62,16 +80,25 @@ class EngineErrorChecker(Checker):
             cause = f", on the output of aborted request(s) {', '.join(map(repr, names))}"
         else:  # a failure that follows a finding (a block freed twice) carries its class
             bug = next((c for r in names if (c := self.ctx.bug_class_of(r)) is not None), None)
-        self.ctx.report("engine_error", "error", names, e.step,
-                        f"the engine failed at step {e.step}{cause}: {e.error_type}: {' '.join(e.message.split())}",
-                        excerpt, bug, seq)
+        self.ctx.report(
+            "engine_error",
+            "error",
+            names,
+            e.step,
+            f"the engine failed at step {e.step}{cause}: {e.error_type}: {' '.join(e.message.split())}",
+            excerpt,
+            bug,
+            seq,
+        )
 
 
 def reference_outputs(source: TapeSource) -> dict[str, tuple[list[int], list[int], str | None]]:
     """(prompt, delivered tokens, finish reason) of every request of a reference tape."""
     state = load_tape(source).fold()
-    return {r.req_id: (r.prompt_token_ids, r.output_token_ids, r.finish_reason)
-            for r in state.requests.values()}
+    return {
+        r.req_id: (r.prompt_token_ids, r.output_token_ids, r.finish_reason)
+        for r in state.requests.values()
+    }
 
 
 def _dispatch(checkers: list[Checker], which: str) -> dict[type, tuple[Hook, ...]]:
@@ -90,9 +117,16 @@ def postmortem(
     """Run every checker over the tape in one pass and report what they found."""
     tape = load_tape(source)
     ctx = Context(tape, tape.initial_state())
-    checkers: list[Checker] = [HistoryChecker(ctx), FrameChecker(ctx), CountChecker(ctx),
-                               KVChecker(ctx), ScheduleChecker(ctx), StuckChecker(ctx), OutputChecker(ctx),
-                               EngineErrorChecker(ctx)]
+    checkers: list[Checker] = [
+        HistoryChecker(ctx),
+        FrameChecker(ctx),
+        CountChecker(ctx),
+        KVChecker(ctx),
+        ScheduleChecker(ctx),
+        StuckChecker(ctx),
+        OutputChecker(ctx),
+        EngineErrorChecker(ctx),
+    ]
     ref_name: str | None = None
     if reference is not None:
         ref_tape = load_tape(reference)
@@ -123,15 +157,18 @@ def postmortem(
         errors=sum(f.severity == "error" for f in findings),
         warnings=sum(f.severity == "warning" for f in findings),
         counts=counts,
-        tokens={k: ctx.tokens.get(k, 0) for k in
-                ("produced", "applied", "dropped_stale", "dropped_fresh", "after_stop", "lost")},
+        tokens={
+            k: ctx.tokens.get(k, 0)
+            for k in ("produced", "applied", "dropped_stale", "dropped_fresh", "after_stop", "lost")
+        },
         complete=complete,
     )
     return Report(findings, summary)
 
 
-def _run(tape: Tape, ctx: Context, checkers: list[Checker],
-         progress: Progress | None) -> tuple[bool, Item | None]:
+def _run(
+    tape: Tape, ctx: Context, checkers: list[Checker], progress: Progress | None
+) -> tuple[bool, Item | None]:
     """The pass itself: whether it read the tape to its end, and the last event it analysed."""
     before, after = _dispatch(checkers, "before"), _dispatch(checkers, "after")
     state = ctx.state
@@ -151,9 +188,16 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker],
                 # The event cannot follow the ones before it (a damaged or hand-edited tape):
                 # the reducer refuses it, or it holds what no engine records (a token id the
                 # oracle cannot place, a block the checkers cannot count).
-                ctx.report("tape_inconsistent", "error", [], event.step,
-                           f"{event_refused(seq, event, exc)}; the {seq} events before it were analysed",
-                           [(seq, event)], None, seq)
+                ctx.report(
+                    "tape_inconsistent",
+                    "error",
+                    [],
+                    event.step,
+                    f"{event_refused(seq, event, exc)}; the {seq} events before it were analysed",
+                    [(seq, event)],
+                    None,
+                    seq,
+                )
                 return False, None
             if progress is not None and seq >= next_progress:
                 progress(seq + 1)
@@ -162,9 +206,17 @@ def _run(tape: Tape, ctx: Context, checkers: list[Checker],
         raise
     except TapeError as exc:
         where = exc.position if exc.position is not None else seq + 1
-        ctx.report("tape_damaged", "error", [], state.step,
-                   f"the tape cannot be read from event {where} on ({_reason(exc)}); "
-                   f"the {where} events before it were analysed", [], None, where)
+        ctx.report(
+            "tape_damaged",
+            "error",
+            [],
+            state.step,
+            f"the tape cannot be read from event {where} on ({_reason(exc)}); "
+            f"the {where} events before it were analysed",
+            [],
+            None,
+            where,
+        )
         return False, None
     finally:
         if progress is not None:
@@ -191,12 +243,19 @@ def _check_end(ctx: Context, last: Item | None) -> None:
     paused = f", generation paused ({state.paused})" if state.paused is not None else ""
     _check_phantom_placeholders(ctx, last)
     ctx.report(
-        "tape_truncated", "warning", unfinished, max(state.step - 1, 0),
+        "tape_truncated",
+        "warning",
+        unfinished,
+        max(state.step - 1, 0),
         f"the tape ends at event {seq} ({ev.kind_of(event)} of step {event.step}) after step "
         f"{state.step - 1} was scheduled, with {'; '.join(parts)}{paused}, and no EngineError: "
         "the recording stopped mid-run (the engine process or its tape writer was killed, or the "
         "engine was closed before its requests finished)",
-        [last], None, seq, per_request=False)
+        [last],
+        None,
+        seq,
+        per_request=False,
+    )
 
 
 def _check_phantom_placeholders(ctx: Context, last: Item) -> None:
@@ -211,17 +270,31 @@ def _check_phantom_placeholders(ctx: Context, last: Item) -> None:
             continue
         short = req.max_output_tokens - len(req.output_token_ids)
         hangs = 0 < short <= req.num_output_placeholders
-        message = (f"request {req_id!r} is running at the end of the tape with nothing in flight "
-                   f"but {req.num_output_placeholders} output placeholder(s), for tokens that "
-                   "never come")
+        message = (
+            f"request {req_id!r} is running at the end of the tape with nothing in flight "
+            f"but {req.num_output_placeholders} output placeholder(s), for tokens that "
+            "never come"
+        )
         if hangs:
-            message += (f"; {short} token(s) short of its limit, which the placeholders reach, so "
-                        "vLLM's async scheduler never schedules it again and it hangs")
-        ctx.report("phantom_placeholders", "error" if hangs else "warning", [req_id], state.step,
-                   message, [last], ctx.bug_class_of(req_id), last[0])
+            message += (
+                f"; {short} token(s) short of its limit, which the placeholders reach, so "
+                "vLLM's async scheduler never schedules it again and it hangs"
+            )
+        ctx.report(
+            "phantom_placeholders",
+            "error" if hangs else "warning",
+            [req_id],
+            state.step,
+            message,
+            [last],
+            ctx.bug_class_of(req_id),
+            last[0],
+        )
 
 
-def _check_replay(tape: Tape, ctx: Context, stopped_at: int | None, progress: Progress | None) -> None:
+def _check_replay(
+    tape: Tape, ctx: Context, stopped_at: int | None, progress: Progress | None
+) -> None:
     """Run verify's consistency checks: a tape whose events are not what the scheduler decides
     from the ones before them (an edited entry, swapped or missing events, a header that
     contradicts itself) gets a finding, unless the pass already reported that very event or
@@ -244,19 +317,34 @@ def _check_replay(tape: Tape, ctx: Context, stopped_at: int | None, progress: Pr
         recorded = describe_event(event) if event is not None else "nothing"
         replayed = describe_event(d.actual) if d.actual is not None else "nothing"
         if result.statement is None:
-            message = (f"the tape does not replay: at event {d.seq} the scheduler, re-run against the "
-                       f"recorded frames, {d.message.removeprefix('the replay ')} (recorded: {recorded}; "
-                       f"replayed: {replayed}); the tape was edited or damaged, or recorded by an engine "
-                       "that decides otherwise")
+            message = (
+                f"the tape does not replay: at event {d.seq} the scheduler, re-run against the "
+                f"recorded frames, {d.message.removeprefix('the replay ')} (recorded: {recorded}; "
+                f"replayed: {replayed}); the tape was edited or damaged, or recorded by an engine "
+                "that decides otherwise"
+            )
         else:  # another engine's tape: its decisions are folded and checked, not re-run
-            message = (f"the tape is not consistent: at event {d.seq} {d.message} (recorded: "
-                       f"{recorded}; derived: {replayed}); the tape was edited or damaged, or the "
-                       f"{tape.header.source} run it records broke the '{tape.header.discard_policy}' "
-                       "policy's rules")
+            message = (
+                f"the tape is not consistent: at event {d.seq} {d.message} (recorded: "
+                f"{recorded}; derived: {replayed}); the tape was edited or damaged, or the "
+                f"{tape.header.source} run it records broke the '{tape.header.discard_policy}' "
+                "policy's rules"
+            )
         excerpt = [*d.before[-2:], (d.seq, event)] if event is not None else d.before[-3:]
-    names = list(dict.fromkeys(r for x in (d.expected, d.actual) if x is not None for r in event_requests(x)))
-    ctx.report("replay_diverged", "error", names[:16], step, " ".join(message.split()),
-               list(excerpt), None, d.seq, per_request=False)
+    names = list(
+        dict.fromkeys(r for x in (d.expected, d.actual) if x is not None for r in event_requests(x))
+    )
+    ctx.report(
+        "replay_diverged",
+        "error",
+        names[:16],
+        step,
+        " ".join(message.split()),
+        list(excerpt),
+        None,
+        d.seq,
+        per_request=False,
+    )
 
 
 def _reason(exc: TapeError) -> str:

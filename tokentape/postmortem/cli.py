@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
             "in parallel (worker processes, or Ray tasks with --ray) and reports a row per\n"
             "engine (named by its file): how and where its tape ends (complete, truncated by\n"
             "a killed engine, engine_error, damaged, unreadable) and its findings; --json\n"
-            "gives {\"tapes\": [...], \"summary\": {\"tapes\": N, ..., \"engines\": {...}}}.\n"
+            'gives {"tapes": [...], "summary": {"tapes": N, ..., "engines": {...}}}.\n'
             "\n"
             "exit status: 0 when no finding is an error, 1 when one is, 2 when the tape\n"
             "cannot be opened (not a tape, or a newer format version) or cannot be read to\n"
@@ -75,23 +75,42 @@ def add_parser(sub: Any) -> None:
             "  tokentape postmortem tapes/ --ray                 # Ray tasks (RAY_ADDRESS or local)"
         ),
     )
-    pm.add_argument("tape", metavar="TAPE|DIR", help="tape file to analyse, or a directory of tapes")
-    pm.add_argument("--html", metavar="REPORT", default=None,
-                    help="also write a self-contained HTML report (an existing file is refused "
-                    "unless --force) (summary, findings, timeline; "
-                    "for a directory: a row per engine and each engine's findings)")
+    pm.add_argument(
+        "tape", metavar="TAPE|DIR", help="tape file to analyse, or a directory of tapes"
+    )
+    pm.add_argument(
+        "--html",
+        metavar="REPORT",
+        default=None,
+        help="also write a self-contained HTML report (an existing file is refused "
+        "unless --force) (summary, findings, timeline; "
+        "for a directory: a row per engine and each engine's findings)",
+    )
     add_force_argument(pm, "--html report")
-    pm.add_argument("--json", action="store_true",
-                    help='print {"findings": [...], "summary": {...}} as JSON')
-    pm.add_argument("--reference", metavar="TAPE", default=None,
-                    help="compare every request's tokens with this tape's (default: the oracle's "
-                    "expected stream when the tape was made with the oracle)")
-    pm.add_argument("--jobs", metavar="N", type=positive_int, default=None,
-                    help="a directory's tapes are analysed by N worker processes (default: one per "
-                    "CPU; 1: in this process); with --ray, the CPUs of the local Ray instance")
-    pm.add_argument("--ray", action="store_true",
-                    help="analyse a directory's tapes as Ray tasks: on the Ray instance this "
-                    "process has, the cluster at RAY_ADDRESS, or a local one (needs the ray extra)")
+    pm.add_argument(
+        "--json", action="store_true", help='print {"findings": [...], "summary": {...}} as JSON'
+    )
+    pm.add_argument(
+        "--reference",
+        metavar="TAPE",
+        default=None,
+        help="compare every request's tokens with this tape's (default: the oracle's "
+        "expected stream when the tape was made with the oracle)",
+    )
+    pm.add_argument(
+        "--jobs",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help="a directory's tapes are analysed by N worker processes (default: one per "
+        "CPU; 1: in this process); with --ray, the CPUs of the local Ray instance",
+    )
+    pm.add_argument(
+        "--ray",
+        action="store_true",
+        help="analyse a directory's tapes as Ray tasks: on the Ray instance this "
+        "process has, the cluster at RAY_ADDRESS, or a local one (needs the ray extra)",
+    )
     pm.set_defaults(func=cmd_postmortem)
 
 
@@ -100,7 +119,9 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
     from tokentape.replay.tape import load_tape
 
     if args.html is not None:  # refused before any analysis, unless --force
-        check_output_path(args.html, args.force, "--html", [p for p in (args.tape, args.reference) if p])
+        check_output_path(
+            args.html, args.force, "--html", [p for p in (args.tape, args.reference) if p]
+        )
     if os.path.isdir(args.tape):
         return cmd_fleet(args)
     if args.jobs is not None or args.ray:
@@ -138,8 +159,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     if args.reference is not None:
         load_tape(args.reference)  # an unreadable reference fails here, not in every worker
     with progress(len(find_tapes(args.tape)), "postmortem (tapes)", minimum=0) as update:
-        report = fleet_postmortem(args.tape, jobs=args.jobs, use_ray=args.ray,
-                                  reference=args.reference, progress=update)
+        report = fleet_postmortem(
+            args.tape, jobs=args.jobs, use_ray=args.ray, reference=args.reference, progress=update
+        )
     if args.html:
         write_fleet_report(report, args.html)
     if args.json:
@@ -148,10 +170,14 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         print_fleet_report(report, sys.stdout)
         if args.html:
             print(safe_text(f"report: {args.html}"))
-    unreadable = [(name, row) for name, row in report.summary.engines.items() if row.ended in UNREADABLE_ENDS]
+    unreadable = [
+        (name, row) for name, row in report.summary.engines.items() if row.ended in UNREADABLE_ENDS
+    ]
     if unreadable:
         _, row = unreadable[0]
-        more = f" (and {len(unreadable) - 1} more unreadable tape(s))" if len(unreadable) > 1 else ""
+        more = (
+            f" (and {len(unreadable) - 1} more unreadable tape(s))" if len(unreadable) > 1 else ""
+        )
         raise CLIError(f"{row.tape}: {row.where}{more}")
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
@@ -170,20 +196,28 @@ def print_report(report: Report, stream: TextIO) -> None:
     state = "complete" if s.complete else "stopped early"
     if s.complete and any(f.kind == "tape_truncated" for f in report.findings):
         state = "ends mid-run"  # read to its end, which is not the run's: still written, or cut
-    out.write(f"{s.tape}: {plural(s.num_events, 'event')} ({state}), {plural(s.num_steps, 'step')}, "
-              f"{plural(s.num_requests, 'request')}, policy {s.discard_policy}, model {s.model_id}, "
-              f"reference {s.reference or 'none'}\n")
+    out.write(
+        f"{s.tape}: {plural(s.num_events, 'event')} ({state}), {plural(s.num_steps, 'step')}, "
+        f"{plural(s.num_requests, 'request')}, policy {s.discard_policy}, model {s.model_id}, "
+        f"reference {s.reference or 'none'}\n"
+    )
     t = s.tokens
-    out.write(f"tokens: {t['produced']} produced, {t['applied']} applied, {t['dropped_stale']} "
-              f"dropped stale, {t['dropped_fresh']} dropped fresh, {t['after_stop']} after a stop, "
-              f"{t['lost']} lost\n")
+    out.write(
+        f"tokens: {t['produced']} produced, {t['applied']} applied, {t['dropped_stale']} "
+        f"dropped stale, {t['dropped_fresh']} dropped fresh, {t['after_stop']} after a stop, "
+        f"{t['lost']} lost\n"
+    )
     if not report.findings:
         out.write("no findings\n")
         return
     out.write(f"{plural(s.errors, 'error')}, {plural(s.warnings, 'warning')}\n")
     for f in report.findings:
-        reqs = ("request " if len(f.request_ids) == 1 else "requests ") + (", ".join(f.request_ids) or "-")
-        steps = f"step {f.steps[0]}" if f.steps[0] == f.steps[1] else f"steps {f.steps[0]}-{f.steps[1]}"
+        reqs = ("request " if len(f.request_ids) == 1 else "requests ") + (
+            ", ".join(f.request_ids) or "-"
+        )
+        steps = (
+            f"step {f.steps[0]}" if f.steps[0] == f.steps[1] else f"steps {f.steps[0]}-{f.steps[1]}"
+        )
         out.write(f"\n[{f.severity}] {f.kind}  {reqs}  {steps}\n  {f.message}\n")
         if f.bug_class:  # the description names the upstream issue (the JSON has the key)
             out.write(f"  matches {BUG_CLASSES.get(f.bug_class, f.bug_class)}\n")

@@ -51,7 +51,9 @@ class _Draft:
 class Context:
     tape: Tape
     state: EngineState
-    scheduled: dict[int, Item] = field(default_factory=dict)  # step -> its StepScheduled, while in flight
+    scheduled: dict[int, Item] = field(
+        default_factory=dict
+    )  # step -> its StepScheduled, while in flight
     preemptions: dict[str, Preemption] = field(default_factory=dict)
     last_resume: Item | None = None
     chunked: set[str] = field(default_factory=set)  # requests whose prefill took several chunks
@@ -90,9 +92,17 @@ class Context:
             draft.last_step = max(draft.last_step, step if last_step is None else last_step)
             return
         items = [item for item in excerpt if item is not None]
-        self._drafts[dkey] = _Draft(kind, severity, list(request_ids), step,
-                                    step if last_step is None else last_step, message,
-                                    items, bug_class, seq)
+        self._drafts[dkey] = _Draft(
+            kind,
+            severity,
+            list(request_ids),
+            step,
+            step if last_step is None else last_step,
+            message,
+            items,
+            bug_class,
+            seq,
+        )
 
     def has_error_at(self, seq: int) -> bool:
         """Whether an error finding so far shows at tape position `seq`."""
@@ -108,10 +118,23 @@ class Context:
         for d in self._drafts.values():
             message = d.message
             if d.count > 1:
-                where = (f"step {d.first_step}" if d.first_step == d.last_step
-                         else f"steps {d.first_step}-{d.last_step}")
+                where = (
+                    f"step {d.first_step}"
+                    if d.first_step == d.last_step
+                    else f"steps {d.first_step}-{d.last_step}"
+                )
                 message += f" ({d.count} times, {where})"
-            out.append(Finding(d.kind, d.severity, d.request_ids, (d.first_step, d.last_step),
-                               message, excerpt_of(d.excerpt, set(d.request_ids)), d.bug_class, d.seq))
+            out.append(
+                Finding(
+                    d.kind,
+                    d.severity,
+                    d.request_ids,
+                    (d.first_step, d.last_step),
+                    message,
+                    excerpt_of(d.excerpt, set(d.request_ids)),
+                    d.bug_class,
+                    d.seq,
+                )
+            )
         out.sort(key=lambda f: (f.steps[0], f.seq if f.seq is not None else -1, f.kind))
         return out

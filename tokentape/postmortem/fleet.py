@@ -31,8 +31,11 @@ Ended = Literal["complete", "truncated", "engine_error", "damaged", "inconsisten
 # The finding that says how a tape ends, by precedence (a tape has at most one of the first
 # three: the pass stops there, or the engine recorded its failure, or neither).
 _END_KINDS: tuple[tuple[str, Ended], ...] = (
-    ("tape_damaged", "damaged"), ("tape_inconsistent", "inconsistent"),
-    ("engine_error", "engine_error"), ("tape_truncated", "truncated"))
+    ("tape_damaged", "damaged"),
+    ("tape_inconsistent", "inconsistent"),
+    ("engine_error", "engine_error"),
+    ("tape_truncated", "truncated"),
+)
 UNREADABLE_ENDS = ("damaged", "unreadable")  # the CLI's exit status 2
 
 
@@ -118,7 +121,9 @@ def analyse_tape(path: str, reference: str | None = None) -> bytes:
         report = postmortem(path, reference=reference)
         result = TapeResult(engine_name(path), path, report.findings, report.summary)
     except (TapeError, sqlite3.Error, OSError) as exc:  # not a tape, a newer format, gone
-        result = TapeResult(engine_name(path), path, error=" ".join(str(exc).split()) or type(exc).__name__)
+        result = TapeResult(
+            engine_name(path), path, error=" ".join(str(exc).split()) or type(exc).__name__
+        )
     result.cpu_s = time.process_time() - t0
     return _encode(result)
 
@@ -169,7 +174,9 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-def _run_pool(paths: list[str], reference: str | None, done: Callable[[bytes], None], jobs: int) -> None:
+def _run_pool(
+    paths: list[str], reference: str | None, done: Callable[[bytes], None], jobs: int
+) -> None:
     # spawn, not fork: the caller may hold threads (a progress bar, torch's pools) that a
     # forked child would inherit mid-lock. A worker imports the postmortem once (~0.4 s).
     context = multiprocessing.get_context("spawn")
@@ -194,18 +201,38 @@ def summarize(directory: str, results: list[TapeResult]) -> FleetSummary:
         ended[row.ended] = ended.get(row.ended, 0) + 1
     failed = sum(row.errors > 0 or row.ended == "unreadable" for row in engines.values())
     return FleetSummary(
-        directory=directory, tapes=len(results), ok=len(results) - failed, failed=failed,
+        directory=directory,
+        tapes=len(results),
+        ok=len(results) - failed,
+        failed=failed,
         unreadable=sum(row.ended in UNREADABLE_ENDS for row in engines.values()),
         errors=sum(row.errors for row in engines.values()),
         warnings=sum(row.warnings for row in engines.values()),
-        counts=dict(sorted(counts.items())), ended=ended, engines=engines)
+        counts=dict(sorted(counts.items())),
+        ended=ended,
+        engines=engines,
+    )
 
 
 def engine_summary(r: TapeResult) -> EngineSummary:
     s = r.summary
     if s is None:
-        return EngineSummary(r.tape, "unreadable", f"cannot be opened: {r.error}", None, None, 0, 0, {},
-                             0, 0, 0, None, None, r.error)
+        return EngineSummary(
+            r.tape,
+            "unreadable",
+            f"cannot be opened: {r.error}",
+            None,
+            None,
+            0,
+            0,
+            {},
+            0,
+            0,
+            0,
+            None,
+            None,
+            r.error,
+        )
     last_step = s.num_steps - 1 if s.num_steps else None
     last_seq = s.num_events - 1 if s.num_events else None
     ended: Ended = "complete"
@@ -217,15 +244,29 @@ def engine_summary(r: TapeResult) -> EngineSummary:
             break
     first = next((f for f in r.findings if f.severity == "error"), None)
     return EngineSummary(
-        r.tape, ended, where, last_step, last_seq, s.errors, s.warnings, dict(s.counts), s.num_events,
-        s.num_steps, s.num_requests, s.discard_policy, s.model_id,
-        f"{first.kind}: {first.message}" if first is not None else None)
+        r.tape,
+        ended,
+        where,
+        last_step,
+        last_seq,
+        s.errors,
+        s.warnings,
+        dict(s.counts),
+        s.num_events,
+        s.num_steps,
+        s.num_requests,
+        s.discard_policy,
+        s.model_id,
+        f"{first.kind}: {first.message}" if first is not None else None,
+    )
 
 
 def _where(how: Ended, f: Finding, s: Summary) -> str:
     if how == "truncated":
-        return (f"stopped mid-run at event {f.seq} after step {f.steps[1]} was scheduled, "
-                f"{len(f.request_ids)} request(s) unfinished, no EngineError (killed, or closed mid-run)")
+        return (
+            f"stopped mid-run at event {f.seq} after step {f.steps[1]} was scheduled, "
+            f"{len(f.request_ids)} request(s) unfinished, no EngineError (killed, or closed mid-run)"
+        )
     if how == "engine_error":
         return f.message  # "the engine failed at step N: Type: message"
     # damaged / inconsistent: the pass stopped at the event the finding names

@@ -17,13 +17,16 @@ from tokentape.postmortem.fleet import analyse_tape
 _WAIT_S = 0.2  # results are gathered in batches, at most this late
 
 
-def run_on_ray(paths: list[str], reference: str | None, done: Callable[[bytes], None],
-               jobs: int | None = None) -> None:
+def run_on_ray(
+    paths: list[str], reference: str | None, done: Callable[[bytes], None], jobs: int | None = None
+) -> None:
     """Run `analyse_tape` for every path as a Ray task; `done` gets each result (msgpack)."""
     try:
         import ray
     except ImportError:
-        raise ImportError("the fleet postmortem on Ray needs Ray: pip install 'tokentape[ray]'") from None
+        raise ImportError(
+            "the fleet postmortem on Ray needs Ray: pip install 'tokentape[ray]'"
+        ) from None
     started = not ray.is_initialized()
     if started:
         if os.environ.get("RAY_ADDRESS"):

@@ -21,7 +21,6 @@ from tokentape.events.state import InFlightStep, RequestState
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context, Preemption, cite
 
-
 _KEEP_STEPS = MAX_PIPELINE_DEPTH + 4
 
 
@@ -80,9 +79,14 @@ class FrameChecker(Checker):
             return  # the reducer refuses this frame; the driver reports it
         partial = self._step.partial
         self._before = [
-            (req, entry.epoch != req.epoch, len(req.output_token_ids), req.num_frames_dropped,
-             req.stop_reason is not None,
-             entry.epoch != req.epoch and self._scheduled_again(entry))
+            (
+                req,
+                entry.epoch != req.epoch,
+                len(req.output_token_ids),
+                req.num_frames_dropped,
+                req.stop_reason is not None,
+                entry.epoch != req.epoch and self._scheduled_again(entry),
+            )
             for entry, req in zip(self._step.entries, self._step.requests)
             if entry.req_id not in partial
         ]
@@ -121,50 +125,87 @@ class FrameChecker(Checker):
                     tokens["after_stop"] += produced - applied
                 else:
                     tokens["lost"] += produced - applied
-                    ctx.report("token_lost", "error", [req.req_id], e.step,
-                               f"{produced - applied} of {produced} tokens of request {req.req_id!r}'s "
-                               f"frame for step {e.step} were neither applied nor dropped",
-                               [scheduled, (seq, e)], seq=seq)
+                    ctx.report(
+                        "token_lost",
+                        "error",
+                        [req.req_id],
+                        e.step,
+                        f"{produced - applied} of {produced} tokens of request {req.req_id!r}'s "
+                        f"frame for step {e.step} were neither applied nor dropped",
+                        [scheduled, (seq, e)],
+                        seq=seq,
+                    )
             if stale and again:
                 self._stale_applied(seq, e, req, scheduled, preemption)
             elif not stale and preemption is not None:
                 preemption.fresh_frames += 1
 
-    def _fresh_dropped(self, seq: int, e: ev.FrameProduced, req: RequestState,
-                       scheduled: tuple[int, ev.Event] | None, p: Preemption | None) -> None:
+    def _fresh_dropped(
+        self,
+        seq: int,
+        e: ev.FrameProduced,
+        req: RequestState,
+        scheduled: tuple[int, ev.Event] | None,
+        p: Preemption | None,
+    ) -> None:
         policy = get_policy(self.state.discard_policy)
         why = policy.mechanism or f"policy {policy.name!r}"
-        excerpt = [cite(p), self.ctx.last_resume if p and p.resumed else None,
-                   scheduled, (seq, e)]
+        excerpt = [cite(p), self.ctx.last_resume if p and p.resumed else None, scheduled, (seq, e)]
         bug = policy.fresh_drop_bug(p is not None and p.spec_in_flight, p.counter_left if p else 0)
         if p is not None and p.resumed and p.fresh_frames == 0:
             self.ctx.report(
-                "post_resume_token_dropped", "error", [req.req_id], e.step,
+                "post_resume_token_dropped",
+                "error",
+                [req.req_id],
+                e.step,
                 f"the first token after resume of request {req.req_id!r} (step {e.step}) was dropped by "
                 f"{why}, set by its {p.event.reason} preemption in step {p.event.step} with "
                 f"{p.event.in_flight} steps in flight; every later token moves up by one",
-                excerpt, bug, seq)
+                excerpt,
+                bug,
+                seq,
+            )
             return
         self.ctx.report(
-            "fresh_frame_dropped", "error", [req.req_id], e.step,
+            "fresh_frame_dropped",
+            "error",
+            [req.req_id],
+            e.step,
             f"a fresh frame of request {req.req_id!r} (step {e.step}, epoch {req.epoch}) was dropped by "
             f"{why}; its tokens are lost and later tokens move up",
-            excerpt, bug, seq)
+            excerpt,
+            bug,
+            seq,
+        )
 
-    def _stale_applied(self, seq: int, e: ev.FrameProduced, req: RequestState,
-                       scheduled: tuple[int, ev.Event] | None, p: Preemption | None) -> None:
+    def _stale_applied(
+        self,
+        seq: int,
+        e: ev.FrameProduced,
+        req: RequestState,
+        scheduled: tuple[int, ev.Event] | None,
+        p: Preemption | None,
+    ) -> None:
         bug = stale_bug_class(p, self.ctx.tape.header.discard_policy)
         extra = ""
         if p is not None and bug == "vllm#42117-overwrite":
-            extra = (f"; its preemption in step {p.event.step} overwrote a discard counter of "
-                     f"{p.counter_left} that had not drained")
+            extra = (
+                f"; its preemption in step {p.event.step} overwrote a discard counter of "
+                f"{p.counter_left} that had not drained"
+            )
         elif self._delivers_stale:
             extra = "; the request had been scheduled again before its stale output drained"
         self.ctx.report(
-            "stale_frame_applied", "error", [req.req_id], e.step,
+            "stale_frame_applied",
+            "error",
+            [req.req_id],
+            e.step,
             f"a stale frame of request {req.req_id!r} (scheduled in step {e.step} before a preemption) "
             f"was applied: its token is delivered and computed again{extra}",
-            [scheduled, cite(p), (seq, e)], bug, seq)
+            [scheduled, cite(p), (seq, e)],
+            bug,
+            seq,
+        )
 
 
 def stale_bug_class(p: Preemption | None, policy: str) -> str | None:
@@ -174,8 +215,13 @@ def stale_bug_class(p: Preemption | None, policy: str) -> str | None:
     return get_policy(policy).stale_bug(p.event.reason, p.counter_left)
 
 
-_COUNTS = ("num_output_placeholders", "async_tokens_to_discard", "num_stale_in_flight",
-           "num_fresh_in_flight", "num_partial_in_flight")
+_COUNTS = (
+    "num_output_placeholders",
+    "async_tokens_to_discard",
+    "num_stale_in_flight",
+    "num_fresh_in_flight",
+    "num_partial_in_flight",
+)
 
 
 class CountChecker(Checker):
@@ -184,8 +230,12 @@ class CountChecker(Checker):
         self._done: set[str] = set()  # finished requests already checked for leftover counts
 
     def after(self) -> dict[type, Hook]:
-        return {ev.FrameProduced: self._frame, ev.RequestPreempted: self._one,
-                ev.RequestFinished: self._one, ev.RequestAborted: self._one}
+        return {
+            ev.FrameProduced: self._frame,
+            ev.RequestPreempted: self._one,
+            ev.RequestFinished: self._one,
+            ev.RequestAborted: self._one,
+        }
 
     def _frame(self, seq: int, e: ev.FrameProduced) -> None:
         requests = self.state.requests
@@ -194,31 +244,46 @@ class CountChecker(Checker):
             if req is not None:
                 self._check(seq, e, req)
 
-    def _one(self, seq: int, e: ev.RequestPreempted | ev.RequestFinished | ev.RequestAborted) -> None:
+    def _one(
+        self, seq: int, e: ev.RequestPreempted | ev.RequestFinished | ev.RequestAborted
+    ) -> None:
         req = self.state.requests.get(e.req_id)
         if req is not None:
             self._check(seq, e, req)
 
     def _check(self, seq: int, e: ev.Event, req: RequestState) -> None:
-        if (req.num_output_placeholders < 0 or req.async_tokens_to_discard < 0 or req.num_stale_in_flight < 0
-                or req.num_fresh_in_flight < 0 or req.num_partial_in_flight < 0):
+        if (
+            req.num_output_placeholders < 0
+            or req.async_tokens_to_discard < 0
+            or req.num_stale_in_flight < 0
+            or req.num_fresh_in_flight < 0
+            or req.num_partial_in_flight < 0
+        ):
             for name in _COUNTS:
                 value = getattr(req, name)
                 if value < 0:
                     self._negative(seq, e, req, name, value)
         if req.finish_reason is not None and not req.num_in_flight and req.req_id not in self._done:
             self._done.add(req.req_id)
-            left = {"num_output_placeholders": req.num_output_placeholders,
-                    "discard count": self.state.discard_count(req)}
+            left = {
+                "num_output_placeholders": req.num_output_placeholders,
+                "discard count": self.state.discard_count(req),
+            }
             nonzero = {k: v for k, v in left.items() if v}
             if nonzero:
                 shown = ", ".join(f"{k} = {v}" for k, v in nonzero.items())
                 p = self.ctx.preemptions.get(req.req_id)
                 self.ctx.report(
-                    "count_nonzero_at_finish", "warning", [req.req_id], e.step,
+                    "count_nonzero_at_finish",
+                    "warning",
+                    [req.req_id],
+                    e.step,
                     f"request {req.req_id!r} finished ({req.finish_reason}) with nothing in flight "
                     f"but {shown}",
-                    [cite(p), (seq, e)], self.ctx.bug_class_of(req.req_id), seq)
+                    [cite(p), (seq, e)],
+                    self.ctx.bug_class_of(req.req_id),
+                    seq,
+                )
 
     def _negative(self, seq: int, e: ev.Event, req: RequestState, name: str, value: int) -> None:
         p = self.ctx.preemptions.get(req.req_id)
@@ -228,6 +293,13 @@ class CountChecker(Checker):
             if p is None and req.req_id in self.ctx.chunked:
                 bug = "vllm#57562"  # no preemption: a prefill chunk's placeholder went missing
         self.ctx.report(
-            "negative_count", "error", [req.req_id], e.step,
+            "negative_count",
+            "error",
+            [req.req_id],
+            e.step,
             f"{name} of request {req.req_id!r} went negative ({value}) at step {e.step}",
-            [cite(p), (seq, e)], bug, seq, key=name)
+            [cite(p), (seq, e)],
+            bug,
+            seq,
+            key=name,
+        )

@@ -29,13 +29,19 @@ class KVChecker(Checker):
         self.refs = [0] * self.num_blocks
         self.holder: list[str | None] = [None] * self.num_blocks  # latest request to take it
         self.used = 0  # blocks with at least one holder
-        self._reset: tuple[int, ev.PrefixCacheReset] | None = None  # a reset whose preemptions follow
+        self._reset: tuple[int, ev.PrefixCacheReset] | None = (
+            None  # a reset whose preemptions follow
+        )
         self.abort_freed: set[int] = set()  # blocks given back by an abort with a step in flight
 
     def before(self) -> dict[type, Hook]:
-        return {ev.StepScheduled: self._scheduled, ev.RequestPreempted: self._preempted,
-                ev.RequestFinished: self._released, ev.RequestAborted: self._released,
-                ev.PrefixCacheReset: self._prefix_cache_reset}
+        return {
+            ev.StepScheduled: self._scheduled,
+            ev.RequestPreempted: self._preempted,
+            ev.RequestFinished: self._released,
+            ev.RequestAborted: self._released,
+            ev.PrefixCacheReset: self._prefix_cache_reset,
+        }
 
     def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
         self._settle_reset()
@@ -48,18 +54,32 @@ class KVChecker(Checker):
             hits = entry.num_computed_before // bs if admitted else 0
             for i, b in enumerate(entry.new_block_ids):
                 if not 0 <= b < self.num_blocks:
-                    self.ctx.report("kv_block_freed_twice", "error", [entry.req_id], e.step,
-                                    f"request {entry.req_id!r} was given KV block {b}, outside the "
-                                    f"pool of {self.num_blocks} blocks", [(seq, e)], None, seq)
+                    self.ctx.report(
+                        "kv_block_freed_twice",
+                        "error",
+                        [entry.req_id],
+                        e.step,
+                        f"request {entry.req_id!r} was given KV block {b}, outside the "
+                        f"pool of {self.num_blocks} blocks",
+                        [(seq, e)],
+                        None,
+                        seq,
+                    )
                     continue
                 if i >= hits and refs[b] > 0:
                     other = holder[b]
                     bug = "vllm#33377" if b in self.abort_freed else None
                     self.ctx.report(
-                        "kv_block_freed_twice", "error", sorted({entry.req_id, other or "?"}), e.step,
+                        "kv_block_freed_twice",
+                        "error",
+                        sorted({entry.req_id, other or "?"}),
+                        e.step,
                         f"KV block {b} was newly allocated to request {entry.req_id!r} in step {e.step} "
                         f"while request {other!r} still held it: it was freed twice or handed out twice",
-                        [(seq, e)], bug, seq)
+                        [(seq, e)],
+                        bug,
+                        seq,
+                    )
                 if refs[b] == 0:
                     self.used += 1
                 refs[b] += 1
@@ -78,9 +98,17 @@ class KVChecker(Checker):
                 self.used -= 1
             elif refs[b] < 0:
                 refs[b] = 0
-                self.ctx.report("kv_block_freed_twice", "error", [req_id], e.step,
-                                f"KV block {b} was given back by request {req_id!r} in step {e.step} "
-                                "more often than it was taken", [(seq, e)], None, seq)
+                self.ctx.report(
+                    "kv_block_freed_twice",
+                    "error",
+                    [req_id],
+                    e.step,
+                    f"KV block {b} was given back by request {req_id!r} in step {e.step} "
+                    "more often than it was taken",
+                    [(seq, e)],
+                    None,
+                    seq,
+                )
 
     def _released(self, seq: int, e: ev.RequestFinished | ev.RequestAborted) -> None:
         self._settle_reset()
@@ -100,11 +128,18 @@ class KVChecker(Checker):
             free = self.num_blocks - self.used
             if free > bound:
                 self.ctx.report(
-                    "kv_block_leaked", "error", [e.req_id], e.step,
+                    "kv_block_leaked",
+                    "error",
+                    [e.req_id],
+                    e.step,
                     f"request {e.req_id!r} was preempted for KV pressure in step {e.step} while the tape "
                     f"accounts for only {self.used} of {self.num_blocks} blocks in use ({free} free, "
                     f"no allocation of the step needs more than {bound}): the engine's pool lost blocks",
-                    [(seq, e)], None, seq, per_request=False)
+                    [(seq, e)],
+                    None,
+                    seq,
+                    per_request=False,
+                )
         self._release(seq, e, e.req_id)
 
     def _prefix_cache_reset(self, seq: int, e: ev.PrefixCacheReset) -> None:
@@ -124,11 +159,19 @@ class KVChecker(Checker):
         reset_seq, reset = self._reset
         self._reset = None
         if self.used:
-            holders = sorted({h for b, h in enumerate(self.holder) if self.refs[b] and h is not None})
+            holders = sorted(
+                {h for b, h in enumerate(self.holder) if self.refs[b] and h is not None}
+            )
             self.ctx.report(
-                "prefix_cache_reset_in_use", "error", holders[:8], reset.step,
+                "prefix_cache_reset_in_use",
+                "error",
+                holders[:8],
+                reset.step,
                 f"the prefix cache was reset in step {reset.step} while {self.used} KV blocks were in use",
-                [(reset_seq, reset)], None, reset_seq)
+                [(reset_seq, reset)],
+                None,
+                reset_seq,
+            )
 
     def finish(self) -> None:
         self._settle_reset()

@@ -47,8 +47,11 @@ class OutputChecker(Checker):
         derived = {}
         for req_id in self.state.pending_output:
             req = requests[req_id]
-            derived[req_id] = (req.output_token_ids[req.num_emitted:], req.finish_reason is not None,
-                               req.finish_reason)
+            derived[req_id] = (
+                req.output_token_ids[req.num_emitted :],
+                req.finish_reason is not None,
+                req.finish_reason,
+            )
         recorded = {o.req_id: (o.token_ids, o.finished, o.finish_reason) for o in e.entries}
         finished, self._finished = self._finished, {}
         if recorded == derived:
@@ -58,13 +61,24 @@ class OutputChecker(Checker):
             if got == want:
                 continue
             bug = None
-            if want is not None and want[2] == "abort" and got is not None and got[2] not in ("abort", None):
+            if (
+                want is not None
+                and want[2] == "abort"
+                and got is not None
+                and got[2] not in ("abort", None)
+            ):
                 bug = "vllm#26400"
             self.ctx.report(
-                "output_mismatch", "error", [req_id], e.step,
+                "output_mismatch",
+                "error",
+                [req_id],
+                e.step,
                 f"the client was given {_describe(got)} for request {req_id!r} at step {e.step}, "
                 f"but the reducer derives {_describe(want)}",
-                [finished.get(req_id), (seq, e)], bug, seq)
+                [finished.get(req_id), (seq, e)],
+                bug,
+                seq,
+            )
 
 
 def _oracle_length(longer: list[int], req: RequestState) -> int:
@@ -95,8 +109,12 @@ class _Divergence:
 class ReferenceChecker(Checker):
     """Compares each request's delivered tokens with a reference stream as they arrive."""
 
-    def __init__(self, ctx: Context, reference: dict[str, tuple[list[int], list[int], str | None]] | None,
-                 source: str) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        reference: dict[str, tuple[list[int], list[int], str | None]] | None,
+        source: str,
+    ) -> None:
         """`reference` maps request ids to (prompt, output tokens, finish reason); None uses
         the oracle."""
         super().__init__(ctx)
@@ -112,14 +130,19 @@ class ReferenceChecker(Checker):
             self.max_model_len = ctx.tape.config.effective_max_model_len
 
     def after(self) -> dict[type, Hook]:
-        return {ev.RequestAdded: self._added, ev.FrameProduced: self._frame,
-                ev.RequestFinished: self._finished, ev.RequestAborted: self._finished}
+        return {
+            ev.RequestAdded: self._added,
+            ev.FrameProduced: self._frame,
+            ev.RequestFinished: self._finished,
+            ev.RequestAborted: self._finished,
+        }
 
     def _added(self, seq: int, e: ev.RequestAdded) -> None:
         if self.oracle is not None:
             longer = msgspec.structs.replace(e.params, max_tokens=e.params.max_tokens + _LOOKAHEAD)
             self.streams[e.req_id] = self.oracle.expected_stream(
-                e.prompt_token_ids, longer, self.max_model_len + _LOOKAHEAD)
+                e.prompt_token_ids, longer, self.max_model_len + _LOOKAHEAD
+            )
         elif self.reference is not None and e.req_id in self.reference:
             prompt, tokens, reason = self.reference[e.req_id]
             if prompt == e.prompt_token_ids:  # the same request id may name another request
@@ -139,9 +162,11 @@ class ReferenceChecker(Checker):
             start = checked[req_id]
             if len(out) == start:
                 continue
-            if out[start:] != ref[start:len(out)]:
+            if out[start:] != ref[start : len(out)]:
                 i = next(i for i in range(start, len(out)) if i >= len(ref) or out[i] != ref[i])
-                self.diverged[req_id] = _Divergence(i, e.step, seq, e, self.ctx.scheduled.get(e.step))
+                self.diverged[req_id] = _Divergence(
+                    i, e.step, seq, e, self.ctx.scheduled.get(e.step)
+                )
             checked[req_id] = len(out)
 
     def _finished(self, seq: int, e: ev.RequestFinished | ev.RequestAborted) -> None:
@@ -170,10 +195,16 @@ class ReferenceChecker(Checker):
             want = _oracle_length(ref, req)
         if want is not None and len(req.output_token_ids) != want:
             self.ctx.report(
-                "token_mismatch", "error", [req.req_id], req.arrival_step,
+                "token_mismatch",
+                "error",
+                [req.req_id],
+                req.arrival_step,
                 f"request {req.req_id!r} finished ({req.finish_reason}) with "
                 f"{len(req.output_token_ids)} tokens where the {self.source} stream has {want}",
-                [], None, None)
+                [],
+                None,
+                None,
+            )
 
     def _classify(self, req_id: str, out: list[int], ref: list[int], d: _Divergence) -> None:
         """Name how the delivered stream leaves the reference at position d.index: the rest of
@@ -185,7 +216,7 @@ class ReferenceChecker(Checker):
             lo, hi = i + shift, i + shift + len(rest)
             if lo < 0 or lo >= len(ref):
                 return False
-            return rest[:len(ref) - lo] == ref[lo:hi]
+            return rest[: len(ref) - lo] == ref[lo:hi]
 
         shifts = [s for s in range(1, _MAX_SHIFT + 1) for s in (-s, s) if moved(s)]
         where = f"output position {i} (step {d.step})"
@@ -195,27 +226,55 @@ class ReferenceChecker(Checker):
         bug = self.ctx.bug_class_of(req_id)
         if shifts and shifts[0] < 0:
             self.ctx.report(
-                "token_duplicated", "error", [req_id], d.step,
+                "token_duplicated",
+                "error",
+                [req_id],
+                d.step,
                 f"request {req_id!r} repeats {-shifts[0]} token(s) at {where} against the {self.source} "
                 f"stream: got {got}, expected {expected}; every later token comes one place late",
-                excerpt, bug, d.seq)
+                excerpt,
+                bug,
+                d.seq,
+            )
         elif shifts:
             self.ctx.report(
-                "token_shifted", "error", [req_id], d.step,
+                "token_shifted",
+                "error",
+                [req_id],
+                d.step,
                 f"request {req_id!r} skips {shifts[0]} token(s) at {where} against the {self.source} "
                 f"stream: got {got}, expected {expected}; every later token moved up",
-                excerpt, bug, d.seq)
+                excerpt,
+                bug,
+                d.seq,
+            )
         else:
-            near = [j for j in range(max(0, i - _MAX_SHIFT), min(len(ref), i + _MAX_SHIFT + 1))
-                    if j != i and ref[j] == got]
+            near = [
+                j
+                for j in range(max(0, i - _MAX_SHIFT), min(len(ref), i + _MAX_SHIFT + 1))
+                if j != i and ref[j] == got
+            ]
             whose = f" (the token of position {near[0]})" if near else ""
-            back = next((j for j in range(i + 1, len(out)) if j < len(ref) and out[j:] == ref[j:len(out)]), None)
+            back = next(
+                (
+                    j
+                    for j in range(i + 1, len(out))
+                    if j < len(ref) and out[j:] == ref[j : len(out)]
+                ),
+                None,
+            )
             after = f"; from position {back} on it matches again" if back is not None else ""
             self.ctx.report(
-                "token_mismatch", "error", [req_id], d.step,
+                "token_mismatch",
+                "error",
+                [req_id],
+                d.step,
                 f"request {req_id!r} differs from the {self.source} stream at {where}: got "
                 f"{got}{whose}, expected {expected}{after}",
-                excerpt, bug, d.seq)
+                excerpt,
+                bug,
+                d.seq,
+            )
 
 
 def oracle_of(tape: Tape) -> OracleRunner:

@@ -18,8 +18,8 @@ from tokentape.events import schema as ev
 from tokentape.events.state import EngineState
 from tokentape.postmortem.findings import BUG_CLASSES, Finding, Report
 from tokentape.postmortem.outputs import oracle_of
-from tokentape.replay.tape import Tape
 from tokentape.postmortem.report_timeline import timeline_svg
+from tokentape.replay.tape import Tape
 from tokentape.replay.timeline import Timeline, timeline_from_events
 
 MAX_TABLE_REQUESTS = 6
@@ -36,8 +36,9 @@ class _Tokens:
     step_seq: dict[int, int]  # step -> position of its StepScheduled
 
 
-def _watched_pass(tape: Tape, watch: set[str], num_events: int,
-                  progress: Callable[[int], None] | None = None) -> tuple[Timeline, EngineState, _Tokens]:
+def _watched_pass(
+    tape: Tape, watch: set[str], num_events: int, progress: Callable[[int], None] | None = None
+) -> tuple[Timeline, EngineState, _Tokens]:
     """Build the timeline and, in the same pass, the step of every token of `watch`, over the
     first `num_events` events."""
     state = tape.initial_state()
@@ -70,16 +71,22 @@ def _record(event: ev.Event | None, state: EngineState, steps: dict[str, list[in
                 got.extend([event.step] * (len(req.output_token_ids) - len(got)))
 
 
-def write_report(report: Report, tape: Tape, path: str | os.PathLike[str],
-                 expected: dict[str, list[int]] | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+def write_report(
+    report: Report,
+    tape: Tape,
+    path: str | os.PathLike[str],
+    expected: dict[str, list[int]] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
     """Render the report (one more pass over the tape, for the timeline) and write it."""
     page = render_report(report, tape, expected, progress)
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
 
 
-def _expected_streams(tape: Tape, report: Report, watch: set[str], state: EngineState) -> dict[str, list[int]]:
+def _expected_streams(
+    tape: Tape, report: Report, watch: set[str], state: EngineState
+) -> dict[str, list[int]]:
     """The reference stream of each watched request, when the report had one."""
     ref = report.summary.reference
     out: dict[str, list[int]] = {}
@@ -89,12 +96,18 @@ def _expected_streams(tape: Tape, report: Report, watch: set[str], state: Engine
         for r in watch:
             req = state.requests.get(r)
             if req is not None:
-                out[r] = oracle.expected_stream(req.prompt_token_ids, req.params, c.effective_max_model_len)
+                out[r] = oracle.expected_stream(
+                    req.prompt_token_ids, req.params, c.effective_max_model_len
+                )
     return out
 
 
-def render_report(report: Report, tape: Tape, expected: dict[str, list[int]] | None = None,
-                  progress: Callable[[int], None] | None = None) -> str:
+def render_report(
+    report: Report,
+    tape: Tape,
+    expected: dict[str, list[int]] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> str:
     findings = report.findings
     watch: list[str] = []
     for f in findings:
@@ -109,26 +122,41 @@ def render_report(report: Report, tape: Tape, expected: dict[str, list[int]] | N
     parts.append(f"<h1>tokentape postmortem</h1>\n{_summary(report)}")
     parts.append(f"<h2>Timeline</h2>\n{timeline_svg(timeline, findings, watch, tokens.step_seq)}")
     parts.append(f"<h2>Findings ({len(findings)})</h2>\n{_findings(findings)}")
-    parts.append(f"<h2>Tokens around the findings</h2>\n{_token_tables(findings, watch, state, tokens, expected)}")
+    parts.append(
+        f"<h2>Tokens around the findings</h2>\n{_token_tables(findings, watch, state, tokens, expected)}"
+    )
     parts.append(_TAIL)
     return "\n".join(parts)
 
 
 def _summary(report: Report) -> str:
     s = report.summary
-    verdict = (f'<p class="verdict bad">{s.errors} error(s), {s.warnings} warning(s)</p>' if s.errors
-               else f'<p class="verdict ok">no errors, {s.warnings} warning(s)</p>')
+    verdict = (
+        f'<p class="verdict bad">{s.errors} error(s), {s.warnings} warning(s)</p>'
+        if s.errors
+        else f'<p class="verdict ok">no errors, {s.warnings} warning(s)</p>'
+    )
     # Findings are numbered by their place in the list (see _findings), warnings included.
-    i, first = next(((i, f) for i, f in enumerate(report.findings) if f.severity == "error"), (0, None))
+    i, first = next(
+        ((i, f) for i, f in enumerate(report.findings) if f.severity == "error"), (0, None)
+    )
     cause = ""
     if first is not None:
-        bug = f" ({e(BUG_CLASSES.get(first.bug_class, first.bug_class))})" if first.bug_class else ""
-        cause = (f'<p class="cause">First error: <a href="#finding-{i}">{e(first.kind)}</a>: '
-                 f'{e(first.message)}{bug}</p>')
+        bug = (
+            f" ({e(BUG_CLASSES.get(first.bug_class, first.bug_class))})" if first.bug_class else ""
+        )
+        cause = (
+            f'<p class="cause">First error: <a href="#finding-{i}">{e(first.kind)}</a>: '
+            f"{e(first.message)}{bug}</p>"
+        )
     rows = {
-        "tape": s.tape, "events analysed": f"{s.num_events}" + ("" if s.complete else " (stopped early)"),
-        "steps": s.num_steps, "requests": s.num_requests, "discard policy": s.discard_policy,
-        "model": s.model_id, "reference": s.reference or "none",
+        "tape": s.tape,
+        "events analysed": f"{s.num_events}" + ("" if s.complete else " (stopped early)"),
+        "steps": s.num_steps,
+        "requests": s.num_requests,
+        "discard policy": s.discard_policy,
+        "model": s.model_id,
+        "reference": s.reference or "none",
         "tokens": ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in s.tokens.items()),
         "findings by kind": ", ".join(f"{k} {v}" for k, v in s.counts.items()) or "none",
     }
@@ -141,24 +169,41 @@ def _findings(findings: list[Finding]) -> str:
         return "<p>No findings.</p>"
     out = []
     for i, f in enumerate(findings):
-        steps = f"step {f.steps[0]}" if f.steps[0] == f.steps[1] else f"steps {f.steps[0]}-{f.steps[1]}"
-        bug = (f'<p class="bug">Matches {e(f.bug_class)}: {e(BUG_CLASSES.get(f.bug_class, ""))}</p>'
-               if f.bug_class else "")
+        steps = (
+            f"step {f.steps[0]}" if f.steps[0] == f.steps[1] else f"steps {f.steps[0]}-{f.steps[1]}"
+        )
+        bug = (
+            f'<p class="bug">Matches {e(f.bug_class)}: {e(BUG_CLASSES.get(f.bug_class, ""))}</p>'
+            if f.bug_class
+            else ""
+        )
         rows = "".join(
             f"<tr><td>{x.seq}</td><td>{x.step}</td><td>{e(x.kind)}</td>"
-            f"<td><code>{e(json.dumps(x.data))}</code></td></tr>" for x in f.excerpt)
-        excerpt = (f'<table class="excerpt"><tr><th>seq</th><th>step</th><th>event</th><th>data</th></tr>'
-                   f"{rows}</table>" if rows else "")
+            f"<td><code>{e(json.dumps(x.data))}</code></td></tr>"
+            for x in f.excerpt
+        )
+        excerpt = (
+            f'<table class="excerpt"><tr><th>seq</th><th>step</th><th>event</th><th>data</th></tr>'
+            f"{rows}</table>"
+            if rows
+            else ""
+        )
         out.append(
             f'<div class="finding {e(f.severity)}" id="finding-{i}">'
             f'<h3><span class="sev">{e(f.severity)}</span> {e(f.kind)}</h3>'
             f"<p>requests: {e(', '.join(f.request_ids) or '-')}; {steps}</p>"
-            f"<p>{e(f.message)}</p>{bug}{excerpt}</div>")
+            f"<p>{e(f.message)}</p>{bug}{excerpt}</div>"
+        )
     return "\n".join(out)
 
 
-def _token_tables(findings: list[Finding], watch: list[str], state: EngineState, tokens: _Tokens,
-                  expected: dict[str, list[int]]) -> str:
+def _token_tables(
+    findings: list[Finding],
+    watch: list[str],
+    state: EngineState,
+    tokens: _Tokens,
+    expected: dict[str, list[int]],
+) -> str:
     if not watch:
         return "<p>No finding names a request.</p>"
     out = []
@@ -177,8 +222,11 @@ def _token_tables(findings: list[Finding], watch: list[str], state: EngineState,
             first = last = after[0] if after else len(out_tokens) - 1
         lo, hi = max(0, first - TOKEN_CONTEXT), min(len(out_tokens), last + TOKEN_CONTEXT + 1)
         ref = expected.get(r)
-        head = "<tr><th>position</th><th>step applied</th><th>delivered</th>" + (
-            "<th>expected</th>" if ref is not None else "") + "</tr>"
+        head = (
+            "<tr><th>position</th><th>step applied</th><th>delivered</th>"
+            + ("<th>expected</th>" if ref is not None else "")
+            + "</tr>"
+        )
         rows = []
         for i in range(lo, hi):
             want = ref[i] if ref is not None and i < len(ref) else None
@@ -190,9 +238,11 @@ def _token_tables(findings: list[Finding], watch: list[str], state: EngineState,
             rows.append(f'<tr class="{"differs" if bad else ""}">{cells}</tr>')
         if not rows:
             rows.append('<tr><td colspan="4">no delivered tokens</td></tr>')
-        out.append(f"<h3>request {e(r)} ({len(out_tokens)} tokens delivered, "
-                   f"{e(req.finish_reason or 'unfinished')})</h3>"
-                   f'<table class="tokens">{head}{"".join(rows)}</table>')
+        out.append(
+            f"<h3>request {e(r)} ({len(out_tokens)} tokens delivered, "
+            f"{e(req.finish_reason or 'unfinished')})</h3>"
+            f'<table class="tokens">{head}{"".join(rows)}</table>'
+        )
     return "\n".join(out)
 
 

@@ -40,18 +40,32 @@ class ScheduleChecker(Checker):
             if req.status is not running:
                 if entry.num_spec_tokens:
                     self.ctx.report(
-                        "spec_placeholder_in_input", "error", [req.req_id], e.step,
+                        "spec_placeholder_in_input",
+                        "error",
+                        [req.req_id],
+                        e.step,
                         f"request {req.req_id!r} was admitted in step {e.step} with "
                         f"{entry.num_spec_tokens} speculative slot(s): an admitted request has no "
                         "drafts, so the slots hold draft placeholders (-1) as input ids",
-                        [(seq, e)], "vllm#40768", seq)
+                        [(seq, e)],
+                        "vllm#40768",
+                        seq,
+                    )
                 continue
-            if req.prefill_complete and req.num_fresh_in_flight >= req.max_output_tokens - len(req.output_token_ids):
+            if req.prefill_complete and req.num_fresh_in_flight >= req.max_output_tokens - len(
+                req.output_token_ids
+            ):
                 bug = "vllm#49860" if req.req_id in self._drained else None
                 drained = " after a drain" if bug else ""
                 self.ctx.report(
-                    "scheduled_past_stop", "error", [req.req_id], e.step,
+                    "scheduled_past_stop",
+                    "error",
+                    [req.req_id],
+                    e.step,
                     f"request {req.req_id!r} was scheduled in step {e.step}{drained} although its "
                     f"{req.num_fresh_in_flight} step(s) in flight already produce the last of its "
                     f"{req.max_output_tokens} tokens: its stop comes late",
-                    [(seq, e)], bug, seq)
+                    [(seq, e)],
+                    bug,
+                    seq,
+                )

@@ -64,8 +64,12 @@ class StuckChecker(Checker):
             for req_id in running:
                 if req_id not in scheduled and not requests[req_id].num_in_flight:
                     self._no_progress(req_id, seq, e)
-        if (state.waiting and state.paused is None and self._pressure_step != e.step
-                and len(running) < self.max_seqs):
+        if (
+            state.waiting
+            and state.paused is None
+            and self._pressure_step != e.step
+            and len(running) < self.max_seqs
+        ):
             head = requests[state.waiting[0]]
             if -(-head.num_tokens // self.block_size) <= self._free_blocks():
                 self._no_progress(head.req_id, seq, e)
@@ -81,8 +85,15 @@ class StuckChecker(Checker):
             self.reported.add(req_id)
             req = self.state.requests[req_id]
             self.ctx.report(
-                "request_stuck", "warning", [req_id], since,
+                "request_stuck",
+                "warning",
+                [req_id],
+                since,
                 f"request {req_id!r} ({req.status.value}) made no progress for {n} steps "
                 f"(steps {since}-{e.step}) that had token budget, a sequence slot and free "
                 "KV blocks for it",
-                [(seq, e)], None, seq, last_step=e.step)
+                [(seq, e)],
+                None,
+                seq,
+                last_step=e.step,
+            )

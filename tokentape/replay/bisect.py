@@ -79,7 +79,9 @@ def _same(a: _Rows, b: _Rows, seq: int) -> bool:
 def _readonly_uri(path: str) -> str:
     uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
     status = tape_file_status(path)
-    return uri + ("&immutable=1" if status.journal_mode == "wal" and status.wal_bytes is None else "")
+    return uri + (
+        "&immutable=1" if status.journal_mode == "wal" and status.wal_bytes is None else ""
+    )
 
 
 def _first_mismatch_before(a: _Rows, b: _Rows, end: int) -> int | None:
@@ -90,7 +92,9 @@ def _first_mismatch_before(a: _Rows, b: _Rows, end: int) -> int | None:
         try:
             row = a.conn.execute(
                 "SELECT x.seq FROM main.events x JOIN other.events y ON y.seq = x.seq "
-                "WHERE x.seq < ? AND x.data != y.data ORDER BY x.seq LIMIT 1", (end,)).fetchone()
+                "WHERE x.seq < ? AND x.data != y.data ORDER BY x.seq LIMIT 1",
+                (end,),
+            ).fetchone()
         finally:
             a.conn.execute("DETACH DATABASE other")
         if row is None:
@@ -166,8 +170,16 @@ def bisect(a: TapeSource, b: TapeSource, confirm: bool = True) -> BisectResult:
                 lo = mid + 1
             else:
                 hi = mid
-        result = BisectResult(str(ta.path), str(tb.path), ra.length, rb.length, None, seeks=probes,
-                              confirmed=confirm, header_differences=_header_differences(ta, tb))
+        result = BisectResult(
+            str(ta.path),
+            str(tb.path),
+            ra.length,
+            rb.length,
+            None,
+            seeks=probes,
+            confirmed=confirm,
+            header_differences=_header_differences(ta, tb),
+        )
         index: int | None = lo if lo < n or ra.length != rb.length else None
         if confirm and lo > 0:
             earlier = _first_mismatch_before(ra, rb, lo)

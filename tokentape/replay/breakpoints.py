@@ -109,7 +109,9 @@ class Scanner:
         hit: Breakpoint | None = None
         for bp in self.breakpoints:
             if bp.condition is None:
-                if (bp.kind is None or bp.kind == kind) and (bp.req_id is None or bp.req_id in named):
+                if (bp.kind is None or bp.kind == kind) and (
+                    bp.req_id is None or bp.req_id in named
+                ):
                     hit = hit or bp
                 continue
             # Re-evaluate for the requests the event names; for all at an engine-wide event.

@@ -59,10 +59,37 @@ ENGINE_NAMES: dict[str, Callable[[EngineState], Any]] = {
 ALL_NAMES = sorted({*REQUEST_NAMES, *ENGINE_NAMES, "True", "False", "None"})
 
 _ALLOWED = (
-    ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd,
-    ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod,
-    ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn,
-    ast.Is, ast.IsNot, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List,
+    ast.Expression,
+    ast.BoolOp,
+    ast.And,
+    ast.Or,
+    ast.UnaryOp,
+    ast.Not,
+    ast.USub,
+    ast.UAdd,
+    ast.BinOp,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.Compare,
+    ast.Eq,
+    ast.NotEq,
+    ast.Lt,
+    ast.LtE,
+    ast.Gt,
+    ast.GtE,
+    ast.In,
+    ast.NotIn,
+    ast.Is,
+    ast.IsNot,
+    ast.Name,
+    ast.Load,
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
 )
 
 
@@ -83,8 +110,10 @@ def _size(value: Any) -> int | None:
 
 
 def _too_big(what: str) -> ExpressionError:
-    return ExpressionError(f"{what}: an expression may build at most {MAX_LENGTH} elements and "
-                           f"integers of at most {MAX_INT_BITS} bits")
+    return ExpressionError(
+        f"{what}: an expression may build at most {MAX_LENGTH} elements and "
+        f"integers of at most {MAX_INT_BITS} bits"
+    )
 
 
 def _mult(a: Any, b: Any) -> Any:
@@ -93,7 +122,9 @@ def _mult(a: Any, b: Any) -> Any:
         n = b if sa is not None else a
         if isinstance(n, int) and (sa if sa is not None else sb or 0) * max(n, 0) > MAX_LENGTH:
             raise _too_big(f"repeating a sequence {n} times")
-    elif isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS:
+    elif (
+        isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS
+    ):
         raise _too_big("a product this large")
     return a * b
 
@@ -123,7 +154,8 @@ class _Checked(ast.NodeTransformer):
         if name is None:
             return node
         return ast.copy_location(
-            ast.Call(ast.Name(name, ast.Load()), [node.left, node.right], []), node)
+            ast.Call(ast.Name(name, ast.Load()), [node.left, node.right], []), node
+        )
 
 
 class StateExpression:
@@ -134,8 +166,10 @@ class StateExpression:
         if not self.text:
             raise ExpressionError("empty expression")
         if len(self.text) > MAX_TEXT:
-            raise ExpressionError(f"the expression is {len(self.text)} characters long; at most "
-                                  f"{MAX_TEXT} are allowed")
+            raise ExpressionError(
+                f"the expression is {len(self.text)} characters long; at most "
+                f"{MAX_TEXT} are allowed"
+            )
         try:
             tree = ast.parse(self.text, mode="eval")
         except SyntaxError as exc:
@@ -165,7 +199,13 @@ class StateExpression:
             return eval(self._code, _GLOBALS, scope)
         except ExpressionError:
             raise
-        except (TypeError, ValueError, ArithmeticError, MemoryError, RecursionError) as exc:  # e.g. None > 0, 1 / 0
+        except (
+            TypeError,
+            ValueError,
+            ArithmeticError,
+            MemoryError,
+            RecursionError,
+        ) as exc:  # e.g. None > 0, 1 / 0
             raise ExpressionError(f"{self.text!r} failed: {type(exc).__name__}: {exc}") from None
 
     def _engine_scope(self, state: EngineState) -> dict[str, Any]:
@@ -178,8 +218,9 @@ class StateExpression:
             return self._eval(scope)
         return {r.req_id: self.value_for(state, r, scope) for r in state.requests.values()}
 
-    def value_for(self, state: EngineState, req: RequestState,
-                  scope: dict[str, Any] | None = None) -> Any:
+    def value_for(
+        self, state: EngineState, req: RequestState, scope: dict[str, Any] | None = None
+    ) -> Any:
         scope = dict(scope if scope is not None else self._engine_scope(state))
         for name in self.request_names:
             scope[name] = REQUEST_NAMES[name](state, req)

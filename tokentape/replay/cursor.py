@@ -120,8 +120,9 @@ class TapeCursor:
             end, i = start, i - 1
         return None
 
-    def _last_hit_between(self, breakpoints: list[Breakpoint], start: int,
-                          end: int) -> tuple[int, Breakpoint] | None:
+    def _last_hit_between(
+        self, breakpoints: list[Breakpoint], start: int, end: int
+    ) -> tuple[int, Breakpoint] | None:
         """The last position in (start, end] where a breakpoint is hit, folding from `start`."""
         if end <= start:
             return None

@@ -46,7 +46,9 @@ _HELP_GROUPS = {
     "other": ("help", "quit"),
 }
 _SENTENCE_END = re.compile(r"[.]\s+(?=[A-Z])")  # not inside "e.g. next"
-_ALIASES = "s = step, c = continue, rc = reverse-continue, b = break, p = print, w = where, q = quit"
+_ALIASES = (
+    "s = step, c = continue, rc = reverse-continue, b = break, p = print, w = where, q = quit"
+)
 
 
 class TapeDebugger(BreakpointCommands, LookingCommands, cmd.Cmd):
@@ -54,8 +56,13 @@ class TapeDebugger(BreakpointCommands, LookingCommands, cmd.Cmd):
 
     doc_header = "commands (help COMMAND for more)"
 
-    def __init__(self, tape: Tape, stdin: TextIO | None = None, stdout: TextIO | None = None,
-                 rich: bool | None = None) -> None:
+    def __init__(
+        self,
+        tape: Tape,
+        stdin: TextIO | None = None,
+        stdout: TextIO | None = None,
+        rich: bool | None = None,
+    ) -> None:
         stdin = stdin if stdin is not None else sys.stdin
         stdout = stdout if stdout is not None else sys.stdout
         super().__init__(stdin=stdin, stdout=stdout)
@@ -100,7 +107,7 @@ class TapeDebugger(BreakpointCommands, LookingCommands, cmd.Cmd):
             self.out.line(f"(tokentape) {line.rstrip()}", style="dim")
         stripped = line.lstrip()
         if stripped.startswith("reverse-continue"):
-            return "reverse_continue" + stripped[len("reverse-continue"):]
+            return "reverse_continue" + stripped[len("reverse-continue") :]
         return line
 
     def onecmd(self, line: str) -> bool:
@@ -138,11 +145,15 @@ class TapeDebugger(BreakpointCommands, LookingCommands, cmd.Cmd):
         for group, names in _HELP_GROUPS.items():
             self.out.line(f"{group}:", style="bold")
             for name in names:
-                doc = " ".join((getattr(self, "do_" + name.replace("-", "_")).__doc__ or "").split())
+                doc = " ".join(
+                    (getattr(self, "do_" + name.replace("-", "_")).__doc__ or "").split()
+                )
                 first_sentence = _SENTENCE_END.split(doc)[0].rstrip(".")
                 self.out.line(f"  {first_sentence}")
         self.out.line(f"aliases: {_ALIASES}")
-        self.out.line("help COMMAND says more; names lists what conditions, watch and print can use.")
+        self.out.line(
+            "help COMMAND says more; names lists what conditions, watch and print can use."
+        )
 
     def do_EOF(self, arg: str) -> bool:
         """End of input: leave the debugger."""
@@ -160,7 +171,9 @@ class TapeDebugger(BreakpointCommands, LookingCommands, cmd.Cmd):
         current = self.cursor.current_event()
         where = f"[{self.cursor.pos}/{self.cursor.num_events}]"
         if current is None:
-            self.out.line(f"{where}  at the start of the tape (no event applied)", style="bold cyan")
+            self.out.line(
+                f"{where}  at the start of the tape (no event applied)", style="bold cyan"
+            )
         else:
             seq, event = current
             self.out.line(f"{where}  event {seq}: {describe_event(event)}", style="bold cyan")
@@ -267,7 +280,9 @@ class TapeDebugger(BreakpointCommands, LookingCommands, cmd.Cmd):
     do_s, do_c, do_rc = do_step, do_continue, do_reverse_continue
 
 
-def run_debugger(tape: Tape, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
+def run_debugger(
+    tape: Tape, stdin: TextIO | None = None, stdout: TextIO | None = None
+) -> list[str]:
     """Run a session to its end; returns the errors of the commands that failed."""
     debugger = TapeDebugger(tape, stdin, stdout)
     debugger.run()

@@ -40,7 +40,9 @@ class BreakpointCommands:
             if not self.breakpoints:
                 self.out.line("no breakpoints")
             for bp in self.breakpoints:
-                self.out.line(f"{bp.number}: {bp.describe()} (hit {bp.hits} time{'s' if bp.hits != 1 else ''})")
+                self.out.line(
+                    f"{bp.number}: {bp.describe()} (hit {bp.hits} time{'s' if bp.hits != 1 else ''})"
+                )
             return
         bp = parse_breakpoint(next(self._numbers), arg)
         if bp.req_id is not None and bp.req_id not in self.cursor.all_request_ids():
@@ -87,4 +89,6 @@ class BreakpointCommands:
         changed = w.last is not None and value != w.last
         w.last = value
         text = f"watch {w.number}: {w.expression.text} = {format_value(value)}"
-        self.out.line(text + "  (changed)" if changed else text, style="magenta" if changed else None)
+        self.out.line(
+            text + "  (changed)" if changed else text, style="magenta" if changed else None
+        )

@@ -74,7 +74,9 @@ class LookingCommands:
             self.out.line("no requests yet")
             return
         # The same table as `tokentape inspect`: fits 80 columns on a terminal.
-        state_view(self.out.stream, self.out.rich).table(f"requests ({len(rows)})", REQUEST_COLUMNS, rows)
+        state_view(self.out.stream, self.out.rich).table(
+            f"requests ({len(rows)})", REQUEST_COLUMNS, rows
+        )
 
     def do_events(self, arg: str) -> None:
         """events [A-B | A | step=S]: list events by sequence number (default: around the
@@ -99,8 +101,9 @@ class LookingCommands:
             if seq >= last:
                 break
             mark = "->" if seq == cursor.pos - 1 else "  "
-            self.out.line(f"{mark} {seq:>7}  {describe_event(event)}",
-                          style="bold" if mark == "->" else None)
+            self.out.line(
+                f"{mark} {seq:>7}  {describe_event(event)}", style="bold" if mark == "->" else None
+            )
 
     def _events_of_step(self, step: int) -> tuple[int, int]:
         seq = self.cursor.seq_of_step(step)

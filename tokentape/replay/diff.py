@@ -47,8 +47,9 @@ class ClientStream:
     finish_seq: int | None = None
 
 
-def client_streams(tape: Tape,
-                   progress: Callable[[int], None] | None = None) -> dict[str, ClientStream]:
+def client_streams(
+    tape: Tape, progress: Callable[[int], None] | None = None
+) -> dict[str, ClientStream]:
     """Every request's delivered stream, in the order the requests were added. `progress`, if
     given, is called with the number of events read every 65536 events."""
     streams: dict[str, ClientStream] = {}
@@ -101,14 +102,18 @@ class TapeDiff:
     def format(self) -> str:
         if self.identical:
             n = self.num_requests
-            return (f"identical: {n} request{'' if n == 1 else 's'}, the same client-visible output "
-                    f"in {self.a_name} and {self.b_name}")
+            return (
+                f"identical: {n} request{'' if n == 1 else 's'}, the same client-visible output "
+                f"in {self.a_name} and {self.b_name}"
+            )
         d = self.divergences[0]
         a, b = self.a_streams[d.req_id].token_ids, self.b_streams[d.req_id].token_ids
         lines = [
-            (f"DIFFERENT: {len(self.divergences)} of {self.num_requests} "
-             f"request{'' if self.num_requests == 1 else 's'} differ{'s' if len(self.divergences) == 1 else ''} "
-             f"between A ({self.a_name}) and B ({self.b_name})"),
+            (
+                f"DIFFERENT: {len(self.divergences)} of {self.num_requests} "
+                f"request{'' if self.num_requests == 1 else 's'} differ{'s' if len(self.divergences) == 1 else ''} "
+                f"between A ({self.a_name}) and B ({self.b_name})"
+            ),
             f"first divergence: request {d.req_id}, output position {d.position} ({d.what})",
             f"  A: {_window(a, d.position)}",
             f"  B: {_window(b, d.position)}",
@@ -120,8 +125,10 @@ class TapeDiff:
                 mark = ">" if s == seq else " "
                 lines.append(f"  {mark} {s:>7}  {describe_event(event)}")
         for other in self.divergences[1:]:
-            lines.append(f"also differs: request {other.req_id} from output position "
-                         f"{other.position} ({other.what})")
+            lines.append(
+                f"also differs: request {other.req_id} from output position "
+                f"{other.position} ({other.what})"
+            )
         return "\n".join(lines)
 
 
@@ -139,18 +146,26 @@ def _explain(a: list[int], b: list[int], p: int) -> str:
         n = min(len(x), len(y))
         return n > 0 and x[:n] == y[:n]
 
-    if p > 0 and p < len(b) and b[p] == a[p - 1] and same(b[p + 1:], a[p:]):
-        return (f"B repeats the token before position {p} ({b[p]}) and then goes on as A: a stale "
-                "token was applied, then its position was computed again")
-    if p > 0 and p < len(a) and a[p] == b[p - 1] and same(a[p + 1:], b[p:]):
-        return (f"A repeats the token before position {p} ({a[p]}) and then goes on as B: a stale "
-                "token was applied, then its position was computed again")
-    if same(b[p:], a[p + 1:]):
-        return (f"B's stream from position {p} is A's from position {p + 1}: B lost A's token {a[p]} "
-                "and every later token moved up by one (a valid frame was discarded)")
-    if same(a[p:], b[p + 1:]):
-        return (f"A's stream from position {p} is B's from position {p + 1}: A lost B's token {b[p]} "
-                "and every later token moved up by one (a valid frame was discarded)")
+    if p > 0 and p < len(b) and b[p] == a[p - 1] and same(b[p + 1 :], a[p:]):
+        return (
+            f"B repeats the token before position {p} ({b[p]}) and then goes on as A: a stale "
+            "token was applied, then its position was computed again"
+        )
+    if p > 0 and p < len(a) and a[p] == b[p - 1] and same(a[p + 1 :], b[p:]):
+        return (
+            f"A repeats the token before position {p} ({a[p]}) and then goes on as B: a stale "
+            "token was applied, then its position was computed again"
+        )
+    if same(b[p:], a[p + 1 :]):
+        return (
+            f"B's stream from position {p} is A's from position {p + 1}: B lost A's token {a[p]} "
+            "and every later token moved up by one (a valid frame was discarded)"
+        )
+    if same(a[p:], b[p + 1 :]):
+        return (
+            f"A's stream from position {p} is B's from position {p + 1}: A lost B's token {b[p]} "
+            "and every later token moved up by one (a valid frame was discarded)"
+        )
     return "the streams differ from here on"
 
 
@@ -167,32 +182,49 @@ def _compare(a: ClientStream, b: ClientStream) -> RequestDivergence | None:
         return s.token_seqs[-1] if s.token_seqs else s.added_seq
 
     if p is not None:
-        return RequestDivergence(a.req_id, p, "token", ta[p], tb[p], seq_of(a, p), seq_of(b, p),
-                                 _explain(ta, tb, p))
+        return RequestDivergence(
+            a.req_id, p, "token", ta[p], tb[p], seq_of(a, p), seq_of(b, p), _explain(ta, tb, p)
+        )
     if len(ta) != len(tb):
         longer, shorter = ("A", "B") if len(ta) > len(tb) else ("B", "A")
         short = b if len(ta) > len(tb) else a
         ended = f"finished ({short.finish_reason})" if short.finish_reason else "the tape ends"
         return RequestDivergence(
-            a.req_id, n, "length", ta[n] if n < len(ta) else None, tb[n] if n < len(tb) else None,
-            seq_of(a, n), seq_of(b, n),
+            a.req_id,
+            n,
+            "length",
+            ta[n] if n < len(ta) else None,
+            tb[n] if n < len(tb) else None,
+            seq_of(a, n),
+            seq_of(b, n),
             f"{shorter} delivered {n} tokens and {ended}; {longer} delivered {max(len(ta), len(tb))}",
         )
     if a.finish_reason != b.finish_reason:
         return RequestDivergence(
-            a.req_id, n, "finish_reason", None, None, seq_of(a, n), seq_of(b, n),
+            a.req_id,
+            n,
+            "finish_reason",
+            None,
+            None,
+            seq_of(a, n),
+            seq_of(b, n),
             f"the same {n} tokens, but A finished with {a.finish_reason or 'nothing (unfinished)'} "
             f"and B with {b.finish_reason or 'nothing (unfinished)'}",
         )
     return None
 
 
-def _align(a: dict[str, ClientStream], b: dict[str, ClientStream], a_name: str, b_name: str) -> None:
+def _align(
+    a: dict[str, ClientStream], b: dict[str, ClientStream], a_name: str, b_name: str
+) -> None:
     only_a = [r for r in a if r not in b]
     only_b = [r for r in b if r not in a]
     if only_a or only_b:
-        which = (f"request {only_a[0]!r} is only in A ({a_name})" if only_a
-                 else f"request {only_b[0]!r} is only in B ({b_name})")
+        which = (
+            f"request {only_a[0]!r} is only in A ({a_name})"
+            if only_a
+            else f"request {only_b[0]!r} is only in B ({b_name})"
+        )
         raise AlignmentError(
             f"the tapes cannot be aligned: they hold different requests ({which}; A has {len(a)} "
             f"requests, B has {len(b)})"

@@ -25,7 +25,9 @@ class Divergence:
     before: list[tuple[int, ev.Event]] = field(default_factory=list)
     after: list[tuple[int, ev.Event]] = field(default_factory=list)
     in_header: bool = False  # the header contradicts itself: no event was replayed
-    actual_label: str = "replayed"  # what `actual` is: the replay's event, or the fold's ("derived")
+    actual_label: str = (
+        "replayed"  # what `actual` is: the replay's event, or the fold's ("derived")
+    )
 
     def summary(self) -> str:
         """One line: where the tape stops reproducing and why."""
@@ -70,8 +72,9 @@ class Diverged(Exception):
 class RecordedStream:
     """The recorded events with one event of look-ahead and a little history for context."""
 
-    def __init__(self, events: Iterator[tuple[int, ev.Event]],
-                 progress: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, events: Iterator[tuple[int, ev.Event]], progress: Callable[[int], None] | None = None
+    ) -> None:
         self._events = events
         self._next: tuple[int, ev.Event] | None = next(events, None)
         self._ahead: deque[tuple[int, ev.Event]] = deque()  # read for context, not yet taken
@@ -100,17 +103,22 @@ class RecordedStream:
         except TapeError:
             pass  # context only: the divergence comes before the damage
         out = [self._next] if self._next is not None else []
-        return out + list(ahead)[:n - len(out)]
+        return out + list(ahead)[: n - len(out)]
 
-    def diverged(self, message: str, actual: ev.Event | None, actual_label: str = "replayed") -> Diverged:
+    def diverged(
+        self, message: str, actual: ev.Event | None, actual_label: str = "replayed"
+    ) -> Diverged:
         if self._next is None:
             seq, expected = (self.history[-1][0] + 1 if self.history else 0), None
             after: list[tuple[int, ev.Event]] = []
         else:
             seq, expected = self._next
             after = self.lookahead(CONTEXT + 1)[1:]
-        return Diverged(Divergence(seq, message, expected, actual, list(self.history), after,
-                                   actual_label=actual_label))
+        return Diverged(
+            Divergence(
+                seq, message, expected, actual, list(self.history), after, actual_label=actual_label
+            )
+        )
 
     def ended_with_error(self, statement: str | None = None) -> VerifyResult:
         """The recorded run stopped on an EngineError or RecordingStopped (next on the
@@ -118,21 +126,36 @@ class RecordedStream:
         _, last = self.take()
         assert isinstance(last, (ev.EngineError, ev.RecordingStopped))
         if self.peek() is not None:
-            d = self.diverged(f"an event follows the {ev.kind_of(last)} that ended the recording", None)
+            d = self.diverged(
+                f"an event follows the {ev.kind_of(last)} that ended the recording", None
+            )
             return VerifyResult(False, self.consumed, d.divergence, statement=statement)
         if isinstance(last, ev.RecordingStopped):
-            return VerifyResult(True, self.consumed, statement=statement, recording_stopped=last.reason)
-        return VerifyResult(True, self.consumed, ended_with_error=f"{last.error_type}: {last.message}",
-                            statement=statement)
+            return VerifyResult(
+                True, self.consumed, statement=statement, recording_stopped=last.reason
+            )
+        return VerifyResult(
+            True,
+            self.consumed,
+            ended_with_error=f"{last.error_type}: {last.message}",
+            statement=statement,
+        )
 
 
 def header_divergence(tape: Tape) -> Divergence | None:
     """What the header says twice must agree: the discard policy and seed of the header and of
     its engine config (the fold reads the first, the replayed engine the second)."""
     h, c = tape.header, tape.config
-    for name, said, configured in (("discard policy", h.discard_policy, c.discard_policy),
-                                   ("seed", h.seed, c.seed)):
+    for name, said, configured in (
+        ("discard policy", h.discard_policy, c.discard_policy),
+        ("seed", h.seed, c.seed),
+    ):
         if said != configured:
-            return Divergence(0, f"its {name} is {said!r} but its engine config's is {configured!r}",
-                              None, None, in_header=True)
+            return Divergence(
+                0,
+                f"its {name} is {said!r} but its engine config's is {configured!r}",
+                None,
+                None,
+                in_header=True,
+            )
     return None

@@ -55,46 +55,101 @@ def perfetto_trace(tape: Tape, timeline: Timeline | None = None) -> dict[str, An
     tids = {req_id: i + 1 for i, req_id in enumerate(tl.requests)}
     name = tape.path or "memory tape"
     meta: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": _PID, "tid": _ENGINE_TID, "ts": 0,
-         "args": {"name": f"tokentape {name} ({tape.header.discard_policy})"}},
-        {"name": "thread_name", "ph": "M", "pid": _PID, "tid": _ENGINE_TID, "ts": 0,
-         "args": {"name": "engine"}},
-        {"name": "thread_sort_index", "ph": "M", "pid": _PID, "tid": _ENGINE_TID, "ts": 0,
-         "args": {"sort_index": 0}},
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": _PID,
+            "tid": _ENGINE_TID,
+            "ts": 0,
+            "args": {"name": f"tokentape {name} ({tape.header.discard_policy})"},
+        },
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": _PID,
+            "tid": _ENGINE_TID,
+            "ts": 0,
+            "args": {"name": "engine"},
+        },
+        {
+            "name": "thread_sort_index",
+            "ph": "M",
+            "pid": _PID,
+            "tid": _ENGINE_TID,
+            "ts": 0,
+            "args": {"sort_index": 0},
+        },
     ]
     for req_id, tid in tids.items():
-        meta.append({"name": "thread_name", "ph": "M", "pid": _PID, "tid": tid, "ts": 0,
-                     "args": {"name": f"request {req_id}"}})
-        meta.append({"name": "thread_sort_index", "ph": "M", "pid": _PID, "tid": tid, "ts": 0,
-                     "args": {"sort_index": tid}})
+        meta.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": _PID,
+                "tid": tid,
+                "ts": 0,
+                "args": {"name": f"request {req_id}"},
+            }
+        )
+        meta.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": _PID,
+                "tid": tid,
+                "ts": 0,
+                "args": {"sort_index": tid},
+            }
+        )
     items: list[dict[str, Any]] = []
     for span in tl.spans:
-        items.append({
-            "name": span.phase, "cat": "request", "ph": "X", "pid": _PID, "tid": tids[span.req_id],
-            "ts": span.start_seq, "dur": span.end_seq - span.start_seq,
-            "args": {"req_id": span.req_id, "first_step": span.start_step, "last_step": span.end_step,
-                     "first_event": span.start_seq, "end_event": span.end_seq, "open": span.open},
-        })
+        items.append(
+            {
+                "name": span.phase,
+                "cat": "request",
+                "ph": "X",
+                "pid": _PID,
+                "tid": tids[span.req_id],
+                "ts": span.start_seq,
+                "dur": span.end_seq - span.start_seq,
+                "args": {
+                    "req_id": span.req_id,
+                    "first_step": span.start_step,
+                    "last_step": span.end_step,
+                    "first_event": span.start_seq,
+                    "end_event": span.end_seq,
+                    "open": span.open,
+                },
+            }
+        )
     for marker in tl.markers:
         engine_wide = marker.req_id is None
-        items.append({
-            "name": marker.kind + (f" ({marker.detail})" if marker.detail and not engine_wide else ""),
-            "cat": "engine" if engine_wide else "request", "ph": "i",
-            "s": "g" if engine_wide else "t",
-            "pid": _PID,
-            "tid": _ENGINE_TID if marker.req_id is None else tids[marker.req_id],
-            "ts": marker.seq,
-            "args": {"step": marker.step, "event": marker.seq, "detail": marker.detail},
-        })
+        items.append(
+            {
+                "name": marker.kind
+                + (f" ({marker.detail})" if marker.detail and not engine_wide else ""),
+                "cat": "engine" if engine_wide else "request",
+                "ph": "i",
+                "s": "g" if engine_wide else "t",
+                "pid": _PID,
+                "tid": _ENGINE_TID if marker.req_id is None else tids[marker.req_id],
+                "ts": marker.seq,
+                "args": {"step": marker.step, "event": marker.seq, "detail": marker.detail},
+            }
+        )
     # Each track's timestamps never go backwards: sort by time, slices before the instants
     # at the same time, longer slices first (a parent before what it contains).
     items.sort(key=lambda e: (e["ts"], e["ph"] != "X", -e.get("dur", 0)))
     return {
         "traceEvents": meta + items,
         "otherData": {
-            "tape": name, "clock": "1 us = 1 tape event", "events": tl.num_events,
-            "steps": tl.num_steps, "discard_policy": tl.discard_policy,
-            "model": tape.header.model_id, "version": tape.header.package_version,
+            "tape": name,
+            "clock": "1 us = 1 tape event",
+            "events": tl.num_events,
+            "steps": tl.num_steps,
+            "discard_policy": tl.discard_policy,
+            "model": tape.header.model_id,
+            "version": tape.header.package_version,
         },
     }
 
@@ -119,9 +174,24 @@ def write_jsonl(tape: Tape, out: TextIO, progress: Callable[[int], None] | None 
 # -- csv ------------------------------------------------------------------------------------
 
 CSV_COLUMNS = (
-    "step", "seq", "scheduled_requests", "scheduled_tokens", "spec_tokens", "prefill_entries",
-    "frames", "tokens_delivered", "frames_dropped", "preemptions", "finished", "aborted", "added",
-    "waiting", "running", "steps_in_flight", "paused", "prefix_cache_resets",
+    "step",
+    "seq",
+    "scheduled_requests",
+    "scheduled_tokens",
+    "spec_tokens",
+    "prefill_entries",
+    "frames",
+    "tokens_delivered",
+    "frames_dropped",
+    "preemptions",
+    "finished",
+    "aborted",
+    "added",
+    "waiting",
+    "running",
+    "steps_in_flight",
+    "paused",
+    "prefix_cache_resets",
 )
 
 
@@ -136,9 +206,13 @@ def write_csv(tape: Tape, out: TextIO, progress: Callable[[int], None] | None = 
 
     def flush() -> None:
         assert row is not None
-        row.update(waiting=len(state.waiting), running=len(state.running),
-                   steps_in_flight=len(state.in_flight_steps), paused=state.paused or "",
-                   prefix_cache_resets=state.num_prefix_cache_resets)
+        row.update(
+            waiting=len(state.waiting),
+            running=len(state.running),
+            steps_in_flight=len(state.in_flight_steps),
+            paused=state.paused or "",
+            prefix_cache_resets=state.num_prefix_cache_resets,
+        )
         writer.writerow([row[c] for c in CSV_COLUMNS])
 
     for seq, event in tape.events():
@@ -146,22 +220,31 @@ def write_csv(tape: Tape, out: TextIO, progress: Callable[[int], None] | None = 
             if row is not None:
                 flush()
             row = dict.fromkeys(CSV_COLUMNS, 0)
-            row.update(step=event.step, seq=seq, added=carried_adds,
-                       scheduled_requests=len(event.entries),
-                       scheduled_tokens=sum(e.num_new_tokens for e in event.entries),
-                       spec_tokens=sum(e.num_spec_tokens for e in event.entries))
+            row.update(
+                step=event.step,
+                seq=seq,
+                added=carried_adds,
+                scheduled_requests=len(event.entries),
+                scheduled_tokens=sum(e.num_new_tokens for e in event.entries),
+                spec_tokens=sum(e.num_spec_tokens for e in event.entries),
+            )
             carried_adds = 0
             evolve(state, event)
             requests = state.requests
             row["prefill_entries"] = sum(
-                1 for e in event.entries if e.num_computed_before < requests[e.req_id].num_prompt_tokens
+                1
+                for e in event.entries
+                if e.num_computed_before < requests[e.req_id].num_prompt_tokens
             )
             continue
         dropped_before = 0
         if type(event) is ev.FrameProduced:
             # An unknown request is left to evolve, which refuses the frame with a clear error.
-            dropped_before = sum(r.num_frames_dropped for e in event.entries
-                                 if (r := state.requests.get(e.req_id)) is not None)
+            dropped_before = sum(
+                r.num_frames_dropped
+                for e in event.entries
+                if (r := state.requests.get(e.req_id)) is not None
+            )
         evolve(state, event)
         if row is None:  # before the first step: only commands
             carried_adds += type(event) is ev.RequestAdded
@@ -169,8 +252,10 @@ def write_csv(tape: Tape, out: TextIO, progress: Callable[[int], None] | None = 
         match event:
             case ev.FrameProduced(entries=entries):
                 row["frames"] += 1
-                row["frames_dropped"] += sum(
-                    state.requests[e.req_id].num_frames_dropped for e in entries) - dropped_before
+                row["frames_dropped"] += (
+                    sum(state.requests[e.req_id].num_frames_dropped for e in entries)
+                    - dropped_before
+                )
             case ev.OutputsEmitted(entries=entries):
                 row["tokens_delivered"] += sum(len(e.token_ids) for e in entries)
             case ev.RequestPreempted():
@@ -188,18 +273,26 @@ def write_csv(tape: Tape, out: TextIO, progress: Callable[[int], None] | None = 
 
 
 WRITERS: dict[str, Callable[[Tape, TextIO, Callable[[int], None] | None], None]] = {
-    "perfetto": write_perfetto, "jsonl": write_jsonl, "csv": write_csv,
+    "perfetto": write_perfetto,
+    "jsonl": write_jsonl,
+    "csv": write_csv,
 }
 
 
-def export(tape: Tape, fmt: str, out: TextIO, progress: Callable[[int], None] | None = None) -> None:
+def export(
+    tape: Tape, fmt: str, out: TextIO, progress: Callable[[int], None] | None = None
+) -> None:
     """Write the tape in `fmt` (perfetto, jsonl or csv) to `out`."""
     if fmt == "sqlite":
-        raise ValueError("the sqlite export writes a file, not a stream: use export_sqlite(tape, path)")
+        raise ValueError(
+            "the sqlite export writes a file, not a stream: use export_sqlite(tape, path)"
+        )
     try:
         writer = WRITERS[fmt]
     except KeyError:
-        raise ValueError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}") from None
+        raise ValueError(
+            f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}"
+        ) from None
     writer(tape, out, progress)
 
 

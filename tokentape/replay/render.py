@@ -130,8 +130,13 @@ class Output:
     def error(self, message: str) -> None:
         self.line(f"error: {' '.join(message.split())}", style="bold red")
 
-    def table(self, columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None,
-              numeric_from: int = 1) -> None:
+    def table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Any]],
+        title: str | None = None,
+        numeric_from: int = 1,
+    ) -> None:
         """A table; columns from `numeric_from` on are right-aligned when their cells are numbers."""
         cells = [[safe_text(str(v)) for v in row] for row in rows]
         columns = [safe_text(c) for c in columns]
@@ -142,8 +147,12 @@ class Output:
 
             table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
             for i, name in enumerate(columns):
-                table.add_column(name, justify="right" if i >= numeric_from else "left",
-                                 style="bold" if i == 0 else None, overflow="fold")
+                table.add_column(
+                    name,
+                    justify="right" if i >= numeric_from else "left",
+                    style="bold" if i == 0 else None,
+                    overflow="fold",
+                )
             for row in cells:
                 table.add_row(*row)
             self._console.print(table)
@@ -153,8 +162,10 @@ class Output:
         allc = [list(columns)] + cells
         widths = [max(len(r[i]) for r in allc) for i in range(len(columns))]
         for row in allc:
-            text = "  ".join(v.rjust(w) if i >= numeric_from else v.ljust(w)
-                             for i, (v, w) in enumerate(zip(row, widths)))
+            text = "  ".join(
+                v.rjust(w) if i >= numeric_from else v.ljust(w)
+                for i, (v, w) in enumerate(zip(row, widths))
+            )
             self.stream.write(f"  {text.rstrip()}\n")
 
     def flush(self) -> None:
@@ -164,18 +175,36 @@ class Output:
 # -- the derived state as tables (inspect, the debugger's `requests`) ------------------------
 
 REQUEST_COLUMNS = (
-    "id", "status", "prompt", "output", "computed", "placeholders", "epoch", "discard",
-    "preemptions", "blocks", "dropped", "finish",
+    "id",
+    "status",
+    "prompt",
+    "output",
+    "computed",
+    "placeholders",
+    "epoch",
+    "discard",
+    "preemptions",
+    "blocks",
+    "dropped",
+    "finish",
 )
 
 
 def request_row(state: Any, req: Any) -> tuple[Any, ...]:
     """One request's row of REQUEST_COLUMNS (an EngineState and one of its RequestStates)."""
     return (
-        req.req_id, req.status.value, req.num_prompt_tokens, len(req.output_token_ids),
-        req.num_computed_tokens, req.num_output_placeholders, req.epoch,
-        state.discard_count(req), req.num_preemptions, len(req.block_ids),
-        req.num_frames_dropped, req.finish_reason or "-",
+        req.req_id,
+        req.status.value,
+        req.num_prompt_tokens,
+        len(req.output_token_ids),
+        req.num_computed_tokens,
+        req.num_output_placeholders,
+        req.epoch,
+        state.discard_count(req),
+        req.num_preemptions,
+        len(req.block_ids),
+        req.num_frames_dropped,
+        req.finish_reason or "-",
     )
 
 
@@ -211,10 +240,15 @@ class RichView:
 
     # Short headers (explained in the caption) keep the request table inside 80 columns.
     _HEADERS: ClassVar[dict[str, str]] = {
-        "computed": "comp", "placeholders": "ph", "discard": "disc", "preemptions": "preempt",
+        "computed": "comp",
+        "placeholders": "ph",
+        "discard": "disc",
+        "preemptions": "preempt",
     }
-    _CAPTION = ("prompt/output: lengths, comp: num_computed_tokens, ph: num_output_placeholders, "
-                "disc: discard count, dropped: frames dropped")
+    _CAPTION = (
+        "prompt/output: lengths, comp: num_computed_tokens, ph: num_output_placeholders, "
+        "disc: discard count, dropped: frames dropped"
+    )
 
     def __init__(self, out: TextIO) -> None:
         from rich.console import Console
@@ -240,13 +274,22 @@ class RichView:
         from rich.text import Text
 
         self.console.print(safe_text(title), style="bold", markup=False)
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                      caption=self._CAPTION, caption_justify="left")
+        table = Table(
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            collapse_padding=True,
+            caption=self._CAPTION,
+            caption_justify="left",
+        )
         for i, name in enumerate(columns):
             numeric = 1 < i < len(columns) - 1
-            table.add_column(self._HEADERS.get(name, name), justify="right" if numeric else "left",
-                             overflow="fold", style="bold" if i == 0 else None,
-                             no_wrap=i == 1)
+            table.add_column(
+                self._HEADERS.get(name, name),
+                justify="right" if numeric else "left",
+                overflow="fold",
+                style="bold" if i == 0 else None,
+                no_wrap=i == 1,
+            )
         for row in rows:
             # The finish column says why a request finished; "finished" is enough here.
             status = "finished" if str(row[1]).startswith("finished") else row[1]

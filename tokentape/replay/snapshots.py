@@ -66,8 +66,11 @@ def copy_request(req: RequestState) -> RequestState:
 
 def is_settled(state: EngineState, req: RequestState) -> bool:
     """Finished, nothing in flight, output delivered: no later event changes the request."""
-    return (req.finish_reason is not None and not req.num_in_flight
-            and req.req_id not in state.pending_output)
+    return (
+        req.finish_reason is not None
+        and not req.num_in_flight
+        and req.req_id not in state.pending_output
+    )
 
 
 def _with_requests(state: EngineState, requests: dict[str, RequestState]) -> EngineState:
@@ -79,8 +82,9 @@ def _with_requests(state: EngineState, requests: dict[str, RequestState]) -> Eng
             new.requests = requests
         elif name == "in_flight_steps":
             new.in_flight_steps = deque(
-                InFlightStep(s.step, s.entries, [requests[r.req_id] for r in s.requests],
-                             set(s.partial))
+                InFlightStep(
+                    s.step, s.entries, [requests[r.req_id] for r in s.requests], set(s.partial)
+                )
                 for s in state.in_flight_steps
             )
         else:
@@ -92,9 +96,13 @@ def copy_state(state: EngineState) -> EngineState:
     """An independent copy of the engine state: folding more events into either leaves the
     other unchanged. Settled requests are shared (nothing changes them); in-flight steps point
     at the copied requests."""
-    return _with_requests(state, {
-        req_id: r if is_settled(state, r) else copy_request(r) for req_id, r in state.requests.items()
-    })
+    return _with_requests(
+        state,
+        {
+            req_id: r if is_settled(state, r) else copy_request(r)
+            for req_id, r in state.requests.items()
+        },
+    )
 
 
 class Snapshot:
@@ -107,8 +115,11 @@ class Snapshot:
     def __init__(self, state: EngineState, seq: int) -> None:
         self.seq = seq
         self.num_requests = len(state.requests)
-        self.live = {req_id: copy_request(r) for req_id, r in state.requests.items()
-                     if not is_settled(state, r)}
+        self.live = {
+            req_id: copy_request(r)
+            for req_id, r in state.requests.items()
+            if not is_settled(state, r)
+        }
         # Every request of an in-flight step has something in flight, so it is live.
         self.engine = _with_requests(state, self.live)
         self.engine.requests = {}  # the requests are rebuilt on restore
@@ -118,7 +129,7 @@ class Snapshot:
         the order they were added (at least `num_requests` of them)."""
         live = self.live
         requests = {}
-        for r in arrivals[:self.num_requests]:
+        for r in arrivals[: self.num_requests]:
             copy = live.get(r.req_id)
             requests[r.req_id] = r if copy is None else copy_request(copy)
         return _with_requests(self.engine, requests)
@@ -136,8 +147,13 @@ class SnapshotIndex:
     `StepScheduled` event.
     """
 
-    def __init__(self, events_from: EventSource, initial: EngineState, num_events: int,
-                 interval: int = DEFAULT_INTERVAL) -> None:
+    def __init__(
+        self,
+        events_from: EventSource,
+        initial: EngineState,
+        num_events: int,
+        interval: int = DEFAULT_INTERVAL,
+    ) -> None:
         if interval < 1:
             raise ValueError(f"the snapshot interval must be >= 1, got {interval}")
         self.events_from = events_from
@@ -205,8 +221,10 @@ class SnapshotIndex:
         """The event at position `n` cannot follow the ones before it (a damaged or
         hand-edited tape): the index ends before it, with a clean state, and says why."""
         self.num_events = n
-        self.error = str(exc) if isinstance(exc, ReducerError) else (
-            f"event {n} cannot be read: {one_line(exc)}"
+        self.error = (
+            str(exc)
+            if isinstance(exc, ReducerError)
+            else (f"event {n} cannot be read: {one_line(exc)}")
         )
         self._frontier_events = None
         i = bisect.bisect_right(self.positions, n) - 1

@@ -25,7 +25,11 @@ def header_summary(tape: Tape, num_events: int) -> dict[str, Any]:
         "tape": tape.path or "<memory>",
         "format version": h.format_version,
         "package version": h.package_version,
-        **({"recorded from": f"{h.source} {h.source_version}".strip()} if h.source != "tokentape" else {}),
+        **(
+            {"recorded from": f"{h.source} {h.source_version}".strip()}
+            if h.source != "tokentape"
+            else {}
+        ),
         "created at": h.created_at or "-",
         "model": h.model_id,
         "discard policy": h.discard_policy,
@@ -81,8 +85,12 @@ def request_detail(state: EngineState, req: RequestState) -> dict[str, Any]:
         "num_preemptions": req.num_preemptions,
         "block_ids": list(req.block_ids),
         "in_flight": [
-            {"step": step, "epoch": e.epoch, "num_spec_tokens": e.num_spec_tokens,
-             "stale": e.epoch != req.epoch}
+            {
+                "step": step,
+                "epoch": e.epoch,
+                "num_spec_tokens": e.num_spec_tokens,
+                "stale": e.epoch != req.epoch,
+            }
             for step, e in state.in_flight_entries(req.req_id)
         ],
         "stop_reason": req.stop_reason,
@@ -92,12 +100,15 @@ def request_detail(state: EngineState, req: RequestState) -> dict[str, Any]:
 
 
 _ENGINE_FIELDS: dict[str, Callable[[EngineState], Any]] = {
-    "step": lambda s: s.step, "paused": lambda s: s.paused, "waiting": lambda s: list(s.waiting),
+    "step": lambda s: s.step,
+    "paused": lambda s: s.paused,
+    "waiting": lambda s: list(s.waiting),
     "running": lambda s: list(s.running),
     "in_flight_steps": lambda s: [x.step for x in s.in_flight_steps],
     "pending_output": lambda s: list(s.pending_output),
     "num_prefix_cache_resets": lambda s: s.num_prefix_cache_resets,
-    "weights_id": lambda s: s.weights_id, "error": lambda s: s.error,
+    "weights_id": lambda s: s.weights_id,
+    "error": lambda s: s.error,
 }
 
 
@@ -112,15 +123,17 @@ def state_changes(before: EngineState, after: EngineState) -> list[str]:
         new_detail = request_detail(after, req)
         old_req = before.requests.get(req_id)
         if old_req is None:
-            lines.append(f"+ request {req_id} added ({new_detail['num_prompt_tokens']} prompt tokens)")
+            lines.append(
+                f"+ request {req_id} added ({new_detail['num_prompt_tokens']} prompt tokens)"
+            )
             continue
         old_detail = request_detail(before, old_req)
         for key, new in new_detail.items():
             old = old_detail[key]
             if old == new:
                 continue
-            if key == "output_token_ids" and isinstance(old, list) and new[:len(old)] == old:
-                lines.append(f"{req_id}.output_token_ids: + {new[len(old):]}")
+            if key == "output_token_ids" and isinstance(old, list) and new[: len(old)] == old:
+                lines.append(f"{req_id}.output_token_ids: + {new[len(old) :]}")
             else:
                 lines.append(f"{req_id}.{key}: {old} -> {new}")
     return lines

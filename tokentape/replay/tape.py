@@ -21,8 +21,13 @@ MAX_KV_BLOCKS = 1 << 22  # 4M blocks (64M tokens of 16): a header claiming more 
 
 def state_before_events(header: ev.TapeHeader, config: EngineConfig) -> EngineState:
     """The state a tape with this header starts its fold from."""
-    return initial_state(header.discard_policy, config.effective_pipeline_depth > 1,
-                         header.eos_token_id, config.effective_max_model_len, config.faults)
+    return initial_state(
+        header.discard_policy,
+        config.effective_pipeline_depth > 1,
+        header.eos_token_id,
+        config.effective_max_model_len,
+        config.faults,
+    )
 
 
 class Tape:
@@ -38,12 +43,17 @@ class Tape:
         try:
             self.config = EngineConfig(**self.header.config)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise TapeError(self.path, f"the engine config in the header is invalid ({exc})") from None
+            raise TapeError(
+                self.path, f"the engine config in the header is invalid ({exc})"
+            ) from None
         # Readers size tables by the KV pool (the postmortem's block counts, verify's engine);
         # no engine that recorded a tape held more blocks than this.
         if self.config.num_kv_blocks > MAX_KV_BLOCKS:
-            raise TapeError(self.path, f"the engine config in the header is invalid (num_kv_blocks "
-                            f"{self.config.num_kv_blocks} is more than {MAX_KV_BLOCKS})")
+            raise TapeError(
+                self.path,
+                f"the engine config in the header is invalid (num_kv_blocks "
+                f"{self.config.num_kv_blocks} is more than {MAX_KV_BLOCKS})",
+            )
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -55,8 +65,9 @@ class Tape:
     def initial_state(self) -> EngineState:
         return state_before_events(self.header, self.config)
 
-    def fold(self, until_seq: int | None = None,
-             progress: Callable[[int], None] | None = None) -> EngineState:
+    def fold(
+        self, until_seq: int | None = None, progress: Callable[[int], None] | None = None
+    ) -> EngineState:
         """The state after every event (or after the events before `until_seq`). `progress`,
         if given, is called with the number of events folded so far, every PROGRESS_EVERY."""
         if progress is None:
@@ -74,8 +85,9 @@ class Tape:
     def snapshots(self) -> SnapshotIndex:
         """The tape's snapshot index, built lazily as far as seeks need it."""
         if self._snapshots is None:
-            self._snapshots = SnapshotIndex(self.events, self.initial_state(), len(self),
-                                            self.snapshot_interval)
+            self._snapshots = SnapshotIndex(
+                self.events, self.initial_state(), len(self), self.snapshot_interval
+            )
         return self._snapshots
 
     def at(self, step: int, progress: Callable[[int], None] | None = None) -> EngineState:

@@ -43,11 +43,14 @@ from tokentape.events.state import EngineState, RequestState, RequestStatus
 from tokentape.events.store import MemoryTape
 
 Phase = Literal["waiting", "prefill", "decode", "preempted", "paused"]
-MarkerKind = Literal["reset", "pause", "resume", "weights", "error", "stopped", "preempt", "discarded",
-                     "finish"]
+MarkerKind = Literal[
+    "reset", "pause", "resume", "weights", "error", "stopped", "preempt", "discarded", "finish"
+]
 
 PHASES: tuple[Phase, ...] = ("waiting", "prefill", "decode", "preempted", "paused")
-ENGINE_MARKERS: frozenset[str] = frozenset({"reset", "pause", "resume", "weights", "error", "stopped"})
+ENGINE_MARKERS: frozenset[str] = frozenset(
+    {"reset", "pause", "resume", "weights", "error", "stopped"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +102,12 @@ class Timeline:
 def _event_requests(event: ev.Event, state: EngineState) -> Iterable[str]:
     """The requests whose phase this event may change."""
     match event:
-        case ev.RequestAdded(req_id=r) | ev.RequestAborted(req_id=r) | ev.RequestFinished(req_id=r) \
-                | ev.RequestPreempted(req_id=r):
+        case (
+            ev.RequestAdded(req_id=r)
+            | ev.RequestAborted(req_id=r)
+            | ev.RequestFinished(req_id=r)
+            | ev.RequestPreempted(req_id=r)
+        ):
             return (r,)
         case ev.StepScheduled(entries=entries):
             return [e.req_id for e in entries]
@@ -171,7 +178,9 @@ class _Builder:
             case ev.RequestAdded(req_id=r):
                 self.requests.append(r)
             case ev.PrefixCacheReset(ok=ok, reset_running_requests=running):
-                detail = ("ok" if ok else "failed") + (", running requests reset" if running else "")
+                detail = ("ok" if ok else "failed") + (
+                    ", running requests reset" if running else ""
+                )
                 self.markers.append(Marker("reset", seq, step, None, detail))
             case ev.GenerationPaused(mode=mode, clear_cache=clear):
                 detail = f"mode={mode}" + (", clear_cache" if clear else "")
@@ -211,8 +220,15 @@ class _Builder:
         for req_id in list(self.open):
             self.close(req_id, num_events, self.last_step, still_open=True)
         self.spans.sort(key=lambda s: (s.start_seq, s.req_id))
-        return Timeline(self.requests, self.spans, self.markers, num_events, self.state.step,
-                        self.state.discard_policy, self.finish_reasons)
+        return Timeline(
+            self.requests,
+            self.spans,
+            self.markers,
+            num_events,
+            self.state.step,
+            self.state.discard_policy,
+            self.finish_reasons,
+        )
 
 
 def timeline_from_events(

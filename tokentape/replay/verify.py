@@ -16,11 +16,25 @@ from tokentape.engine.runners.base import ScheduledBatch
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape, TapeError
-from tokentape.replay.divergence import Divergence, Diverged, RecordedStream, VerifyResult, header_divergence
+from tokentape.replay.divergence import (
+    Diverged,
+    Divergence,
+    RecordedStream,
+    VerifyResult,
+    header_divergence,
+)
 from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.verify_recorded import verify_recorded
 
-__all__ = ["Divergence", "VerifyResult", "check_consistent", "header_divergence", "issue_command", "verify"]
+__all__ = [
+    "Divergence",
+    "VerifyResult",
+    "check_consistent",
+    "header_divergence",
+    "issue_command",
+    "verify",
+]
+
 
 class _CheckingTape:
     """A tape writer that compares every appended event with the recording."""
@@ -34,7 +48,9 @@ class _CheckingTape:
     def append(self, event: ev.Event) -> None:
         nxt = self.stream.peek()
         if nxt is None:
-            raise self.stream.diverged("the replay emitted an event past the end of the tape", event)
+            raise self.stream.diverged(
+                "the replay emitted an event past the end of the tape", event
+            )
         if nxt[1] != event:
             raise self.stream.diverged(f"the replay emitted a different {ev.kind_of(event)}", event)
         self.stream.take()
@@ -131,21 +147,28 @@ class TapeInconsistentError(ValueError):
     one (diff): it would draw conclusions from events that cannot follow each other."""
 
 
-def check_consistent(source: str | os.PathLike[str] | MemoryTape | Tape,
-                     progress: Callable[[int], None] | None = None) -> Tape:
+def check_consistent(
+    source: str | os.PathLike[str] | MemoryTape | Tape,
+    progress: Callable[[int], None] | None = None,
+) -> Tape:
     """The tape, once `verify` passes on it; TapeInconsistentError naming where it fails."""
     tape = load_tape(source)
     result = verify(tape, progress)
     if not result.ok:
-        where = result.first_divergence.summary() if result.first_divergence else "it does not replay"
+        where = (
+            result.first_divergence.summary() if result.first_divergence else "it does not replay"
+        )
         raise TapeInconsistentError(
             f"{tape.path or '<memory tape>'} is not internally consistent ({where}); "
-            "'tokentape replay verify' shows the events around it")
+            "'tokentape replay verify' shows the events around it"
+        )
     return tape
 
 
-def verify(source: str | os.PathLike[str] | MemoryTape | Tape,
-           progress: Callable[[int], None] | None = None) -> VerifyResult:
+def verify(
+    source: str | os.PathLike[str] | MemoryTape | Tape,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyResult:
     """Re-run the scheduler over the tape's frames; ok when every recorded event reproduces.
     These are the tape's consistency checks: `diff` and `postmortem` run them too. A tape that
     cannot be read raises TapeError. `progress`, if given, is called with the number of events
@@ -160,7 +183,9 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape,
         return VerifyResult(False, 0, bad_header)
     stream = RecordedStream(tape.events(), progress)
     engine = LLMEngine(
-        tape.config, _StreamReplayRunner(stream, tape.header), _CheckingTape(stream, tape.header),
+        tape.config,
+        _StreamReplayRunner(stream, tape.header),
+        _CheckingTape(stream, tape.header),
         tape_tokenizer(tape.header),
     )
     try:
@@ -181,14 +206,24 @@ def verify(source: str | os.PathLike[str] | MemoryTape | Tape,
                 raise
             except Exception as exc:
                 last = stream.history[-1][1] if stream.history else None
-                if (stream.peek() is None and isinstance(last, ev.EngineError)
-                        and last.error_type == type(exc).__name__ and stream.consumed > before):
+                if (
+                    stream.peek() is None
+                    and isinstance(last, ev.EngineError)
+                    and last.error_type == type(exc).__name__
+                    and stream.consumed > before
+                ):
                     # The replay failed where the recording did, recording the same EngineError
                     # (an injected fault such as crash_on_aborted_output fails on replay too).
-                    return VerifyResult(True, stream.consumed, None, f"{last.error_type}: {last.message}")
-                raise stream.diverged(f"the replay raised {type(exc).__name__}: {exc}", None) from exc
+                    return VerifyResult(
+                        True, stream.consumed, None, f"{last.error_type}: {last.message}"
+                    )
+                raise stream.diverged(
+                    f"the replay raised {type(exc).__name__}: {exc}", None
+                ) from exc
             if stream.consumed == before:
-                raise stream.diverged("the replay emitted nothing where the tape has an event", None)
+                raise stream.diverged(
+                    "the replay emitted nothing where the tape has an event", None
+                )
     except Diverged as d:
         nxt = stream.peek()
         if nxt is not None and isinstance(nxt[1], ev.EngineError):

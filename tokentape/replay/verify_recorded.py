@@ -41,9 +41,11 @@ DERIVED = "derived"
 def statement_for(header: ev.TapeHeader) -> str:
     """What verify checks on a tape another engine recorded, in one sentence."""
     engine = f"{header.source} {header.source_version}".strip()
-    return (f"recorded by {engine}: its scheduler is not re-run; the recorded decisions were folded "
-            f"under the '{header.discard_policy}' discard policy and every derived fact was checked "
-            "against the recorded frames, finishes and client outputs")
+    return (
+        f"recorded by {engine}: its scheduler is not re-run; the recorded decisions were folded "
+        f"under the '{header.discard_policy}' discard policy and every derived fact was checked "
+        "against the recorded frames, finishes and client outputs"
+    )
 
 
 def verify_recorded(tape: Tape, progress: Callable[[int], None] | None = None) -> VerifyResult:
@@ -53,8 +55,12 @@ def verify_recorded(tape: Tape, progress: Callable[[int], None] | None = None) -
     if bad_header is not None:
         return VerifyResult(False, 0, bad_header, statement=statement)
     stream = RecordedStream(tape.events(), progress)
-    checker = ConsistencyChecker(tape.initial_state(), tape.config.max_num_batched_tokens,
-                                 tape.config.max_num_seqs, tape.header.vocab_size)
+    checker = ConsistencyChecker(
+        tape.initial_state(),
+        tape.config.max_num_batched_tokens,
+        tape.config.max_num_seqs,
+        tape.header.vocab_size,
+    )
     try:
         while (nxt := stream.peek()) is not None:
             event = nxt[1]
@@ -88,8 +94,9 @@ class ConsistencyChecker:
     `check` raises Inconsistent for one that contradicts it; the fold may then hold part of
     that event, so checking stops there."""
 
-    def __init__(self, state: EngineState, max_num_batched_tokens: int, max_num_seqs: int,
-                 vocab_size: int) -> None:
+    def __init__(
+        self, state: EngineState, max_num_batched_tokens: int, max_num_seqs: int, vocab_size: int
+    ) -> None:
         self.state = state
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
@@ -100,7 +107,9 @@ class ConsistencyChecker:
         return Inconsistent(message, derived)
 
     def check(self, e: ev.Event) -> None:
-        if self.resetting and not (isinstance(e, ev.RequestPreempted) and e.reason == "reset_prefix_cache"):
+        if self.resetting and not (
+            isinstance(e, ev.RequestPreempted) and e.reason == "reset_prefix_cache"
+        ):
             self.end_of_reset()
         before = _BEFORE.get(type(e))
         if before is not None:
@@ -110,8 +119,10 @@ class ConsistencyChecker:
         except FOLD_ERRORS as exc:
             raise self.fail(f"the reducer refuses this {ev.kind_of(e)}: {one_line(exc)}") from None
         if isinstance(e, ev.StepScheduled) and len(self.state.running) > self.max_seqs:
-            raise self.fail(f"step {e.step} leaves {len(self.state.running)} requests running, more "
-                            f"than max_num_seqs {self.max_seqs}")
+            raise self.fail(
+                f"step {e.step} leaves {len(self.state.running)} requests running, more "
+                f"than max_num_seqs {self.max_seqs}"
+            )
         if isinstance(e, ev.PrefixCacheReset) and e.ok and e.reset_running_requests:
             self.resetting = True
 
@@ -120,8 +131,10 @@ class ConsistencyChecker:
             return
         self.resetting = False
         if self.state.running:
-            raise self.fail(f"a prefix-cache reset with reset_running_requests left "
-                            f"{len(self.state.running)} request(s) running ({self.state.running[0]!r}, ...)")
+            raise self.fail(
+                f"a prefix-cache reset with reset_running_requests left "
+                f"{len(self.state.running)} request(s) running ({self.state.running[0]!r}, ...)"
+            )
 
     # -- the checks before each kind of event is applied -----------------------------------------
 
@@ -131,70 +144,100 @@ class ConsistencyChecker:
             raise self.fail(f"step {e.step} was scheduled while generation was paused (keep)")
         total = sum(entry.num_new_tokens for entry in e.entries)
         if total > self.max_tokens:
-            raise self.fail(f"step {e.step} schedules {total} tokens, more than "
-                            f"max_num_batched_tokens {self.max_tokens}")
+            raise self.fail(
+                f"step {e.step} schedules {total} tokens, more than "
+                f"max_num_batched_tokens {self.max_tokens}"
+            )
         for entry in e.entries:
             req = state.requests.get(entry.req_id)
             if req is None or req.is_finished:
                 continue  # the reducer refuses it, naming why
             name = f"request {entry.req_id!r} in step {e.step}"
             if entry.num_new_tokens < 1 or not 0 <= entry.num_spec_tokens < entry.num_new_tokens:
-                raise self.fail(f"{name} is scheduled {entry.num_new_tokens} tokens with "
-                                f"{entry.num_spec_tokens} speculative")
+                raise self.fail(
+                    f"{name} is scheduled {entry.num_new_tokens} tokens with "
+                    f"{entry.num_spec_tokens} speculative"
+                )
             if entry.epoch != req.epoch:
-                raise self.fail(f"{name} is scheduled in epoch {entry.epoch}, but the request is in "
-                                f"epoch {req.epoch} ({req.num_preemptions} preemptions)")
+                raise self.fail(
+                    f"{name} is scheduled in epoch {entry.epoch}, but the request is in "
+                    f"epoch {req.epoch} ({req.num_preemptions} preemptions)"
+                )
             if req.status is RequestStatus.RUNNING:
                 if entry.num_computed_before != req.num_computed_tokens:
-                    raise self.fail(f"{name} continues from position {entry.num_computed_before}, but "
-                                    f"the fold has it computed to {req.num_computed_tokens}")
+                    raise self.fail(
+                        f"{name} continues from position {entry.num_computed_before}, but "
+                        f"the fold has it computed to {req.num_computed_tokens}"
+                    )
                 continue
             if state.paused == "wait":
                 raise self.fail(f"{name} is admitted while generation was paused (wait)")
             known = req.num_tokens
             if entry.num_computed_before + entry.num_new_tokens - entry.num_spec_tokens > known:
-                raise self.fail(f"{name} is admitted at positions {entry.num_computed_before}-"
-                                f"{entry.num_computed_before + entry.num_new_tokens - 1}, past its "
-                                f"{known} known tokens")
+                raise self.fail(
+                    f"{name} is admitted at positions {entry.num_computed_before}-"
+                    f"{entry.num_computed_before + entry.num_new_tokens - 1}, past its "
+                    f"{known} known tokens"
+                )
 
     def preempted(self, e: ev.RequestPreempted) -> None:
         req = self.state.requests.get(e.req_id)
         if req is None:
             return  # the reducer refuses it
         if e.reason == "reset_prefix_cache" and not self.resetting:
-            raise self.fail(f"request {e.req_id!r} is preempted for a prefix-cache reset, but no "
-                            "reset that resets running requests precedes it")
+            raise self.fail(
+                f"request {e.req_id!r} is preempted for a prefix-cache reset, but no "
+                "reset that resets running requests precedes it"
+            )
         if e.in_flight != req.num_in_flight:
             derived = ev.RequestPreempted(e.step, e.req_id, e.reason, req.num_in_flight)
-            raise self.fail(f"the preemption of {e.req_id!r} records {e.in_flight} steps in flight, "
-                            f"the fold has {req.num_in_flight}", derived)
+            raise self.fail(
+                f"the preemption of {e.req_id!r} records {e.in_flight} steps in flight, "
+                f"the fold has {req.num_in_flight}",
+                derived,
+            )
 
     def reset(self, e: ev.PrefixCacheReset) -> None:
         ok = e.reset_running_requests or not self.state.running
         if e.ok != ok:
-            why = "no request holds KV blocks" if ok else f"{len(self.state.running)} running requests hold KV blocks"
-            raise self.fail(f"the prefix-cache reset records ok={e.ok}, but {why}",
-                            ev.PrefixCacheReset(e.step, e.reset_running_requests, ok))
+            why = (
+                "no request holds KV blocks"
+                if ok
+                else f"{len(self.state.running)} running requests hold KV blocks"
+            )
+            raise self.fail(
+                f"the prefix-cache reset records ok={e.ok}, but {why}",
+                ev.PrefixCacheReset(e.step, e.reset_running_requests, ok),
+            )
 
     def finished(self, e: ev.RequestFinished) -> None:
         req = self.state.requests.get(e.req_id)
         if req is None:
             return
         if req.is_finished:
-            raise self.fail(f"request {e.req_id!r} finishes ({e.reason}), but it finished before "
-                            f"({req.finish_reason})")
+            raise self.fail(
+                f"request {e.req_id!r} finishes ({e.reason}), but it finished before "
+                f"({req.finish_reason})"
+            )
         derived = req.stop_reason
         if derived is None and e.reason != "stop":
-            raise self.fail(f"request {e.req_id!r} finishes ({e.reason}), but its frames reach no "
-                            "stop condition")
+            raise self.fail(
+                f"request {e.req_id!r} finishes ({e.reason}), but its frames reach no "
+                "stop condition"
+            )
         if derived is not None and derived != e.reason:
-            raise self.fail(f"request {e.req_id!r} finishes ({e.reason}), but its frames reach "
-                            f"the {derived} condition", ev.RequestFinished(e.step, e.req_id, derived))
+            raise self.fail(
+                f"request {e.req_id!r} finishes ({e.reason}), but its frames reach "
+                f"the {derived} condition",
+                ev.RequestFinished(e.step, e.req_id, derived),
+            )
 
     def aborted(self, e: ev.RequestAborted) -> None:
         req = self.state.requests.get(e.req_id)
         if req is not None and req.is_finished:
-            raise self.fail(f"request {e.req_id!r} is aborted, but it finished before ({req.finish_reason})")
+            raise self.fail(
+                f"request {e.req_id!r} is aborted, but it finished before ({req.finish_reason})"
+            )
 
     def resumed(self, e: ev.GenerationResumed) -> None:
         if self.state.paused is None:
@@ -207,29 +250,41 @@ class ConsistencyChecker:
         for entry in e.entries:
             for tok in entry.token_ids:
                 if not 0 <= tok < vocab:
-                    raise self.fail(f"the frame of step {e.step} gives request {entry.req_id!r} token "
-                                    f"{tok}, outside the vocabulary [0, {vocab})")
+                    raise self.fail(
+                        f"the frame of step {e.step} gives request {entry.req_id!r} token "
+                        f"{tok}, outside the vocabulary [0, {vocab})"
+                    )
 
     def outputs(self, e: ev.OutputsEmitted) -> None:
         requests = self.state.requests
         derived = {}
         for req_id in self.state.pending_output:
             req = requests[req_id]
-            derived[req_id] = ev.EmittedOutput(req_id, req.output_token_ids[req.num_emitted:],
-                                               req.finish_reason is not None, req.finish_reason)
+            derived[req_id] = ev.EmittedOutput(
+                req_id,
+                req.output_token_ids[req.num_emitted :],
+                req.finish_reason is not None,
+                req.finish_reason,
+            )
         recorded = {o.req_id: o for o in e.entries}
         if recorded == derived:
             return
-        req_id = next(r for r in sorted(set(recorded) | set(derived)) if recorded.get(r) != derived.get(r))
-        raise self.fail(f"the client was given {_describe(recorded.get(req_id))} for request {req_id!r} "
-                        f"at step {e.step}, but the fold derives {_describe(derived.get(req_id))}",
-                        ev.OutputsEmitted(e.step, list(derived.values())))
+        req_id = next(
+            r for r in sorted(set(recorded) | set(derived)) if recorded.get(r) != derived.get(r)
+        )
+        raise self.fail(
+            f"the client was given {_describe(recorded.get(req_id))} for request {req_id!r} "
+            f"at step {e.step}, but the fold derives {_describe(derived.get(req_id))}",
+            ev.OutputsEmitted(e.step, list(derived.values())),
+        )
 
 
 def _describe(out: ev.EmittedOutput | None) -> str:
     if out is None:
         return "nothing"
-    return f"tokens {out.token_ids}" + (f", finished ({out.finish_reason})" if out.finished else ", not finished")
+    return f"tokens {out.token_ids}" + (
+        f", finished ({out.finish_reason})" if out.finished else ", not finished"
+    )
 
 
 _BEFORE: dict[type, Callable[[ConsistencyChecker, Any], None]] = {

@@ -55,8 +55,12 @@ def recorded_runner(tape: Tape) -> str:
     return "oracle" if tape.config.model in ORACLE_MODELS else "model"
 
 
-def whatif_config(tape: Tape, discard_policy: str | None = None, pipeline_depth: int | None = None,
-                  runner: str | None = None) -> EngineConfig:
+def whatif_config(
+    tape: Tape,
+    discard_policy: str | None = None,
+    pipeline_depth: int | None = None,
+    runner: str | None = None,
+) -> EngineConfig:
     """The header's config with the changes applied (runner None: the recorded one)."""
     runner = recorded_runner(tape) if runner is None else runner
     if runner not in RUNNERS:
@@ -100,8 +104,9 @@ def _make_runner(config: EngineConfig, runner: str) -> ModelRunner:
     try:
         return make_runner(config)
     except ValueError as exc:
-        raise WhatIfError(f"--runner {runner}: cannot build a runner for model {config.model!r} "
-                          f"({exc})") from None
+        raise WhatIfError(
+            f"--runner {runner}: cannot build a runner for model {config.model!r} ({exc})"
+        ) from None
 
 
 def _advance_to(engine: LLMEngine, step: int, limit: int, goal: str | None = None) -> None:
@@ -115,15 +120,19 @@ def _advance_to(engine: LLMEngine, step: int, limit: int, goal: str | None = Non
         engine.step()
         if state.num_events == before:  # paused, or nothing schedulable: waiting cannot help
             return
-    raise WhatIfError(f"the what-if run did not {goal or f'reach step {step}'} within {limit} engine steps")
+    raise WhatIfError(
+        f"the what-if run did not {goal or f'reach step {step}'} within {limit} engine steps"
+    )
 
 
 def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) -> None:
     if isinstance(event, ev.WeightsUpdated):
         # The tape names the weights (an id) but does not hold them.
         if runner == "oracle":
-            notes.append(f"weight update to {event.weights_id!r} at step {event.step} skipped: "
-                         "the oracle's tokens do not depend on weights")
+            notes.append(
+                f"weight update to {event.weights_id!r} at step {event.step} skipped: "
+                "the oracle's tokens do not depend on weights"
+            )
             return
         raise WhatIfError(
             f"the tape updates the weights to {event.weights_id!r} at step {event.step}; the "
@@ -180,7 +189,8 @@ def whatif(
     original = load_tape(source)
     runner = recorded_runner(original) if runner is None else runner
     config, device_note = on_this_machine(
-        whatif_config(original, discard_policy, pipeline_depth, runner), runner)
+        whatif_config(original, discard_policy, pipeline_depth, runner), runner
+    )
     engine_runner = _make_runner(config, runner)
     writer = open_tape_writer(None if out is None else os.fspath(out), config, engine_runner)
     engine = LLMEngine(config, engine_runner, writer)

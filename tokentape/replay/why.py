@@ -51,8 +51,14 @@ def _project(event: ev.Event, req_id: str) -> ev.Event | None:
         mine = [e for e in event.entries if e.req_id == req_id]  # type: ignore[attr-defined]
         return kind(event.step, mine) if mine else None  # type: ignore[call-arg]
     if kind is ev.FrameProduced:
-        return ev.FrameProduced(event.step, [e for e in event.entries  # type: ignore[attr-defined]
-                                             if e.req_id == req_id])
+        return ev.FrameProduced(
+            event.step,
+            [
+                e
+                for e in event.entries  # type: ignore[attr-defined]
+                if e.req_id == req_id
+            ],
+        )
     return event if getattr(event, "req_id", None) == req_id else None
 
 
@@ -76,15 +82,20 @@ class _Tracer:
 
     def settled(self) -> bool:
         req = self.req
-        return (req.finish_reason is not None and not req.num_in_flight
-                and self.req_id not in self.state.pending_output)
+        return (
+            req.finish_reason is not None
+            and not req.num_in_flight
+            and self.req_id not in self.state.pending_output
+        )
 
     def done_with(self, p: int | None) -> bool:
         """Position `p` is delivered, and no frame in flight may still touch it."""
         if p is None or self.num_delivered <= p:
             return False
-        return not any(f.fate == "in flight" and f.first is not None and f.first <= p
-                       for f in self.frames.values())
+        return not any(
+            f.fate == "in flight" and f.first is not None and f.first <= p
+            for f in self.frames.values()
+        )
 
     def apply(self, seq: int, event: ev.Event) -> None:
         state, kind = self.state, type(event)
@@ -97,11 +108,24 @@ class _Tracer:
             entry = event.entries[0]  # type: ignore[attr-defined]
             req = self.req
             partial = self.req_id in state.in_flight_steps[-1].partial
-            first = None if partial else (entry.num_computed_before + entry.num_new_tokens
-                                          - entry.num_spec_tokens - req.num_prompt_tokens)
-            self.frames[event.step] = _Frame(seq, event.step, entry.epoch, first,
-                                             1 + entry.num_spec_tokens,
-                                             fate="prefill" if partial else "in flight")
+            first = (
+                None
+                if partial
+                else (
+                    entry.num_computed_before
+                    + entry.num_new_tokens
+                    - entry.num_spec_tokens
+                    - req.num_prompt_tokens
+                )
+            )
+            self.frames[event.step] = _Frame(
+                seq,
+                event.step,
+                entry.epoch,
+                first,
+                1 + entry.num_spec_tokens,
+                fate="prefill" if partial else "in flight",
+            )
         elif kind is ev.FrameProduced:
             if not state.in_flight_steps or state.in_flight_steps[0].step != event.step:
                 return  # a step this request was not in
@@ -122,7 +146,11 @@ class _Tracer:
     def _frame(self, seq: int, event: ev.FrameProduced) -> None:
         req, f = self.req, self.frames[event.step]
         f.frame_seq, f.stale = seq, f.epoch != req.epoch
-        before, dropped, stopped = len(req.output_token_ids), req.num_frames_dropped, req.stop_reason
+        before, dropped, stopped = (
+            len(req.output_token_ids),
+            req.num_frames_dropped,
+            req.stop_reason,
+        )
         evolve(self.state, event)
         after = len(req.output_token_ids)
         if f.first is None:
@@ -136,8 +164,9 @@ class _Tracer:
             f.fate = "ignored" if stopped is not None else "applied"
 
 
-def trace_request(tape: Tape, req_id: str, source: WhySource | None = None,
-                  position: int | None = None) -> _Tracer:
+def trace_request(
+    tape: Tape, req_id: str, source: WhySource | None = None, position: int | None = None
+) -> _Tracer:
     """Fold the request alone, from its `RequestAdded` until it is settled (or the tape ends),
     or, given a `position`, until that position is delivered and nothing in flight targets it."""
     own = source or WhySource(tape)
@@ -146,8 +175,10 @@ def trace_request(tape: Tape, req_id: str, source: WhySource | None = None,
         if start is None:
             known = own.request_ids()
             listed = ", ".join(map(repr, known)) + (", ..." if len(known) == 10 else "")
-            raise WhyError(f"{tape.path or 'the tape'}: no request {req_id!r} on the tape"
-                           + (f" (requests: {listed})" if known else " (it has no requests)"))
+            raise WhyError(
+                f"{tape.path or 'the tape'}: no request {req_id!r} on the tape"
+                + (f" (requests: {listed})" if known else " (it has no requests)")
+            )
         tracer = _Tracer(tape, req_id)
         extra: list[tuple[int, ev.Event]] = []
         looked_up: set[int] = set()

@@ -49,8 +49,9 @@ class WhyResult:
     def format(self) -> str:
         """The verdict, then the chain, one event a line (tape data is the caller's to escape)."""
         lines = [self.verdict, "", f"chain ({len(self.chain)} events):"]
-        lines += [f"  @{x.seq:<8} step {x.step:<6} {x.role:<10} {x.kind}: {x.detail}"
-                  for x in self.chain]
+        lines += [
+            f"  @{x.seq:<8} step {x.step:<6} {x.role:<10} {x.kind}: {x.detail}" for x in self.chain
+        ]
         return "\n".join(lines)
 
 
@@ -77,17 +78,30 @@ def _frame_link(f: _Frame, p: int, out: list[int], policy: str) -> Link | None:
             if f.stale:
                 detail += f": stale output delivered, as the {policy!r} policy does"
             return Link(f.frame_seq, f.step, "FrameProduced", "produced", detail)
-        return Link(f.frame_seq, f.step, "FrameProduced", "produced",
-                    f"its tokens went to {_positions(a, b)} ({epoch})")
+        return Link(
+            f.frame_seq,
+            f.step,
+            "FrameProduced",
+            "produced",
+            f"its tokens went to {_positions(a, b)} ({epoch})",
+        )
     if f.fate == "dropped":
-        why = (f"dropped as stale ({epoch})" if f.stale else
-               f"dropped by the {policy!r} policy although fresh ({epoch}): its tokens are lost, "
-               "and every later token moves up")
+        why = (
+            f"dropped as stale ({epoch})"
+            if f.stale
+            else f"dropped by the {policy!r} policy although fresh ({epoch}): its tokens are lost, "
+            "and every later token moves up"
+        )
         where = f"; they would have gone to {_positions(*f.would)}" if f.would else ""
         return Link(f.frame_seq, f.step, "FrameProduced", "dropped", why + where)
     if f.fate == "ignored":
-        return Link(f.frame_seq, f.step, "FrameProduced", "ignored",
-                    f"arrived after the request had stopped ({epoch}): not applied")
+        return Link(
+            f.frame_seq,
+            f.step,
+            "FrameProduced",
+            "ignored",
+            f"arrived after the request had stopped ({epoch}): not applied",
+        )
     return None
 
 
@@ -96,27 +110,48 @@ def explain(tracer: _Tracer, p: int) -> WhyResult:
     req, rid = tracer.req, tracer.req_id
     policy = tracer.state.discard_policy
     if p >= req.max_output_tokens:
-        raise WhyError(f"request {rid!r} asks for at most {req.max_output_tokens} output tokens "
-                       f"(positions 0..{req.max_output_tokens - 1}); position {p} cannot exist")
+        raise WhyError(
+            f"request {rid!r} asks for at most {req.max_output_tokens} output tokens "
+            f"(positions 0..{req.max_output_tokens - 1}); position {p} cannot exist"
+        )
     out = req.output_token_ids
     res = WhyResult(None, rid, p, policy, False, events_read=tracer.events_read)
     chain: list[Link] = []
     assert tracer.added is not None
     a_seq, added = tracer.added
-    chain.append(Link(a_seq, added.step, "RequestAdded", "added",
-                      f"prompt of {len(added.prompt_token_ids)} tokens, "
-                      f"max_tokens={added.params.max_tokens}"))
+    chain.append(
+        Link(
+            a_seq,
+            added.step,
+            "RequestAdded",
+            "added",
+            f"prompt of {len(added.prompt_token_ids)} tokens, max_tokens={added.params.max_tokens}",
+        )
+    )
     # A fresh frame dropped at or before the position moved every later token: it touched it.
-    fresh_drops = [f for f in tracer.frames.values()
-                   if f.fate == "dropped" and not f.stale and f.would and f.would[0] <= p]
-    touching = [f for f in tracer.frames.values()
-                if _targets(f, p) or _covers(f.landed, p) or _covers(f.would, p) or f in fresh_drops]
+    fresh_drops = [
+        f
+        for f in tracer.frames.values()
+        if f.fate == "dropped" and not f.stale and f.would and f.would[0] <= p
+    ]
+    touching = [
+        f
+        for f in tracer.frames.values()
+        if _targets(f, p) or _covers(f.landed, p) or _covers(f.would, p) or f in fresh_drops
+    ]
     producer = next((f for f in touching if _covers(f.landed, p)), None)
     for f in touching:
         last = f.first + f.span - 1 if f.first is not None else None
         where = f"position {f.first}" if last == f.first else f"positions {f.first}..{last}"
-        chain.append(Link(f.sched_seq, f.step, "StepScheduled", "scheduled",
-                          f"computes {where} in epoch {f.epoch}"))
+        chain.append(
+            Link(
+                f.sched_seq,
+                f.step,
+                "StepScheduled",
+                "scheduled",
+                f"computes {where} in epoch {f.epoch}",
+            )
+        )
         link = _frame_link(f, p, out, policy)
         if link is not None:
             chain.append(link)
@@ -124,32 +159,64 @@ def explain(tracer: _Tracer, p: int) -> WhyResult:
     first_touch = min((f.sched_seq for f in touching), default=a_seq)
     until = delivery[0] if delivery else 1 << 62
     # The preemption that made a touching frame stale, or set the policy that dropped it.
-    discarded = [f.frame_seq for f in touching if f.frame_seq is not None
-                 and (f.stale or f.fate == "dropped")]
+    discarded = [
+        f.frame_seq
+        for f in touching
+        if f.frame_seq is not None and (f.stale or f.fate == "dropped")
+    ]
     if discarded:
-        first_touch = min(first_touch, max(
-            (seq for seq, _, _ in tracer.preemptions if seq < min(discarded)), default=first_touch))
+        first_touch = min(
+            first_touch,
+            max(
+                (seq for seq, _, _ in tracer.preemptions if seq < min(discarded)),
+                default=first_touch,
+            ),
+        )
     for seq, e, length in tracer.preemptions:
         if first_touch <= seq <= until:
-            chain.append(Link(seq, e.step, "RequestPreempted", "preempted",
-                              f"reason {e.reason}, {e.in_flight} step(s) in flight, "
-                              f"{length} tokens so far"))
+            chain.append(
+                Link(
+                    seq,
+                    e.step,
+                    "RequestPreempted",
+                    "preempted",
+                    f"reason {e.reason}, {e.in_flight} step(s) in flight, {length} tokens so far",
+                )
+            )
     if tracer.finish is not None and (p >= len(out) - 1):
         f_seq, f_event = tracer.finish
         reason = getattr(f_event, "reason", "abort")
-        chain.append(Link(f_seq, f_event.step, type(f_event).__name__, "finished",
-                          f"reason {reason}, {len(out)} output tokens"))
+        chain.append(
+            Link(
+                f_seq,
+                f_event.step,
+                type(f_event).__name__,
+                "finished",
+                f"reason {reason}, {len(out)} output tokens",
+            )
+        )
     if delivery is not None:
         d_seq, d_event, a, b = delivery
-        chain.append(Link(d_seq, d_event.step, "OutputsEmitted", "delivered",
-                          f"gave the client {_positions(a, b)}"))
+        chain.append(
+            Link(
+                d_seq,
+                d_event.step,
+                "OutputsEmitted",
+                "delivered",
+                f"gave the client {_positions(a, b)}",
+            )
+        )
     chain.sort(key=lambda x: x.seq)
     res.chain = chain
 
     if p < len(out):
         res.token = out[p]
     if producer is not None:
-        res.step, res.scheduled_seq, res.frame_seq = producer.step, producer.sched_seq, producer.frame_seq
+        res.step, res.scheduled_seq, res.frame_seq = (
+            producer.step,
+            producer.sched_seq,
+            producer.frame_seq,
+        )
         res.epoch = producer.epoch
         assert producer.first is not None and producer.landed is not None
         res.scheduled_for = producer.first + (p - producer.landed[0])
@@ -163,14 +230,21 @@ def _verdict(res: WhyResult, tracer: _Tracer, p: int, fresh_drops: list[_Frame])
     req = tracer.req
     head = f"request {res.request!r}, output position {p}: "
     if res.step is not None:
-        text = (head + f"token {res.token}, scheduled by step {res.step} (event {res.scheduled_seq}) "
-                f"in epoch {res.epoch}, produced by its frame (event {res.frame_seq})")
-        text += (f", delivered by event {res.delivered_seq}." if res.delivered
-                 else ", never delivered: the tape ends first.")
+        text = (
+            head + f"token {res.token}, scheduled by step {res.step} (event {res.scheduled_seq}) "
+            f"in epoch {res.epoch}, produced by its frame (event {res.frame_seq})"
+        )
+        text += (
+            f", delivered by event {res.delivered_seq}."
+            if res.delivered
+            else ", never delivered: the tape ends first."
+        )
         if res.scheduled_for is not None and res.scheduled_for != p:
-            text += (f" Step {res.step} computed it for position {res.scheduled_for}: "
-                     f"{len(fresh_drops)} fresh frame(s) dropped before it moved it up "
-                     f"{res.scheduled_for - p} place(s) (the shift of vLLM #42043).")
+            text += (
+                f" Step {res.step} computed it for position {res.scheduled_for}: "
+                f"{len(fresh_drops)} fresh frame(s) dropped before it moved it up "
+                f"{res.scheduled_for - p} place(s) (the shift of vLLM #42043)."
+            )
         return text
     n = len(req.output_token_ids)
     if req.finish_reason is not None:

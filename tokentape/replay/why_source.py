@@ -91,7 +91,9 @@ class _RequestIndex:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             conn = sqlite3.connect(tmp)
             try:
-                conn.execute("CREATE TABLE requests (req_id TEXT PRIMARY KEY, seq INTEGER) WITHOUT ROWID")
+                conn.execute(
+                    "CREATE TABLE requests (req_id TEXT PRIMARY KEY, seq INTEGER) WITHOUT ROWID"
+                )
                 conn.executemany("INSERT INTO requests VALUES (?, ?)", table.items())
                 conn.commit()
             finally:
@@ -204,7 +206,9 @@ class WhySource:
         while lo < end:
             rows = self._conn.execute(
                 "SELECT seq, data FROM events WHERE seq >= ? AND seq < ? AND instr(data, ?) > 0 "
-                "ORDER BY seq", (lo, lo + width, needle)).fetchall()
+                "ORDER BY seq",
+                (lo, lo + width, needle),
+            ).fetchall()
             for seq, data in rows:
                 self.rows_read += 1
                 event = decode_at(data, seq, self.path)
@@ -223,15 +227,18 @@ class WhySource:
             return None
         row = self._conn.execute(
             "SELECT seq, data FROM events WHERE seq > ? AND kind = 'FrameProduced' AND step = ? "
-            "ORDER BY seq LIMIT 1", (after, step)).fetchone()
+            "ORDER BY seq LIMIT 1",
+            (after, step),
+        ).fetchone()
         if row is None:
             return None
         self.rows_read += 1
         return row[0], decode_at(row[1], row[0], self.path)  # type: ignore[return-value]
 
 
-def merged(main: Iterator[tuple[int, ev.Event]],
-           extra: list[tuple[int, ev.Event]]) -> Iterator[tuple[int, ev.Event]]:
+def merged(
+    main: Iterator[tuple[int, ev.Event]], extra: list[tuple[int, ev.Event]]
+) -> Iterator[tuple[int, ev.Event]]:
     """`main` with the (seq, event) pairs pushed onto the heap `extra` while it is consumed,
     in seq order, each position once."""
     last = -1

@@ -6,7 +6,6 @@
 from collections import deque
 
 import pytest
-
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput

@@ -59,21 +59,26 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tokentape-vllm-tapes-") as tmp:
         work = Path(tmp)
         model = str(save_checkpoint(builtin_model("tiny", 0)[1], work / "tiny"))
-        for name, driver, spec in (("engine_cpu", ENGINE_DRIVER, engine_scenario(model)),
-                                   ("async_scheduler", SCHEDULER_DRIVER, async_scenario(model)),
-                                   ("async_aborts", SCHEDULER_DRIVER, aborts_scenario(model))):
+        for name, driver, spec in (
+            ("engine_cpu", ENGINE_DRIVER, engine_scenario(model)),
+            ("async_scheduler", SCHEDULER_DRIVER, async_scenario(model)),
+            ("async_aborts", SCHEDULER_DRIVER, aborts_scenario(model)),
+        ):
             result = run_vllm(found.python, driver, spec, work, name)
             make_self_contained(result["tape"])
             shutil.copyfile(result["tape"], HERE / f"{name}.tape")
             print(f"{name}.tape: vLLM {found.version}, {result['steps']} steps")
         venv = Path(found.python).parents[1]
-        for version, scenario, spec in (("0.20.0", "pause_resume", pause_resume_scenario(model)),
-                                        ("0.33.0", "pause_resume", pause_resume_scenario(model)),
-                                        ("0.20.0", "preemptions", async_scenario(model)),
-                                        ("0.24.0", "preemptions", async_scenario(model))):
+        for version, scenario, spec in (
+            ("0.20.0", "pause_resume", pause_resume_scenario(model)),
+            ("0.33.0", "pause_resume", pause_resume_scenario(model)),
+            ("0.20.0", "preemptions", async_scenario(model)),
+            ("0.24.0", "preemptions", async_scenario(model)),
+        ):
             name = f"{version}_{scenario}"
-            result = run_vllm(found.python, SCHEDULER_DRIVER, spec, work, name,
-                              env=release_env(venv, version))
+            result = run_vllm(
+                found.python, SCHEDULER_DRIVER, spec, work, name, env=release_env(venv, version)
+            )
             make_self_contained(result["tape"])
             shutil.copyfile(result["tape"], HERE / f"{name}.tape")
             print(f"{name}.tape: vLLM {version}, {result['steps']} steps, hung: {result['hung']}")

@@ -143,7 +143,9 @@ class InprocClient(CoreClient):
 class MPClient(CoreClient):
     """Starts `python -m tokentape.engine.core.proc` and waits until its engine is built."""
 
-    def __init__(self, model: str, tape: Any, engine_args: dict[str, Any], startup_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self, model: str, tape: Any, engine_args: dict[str, Any], startup_timeout_s: float = 900.0
+    ) -> None:
         super().__init__()
         import zmq
 
@@ -162,12 +164,16 @@ class MPClient(CoreClient):
         self._closed = False
         setup = msgspec.msgpack.encode(CoreSetup(in_addr, out_addr, model, tape, engine_args))
         # The child imports this very package, wherever it was imported from here.
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        root = os.path.dirname(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokentape.engine.core.proc"],
-            stdin=subprocess.PIPE, env=env, start_new_session=True,
+            stdin=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
         )
         # Forgotten without shutdown(): end the core's stdin (it closes its tape and exits).
         self._finalizer = weakref.finalize(self, _abandon, self.proc, self._dir)
@@ -200,7 +206,9 @@ class MPClient(CoreClient):
                 raise RuntimeError(f"engine core: unexpected first message {type(msg).__name__}")
             code = self.proc.poll()
             if code is not None:
-                raise RuntimeError(f"the engine core process exited with status {code} before it was ready")
+                raise RuntimeError(
+                    f"the engine core process exited with status {code} before it was ready"
+                )
         raise TimeoutError(f"the engine core was not ready after {timeout_s:.0f} s")
 
     def start(self, dispatch: Dispatch) -> None:

@@ -63,8 +63,14 @@ class EngineCore:
 
     def info(self) -> CoreInfo:
         e = self.engine
-        return CoreInfo(e.runner.model_id, e.runner.vocab_size, e.config.effective_max_model_len,
-                        e.runner.eos_token_id, e.tape.path, os.getpid())
+        return CoreInfo(
+            e.runner.model_id,
+            e.runner.vocab_size,
+            e.config.effective_max_model_len,
+            e.runner.eos_token_id,
+            e.tape.path,
+            os.getpid(),
+        )
 
     def stats(self) -> SchedulerStats:
         s = self.engine.state
@@ -102,8 +108,11 @@ class EngineCore:
         ids = [child_request_id(i, req.request_id) for i in range(params.n)]
         for i, child_id in enumerate(ids):
             try:
-                engine.add_request(child_id, req.prompt_token_ids,
-                                   child_params(params, i, engine.config.seed, req.prompt_token_ids))
+                engine.add_request(
+                    child_id,
+                    req.prompt_token_ids,
+                    child_params(params, i, engine.config.seed, req.prompt_token_ids),
+                )
             except Exception:
                 if engine.dead_reason is None:  # refused: the children added before it go too
                     self.abort(ids[:i])
@@ -203,7 +212,9 @@ class EngineCore:
             lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
             top = req.output_top_logprobs[sent:] if req.params.logprobs else None
             reason = out.outputs[0].finish_reason
-            deltas.append(CoreOutput(out.request_id, tokens[sent:], lps, reason, None, req.stop_str, top))
+            deltas.append(
+                CoreOutput(out.request_id, tokens[sent:], lps, reason, None, req.stop_str, top)
+            )
             if reason is None:
                 self._sent[out.request_id] = len(tokens)
             else:
@@ -217,9 +228,12 @@ class EngineCore:
         engine = self.engine
         if not self._closed and engine.has_unfinished_requests():
             with contextlib.suppress(Exception):  # a broken tape: shutdown closes what it can
-                engine.fail("FrontendDied", "the frontend (AsyncLLM) went away without shutdown(), with "
-                            f"{engine.get_num_unfinished_requests()} request(s) unfinished: its "
-                            "process died or was killed")
+                engine.fail(
+                    "FrontendDied",
+                    "the frontend (AsyncLLM) went away without shutdown(), with "
+                    f"{engine.get_num_unfinished_requests()} request(s) unfinished: its "
+                    "process died or was killed",
+                )
 
     def shutdown(self) -> None:
         """Abort what is left (on the tape), apply the frames still in flight, close the tape.

@@ -130,8 +130,18 @@ setup_decoder = msgspec.msgpack.Decoder(CoreSetup)
 # Errors the frontend raises again by type; any other becomes a RuntimeError naming it.
 _ERROR_TYPES: dict[str, type[Exception]] = {
     t.__name__: t
-    for t in (ValueError, TypeError, KeyError, RuntimeError, FileNotFoundError, FileExistsError,
-              IsADirectoryError, NotADirectoryError, PermissionError, OSError)
+    for t in (
+        ValueError,
+        TypeError,
+        KeyError,
+        RuntimeError,
+        FileNotFoundError,
+        FileExistsError,
+        IsADirectoryError,
+        NotADirectoryError,
+        PermissionError,
+        OSError,
+    )
 }
 
 

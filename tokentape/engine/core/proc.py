@@ -66,8 +66,11 @@ def serve(core: object, pull: zmq.Socket, push: zmq.Socket, stdin_fd: int) -> bo
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 # The frontend encodes only what it checked; a message that still does not
                 # decode is dropped (it has no id to answer), and the engine serves on.
-                print(f"engine core: dropped a message that does not decode: {exc}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"engine core: dropped a message that does not decode: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         messages, done = core.run_once(requests)  # type: ignore[attr-defined]
         for msg in messages:
             send(_encode(msg))

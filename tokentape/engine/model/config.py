@@ -21,9 +21,16 @@ from tokentape.engine.model.rope import (
 )
 from tokentape.engine.tokenizer import ByteTokenizer
 
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "max_position_embeddings")
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 # model_type -> the Hugging Face architecture it loads as
 SUPPORTED_MODEL_TYPES = {

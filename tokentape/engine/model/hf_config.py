@@ -14,8 +14,13 @@ from tokentape.engine.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from tokentape.engine.model.rope import rope_from_hf
 
 # The fields read as integers; the first five must be in config.json.
-_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads")
+_REQUIRED_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 _OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 

@@ -15,7 +15,9 @@ from tokentape.engine.model.rope import RopeScaling, inverse_frequencies
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -66,8 +68,11 @@ def calibrate_batch_invariant_rows(weights: list[torch.Tensor]) -> int | None:
     """The smallest row multiple in ROW_MULTIPLES for which every row of a padded matmul with
     these weights' shapes equals the same row computed among 64, 256 and 1024 rows; None if
     none does (this BLAS is not batch-invariant even for large batches)."""
-    key = (tuple((tuple(w.shape), str(w.layout)) for w in weights),
-           tuple(sorted({str(w.dtype) for w in weights})), tuple(sorted({str(w.device) for w in weights})))
+    key = (
+        tuple((tuple(w.shape), str(w.layout)) for w in weights),
+        tuple(sorted({str(w.dtype) for w in weights})),
+        tuple(sorted({str(w.device) for w in weights})),
+    )
     if key not in _calibrated:
         _calibrated[key] = _measure_row_multiple(weights)
     return _calibrated[key]
@@ -88,8 +93,11 @@ def _measure_row_multiple(weights: list[torch.Tensor]) -> int | None:
     # The smallest multiple that every shape passes, tried smallest first: most machines stop
     # at the first (each try is up to 2c + 1 matmuls per shape, an LM head's among them).
     for c in ROW_MULTIPLES:
-        if all(torch.equal(linear(x[:m], w, None, c), ref[:m])
-               for x, w, ref in probes for m in range(1, 2 * c + 2)):
+        if all(
+            torch.equal(linear(x[:m], w, None, c), ref[:m])
+            for x, w, ref in probes
+            for m in range(1, 2 * c + 2)
+        ):
             return c
     return None
 
@@ -114,8 +122,12 @@ class Linear(nn.Linear):
         """Keep a oneDNN-packed copy of the weight for float32 CPU inputs (see above). Not for
         an inference tensor: it has no version counter to tell that it changed."""
         w = self.weight
-        if (_USE_ONEDNN and w.device.type == "cpu" and w.dtype == torch.float32
-                and not w.is_inference()):
+        if (
+            _USE_ONEDNN
+            and w.device.type == "cpu"
+            and w.dtype == torch.float32
+            and not w.is_inference()
+        ):
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
             self._packed = (packed, w, w.data_ptr(), w._version)
         else:
@@ -125,8 +137,13 @@ class Linear(nn.Linear):
         """The weight the matmul reads: the packed copy if there is a current one."""
         packed = self._packed
         w = self.weight
-        if packed is not None and packed[1] is w and packed[2] == w.data_ptr() \
-                and not w.is_inference() and packed[3] == w._version:
+        if (
+            packed is not None
+            and packed[1] is w
+            and packed[2] == w.data_ptr()
+            and not w.is_inference()
+            and packed[3] == w._version
+        ):
             return packed[0]
         return w
 

@@ -67,11 +67,14 @@ def check_model_folder(name: str) -> None:
     if name in BUILTIN_CONFIGS or os.path.isdir(name):
         return
     if os.path.lexists(name):
-        raise CheckpointError(f"{name}: not a folder (a checkpoint is a folder holding "
-                              "config.json and *.safetensors)")
+        raise CheckpointError(
+            f"{name}: not a folder (a checkpoint is a folder holding config.json and *.safetensors)"
+        )
     if os.sep in name or "/" in name or name.startswith((".", "~")):
-        raise CheckpointError(f"{name}: no such folder (tokentape loads local checkpoint "
-                              "folders; it downloads nothing)")
+        raise CheckpointError(
+            f"{name}: no such folder (tokentape loads local checkpoint "
+            "folders; it downloads nothing)"
+        )
     raise ValueError(
         f"unknown model {name!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
         "'oracle-random' or a local Hugging Face checkpoint folder"
@@ -102,8 +105,10 @@ def weight_files(path: str | os.PathLike[str]) -> list[str]:
     if not files:
         pattern = os.path.join(path, "*.safetensors")
         if glob.glob(os.path.join(glob.escape(os.fspath(path)), "*.bin")):
-            raise CheckpointError(f"{pattern}: missing; the folder holds PyTorch .bin weights, "
-                                  "and tokentape reads safetensors only")
+            raise CheckpointError(
+                f"{pattern}: missing; the folder holds PyTorch .bin weights, "
+                "and tokentape reads safetensors only"
+            )
         raise CheckpointError(f"{pattern}: missing (no weight files in the checkpoint folder)")
     return files
 
@@ -169,7 +174,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, CausalLM
     return config, model
 
 
-def _check_layer_count(config: ModelConfig, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+def _check_layer_count(
+    config: ModelConfig, tensors: Mapping[str, torch.Tensor], where: str
+) -> None:
     """Layers config.json names that the weights lack, found from the names alone (building
     even an empty model of, say, a billion layers would take minutes)."""
     layers = {int(m.group(1)) for m in map(_LAYER_NAME.match, tensors) if m}
@@ -260,8 +267,10 @@ def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.T
     if bad is not None:
         where = f"{origin[bad]}: " if bad in origin else ""
         cast = f" once cast to {out[bad].dtype}" if out[bad].dtype != tensors[bad].dtype else ""
-        raise ValueError(f"{where}update_weights: tensor {bad!r} "
-                         f"{non_finite_values(out[bad])}{cast}; nothing was changed")
+        raise ValueError(
+            f"{where}update_weights: tensor {bad!r} "
+            f"{non_finite_values(out[bad])}{cast}; nothing was changed"
+        )
     return out
 
 

@@ -39,13 +39,18 @@ def banned_bad_words(bad_words: Sequence[Sequence[int]], tokens: Sequence[int]) 
         prefix = len(word) - 1
         if prefix > len(tokens):
             continue
-        if prefix == 0 or list(tokens[len(tokens) - prefix:]) == list(word[:prefix]):
+        if prefix == 0 or list(tokens[len(tokens) - prefix :]) == list(word[:prefix]):
             banned.add(word[-1])
     return banned
 
 
-def _row_token_mask(shape: tuple[int, int], rows: list[int], tokens: list[int], device: torch.device,
-                    counts: bool = False) -> torch.Tensor:
+def _row_token_mask(
+    shape: tuple[int, int],
+    rows: list[int],
+    tokens: list[int],
+    device: torch.device,
+    counts: bool = False,
+) -> torch.Tensor:
     """[R, V]: how often (counts) or whether each (row, token) pair occurs in the flat lists."""
     out = torch.zeros(shape, dtype=torch.int32 if counts else torch.bool)
     if tokens:
@@ -70,8 +75,8 @@ def apply_penalties(logits: torch.Tensor, ctxs: Sequence[RowContext]) -> torch.T
     out_rows: list[int] = []
     out_toks: list[int] = []
     for i, ctx in enumerate(ctxs):  # flat (row, token) lists: the only per-row Python
-        prompt = [t for t in ctx.tokens[:ctx.num_prompt] if t < vocab]
-        output = [t for t in ctx.tokens[ctx.num_prompt:] if t < vocab]
+        prompt = [t for t in ctx.tokens[: ctx.num_prompt] if t < vocab]
+        output = [t for t in ctx.tokens[ctx.num_prompt :] if t < vocab]
         prompt_toks += prompt
         prompt_rows += [i] * len(prompt)
         out_toks += output
@@ -90,14 +95,18 @@ def apply_penalties(logits: torch.Tensor, ctxs: Sequence[RowContext]) -> torch.T
     return logits - column([c.params.presence_penalty for c in ctxs]) * in_output
 
 
-def apply_logits_processors(logits: torch.Tensor, rows: Sequence[RowContext | None]) -> torch.Tensor:
+def apply_logits_processors(
+    logits: torch.Tensor, rows: Sequence[RowContext | None]
+) -> torch.Tensor:
     """The logits [S, V] (float32) with each row's processors applied; a row of None (or one
     whose params ask for none) is left as it is. Returns a new tensor when any row changes.
 
     Bad words and min_tokens ban tokens (-inf), gathered over the batch into one write; the
     penalties then run as batched torch ops over the rows that have them (each row's result
     still depends on its own logits and tokens only)."""
-    todo = [(i, ctx) for i, ctx in enumerate(rows) if ctx is not None and needs_processing(ctx.params)]
+    todo = [
+        (i, ctx) for i, ctx in enumerate(rows) if ctx is not None and needs_processing(ctx.params)
+    ]
     if not todo:
         return logits
     logits = logits.clone()
@@ -108,12 +117,17 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[RowContext | No
         p = ctx.params
         banned = banned_bad_words(p.bad_words, ctx.tokens) if p.bad_words else set()
         if len(ctx.tokens) - ctx.num_prompt < p.min_tokens:
-            banned.update(ctx.stop_ids)  # no stop before min_tokens (vLLM's MinTokensLogitsProcessor)
+            banned.update(
+                ctx.stop_ids
+            )  # no stop before min_tokens (vLLM's MinTokensLogitsProcessor)
         banned = sorted(t for t in banned if t < vocab)
         ban_toks += banned
         ban_rows += [i] * len(banned)
     if ban_toks:
-        index = (torch.tensor(ban_rows, dtype=torch.int64), torch.tensor(ban_toks, dtype=torch.int64))
+        index = (
+            torch.tensor(ban_rows, dtype=torch.int64),
+            torch.tensor(ban_toks, dtype=torch.int64),
+        )
         logits[tuple(x.to(logits.device) for x in index)] = float("-inf")
     penalised = [(i, ctx) for i, ctx in todo if ctx.params.has_penalties]
     if penalised:
@@ -122,7 +136,9 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[RowContext | No
     return logits
 
 
-def top_logprobs(raw_logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[list[int], list[float]]]:
+def top_logprobs(
+    raw_logprobs: torch.Tensor, ks: Sequence[int]
+) -> list[tuple[list[int], list[float]]]:
     """Per row, the k most likely token ids and their logprobs, best first (ties: lower id
     first); k = 0 gives empty lists."""
     kmax = max(ks, default=0)

@@ -24,10 +24,21 @@ _KEYS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "dynamic": frozenset({"factor"}),
-    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor",
-                       "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
-    "llama3": frozenset({"factor", "original_max_position_embeddings", "low_freq_factor",
-                         "high_freq_factor"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+    "llama3": frozenset(
+        {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}
+    ),
 }
 _REQUIRED: dict[str, frozenset[str]] = {
     "linear": frozenset({"factor"}),
@@ -75,12 +86,14 @@ def rope_from_hf(raw: dict[str, Any], file: str) -> tuple[float, RopeScaling | N
     params = _dict_or_none("rope_parameters", raw.get("rope_parameters"), file)
     where = "rope_scaling" if legacy else "rope_parameters"
     chosen = dict(legacy or params or {})
-    _check_partial_rotary(f"{where}['partial_rotary_factor']",
-                          chosen.pop("partial_rotary_factor", None), file)
+    _check_partial_rotary(
+        f"{where}['partial_rotary_factor']", chosen.pop("partial_rotary_factor", None), file
+    )
     top, nested = raw.get("rope_theta"), chosen.pop("rope_theta", None)
     if top is not None and nested is not None and top != nested:
-        raise CheckpointError(f"{file}: rope_theta = {top!r} and {where}['rope_theta'] = "
-                              f"{nested!r} disagree")
+        raise CheckpointError(
+            f"{file}: rope_theta = {top!r} and {where}['rope_theta'] = {nested!r} disagree"
+        )
     theta = nested if nested is not None else top
     if legacy and params:
         other = dict(params)
@@ -90,7 +103,8 @@ def rope_from_hf(raw: dict[str, Any], file: str) -> tuple[float, RopeScaling | N
             raise CheckpointError(
                 f"{file}: rope_scaling = {legacy!r} and rope_parameters = {params!r} disagree "
                 "(transformers reads rope_scaling, with rope_theta from it or the top level, "
-                "and drops rope_parameters); keep one of them")
+                "and drops rope_parameters); keep one of them"
+            )
     theta = DEFAULT_ROPE_THETA if theta is None else _number("rope_theta", theta, file, 0)
     scaling = _scaling(where, chosen, file)
     top_original = raw.get("original_max_position_embeddings")
@@ -100,7 +114,8 @@ def rope_from_hf(raw: dict[str, Any], file: str) -> tuple[float, RopeScaling | N
         if type(top_original) is not int or top_original < 1 or given not in (None, top_original):
             raise CheckpointError(
                 f"{file}: original_max_position_embeddings = {top_original!r} must be a positive "
-                f"integer that agrees with {where}['original_max_position_embeddings'] = {given!r}")
+                f"integer that agrees with {where}['original_max_position_embeddings'] = {given!r}"
+            )
         scaling = replace(scaling, original_max_position_embeddings=top_original)
     return theta, scaling
 
@@ -109,16 +124,20 @@ def _scaling(where: str, given: dict[str, Any], file: str) -> RopeScaling | None
     values = dict(given)
     kind, old = values.pop("rope_type", None), values.pop("type", None)
     if kind is not None and old is not None and kind != old:
-        raise CheckpointError(f"{file}: {where}['rope_type'] = {kind!r} and {where}['type'] = "
-                              f"{old!r} disagree")
+        raise CheckpointError(
+            f"{file}: {where}['rope_type'] = {kind!r} and {where}['type'] = {old!r} disagree"
+        )
     kind = kind if kind is not None else old if old is not None else "default"
     if kind not in _KEYS:
-        raise CheckpointError(f"{file}: {where}['rope_type'] = {kind!r} is not supported "
-                              f"(supported: {', '.join(ROPE_TYPES)})")
+        raise CheckpointError(
+            f"{file}: {where}['rope_type'] = {kind!r} is not supported "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
     for key, value in values.items():
         if key not in _KEYS[kind]:
-            raise CheckpointError(f"{file}: {where}[{key!r}] = {value!r} is not supported "
-                                  f"with rope_type {kind!r}")
+            raise CheckpointError(
+                f"{file}: {where}[{key!r}] = {value!r} is not supported with rope_type {kind!r}"
+            )
     for key in sorted(_REQUIRED.get(kind, ())):
         if key not in values:
             raise CheckpointError(f"{file}: {where} with rope_type {kind!r} needs {key!r}")
@@ -144,8 +163,10 @@ def _scaling(where: str, given: dict[str, Any], file: str) -> RopeScaling | None
     scaling = RopeScaling(kind, **checked)
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     if low is not None and high is not None and high <= low:
-        raise CheckpointError(f"{file}: {where}['high_freq_factor'] = {high!r} must be greater "
-                              f"than low_freq_factor = {low!r}")
+        raise CheckpointError(
+            f"{file}: {where}['high_freq_factor'] = {high!r} must be greater "
+            f"than low_freq_factor = {low!r}"
+        )
     return scaling
 
 
@@ -155,8 +176,13 @@ def _number(name: str, value: object, file: str, minimum: float | None) -> float
     if ok and minimum is not None:
         ok = value > 0 if minimum == 0 else value >= minimum  # type: ignore[operator]
     if not ok:
-        need = ("a finite number" if minimum is None else "a number > 0" if minimum == 0
-                else f"a number >= {minimum}")
+        need = (
+            "a finite number"
+            if minimum is None
+            else "a number > 0"
+            if minimum == 0
+            else f"a number >= {minimum}"
+        )
         raise CheckpointError(f"{file}: {name} = {value!r} must be {need}")
     return float(value)  # type: ignore[arg-type]
 
@@ -169,8 +195,10 @@ def _dict_or_none(name: str, value: object, file: str) -> dict[str, Any] | None:
 
 def _check_partial_rotary(name: str, value: object, file: str) -> None:
     if value is not None and value != 1.0:
-        raise CheckpointError(f"{file}: {name} = {value!r} is not supported (RoPE over part of "
-                              "each head; this engine rotates whole heads)")
+        raise CheckpointError(
+            f"{file}: {name} = {value!r} is not supported (RoPE over part of "
+            "each head; this engine rotates whole heads)"
+        )
 
 
 def _normalized(scaling: dict[str, Any]) -> dict[str, Any]:
@@ -188,8 +216,9 @@ def context_length(max_position_embeddings: int, scaling: RopeScaling | None) ->
         return max_position_embeddings
     if scaling.rope_type == "linear":
         return int(max_position_embeddings * _factor(scaling, max_position_embeddings))
-    return int(scaling.original_len(max_position_embeddings)
-               * _factor(scaling, max_position_embeddings))
+    return int(
+        scaling.original_len(max_position_embeddings) * _factor(scaling, max_position_embeddings)
+    )
 
 
 def context_length_source(max_position_embeddings: int, scaling: RopeScaling | None) -> str:
@@ -227,11 +256,11 @@ def inverse_frequencies(
     dim = head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
     if scaling is None:
-        return 1.0 / (theta ** exponents), 1.0
+        return 1.0 / (theta**exponents), 1.0
     kind, factor = scaling.rope_type, scaling.factor
     if kind == "linear":
         assert factor is not None
-        inv_freq = 1.0 / (theta ** exponents)
+        inv_freq = 1.0 / (theta**exponents)
         inv_freq /= factor
         return inv_freq, 1.0
     if kind == "dynamic":
@@ -242,7 +271,7 @@ def inverse_frequencies(
         base = theta * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (
             dim / (dim - 2)
         )
-        return 1.0 / (base ** exponents), 1.0
+        return 1.0 / (base**exponents), 1.0
     if kind == "llama3":
         return _llama3(theta, exponents, scaling, max_position_embeddings), 1.0
     return _yarn(dim, theta, scaling, max_position_embeddings)
@@ -256,7 +285,7 @@ def _llama3(
     factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     assert factor is not None and low is not None and high is not None
     old_context_len = scaling.original_len(max_position_embeddings)
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     low_freq_wavelen = old_context_len / low
     high_freq_wavelen = old_context_len / high
     wavelen = 2 * math.pi / inv_freq
@@ -303,6 +332,8 @@ def _yarn(
     inv_freq_extrapolation = 1.0 / pos_freqs
     inv_freq_interpolation = 1.0 / (factor * pos_freqs)
     extrapolation_factor = 1 - ramp
-    inv_freq = (inv_freq_interpolation * (1 - extrapolation_factor)
-                + inv_freq_extrapolation * extrapolation_factor)
+    inv_freq = (
+        inv_freq_interpolation * (1 - extrapolation_factor)
+        + inv_freq_extrapolation * extrapolation_factor
+    )
     return inv_freq, attention_factor

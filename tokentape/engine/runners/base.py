@@ -13,7 +13,9 @@ from tokentape.events.schema import FrameEntry, SamplingParams, ScheduledEntry
 def prompt_seed(seed: int, prompt_token_ids: Sequence[int]) -> int:
     """A 64-bit key of (seed, prompt): what a request without its own seed samples with, so
     the same prompt gets the same stream whatever its request id or arrival order."""
-    data = seed.to_bytes(8, "little", signed=True) + b"".join(t.to_bytes(4, "little") for t in prompt_token_ids)
+    data = seed.to_bytes(8, "little", signed=True) + b"".join(
+        t.to_bytes(4, "little") for t in prompt_token_ids
+    )
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 

@@ -100,7 +100,9 @@ def build_forward_batch(
         end = e.start + len(e.inputs)
         input_ids += e.inputs
         positions += range(e.start, end)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(e.start, end)]
+        slots += [
+            blocks[p // block_size] * block_size + p % block_size for p in range(e.start, end)
+        ]
         cu_seqlens.append(len(input_ids))
         seq_lens.append(end)
         tables += blocks
@@ -144,8 +146,11 @@ def split_over_lanes(
     """
     if num_lanes <= 1:
         return [entries]
-    works = [len(e.inputs) * flops_per_token
-             + (e.start + len(e.inputs)) * kv_bytes_per_token * FLOPS_PER_BYTE for e in entries]
+    works = [
+        len(e.inputs) * flops_per_token
+        + (e.start + len(e.inputs)) * kv_bytes_per_token * FLOPS_PER_BYTE
+        for e in entries
+    ]
     bundles = _bundles(entries, block_size)
     num_lanes = min(num_lanes, len(bundles), max(sum(works) // max(min_lane_work, 1), 1))
     if num_lanes <= 1:

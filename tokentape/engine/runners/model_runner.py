@@ -130,8 +130,14 @@ class TorchModelRunner:
         self._seqs: dict[str, SeqState] = {}
         cfg = self.config
         # Per token of context, in bytes: K and V of every layer (for balancing the lanes).
-        self._kv_bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads
-                                    * cfg.head_dim * torch.finfo(dtype).bits // 8)
+        self._kv_bytes_per_token = (
+            2
+            * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * torch.finfo(dtype).bits
+            // 8
+        )
         self._flops_per_token = 2 * sum(p.numel() for p in self.model.parameters())
         self._stream = None
         if self.device.type == "cuda":
@@ -229,9 +235,17 @@ class TorchModelRunner:
                     f"step {batch.step}: request {req_id!r} was scheduled with no token to compute"
                 )
             start = seq.num_computed
-            plan.append(EntryInputs(req_id, seq, inputs, start, drafts,
-                                    samples=req_id not in batch.partial_prefills,
-                                    entering=new is not None))
+            plan.append(
+                EntryInputs(
+                    req_id,
+                    seq,
+                    inputs,
+                    start,
+                    drafts,
+                    samples=req_id not in batch.partial_prefills,
+                    entering=new is not None,
+                )
+            )
             # K/V are now cached up to the inputs before the drafts; accepted drafts add to it.
             seq.num_computed = start + len(inputs) - len(drafts)
         return plan
@@ -249,9 +263,14 @@ class TorchModelRunner:
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> list[FrameEntry]:
         plan = self._plan(batch)
-        shares = split_over_lanes(plan, 1 + len(self._lanes), self.block_size,
-                                  self._flops_per_token, self._kv_bytes_per_token,
-                                  self.min_lane_work)
+        shares = split_over_lanes(
+            plan,
+            1 + len(self._lanes),
+            self.block_size,
+            self._flops_per_token,
+            self._kv_bytes_per_token,
+            self.min_lane_work,
+        )
         for lane, share in zip(self._lanes, shares[1:]):
             lane.submit(lambda share=share: self._logits(share))
         parts = [self._logits(shares[0])]
@@ -264,8 +283,11 @@ class TorchModelRunner:
         contexts: list[RowContext | None] = []
         for e in samplers:
             p, seq = e.seq.params, e.seq
-            stop_ids = p.stop_token_ids if p.ignore_eos or self.eos_token_id is None \
+            stop_ids = (
+                p.stop_token_ids
+                if p.ignore_eos or self.eos_token_id is None
                 else (*p.stop_token_ids, self.eos_token_id)
+            )
             # Below SAMPLING_EPS a temperature is greedy, as vLLM's: dividing by 1e-39
             # overflows the logits to inf and the draw to garbage.
             temperature = p.temperature if p.temperature >= SAMPLING_EPS else 0.0
@@ -277,8 +299,11 @@ class TorchModelRunner:
                     position_key(seq.seed, len(seq.tokens) + j) if temperature > 0 else (0, 0)
                 )
                 # A draft row sees the drafts before it: they are its history if accepted.
-                contexts.append(RowContext(p, stop_ids, seq.tokens + e.drafts[:j], seq.num_prompt)
-                                if needs_processing(p) else None)
+                contexts.append(
+                    RowContext(p, stop_ids, seq.tokens + e.drafts[:j], seq.num_prompt)
+                    if needs_processing(p)
+                    else None
+                )
         # vLLM's order: logprobs of the raw logits, then the processors, then sampling.
         sampled_t = sample(apply_logits_processors(logits, contexts), rows)
         want_logprobs = any(e.seq.params.logprobs is not None for e in samplers)
@@ -354,8 +379,9 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     return runner
 
 
-def _check_kv_cache_fits(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int,
-                         device: torch.device) -> None:
+def _check_kv_cache_fits(
+    shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, device: torch.device
+) -> None:
     """A KV cache larger than the device's memory is a configuration error: say so with the
     figures, rather than let the allocator fail (or the OS kill the process) halfway."""
     need = 2 * num_layers * math.prod(shape) * torch.finfo(dtype).bits // 8

@@ -96,16 +96,22 @@ class OracleRunner:
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse the options that change a model's logits (see the module's doc)."""
-        used = [name for name, on in (
-            ("presence_penalty", params.presence_penalty != 0.0),
-            ("frequency_penalty", params.frequency_penalty != 0.0),
-            ("repetition_penalty", params.repetition_penalty != 1.0),
-            ("min_tokens", params.min_tokens > 0),
-            ("bad_words", bool(params.bad_words)),
-        ) if on]
+        used = [
+            name
+            for name, on in (
+                ("presence_penalty", params.presence_penalty != 0.0),
+                ("frequency_penalty", params.frequency_penalty != 0.0),
+                ("repetition_penalty", params.repetition_penalty != 1.0),
+                ("min_tokens", params.min_tokens > 0),
+                ("bad_words", bool(params.bad_words)),
+            )
+            if on
+        ]
         if used:
-            raise ValueError(f"the oracle runner ({self.model_id}) has no logits and cannot honour "
-                             f"{', '.join(used)}; use a model (e.g. model='tiny') for such a request")
+            raise ValueError(
+                f"the oracle runner ({self.model_id}) has no logits and cannot honour "
+                f"{', '.join(used)}; use a model (e.g. model='tiny') for such a request"
+            )
 
     # -- the runner protocol -------------------------------------------------------------------
 
@@ -118,17 +124,23 @@ class OracleRunner:
             known = batch.token_ids.get(req_id)
             new = batch.new_requests.get(req_id)
             if new is not None:
-                seq = self._seqs[req_id] = _DeviceSeq(self.request_key(new.prompt_token_ids, new.params))
+                seq = self._seqs[req_id] = _DeviceSeq(
+                    self.request_key(new.prompt_token_ids, new.params)
+                )
                 seq.tokens = list(known or ())
             else:
                 seq = self._seqs[req_id]
                 if known:
-                    seq.tokens[e.num_computed_before:] = known
+                    seq.tokens[e.num_computed_before :] = known
             if req_id in batch.partial_prefills:
                 continue
             tokens = seq.tokens
             pos = len(tokens)
-            drafts = propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup) if e.num_spec_tokens else []
+            drafts = (
+                propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
+                if e.num_spec_tokens
+                else []
+            )
             out = []
             for d in drafts:  # verify the drafts against what the "model" would sample
                 if d != self.token_at(seq.key, pos):

@@ -35,8 +35,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     bis.add_argument("a", metavar="A", help="first tape")
     bis.add_argument("b", metavar="B", help="second tape")
-    bis.add_argument("--no-confirm", action="store_true",
-                     help="trust the binary search: O(log n) reads, no pass over the prefix")
+    bis.add_argument(
+        "--no-confirm",
+        action="store_true",
+        help="trust the binary search: O(log n) reads, no pass over the prefix",
+    )
     bis.add_argument("--json", action="store_true", help="print JSON instead of text")
     bis.set_defaults(func=cmd_bisect)
     return bis
@@ -55,16 +58,24 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
         return status
     out = Output(sys.stdout)
-    how = (f"{result.seeks} probes" + ("" if result.confirmed else ", prefix not confirmed")
-           + (", the tapes re-converged after it: found by the confirming pass"
-              if result.reconverged else ""))
+    how = (
+        f"{result.seeks} probes"
+        + ("" if result.confirmed else ", prefix not confirmed")
+        + (
+            ", the tapes re-converged after it: found by the confirming pass"
+            if result.reconverged
+            else ""
+        )
+    )
     if result.identical:
         out.line(f"identical: {result.len_a} events in both tapes ({how})", style="bold green")
     else:
         step_a = result.event_a.step if result.event_a is not None else "-"
         step_b = result.event_b.step if result.event_b is not None else "-"
-        out.line(f"DIFFERENT at event {result.index} (step {step_a} in A, {step_b} in B; {how})",
-                 style="bold red")
+        out.line(
+            f"DIFFERENT at event {result.index} (step {step_a} in A, {step_b} in B; {how})",
+            style="bold red",
+        )
         out.line(_event(f"A {args.a}", result.event_a))
         out.line(_event(f"B {args.b}", result.event_b))
         out.line(f"  identical before it; A has {result.len_a} events, B {result.len_b}")

@@ -48,17 +48,36 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     cha.add_argument("--seeds", type=positive_int, required=True, metavar="N", help="seeds to run")
-    cha.add_argument("--first-seed", type=non_negative_int, default=0, metavar="S",
-                     help="the first seed (default 0): seeds S..S+N-1")
-    cha.add_argument("--out", required=True, metavar="DIR",
-                     help="directory for the tapes and reports of runs with a finding (created)")
-    cha.add_argument("--discard-policy", choices=sorted(DISCARD_POLICIES), default="epoch",
-                     help="the reducer's discard policy (default epoch; flag and counter are "
-                     "vLLM's historical ones and break streams)")
-    cha.add_argument("--num-commands", type=positive_int, default=None, metavar="N",
-                     help="storm commands per seed (default 2000)")
-    cha.add_argument("--jobs", type=positive_int, default=1, metavar="J",
-                     help="worker processes (default 1)")
+    cha.add_argument(
+        "--first-seed",
+        type=non_negative_int,
+        default=0,
+        metavar="S",
+        help="the first seed (default 0): seeds S..S+N-1",
+    )
+    cha.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="directory for the tapes and reports of runs with a finding (created)",
+    )
+    cha.add_argument(
+        "--discard-policy",
+        choices=sorted(DISCARD_POLICIES),
+        default="epoch",
+        help="the reducer's discard policy (default epoch; flag and counter are "
+        "vLLM's historical ones and break streams)",
+    )
+    cha.add_argument(
+        "--num-commands",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="storm commands per seed (default 2000)",
+    )
+    cha.add_argument(
+        "--jobs", type=positive_int, default=1, metavar="J", help="worker processes (default 1)"
+    )
     cha.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_force_argument(cha, "DIR that is not empty")
     cha.set_defaults(func=cmd_chaos)
@@ -69,8 +88,10 @@ def _check_out_dir(path: str, force: bool) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise CLIError(f"{path}: --out names a file; give a directory")
     if os.path.isdir(path) and os.listdir(path) and not force:
-        raise CLIError(f"{path}: the directory is not empty; pass --force to write into it, "
-                       "or choose another with --out")
+        raise CLIError(
+            f"{path}: the directory is not empty; pass --force to write into it, "
+            "or choose another with --out"
+        )
     if os.path.isdir(path) and force:
         for name in os.listdir(path):  # what an earlier campaign kept would read as this one's
             if name.startswith("chaos-") or name == "chaos.json":
@@ -82,8 +103,10 @@ def _check_out_dir(path: str, force: bool) -> None:
 def cmd_chaos(args: argparse.Namespace) -> int:
     from tokentape.chaos.campaign import ChaosOptions, SeedOutcome, run_campaign
 
-    options = ChaosOptions(args.discard_policy, **(
-        {"num_commands": args.num_commands} if args.num_commands is not None else {}))
+    options = ChaosOptions(
+        args.discard_policy,
+        **({"num_commands": args.num_commands} if args.num_commands is not None else {}),
+    )
     _check_out_dir(args.out, args.force)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     out = Output(sys.stderr if args.json else sys.stdout)
@@ -95,10 +118,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             done += 1
             update(done)
             if o.has_finding:
-                what = o.error or (f"{o.broken_streams} broken streams, findings "
-                                   + ", ".join(f"{k} x{n}" for k, n in sorted(o.finding_kinds.items())))
-                out.line(f"seed {o.seed} (depth {o.pipeline_depth}, k {o.num_speculative_tokens}, "
-                         f"{o.num_kv_blocks} KV blocks): {what} -> {o.tape}", style="yellow")
+                what = o.error or (
+                    f"{o.broken_streams} broken streams, findings "
+                    + ", ".join(f"{k} x{n}" for k, n in sorted(o.finding_kinds.items()))
+                )
+                out.line(
+                    f"seed {o.seed} (depth {o.pipeline_depth}, k {o.num_speculative_tokens}, "
+                    f"{o.num_kv_blocks} KV blocks): {what} -> {o.tape}",
+                    style="yellow",
+                )
 
         summary = run_campaign(seeds, options, args.out, args.jobs, seen)
     record = summary.to_json()
@@ -108,18 +136,27 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         print(json.dumps(record))
     else:
         ok = summary.runs_with_findings == 0
-        out.line(f"chaos: {summary.num_seeds} seeds (policy {options.discard_policy}, "
-                 f"{options.num_commands} commands each, {args.jobs} job(s)) in "
-                 f"{summary.wall_s:.1f} s: {summary.seeds_per_hour:,.0f} seeds/hour "
-                 f"({summary.seeds_per_cpu_hour:,.0f} per CPU-hour of one core)", style="bold")
-        out.line(f"  {summary.events:,} events, {summary.preemptions:,} preemptions, "
-                 f"{summary.resets:,} prefix-cache resets")
-        out.line(f"  {summary.runs_with_findings} run(s) with findings, {summary.broken_streams} "
-                 f"broken streams, {summary.errors} hangs or failures",
-                 style="bold green" if ok else "bold red")
+        out.line(
+            f"chaos: {summary.num_seeds} seeds (policy {options.discard_policy}, "
+            f"{options.num_commands} commands each, {args.jobs} job(s)) in "
+            f"{summary.wall_s:.1f} s: {summary.seeds_per_hour:,.0f} seeds/hour "
+            f"({summary.seeds_per_cpu_hour:,.0f} per CPU-hour of one core)",
+            style="bold",
+        )
+        out.line(
+            f"  {summary.events:,} events, {summary.preemptions:,} preemptions, "
+            f"{summary.resets:,} prefix-cache resets"
+        )
+        out.line(
+            f"  {summary.runs_with_findings} run(s) with findings, {summary.broken_streams} "
+            f"broken streams, {summary.errors} hangs or failures",
+            style="bold green" if ok else "bold red",
+        )
         if summary.bug_classes:
-            out.line("  bug classes: " + ", ".join(
-                f"{k} x{n}" for k, n in summary.bug_classes.most_common()))
+            out.line(
+                "  bug classes: "
+                + ", ".join(f"{k} x{n}" for k, n in summary.bug_classes.most_common())
+            )
         if not ok:
             out.line(f"  tapes and postmortem reports in {args.out}")
     return EXIT_OK if summary.runs_with_findings == 0 else EXIT_DIVERGED

@@ -29,8 +29,14 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from tokentape.events.store import TapeError
 
     return (
-        CLIError, TapeError, ReducerError, EngineDeadError, FileExistsError, ValueError,
-        OSError, sqlite3.Error,
+        CLIError,
+        TapeError,
+        ReducerError,
+        EngineDeadError,
+        FileExistsError,
+        ValueError,
+        OSError,
+        sqlite3.Error,
     )
 
 
@@ -63,12 +69,14 @@ non_negative_int = int_at_least(0)
 
 
 def add_force_argument(parser: Any, what: str = "output file") -> None:
-    parser.add_argument("--force", action="store_true",
-                        help=f"overwrite an existing {what} (default: refuse it)")
+    parser.add_argument(
+        "--force", action="store_true", help=f"overwrite an existing {what} (default: refuse it)"
+    )
 
 
-def check_output_path(path: str, force: bool, option: str,
-                      inputs: Sequence[str | os.PathLike[str]] = ()) -> bool:
+def check_output_path(
+    path: str, force: bool, option: str, inputs: Sequence[str | os.PathLike[str]] = ()
+) -> bool:
     """Apply the overwrite rule to an output path before any work is done: an existing file
     is refused unless `force`, a directory always, and so is a path that is one of the
     `inputs` (it would be destroyed before it is read). Returns whether the file exists."""
@@ -81,10 +89,14 @@ def check_output_path(path: str, force: bool, option: str,
         return False
     for source in inputs:
         if os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
-            raise CLIError(f"{path}: {option} names the input {os.fspath(source)}; give another path")
+            raise CLIError(
+                f"{path}: {option} names the input {os.fspath(source)}; give another path"
+            )
     if not force:
-        raise CLIError(f"{path}: the file exists; pass --force to overwrite it, or choose "
-                       f"another path with {option}")
+        raise CLIError(
+            f"{path}: the file exists; pass --force to overwrite it, or choose "
+            f"another path with {option}"
+        )
     return True
 
 

@@ -32,8 +32,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     dbg.add_argument("tape", metavar="TAPE", help="tape file to debug")
-    dbg.add_argument("--snapshot-interval", type=positive_int, default=None, metavar="K",
-                     help="keep a state snapshot every K events (default: 2048)")
+    dbg.add_argument(
+        "--snapshot-interval",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="keep a state snapshot every K events (default: 2048)",
+    )
     dbg.set_defaults(func=cmd_debug)
     return dbg
 
@@ -43,6 +48,10 @@ def cmd_debug(args: argparse.Namespace) -> int:
 
     errors = run_debugger(open_tape(args.tape, args.snapshot_interval), sys.stdin, sys.stdout)
     if errors:  # shown in the session already; one line on stderr for scripts, and exit 2
-        failed = "1 debugger command failed" if len(errors) == 1 else f"{len(errors)} debugger commands failed"
+        failed = (
+            "1 debugger command failed"
+            if len(errors) == 1
+            else f"{len(errors)} debugger commands failed"
+        )
         raise CLIError(f"{failed}; the first: {errors[0]}")
     return EXIT_OK

@@ -83,8 +83,10 @@ def pinned_tapes(path_a: str, path_b: str) -> tuple[Any, Any]:
     len_a, len_b = len(a), len(b)
     if os.path.samefile(path_a, path_b):
         len_a = len_b = min(len_a, len_b)
-    return (Tape(PinnedReader(a.reader, len_a), a.snapshot_interval),
-            Tape(PinnedReader(b.reader, len_b), b.snapshot_interval))
+    return (
+        Tape(PinnedReader(a.reader, len_a), a.snapshot_interval),
+        Tape(PinnedReader(b.reader, len_b), b.snapshot_interval),
+    )
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

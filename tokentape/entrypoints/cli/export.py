@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "  slices for its phases (waiting, prefill, decode, preempted, paused) and instants\n"
             "  for preemptions, discarded frames and its finish; an engine track with the\n"
             "  prefix-cache resets, pauses and resumes. 1 us on the clock = one tape event.\n"
-            "jsonl: one event per line ({\"seq\", \"kind\", fields}), for jq.\n"
+            'jsonl: one event per line ({"seq", "kind", fields}), for jq.\n'
             "csv: one row per engine step.\n"
             "sqlite: a copy of the tape as one self-contained file (needs -o), taken as one\n"
             "  consistent snapshot, so it works while the tape is being written: the copy ends\n"
@@ -43,11 +43,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     exp.add_argument("tape", metavar="TAPE", help="tape file to export")
-    exp.add_argument("--format", required=True, choices=["perfetto", "jsonl", "csv", "sqlite"],
-                     help="output format")
-    exp.add_argument("--output", "-o", metavar="FILE", default=None,
-                     help="write to FILE instead of stdout (sqlite: required); an existing FILE "
-                     "is refused unless --force")
+    exp.add_argument(
+        "--format",
+        required=True,
+        choices=["perfetto", "jsonl", "csv", "sqlite"],
+        help="output format",
+    )
+    exp.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE",
+        default=None,
+        help="write to FILE instead of stdout (sqlite: required); an existing FILE "
+        "is refused unless --force",
+    )
     add_force_argument(exp)
     exp.set_defaults(func=cmd_export)
     return exp
@@ -59,7 +68,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "sqlite" and args.output is None:
         raise CLIError("--format sqlite writes a file: give its path with --output")
     tape = open_tape(args.tape)  # a file that is not a tape is refused before any output
-    if args.output is not None and check_output_path(args.output, args.force, "--output", [args.tape]):
+    if args.output is not None and check_output_path(
+        args.output, args.force, "--output", [args.tape]
+    ):
         remove_for_overwrite(args.output)
     if args.format == "sqlite":
         n = export_sqlite(args.tape, args.output)

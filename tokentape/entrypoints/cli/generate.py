@@ -62,50 +62,111 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (any number)")
     gen.add_argument(
-        "--file", "-f", metavar="FILE", action="append", default=None,
+        "--file",
+        "-f",
+        metavar="FILE",
+        action="append",
+        default=None,
         help="read prompts from FILE, one per line (blank lines skipped); '-' reads stdin; "
         "may be repeated",
     )
-    gen.add_argument("--model", default="tiny",
-                     help="model to serve: 'tiny' (default: the built-in model, random weights "
-                     "drawn from the seed), 'qwen3-0.6b' (its shapes, random weights), a local "
-                     "Hugging Face checkpoint folder, or the fake models 'oracle' and "
-                     "'oracle-random'")
-    gen.add_argument("--max-tokens", type=positive_int, default=16, metavar="N",
-                     help="maximum number of tokens generated per prompt (default: 16)")
-    gen.add_argument("--temperature", type=float, default=1.0,
-                     help="sampling temperature, recorded in each request's params (default: 1.0)")
-    gen.add_argument("--seed", type=int, default=0,
-                     help="engine seed: keys the model's sampling and goes into the tape header "
-                     "(default: 0)")
+    gen.add_argument(
+        "--model",
+        default="tiny",
+        help="model to serve: 'tiny' (default: the built-in model, random weights "
+        "drawn from the seed), 'qwen3-0.6b' (its shapes, random weights), a local "
+        "Hugging Face checkpoint folder, or the fake models 'oracle' and "
+        "'oracle-random'",
+    )
+    gen.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="maximum number of tokens generated per prompt (default: 16)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature, recorded in each request's params (default: 1.0)",
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed: keys the model's sampling and goes into the tape header (default: 0)",
+    )
     tape = gen.add_mutually_exclusive_group()
-    tape.add_argument("--tape", metavar="PATH", default=None,
-                      help="tape file to create; an existing file is refused unless --force "
-                      "(default: tokentape-<UTC timestamp>.tape in the current directory)")
+    tape.add_argument(
+        "--tape",
+        metavar="PATH",
+        default=None,
+        help="tape file to create; an existing file is refused unless --force "
+        "(default: tokentape-<UTC timestamp>.tape in the current directory)",
+    )
     tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
     add_force_argument(gen, "tape file")
     pipe = gen.add_mutually_exclusive_group()
-    pipe.add_argument("--sync", action="store_true",
-                      help="synchronous scheduling: one step in flight at a time")
-    pipe.add_argument("--pipeline-depth", type=positive_int, default=None, metavar="N",
-                      help="steps in flight with async scheduling (engine default: 2)")
-    gen.add_argument("--num-speculative-tokens", type=non_negative_int, default=None,
-                     metavar="K", help="n-gram speculative tokens per decode (engine default: 0)")
-    gen.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
-                     help="how stale frames are recognised after a preemption "
-                     "(engine default: epoch, the exact one; counter and flag reproduce vLLM's "
-                     "historical bugs)")
-    gen.add_argument("--num-kv-blocks", type=positive_int, default=None, metavar="N",
-                     help="number of paged KV cache blocks (engine default: 2048)")
-    gen.add_argument("--block-size", type=positive_int, default=None, metavar="N",
-                     help="tokens per KV block (engine default: 16)")
-    gen.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
-                     help="most requests running at once (engine default: 256)")
-    gen.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                     help="token budget of one step (engine default: 8192)")
+    pipe.add_argument(
+        "--sync", action="store_true", help="synchronous scheduling: one step in flight at a time"
+    )
+    pipe.add_argument(
+        "--pipeline-depth",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="steps in flight with async scheduling (engine default: 2)",
+    )
+    gen.add_argument(
+        "--num-speculative-tokens",
+        type=non_negative_int,
+        default=None,
+        metavar="K",
+        help="n-gram speculative tokens per decode (engine default: 0)",
+    )
+    gen.add_argument(
+        "--discard-policy",
+        choices=list(DISCARD_POLICIES),
+        default=None,
+        help="how stale frames are recognised after a preemption "
+        "(engine default: epoch, the exact one; counter and flag reproduce vLLM's "
+        "historical bugs)",
+    )
+    gen.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="number of paged KV cache blocks (engine default: 2048)",
+    )
+    gen.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per KV block (engine default: 16)",
+    )
+    gen.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="most requests running at once (engine default: 256)",
+    )
+    gen.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="token budget of one step (engine default: 8192)",
+    )
     add_script_arguments(gen)
-    gen.add_argument("--json", action="store_true",
-                     help="print one JSON object per output line instead of plain text")
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per output line instead of plain text",
+    )
     gen.set_defaults(func=cmd_generate)
     return gen
 
@@ -157,8 +218,14 @@ def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["async_scheduling"] = False
     if args.pipeline_depth is not None:
         kwargs["pipeline_depth"] = args.pipeline_depth
-    for name in ("num_speculative_tokens", "discard_policy", "num_kv_blocks", "block_size",
-                 "max_num_seqs", "max_num_batched_tokens"):
+    for name in (
+        "num_speculative_tokens",
+        "discard_policy",
+        "num_kv_blocks",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+    ):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
@@ -199,8 +266,10 @@ def _check_model(model: str) -> None:
 
     check_checkpoint_files(model)
     if not _has_random_weights(model) and isinstance(checkpoint_tokenizer(model), MissingTokenizer):
-        raise CLIError(f"{os.path.join(model, 'tokenizer.json')}: missing; the prompts of "
-                       "`tokentape generate` are text, which this checkpoint cannot encode")
+        raise CLIError(
+            f"{os.path.join(model, 'tokenizer.json')}: missing; the prompts of "
+            "`tokentape generate` are text, which this checkpoint cannot encode"
+        )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -229,8 +298,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     out = sys.stdout
     if not args.json and _has_random_weights(args.model):
-        out.write(f"note: the built-in model {args.model!r} has random weights (drawn from the "
-                  "seed), so its text is noise; its token ids are shown beside it\n")
+        out.write(
+            f"note: the built-in model {args.model!r} has random weights (drawn from the "
+            "seed), so its text is noise; its token ids are shown beside it\n"
+        )
     for o in outputs:
         c = o.outputs[0]
         if args.json:
@@ -245,13 +316,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
         else:
-            out.write(safe_text(
-                f"request {o.request_id}: finish_reason={c.finish_reason} "
-                f"num_tokens={len(c.token_ids)}\n"
-                f"  prompt:    {o.prompt!r}\n"
-                f"  token_ids: {c.token_ids}\n"
-                f"  text:      {c.text!r}\n"
-            ))
+            out.write(
+                safe_text(
+                    f"request {o.request_id}: finish_reason={c.finish_reason} "
+                    f"num_tokens={len(c.token_ids)}\n"
+                    f"  prompt:    {o.prompt!r}\n"
+                    f"  token_ids: {c.token_ids}\n"
+                    f"  text:      {c.text!r}\n"
+                )
+            )
     out.flush()
     warn_pending(scenario, llm.engine.state.step)
     print(f"tape: {path}" if path else "tape: none (--no-tape)", file=sys.stderr)

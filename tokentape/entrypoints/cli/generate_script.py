@@ -16,7 +16,9 @@ def _step(text: str, option: str) -> int:
     try:
         step = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{option}: expected a step number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"{option}: expected a step number, got {text!r}"
+        ) from None
     if step < 0:
         raise argparse.ArgumentTypeError(f"{option}: the step must be >= 0, got {step}")
     return step
@@ -27,7 +29,8 @@ def pause_at(text: str) -> Pause:
     mode = mode or "keep"
     if mode not in PAUSE_MODES:
         raise argparse.ArgumentTypeError(
-            f"--pause-at {text}: MODE must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+            f"--pause-at {text}: MODE must be one of {', '.join(PAUSE_MODES)}, got {mode!r}"
+        )
     return Pause(_step(step, "--pause-at"), mode)
 
 
@@ -48,18 +51,36 @@ def add_script_arguments(parser: Any) -> None:
         "Made when the engine is about to schedule step STEP; each may be repeated, and calls\n"
         "at the same step go in the order pauses, resets, aborts. A call whose step the run\n"
         "never reaches is not made (a warning on stderr says so). Steps of a recorded run:\n"
-        "'tokentape inspect TAPE', or 'events' in 'tokentape debug'.")
-    group.add_argument("--pause-at", type=pause_at, action="append", default=[],
-                       metavar="STEP[:MODE]",
-                       help="pause_generation(MODE, clear_cache=True), then resume_generation(), "
-                       "as an RL loop does around a weight update; MODE keep (default), wait or "
-                       "abort. With async scheduling and --discard-policy flag this records "
-                       "vLLM #42043")
-    group.add_argument("--reset-at", type=reset_at, action="append", default=[], metavar="STEP",
-                       help="reset_prefix_cache(reset_running_requests=True): every running "
-                       "request is preempted, with its steps left in flight")
-    group.add_argument("--abort-at", type=abort_at, action="append", default=[], metavar="STEP:ID",
-                       help="abort request ID (0, 1, ... in prompt order)")
+        "'tokentape inspect TAPE', or 'events' in 'tokentape debug'.",
+    )
+    group.add_argument(
+        "--pause-at",
+        type=pause_at,
+        action="append",
+        default=[],
+        metavar="STEP[:MODE]",
+        help="pause_generation(MODE, clear_cache=True), then resume_generation(), "
+        "as an RL loop does around a weight update; MODE keep (default), wait or "
+        "abort. With async scheduling and --discard-policy flag this records "
+        "vLLM #42043",
+    )
+    group.add_argument(
+        "--reset-at",
+        type=reset_at,
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="reset_prefix_cache(reset_running_requests=True): every running "
+        "request is preempted, with its steps left in flight",
+    )
+    group.add_argument(
+        "--abort-at",
+        type=abort_at,
+        action="append",
+        default=[],
+        metavar="STEP:ID",
+        help="abort request ID (0, 1, ... in prompt order)",
+    )
 
 
 def scenario_of(args: argparse.Namespace) -> Scenario:
@@ -72,5 +93,4 @@ def scenario_of(args: argparse.Namespace) -> Scenario:
 def warn_pending(scenario: Scenario, steps: int) -> None:
     """One line on stderr for each scripted call the run ended before."""
     for call in scenario.pending:
-        print(f"warning: no {call.describe()}: the run ended after {steps} steps",
-              file=sys.stderr)
+        print(f"warning: no {call.describe()}: the run ended after {steps} steps", file=sys.stderr)

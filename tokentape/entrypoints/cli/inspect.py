@@ -34,11 +34,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     insp.add_argument("tape", metavar="TAPE", help="tape file to inspect")
-    insp.add_argument("--step", type=non_negative_int, default=None, metavar="N",
-                      help="show the state at step N (after it was scheduled, before step N+1) "
-                      "instead of at the end of the tape")
-    insp.add_argument("--request", metavar="ID", default=None,
-                      help="show one request's full derived state, output token ids included")
+    insp.add_argument(
+        "--step",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="show the state at step N (after it was scheduled, before step N+1) "
+        "instead of at the end of the tape",
+    )
+    insp.add_argument(
+        "--request",
+        metavar="ID",
+        default=None,
+        help="show one request's full derived state, output token ids included",
+    )
     insp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     insp.set_defaults(func=cmd_inspect)
     return insp
@@ -117,8 +126,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "num_events": state.num_events,
                 "error": state.error,
             },
-            "requests": [dict(zip(REQUEST_COLUMNS, request_row(state, r)))
-                         for r in state.requests.values()],
+            "requests": [
+                dict(zip(REQUEST_COLUMNS, request_row(state, r))) for r in state.requests.values()
+            ],
         }
         print(json.dumps(record))
         return EXIT_OK
@@ -126,6 +136,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     view = state_view(sys.stdout)
     view.section("tape", header_summary(tape, num_events))
     view.section(f"engine state {where}", engine_summary(state))
-    view.table(f"requests ({len(state.requests)})", REQUEST_COLUMNS,
-               [request_row(state, r) for r in state.requests.values()])
+    view.table(
+        f"requests ({len(state.requests)})",
+        REQUEST_COLUMNS,
+        [request_row(state, r) for r in state.requests.values()],
+    )
     return EXIT_OK

@@ -84,8 +84,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if result.statement is not None:
             print(safe_text(result.statement))
         return EXIT_OK
-    print(safe_text(f"FAILED: {args.tape} does not {'reproduce' if result.statement is None else 'check out'} "
-                    f"({result.num_events} events {done})"))
+    print(
+        safe_text(
+            f"FAILED: {args.tape} does not {'reproduce' if result.statement is None else 'check out'} "
+            f"({result.num_events} events {done})"
+        )
+    )
     if result.statement is not None:
         print(safe_text(result.statement))
     if result.first_divergence is not None:
@@ -118,17 +122,34 @@ def _add_whatif(replay_sub: Any) -> None:
         ),
     )
     wi.add_argument("tape", metavar="TAPE", help="the recorded tape")
-    wi.add_argument("--discard-policy", choices=list(DISCARD_POLICIES), default=None,
-                    help="discard policy for the new run (default: the tape's)")
-    wi.add_argument("--pipeline-depth", type=positive_int, default=None, metavar="N",
-                    help="steps in flight for the new run, 1 = synchronous (default: the tape's)")
-    wi.add_argument("--runner", default=None, choices=["oracle", "model"],
-                    help="what computes the tokens: oracle (the fake model) or model (the real one "
-                    "the header names; tiny for an oracle tape) (default: the runner that "
-                    "recorded the tape)")
-    wi.add_argument("--out", metavar="PATH", default=None,
-                    help="the new tape; an existing file is refused unless --force "
-                    "(default: TAPE's name with -whatif, numbered to be new)")
+    wi.add_argument(
+        "--discard-policy",
+        choices=list(DISCARD_POLICIES),
+        default=None,
+        help="discard policy for the new run (default: the tape's)",
+    )
+    wi.add_argument(
+        "--pipeline-depth",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="steps in flight for the new run, 1 = synchronous (default: the tape's)",
+    )
+    wi.add_argument(
+        "--runner",
+        default=None,
+        choices=["oracle", "model"],
+        help="what computes the tokens: oracle (the fake model) or model (the real one "
+        "the header names; tiny for an oracle tape) (default: the runner that "
+        "recorded the tape)",
+    )
+    wi.add_argument(
+        "--out",
+        metavar="PATH",
+        default=None,
+        help="the new tape; an existing file is refused unless --force "
+        "(default: TAPE's name with -whatif, numbered to be new)",
+    )
     add_force_argument(wi, "--out tape")
     wi.set_defaults(func=cmd_whatif)
 
@@ -154,12 +175,21 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         out = args.out
         if check_output_path(out, args.force, "--out", [args.tape]):
             remove_for_overwrite(out)
-    result = whatif(tape, discard_policy=args.discard_policy,
-                    pipeline_depth=args.pipeline_depth, runner=args.runner, out=out)
+    result = whatif(
+        tape,
+        discard_policy=args.discard_policy,
+        pipeline_depth=args.pipeline_depth,
+        runner=args.runner,
+        out=out,
+    )
     c = result.config
-    print(safe_text(f"what-if: discard policy {c.discard_policy}, pipeline depth "
-                    f"{c.effective_pipeline_depth}, model {c.model}; new tape {out} "
-                    f"({len(result.tape)} events)"))
+    print(
+        safe_text(
+            f"what-if: discard policy {c.discard_policy}, pipeline depth "
+            f"{c.effective_pipeline_depth}, model {c.model}; new tape {out} "
+            f"({len(result.tape)} events)"
+        )
+    )
     for note in result.notes:
         print(safe_text(f"note: {note}"))
     print_diff(result.diff.format())

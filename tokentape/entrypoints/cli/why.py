@@ -10,8 +10,14 @@ from typing import Any
 from tokentape.entrypoints.cli.common import EXIT_OK, CLIError, non_negative_int
 from tokentape.replay.render import Output, safe_text
 
-_STYLES = {"produced": "green", "delivered": "green", "dropped": "bold red", "ignored": "yellow",
-           "preempted": "yellow", "finished": "bold"}
+_STYLES = {
+    "produced": "green",
+    "delivered": "green",
+    "dropped": "bold red",
+    "ignored": "yellow",
+    "preempted": "yellow",
+    "finished": "bold",
+}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -40,8 +46,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     why.add_argument("tape", metavar="TAPE", help="tape file")
     why.add_argument("request", metavar="REQUEST", help="request id")
-    why.add_argument("position", metavar="POSITION", type=non_negative_int,
-                     help="output position, counted from 0")
+    why.add_argument(
+        "position",
+        metavar="POSITION",
+        type=non_negative_int,
+        help="output position, counted from 0",
+    )
     why.add_argument("--json", action="store_true", help="print JSON instead of text")
     why.set_defaults(func=cmd_why)
     return why
@@ -58,8 +68,9 @@ def cmd_why(args: argparse.Namespace) -> int:
     except WhyError as exc:
         raise CLIError(str(exc)) from None
     except FOLD_ERRORS as exc:  # the request's events cannot follow each other
-        raise CLIError(f"{args.tape}: the tape is inconsistent for request "
-                       f"{args.request!r}: {exc}") from None
+        raise CLIError(
+            f"{args.tape}: the tape is inconsistent for request {args.request!r}: {exc}"
+        ) from None
     if args.json:
         print(json.dumps(result.to_json()))
         return EXIT_OK

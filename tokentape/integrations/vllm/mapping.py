@@ -122,7 +122,7 @@ def make_header(config: EngineConfig, vllm_config: Any, vllm_version: str) -> ev
         package_version=__version__,
         eos_token_id=None,  # vLLM's EOS is per request: each RequestAdded has it in stop_token_ids
         vocab_size=int(model.get_vocab_size()),
-        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         source="vllm",
         source_version=vllm_version,
     )

@@ -76,9 +76,7 @@ class RecordingScheduler(Scheduler):
                 )
             check_tape_path(path)  # before vLLM builds anything more
             super().__init__(*args, **kwargs)
-            self._recorder = self._new_recorder(
-                release, lambda h: SQLiteTape(path, h)
-            )
+            self._recorder = self._new_recorder(release, lambda h: SQLiteTape(path, h))
             return
         super().__init__(*args, **kwargs)
         try:
