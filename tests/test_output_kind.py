@@ -6,7 +6,9 @@ import msgspec
 import pytest
 
 from tokentape import RequestOutputKind, SamplingParams
-from tokentape.engine.outputs import build_request_output
+from tokentape.engine.output_processor import OutputProcessor
+from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
+from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.events import schema as ev
 
 
@@ -35,26 +37,27 @@ def test_a_bad_output_kind_is_refused(bad: object, error: type[Exception]) -> No
         SamplingParams(output_kind=bad)  # type: ignore[arg-type]
 
 
-def test_build_request_output_by_kind() -> None:
-    tokens, lps = [7, 8, 9], [-0.1, -0.2, -0.3]
+def test_the_output_processor_shapes_outputs_by_kind() -> None:
+    lps = [-0.1, -0.2, -0.3]
 
-    def build(kind: RequestOutputKind, reason: str | None) -> object:
-        return build_request_output(kind, "r", [1], tokens, 2, lps, reason, decode=lambda t: str(t))
+    def outputs(kind: RequestOutputKind) -> list[RequestOutput]:
+        proc = OutputProcessor(ByteTokenizer())
+        proc.add_request("r", [1], None, SamplingParams(logprobs=0, output_kind=kind), ["r"])
+        first = proc.process_outputs([EngineCoreOutput("r", [7 + 3], lps[:1])])
+        return first + proc.process_outputs(
+            [EngineCoreOutput("r", [8 + 3, 9 + 3], lps[1:], "length")]
+        )
 
-    cum = build(RequestOutputKind.CUMULATIVE, None)
-    assert (
-        cum.outputs[0].token_ids == [7, 8, 9]
-        and cum.outputs[0].logprobs == lps
-        and not cum.finished
-    )
-    assert cum.outputs[0].token_ids is not tokens  # a copy: the engine's list keeps growing
-    delta = build(RequestOutputKind.DELTA, None)
-    assert delta.outputs[0].token_ids == [8, 9] and delta.outputs[0].logprobs == [-0.2, -0.3]
-    assert delta.outputs[0].text == "[8, 9]"
-    assert build(RequestOutputKind.FINAL_ONLY, None) is None
-    final = build(RequestOutputKind.FINAL_ONLY, "length")
-    assert final.finished and final.outputs[0].token_ids == [7, 8, 9]
-    assert final.outputs[0].finish_reason == "length"
+    cum = outputs(RequestOutputKind.CUMULATIVE)
+    assert [o.outputs[0].token_ids for o in cum] == [[10], [10, 11, 12]]
+    assert cum[1].outputs[0].logprobs == lps and cum[1].outputs[0].text == "\x07\x08\t"
+    assert [o.finished for o in cum] == [False, True]
+    delta = outputs(RequestOutputKind.DELTA)
+    assert [o.outputs[0].token_ids for o in delta] == [[10], [11, 12]]
+    assert delta[1].outputs[0].logprobs == lps[1:] and delta[1].outputs[0].text == "\x08\t"
+    (final,) = outputs(RequestOutputKind.FINAL_ONLY)
+    assert final.finished and final.outputs[0].token_ids == [10, 11, 12]
+    assert final.outputs[0].finish_reason == "length" and final.outputs[0].text == "\x07\x08\t"
 
 
 def test_an_output_keeps_its_own_tokens_after_the_stream_grows() -> None:

@@ -8,18 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tokentape.engine.detokenizer import ByteDetokenizer, IncrementalDetokenizer, detokenizer
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
 from tokentape.entrypoints.metrics import ServerMetrics
 from tokentape.entrypoints.request_body import param_of_validation as _param_of
-from tokentape.entrypoints.serving import (
-    ByteDetokenizer,
-    IncrementalDetokenizer,
-    SSEFramer,
-    detokenizer,
-    sse_bytes,
-)
+from tokentape.entrypoints.serving import SSEFramer, sse_bytes
 
 
 def test_builtin_chat_template() -> None:

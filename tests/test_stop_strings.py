@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import msgspec
 import pytest
 
-from tokentape.engine.stop_strings import find_stop_string, stop_decoder, stop_text
+from tokentape.engine.stop_strings import find_stop_string, stop_text
 from tokentape.engine.tokenizer import ByteTokenizer, HFTokenizer
 from tokentape.events.schema import SamplingParams
 
@@ -160,14 +159,12 @@ def test_hf_other_decoder_decodes_everything(tmp_path: Path) -> None:
     )
 
 
-def test_stop_decoder_cuts_as_stop_text() -> None:
+def test_stop_text_cuts_at_the_match_after_min_tokens() -> None:
     tok = ByteTokenizer()
     out = tok.encode("hello STOP world")
     for include in (False, True):
         params = SamplingParams(stop=("STOP",), include_stop_str_in_output=include, max_tokens=20)
-        decode = stop_decoder(tok.decode, params, out, "STOP")
-        assert decode(out) == ("hello STOP" if include else "hello ")
-        assert decode(out[-3:]) == ""  # the last delta loses the cut tail
-        assert decode(out[:3]) == "hel"
-    params = msgspec.structs.replace(params, min_tokens=8)  # the match must end after "hello ST"
-    assert stop_decoder(tok.decode, params, out, "STOP")(out) == "hello STOP"
+        assert stop_text(tok.decode, params, out, "STOP") == ("hello STOP" if include else "hello ")
+    out = tok.encode("a STOP b STOP c")
+    params = SamplingParams(stop=("STOP",), min_tokens=7, max_tokens=20)  # a match ends later
+    assert stop_text(tok.decode, params, out, "STOP") == "a STOP b "

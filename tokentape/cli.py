@@ -32,7 +32,6 @@ __all__ = ["CLIError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokentape import __version__
     from tokentape.entrypoints import serve
     from tokentape.entrypoints.cli import (
         bisect,
@@ -46,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         why,
     )
     from tokentape.postmortem import cli as postmortem
+    from tokentape.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="tokentape",

@@ -1,6 +1,7 @@
 """AsyncLLM: vLLM V1's asyncio API. The engine core (engine, scheduler, runner, tape) runs in
-a background process by default; this frontend sends it requests and turns the token deltas
-it gets back into each request's outputs, by the request's output kind.
+a background process by default; this frontend sends it requests and turns the deltas it
+gets back into each request's outputs with the one output processor (output_processor.py),
+as vLLM's AsyncLLM does.
 
     engine = AsyncLLM(model="oracle", tape="run.tape")
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "r1"):
@@ -10,10 +11,9 @@ it gets back into each request's outputs, by the request's output kind.
 Cancelling a consumer (or leaving its loop) aborts its request, and the abort is on the tape.
 `multiprocess_mode=False` steps the same engine core inside the event loop (for debugging).
 
-Here: the engine-facing API (requests, routing of the core's outputs, engine calls, lifetime).
-Per request, `output_collector.py` buffers what the core sent and `output_assembly.py` turns
-it into outputs (n > 1 gathered into one stream); `frontend_inputs.py` prepares prompts and
-weights.
+Here: the engine-facing API (requests, routing of the processor's outputs, engine calls,
+lifetime). Per request, `output_collector.py` buffers the outputs its consumer has not taken;
+`frontend_inputs.py` prepares prompts and weights.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tokentape.engine.core.messages import (
     CoreMessage,
     CoreOutputs,
     SchedulerStats,
+    rebuild_error,
 )
 from tokentape.engine.frontend_inputs import (
     PromptType,
@@ -41,8 +42,8 @@ from tokentape.engine.frontend_inputs import (
 )
 from tokentape.engine.llm import TapeSpec, check_tape_path
 from tokentape.engine.llm_engine import PAUSE_MODES, EngineDeadError
-from tokentape.engine.output_assembly import RequestOutputAssembler
 from tokentape.engine.output_collector import RequestOutputCollector
+from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
 from tokentape.events.schema import SamplingParams
@@ -81,10 +82,11 @@ class AsyncLLM:
         )
         self.tape_path: str | None = info.tape_path
         self.stats = SchedulerStats()
+        self.output_processor = OutputProcessor(self.tokenizer, stream_interval)
         # By request id: its collector and the engine requests behind it (itself, or its n
-        # children); by engine request id: the collector and the child's index.
+        # children).
         self._streams: dict[str, tuple[RequestOutputCollector, list[str]]] = {}
-        self._routes: dict[str, tuple[RequestOutputCollector, int]] = {}
+        self._engine_ids: set[str] = set()  # every engine request id of those
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
         # Why the engine core failed while serving (None: it did not; a shutdown is no
@@ -123,15 +125,21 @@ class AsyncLLM:
     def _dispatch(self, msg: CoreMessage) -> None:
         if isinstance(msg, CoreOutputs):
             self.stats = msg.stats
-            routes = self._routes
-            for out in msg.outputs:
-                route = routes.get(out.request_id)
-                if route is not None:
-                    route[0].put(route[1], out)
+            streams = self._streams
+            deltas = msg.outputs
+            if any(out.error is not None for out in deltas):
+                for out in deltas:  # a refusal comes back under the request's own id
+                    if out.error is not None and out.request_id in streams:
+                        streams[out.request_id][0].fail(rebuild_error(out.error))
+                deltas = [out for out in deltas if out.error is None]
+            outputs = self.output_processor.process_outputs(deltas)
+            if msg.utility is not None and self.stream_interval > 1:
+                outputs += self.output_processor.flush()  # a pause's drained tokens go out first
+            for output in outputs:
+                stream = streams.get(output.request_id)
+                if stream is not None:
+                    stream[0].put(output)
             if msg.utility is not None:
-                if self.stream_interval > 1:  # a pause's drained tokens reach their streams first
-                    for collector, _ in self._streams.values():
-                        collector.flush()
                 self.engine_core.resolve(msg.utility.call_id, msg.utility.result, msg.utility.error)
         elif isinstance(msg, CoreDead):
             self._core_failed(msg.message)
@@ -173,24 +181,22 @@ class AsyncLLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {shown(params)}")
         check_str("request_id", request_id)
-        if request_id in self._streams or request_id in self._routes:
+        if request_id in self._streams or request_id in self._engine_ids:
             raise ValueError(f"request id {request_id!r} is already in use on this engine")
         tokens, text = prompt_token_ids(self.tokenizer, prompt)
         self.check_prompt(tokens)
         n = params.n
         core_ids = [request_id] if n == 1 else [child_request_id(i, request_id) for i in range(n)]
         for core_id in core_ids:
-            if core_id in self._routes:
+            if core_id in self._engine_ids or core_id in self._streams:
                 raise ValueError(
                     f"request {request_id!r} with n={n}: its child id {core_id!r} "
                     "is already in use on this engine"
                 )
-        collector = RequestOutputCollector(params, self.stream_interval)
+        collector = RequestOutputCollector(params)
         self._streams[request_id] = (collector, core_ids)
-        # The request's own id too: a refusal of n > 1 comes back under it.
-        for i, core_id in enumerate(dict.fromkeys([*core_ids, request_id])):
-            self._routes[core_id] = (collector, i)
-        assembler = RequestOutputAssembler(request_id, tokens, text, params, self.tokenizer)
+        self._engine_ids.update(core_ids)
+        self.output_processor.add_request(request_id, tokens, text, params, core_ids)
         finished = False
         try:
             try:
@@ -203,18 +209,16 @@ class AsyncLLM:
                 raise
             while not finished:
                 try:
-                    deltas = await collector.get()
+                    out = await collector.get()
                 except (ValueError, TypeError, KeyError, RuntimeError):
                     finished = True  # refused (nothing recorded), or the engine is gone
                     raise
-                out = assembler.add(deltas)
-                finished = assembler.finished
-                if out is not None:
-                    yield out
+                finished = out.finished
+                yield out
         finally:
             del self._streams[request_id]
-            for core_id in (*core_ids, request_id):
-                self._routes.pop(core_id, None)
+            self._engine_ids.difference_update(core_ids)
+            self.output_processor.remove_request(request_id)
             if not finished and self._dead is None:  # cancelled, or the consumer left
                 try:
                     self.engine_core.abort(core_ids)

@@ -13,16 +13,13 @@ import msgspec
 from tokentape.engine.config import ORACLE_MODELS, EngineConfig
 from tokentape.engine.context_length import with_model_max_len
 from tokentape.engine.llm_engine import LLMEngine, make_header
-from tokentape.engine.outputs import CompletionOutput, RequestOutput
-from tokentape.engine.parallel_sampling import child_request_id
+from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.scenario import Scenario
-from tokentape.engine.stop_strings import stop_text
 from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
 from tokentape.events.sqlite_store import SQLiteTape
-from tokentape.events.state import RequestState
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
 from tokentape.events.validation import check_str, short_repr, shown
 from tokentape.progress import RequestProgress
@@ -190,11 +187,10 @@ class LLM:
         except BaseException:
             self._next_id = first_id  # nothing was added: the ids are still free
             raise
-        for req_id, tokens, params in requests:
-            self.engine.add_request(req_id, tokens, params)
-        return self._run_to_completion(
-            [r[0] for r in requests], [r[2].n for r in requests], prompts, use_tqdm, scenario
-        )
+        for (req_id, tokens, params), prompt in zip(requests, prompts):
+            text = prompt if isinstance(prompt, str) else None
+            self.engine.add_request(req_id, tokens, params, prompt=text)
+        return self._run_to_completion([r[0] for r in requests], use_tqdm, scenario)
 
     def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:
         if isinstance(prompt, str):
@@ -216,69 +212,38 @@ class LLM:
         return str(self._next_id - 1)
 
     def _run_to_completion(
-        self,
-        ids: list[str],
-        ns: list[int],
-        prompts: Sequence[object],
-        use_tqdm: bool,
-        scenario: Scenario | None,
+        self, ids: list[str], use_tqdm: bool, scenario: Scenario | None
     ) -> list[RequestOutput]:
+        """Step until every request has its final output (the output processor's: each is
+        FINAL_ONLY), and return them in the order of `ids`."""
+        finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        finished: set[str] = set()
         engine = self.engine
-        requests = engine.state.requests
-        # The engine's requests behind each output: the request, or a parent's n children.
-        members = [
-            [i] if n == 1 else [child_request_id(c, i) for c in range(n)] for i, n in zip(ids, ns)
-        ]
+        processor = engine.output_processor
 
         def output_tokens() -> int:  # asked for only when the bar is redrawn
-            return sum(len(requests[m].output_token_ids) for ms in members for m in ms)
+            return processor.num_output_tokens(ids)
 
         with RequestProgress(len(ids), enabled=use_tqdm) as bar:
-            while len(finished) < len(ids) and engine.has_unfinished_requests():
+            while len(finals) < len(ids) and engine.has_unfinished_requests():
                 if scenario is not None:
                     scenario.apply_due(engine)
-                for out in engine.step():  # every request's final output comes, whatever its kind
+                for out in engine.step():  # others' outputs too (added by the engine API)
                     if out.finished and out.request_id in wanted:
-                        finished.add(out.request_id)
-                bar.update(len(finished), output_tokens)
+                        finals[out.request_id] = out
+                bar.update(len(finals), output_tokens)
             # A request that stops on a token leaves the steps scheduled after it in flight;
             # with nothing else to run, collect their frames so the tape ends complete (else
             # the postmortem reads the run as one stopped mid-run: tape_truncated).
             state = engine.state
             while state.in_flight_steps and not (state.waiting or state.running):
                 engine.step()
-            bar.update(len(finished), output_tokens, force=True)
+            bar.update(len(finals), output_tokens, force=True)
         engine.tape.flush()  # the run is complete in the tape file when generate returns
-        results = []
-        for req_id, ms, prompt in zip(ids, members, prompts):
-            # Every token the engine delivered (OutputsEmitted is on the tape), whatever the
-            # request's output kind: the state holds them.
-            completions = [
-                self._completion(index, engine.state.requests[m]) for index, m in enumerate(ms)
-            ]
-            results.append(
-                RequestOutput(
-                    req_id,
-                    requests[ms[0]].prompt_token_ids,
-                    completions,
-                    req_id in finished,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                )
-            )
-        return results
-
-    def _completion(self, index: int, req: RequestState) -> CompletionOutput:
-        toks = list(req.output_token_ids)
-        lps = list(req.output_logprobs) if req.params.logprobs is not None else None
-        top = list(req.output_top_logprobs) if req.params.logprobs else None
-        text = (
-            stop_text(self.tokenizer.decode, req.params, toks, req.stop_str)
-            if req.stop_str
-            else self.tokenizer.decode(toks)
-        )
-        return CompletionOutput(index, text, toks, req.finish_reason, lps, None, top, req.stop_str)
+        missing = [i for i in ids if i not in finals]
+        if missing:  # cannot happen: a request leaves the engine only finished
+            raise RuntimeError(f"generate: requests {missing} ended without a final output")
+        return [finals[i] for i in ids]
 
     def close(self) -> None:
         self.engine.close()

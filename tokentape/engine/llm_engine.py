@@ -14,22 +14,23 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from tokentape import __version__
 from tokentape.engine.bad_words import has_text_bad_words
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
-from tokentape.engine.outputs import RequestOutput, build_request_output
-from tokentape.engine.parallel_sampling import ParentRequest, child_params, child_request_id
+from tokentape.engine.output_processor import OutputProcessor
+from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
+from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.scheduler import Scheduler
-from tokentape.engine.stop_strings import find_stop_string, stop_decoder
+from tokentape.engine.stop_strings import find_stop_string
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
 from tokentape.events.validation import check_bool
+from tokentape.version import __version__
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -78,15 +79,17 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
         self._finished_since_last_batch: list[str] = []
-        self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
+        # Deltas produced outside step() (e.g. by a drain), handed out by the next step.
+        self._ready: list[EngineCoreOutput] = []
         self._dead: str | None = None
         if config.faults:  # upstream bugs on purpose (tests, tapes): the default path has none
             from tokentape.engine.faults import install_faults
 
             install_faults(self)
-        # n > 1: the parents and, by child id, the parent gathering each child's outputs.
-        self._parents: dict[str, ParentRequest] = {}
-        self._parent_of: dict[str, ParentRequest] = {}
+        # n > 1: each parent's children on the tape (the output processor gathers them).
+        self._children: dict[str, list[str]] = {}
+        # The one output processor: the deltas of step_core() as the client's RequestOutputs.
+        self.output_processor = OutputProcessor(tokenizer)
 
     # -- the one way state changes ---------------------------------------------------------------
 
@@ -117,32 +120,42 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
     ) -> None:
+        """Add a request; its outputs come from `step()` (`prompt`: its text, for them)."""
         params = params if params is not None else SamplingParams()
+        ids = self.add_core_request(request_id, prompt_token_ids, params)
+        self.output_processor.add_request(request_id, list(prompt_token_ids), prompt, params, ids)
+
+    def add_core_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[str]:
+        """Record a request, or for n > 1 its n children "{i}_{id}" (parallel_sampling.py),
+        all checked before any is recorded; the engine request ids, in index order. Their
+        deltas come from `step_core()`."""
         self.check_request(request_id, prompt_token_ids, params)
-        params = self._with_extra_eos(self._resolve_bad_words(request_id, params))
+        resolved = self._with_extra_eos(self._resolve_bad_words(request_id, params))
         if params.n == 1:
-            with self._recorded():
-                self._emit(
-                    ev.RequestAdded(self.state.step, request_id, list(prompt_token_ids), params)
+            children = [(request_id, resolved)]
+        else:
+            children = [
+                (
+                    child_request_id(i, request_id),
+                    child_params(resolved, i, self.config.seed, prompt_token_ids),
                 )
-            return
-        # n > 1: n child requests on the tape, gathered into one output (parallel_sampling.py).
-        children = [
-            (
-                child_request_id(i, request_id),
-                child_params(params, i, self.config.seed, prompt_token_ids),
-            )
-            for i in range(params.n)
-        ]
-        self._parents[request_id] = parent = ParentRequest(request_id, params)
+                for i in range(params.n)
+            ]
+            self._children[request_id] = [child_id for child_id, _ in children]
         with self._recorded():
             for child_id, child in children:
-                self._parent_of[child_id] = parent
                 self._emit(
                     ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child)
                 )
+        return [child_id for child_id, _ in children]
 
     def _resolve_bad_words(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """String bad words as token ids, encoded by this engine's tokenizer (bad_words.py)."""
@@ -168,12 +181,18 @@ class LLMEngine:
 
     def has_parent(self, request_id: str) -> bool:
         """Whether `request_id` is an unfinished request of n > 1 (its children run)."""
-        return request_id in self._parents
+        children = self._children.get(request_id)
+        if children is None:
+            return False
+        requests = self.state.requests
+        if all(requests[c].is_finished for c in children):  # done: its id is free again
+            del self._children[request_id]
+            return False
+        return True
 
     def abort_request(self, request_id: str) -> None:
-        parent = self._parents.get(request_id)
-        if parent is not None:  # n > 1: abort its children
-            for child_id in parent.child_ids:
+        if self.has_parent(request_id):  # n > 1: abort its children
+            for child_id in self._children[request_id]:
                 self.abort_request(child_id)
             return
         req = self.state.requests.get(request_id)
@@ -199,6 +218,11 @@ class LLMEngine:
         Returns the outputs of the requests that got tokens or finished, each shaped by its
         `SamplingParams.output_kind` as in vLLM: every token so far (CUMULATIVE, the default),
         the new tokens (DELTA), or nothing until the request finishes (FINAL_ONLY)."""
+        return self.output_processor.process_outputs(self.step_core())
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """`step()` as the engine core does it: the new tokens of every request that got
+        some or finished (what `OutputsEmitted` records), for an output processor."""
         with self._recorded():
             self._step_once()
         ready, self._ready = self._ready, []
@@ -260,46 +284,28 @@ class LLMEngine:
         if not state.pending_output:
             return
         entries = []
-        outputs = []
-        decode = self.tokenizer.decode if self.tokenizer else None
+        deltas = []
         requests = state.requests
         for req_id in state.pending_output:
             req = requests[req_id]
-            new_tokens = req.output_token_ids[req.num_emitted :]
+            sent = req.num_emitted
+            new_tokens = req.output_token_ids[sent:]
             reason = req.finish_reason
             entries.append(ev.EmittedOutput(req_id, new_tokens, reason is not None, reason))
-            # The tape records the new tokens; the client gets them by its output kind.
-            logprobs = req.output_logprobs if req.params.logprobs is not None else None
-            top = req.output_top_logprobs if req.params.logprobs else None
-            req_decode = (
-                decode
-                if decode is None or req.stop_str is None
-                else stop_decoder(decode, req.params, req.output_token_ids, req.stop_str)
+            logprobs = req.params.logprobs
+            deltas.append(
+                EngineCoreOutput(
+                    req_id,
+                    new_tokens,
+                    req.output_logprobs[sent:] if logprobs is not None else None,
+                    reason,
+                    None,
+                    req.stop_str if reason is not None else None,
+                    req.output_top_logprobs[sent:] if logprobs else None,
+                )
             )
-            out = build_request_output(
-                req.params.output_kind,
-                req_id,
-                req.prompt_token_ids,
-                req.output_token_ids,
-                len(new_tokens),
-                logprobs,
-                reason,
-                req_decode,
-                None,
-                top,
-                req.stop_str,
-            )
-            parent = self._parent_of.get(req_id)
-            if parent is not None and out is not None:
-                out = parent.gather(out)
-                if out is not None and out.finished:
-                    del self._parents[parent.request_id]
-                    for child_id in parent.child_ids:
-                        self._parent_of.pop(child_id, None)
-            if out is not None:
-                outputs.append(out)
         self._emit(ev.OutputsEmitted(state.step, entries))
-        self._ready.extend(outputs)
+        self._ready += deltas
 
     # -- pause / resume / reset ------------------------------------------------------------------
 

@@ -1,77 +1,100 @@
-"""What the client gets back, in vLLM's shape, and how a request's output kind shapes it."""
+"""What the engine core hands out (`EngineCoreOutput`: one request's new tokens, as
+`OutputsEmitted` records them) and what a client gets back, in vLLM's shape (`RequestOutput`,
+built from the core's outputs by the output processor, output_processor.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from tokentape.events.schema import RequestOutputKind
 
-__all__ = ["CompletionOutput", "RequestOutput", "RequestOutputKind", "build_request_output"]
+__all__ = ["CompletionOutput", "EngineCoreOutput", "RequestOutput", "RequestOutputKind"]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
+    """New tokens of one engine request (a request, or a child of n > 1) since its last
+    output: what the core emits after a step, in the process or across the process boundary.
+    `error` set: the request was refused before anything was recorded (`(type, message)`),
+    and nothing else will come for it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    error: tuple[str, str] | None = None
+    # With finish_reason "stop" by a stop string: the string (the output processor cuts the
+    # text there).
+    stop_reason: str | None = None
+    # With SamplingParams.logprobs = k > 0: per new token, the logprobs of the k most likely ids
+    # and the sampled one.
+    new_top_logprobs: list[dict[int, float]] | None = None
+
+
+Span = tuple[list[int], list[float] | None, list[dict[int, float]] | None, int, int]
 
 
 class CompletionOutput:
-    """One completion: its token ids, text and finish reason.
+    """One completion: its token ids, text, logprobs and finish.
 
-    The text is decoded on first access, so streaming steps pay for detokenisation only when
-    a caller reads it. The token ids (and logprobs) may be given as a span of a stream that
-    only ever grows at its end (a request's output in the reducer's state): then they are
-    copied out on first access, so that a cumulative output costs a step nothing until it is
-    read.
+    The token ids (and logprobs) may be given as a span of lists that only ever grow at their
+    end (the output processor's): then they are copied out on first access, and the text may
+    be given as a function computing it on first access, so that a cumulative output costs a
+    step nothing until it is read.
     """
 
     __slots__ = (
         "index",
         "finish_reason",
+        "stop_reason",
         "_token_ids",
         "_logprobs",
+        "_top",
         "_span",
         "_text",
-        "_decode",
-        "_top",
-        "stop_reason",
+        "_text_fn",
     )
 
     def __init__(
         self,
         index: int,
-        text: str | None,
+        text: str,
         token_ids: list[int],
         finish_reason: str | None = None,
         logprobs: list[float] | None = None,
-        decode: Callable[[list[int]], str] | None = None,
         top_logprobs: list[dict[int, float]] | None = None,
         stop_reason: str | None = None,
     ) -> None:
         self.index = index
-        # With logprobs=k > 0, vLLM's dict per position: the sampled token, then the top k.
-        self._top = top_logprobs
+        self.finish_reason = finish_reason
         self.stop_reason = stop_reason  # the stop string that finished it, as vLLM's
         self._token_ids: list[int] | None = token_ids
-        self.finish_reason = finish_reason
         self._logprobs = logprobs
-        self._span: (
-            tuple[list[int], list[float] | None, list[dict[int, float]] | None, int, int] | None
-        ) = None
-        self._text = text
-        self._decode = decode
+        # With logprobs=k > 0, vLLM's dict per position: the sampled token, then the top k.
+        self._top = top_logprobs
+        self._span: Span | None = None
+        self._text: str | None = text
+        self._text_fn: Callable[[], str] | None = None
 
     @classmethod
     def of_span(
         cls,
-        tokens: list[int],
-        logprobs: list[float] | None,
-        start: int,
-        end: int,
+        index: int,
+        span: Span,
+        text: str | Callable[[], str],
         finish_reason: str | None,
-        decode: Callable[[list[int]], str] | None,
-        top_logprobs: list[dict[int, float]] | None = None,
-        stop_reason: str | None = None,
+        stop_reason: str | None,
     ) -> CompletionOutput:
-        """tokens[start:end] (and logprobs[start:end]) of append-only lists, copied when read."""
-        out = cls(0, None, [], finish_reason, None, decode, None, stop_reason)
-        out._token_ids = None
-        out._span = (tokens, logprobs, top_logprobs, start, end)
+        """tokens[start:end] (and logprobs[start:end]) of append-only lists, copied when read;
+        the text, or a function giving it when it is first read."""
+        out = cls(index, "", [], finish_reason, None, None, stop_reason)
+        out._token_ids, out._span = None, span
+        if not isinstance(text, str):
+            out._text, out._text_fn = None, text
+        else:
+            out._text = text
         return out
 
     def _copy_span(self) -> None:
@@ -113,30 +136,63 @@ class CompletionOutput:
             self._copy_span()
         return self._top
 
+    @top_logprobs.setter
+    def top_logprobs(self, value: list[dict[int, float]] | None) -> None:
+        if self._span is not None:
+            self._copy_span()
+        self._top = value
+
     @property
     def text(self) -> str:
         if self._text is None:
-            self._text = self._decode(self.token_ids) if self._decode else ""
+            assert self._text_fn is not None
+            self._text, self._text_fn = self._text_fn(), None
         return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self._text_fn = value, None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, delta: CompletionOutput) -> None:
+        """Append a later DELTA completion of the same index (a consumer that fell behind
+        gets one output with everything new)."""
+        self.text += delta.text
+        self.token_ids = self.token_ids + delta.token_ids
+        if self.logprobs is not None:
+            self.logprobs = self.logprobs + (delta.logprobs or [])
+        if self.top_logprobs is not None:
+            self.top_logprobs = self.top_logprobs + (delta.top_logprobs or [])
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CompletionOutput):
             return NotImplemented
-        return (self.index, self.token_ids, self.finish_reason, self.logprobs, self.text) == (
+        return (
+            self.index,
+            self.token_ids,
+            self.finish_reason,
+            self.stop_reason,
+            self.logprobs,
+            self.top_logprobs,
+            self.text,
+        ) == (
             other.index,
             other.token_ids,
             other.finish_reason,
+            other.stop_reason,
             other.logprobs,
+            other.top_logprobs,
             other.text,
         )
 
     def __repr__(self) -> str:
         return (
             f"CompletionOutput(index={self.index}, text={self.text!r}, "
-            f"token_ids={self.token_ids}, finish_reason={self.finish_reason!r})"
+            f"token_ids={self.token_ids}, finish_reason={self.finish_reason!r}, "
+            f"stop_reason={self.stop_reason!r})"
         )
 
 
@@ -149,30 +205,16 @@ class RequestOutput:
     prompt: str | None = None
     metrics: dict[str, int] = field(default_factory=dict)
 
-
-def build_request_output(
-    kind: RequestOutputKind,
-    request_id: str,
-    prompt_token_ids: list[int],
-    token_ids: list[int],
-    num_new: int,
-    logprobs: list[float] | None,
-    finish_reason: str | None,
-    decode: Callable[[list[int]], str] | None = None,
-    prompt: str | None = None,
-    top_logprobs: list[dict[int, float]] | None = None,
-    stop_reason: str | None = None,
-) -> RequestOutput | None:
-    """The output a client of this kind gets when `num_new` tokens (the tail of `token_ids`,
-    every token delivered so far) arrive, or the request finishes: all of them (CUMULATIVE),
-    the new ones (DELTA), or nothing until the end and then all of them (FINAL_ONLY)."""
-    finished = finish_reason is not None
-    if kind == RequestOutputKind.FINAL_ONLY and not finished:
-        return None
-    end = len(token_ids)
-    start = end - num_new if kind == RequestOutputKind.DELTA else 0
-    # The caller's lists only grow at the end: the span is copied out when it is read.
-    completion = CompletionOutput.of_span(
-        token_ids, logprobs, start, end, finish_reason, decode, top_logprobs, stop_reason
-    )
-    return RequestOutput(request_id, prompt_token_ids, [completion], finished, prompt)
+    def add(self, later: RequestOutput, aggregate: bool) -> None:
+        """Merge a later output of the same request into this one, as vLLM's
+        RequestOutput.add: DELTA completions (`aggregate`) are appended to those of the same
+        index, others replace them; completions of other indexes join, in index order."""
+        by_index = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            mine = by_index.get(c.index)
+            if mine is not None and aggregate:
+                mine.add(c)
+            else:
+                by_index[c.index] = c
+        self.outputs = [by_index[i] for i in sorted(by_index)]
+        self.finished = later.finished

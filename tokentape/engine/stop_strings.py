@@ -4,8 +4,8 @@ frame, once the output is longer than min_tokens; the text is cut at the match.
 The engine looks for a match after applying a frame (`find_stop_string`) and records what it
 found as `RequestFinished(reason="stop", stop_reason=<the string>)`, so a fold of the tape
 knows the finish without a tokenizer. The token ids stay as delivered (every token of the
-frame, as in vLLM); only the text is cut (`stop_text`), a pure function of the tokens, the
-params and the matched string.
+frame, as in vLLM); only the text is cut (`stop_text`, by the output processor), a pure
+function of the tokens, the params and the matched string.
 
 Decoding the whole output after every frame costs O(output) per frame; given the tokenizer's
 `safe_split` the check decodes only a window ending with the frame, with the same answer
@@ -97,28 +97,3 @@ def stop_text(decode: Decode, params: SamplingParams, output: list[int], stop_st
     text = decode(output)
     start = _stable_len(decode(output[: params.min_tokens]), text) if params.min_tokens else 0
     return _cut(text, start, params, stop_str)
-
-
-def stop_decoder(
-    decode: Decode, params: SamplingParams, full_output: list[int], stop_str: str | None
-) -> Decode:
-    """A decode for a request's outputs that cuts the text of the request's last tokens at
-    its stop string: the full output's text loses the same tail, a delta's text too."""
-    if stop_str is None:
-        return decode
-    full = decode(full_output)  # decoded once: stop_text's cut of the same text
-    start = _stable_len(decode(full_output[: params.min_tokens]), full) if params.min_tokens else 0
-    cut = len(full) - len(_cut(full, start, params, stop_str))
-
-    def decode_cut(tokens: list[int]) -> str:
-        text = decode(tokens)
-        # Only a span that ends the output holds the cut tail (cumulative, final or last delta).
-        if (
-            cut
-            and len(tokens) <= len(full_output)
-            and full_output[len(full_output) - len(tokens) :] == tokens
-        ):
-            return text[: max(0, len(text) - cut)]
-        return text
-
-    return decode_cut

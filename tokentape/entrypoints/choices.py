@@ -1,70 +1,29 @@
-"""One OpenAI choice as its DELTA outputs arrive: the text (incremental, held back and cut at
-a stop string as vLLM's front end does) and the logprobs in OpenAI's two shapes.
-
-Stop strings: the engine finds a stop string after the frame that completes it and records
-it as the finish's `stop_reason`. Text streamed before then may already hold the string's
-beginning, so, as vLLM's detokenizer does, the last `len(longest stop) - 1` characters are
-held back while the choice runs (none with include_stop_str_in_output: nothing after a
-match can have been sent); the final delta is whatever of the cut text (stop_strings.py) is
-still unsent.
-"""
+"""The logprobs of an OpenAI choice in the API's two shapes, from the output processor's
+completions (text, stop strings and their holdback are the processor's: the server only
+formats)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 from tokentape.engine.outputs import CompletionOutput
-from tokentape.engine.stop_strings import stop_text
 from tokentape.entrypoints import protocol as p
-from tokentape.events.schema import SamplingParams
 
 Decode = Callable[[list[int]], str]
 
 
-class Detokenizer(Protocol):
-    def add(self, new_tokens: list[int], final: bool) -> str: ...
+class CompletionLogprobsFormatter:
+    """The completions API's shape for one choice, its DELTA completions in order: per token
+    its text, logprob, text offset and, with logprobs=k > 0, the top k (and the sampled
+    token) by their text."""
 
+    __slots__ = ("decode", "pieces_len")
 
-class ChoiceText:
-    __slots__ = ("detok", "decode", "params", "holdback", "tokens", "unsent", "sent", "pieces_len")
-
-    def __init__(self, detok: Detokenizer, decode: Decode, params: SamplingParams) -> None:
-        self.detok, self.decode, self.params = detok, decode, params
-        stops = params.stop
-        self.holdback = (
-            max(map(len, stops)) - 1 if stops and not params.include_stop_str_in_output else 0
-        )
-        self.tokens: list[int] = []  # for the final cut at a stop string
-        # Only the decoded text not yet given out is kept (the holdback window): appending to
-        # an attribute copies it each time, quadratic over a long stream.
-        self.unsent = ""
-        self.sent = 0  # characters given out
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
         self.pieces_len = 0  # characters of the tokens' pieces so far (text_offset)
 
-    def add(self, c: CompletionOutput) -> str:
-        """The text delta of a DELTA completion (its finish_reason set on the last)."""
-        final = c.finish_reason is not None
-        self.tokens += c.token_ids
-        unsent = self.unsent + self.detok.add(c.token_ids, final)
-        if not final:
-            end = len(unsent) - self.holdback
-            if end <= 0:
-                self.unsent = unsent
-                return ""
-            delta, self.unsent = unsent[:end], unsent[end:]
-            self.sent += end
-            return delta
-        delta = unsent
-        if c.stop_reason is not None:
-            delta = stop_text(self.decode, self.params, self.tokens, c.stop_reason)[self.sent :]
-        self.unsent = ""
-        self.sent += len(delta)
-        return delta
-
-    def completion_logprobs(self, c: CompletionOutput) -> p.CompletionLogprobs:
-        """The completions API's shape: per token its text, logprob, text offset and, with
-        logprobs=k > 0, the top k (and the sampled token) by their text."""
+    def add(self, c: CompletionOutput) -> p.CompletionLogprobs:
         decode = self.decode
         pieces = [decode([t]) for t in c.token_ids]
         offsets = []

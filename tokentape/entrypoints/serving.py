@@ -1,5 +1,5 @@
 """What the OpenAI-compatible endpoints share over AsyncLLM: request checks, sampling params,
-the stream of each prompt (DELTA outputs, text decoded incrementally), SSE framing, errors.
+the stream of each prompt (DELTA outputs of AsyncLLM's output processor), SSE framing, errors.
 The endpoints themselves are in serving_completion.py and serving_chat.py.
 
 A request that the checks or the engine refuse gets a 400 before any byte of the response
@@ -10,9 +10,8 @@ streams, which aborts their requests on the tape.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -20,7 +19,6 @@ from starlette.requests import Request
 from tokentape.engine.async_llm import AsyncLLM
 from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.outputs import RequestOutput
-from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
@@ -36,62 +34,6 @@ logger = logging.getLogger("tokentape.serve")
 
 class ClientGone(Exception):
     """The client disconnected before the response started."""
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list, decoding only a short window (as vLLM does): the
-    tokens since the last emitted text, after those before it (so a tokenizer that joins
-    pieces with spaces decodes them in context). A byte sequence cut inside a UTF-8 character
-    is held back until the character is complete, or the stream ends. `num_chars`: the
-    length of the text given out so far."""
-
-    __slots__ = ("decode", "num_chars", "prefix_offset", "read_offset", "tokens")
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode, self.tokens, self.num_chars = decode, [], 0
-        self.prefix_offset = self.read_offset = 0
-
-    def add(self, new_tokens: list[int], final: bool) -> str:
-        tokens = self.tokens
-        tokens += new_tokens
-        prefix = (
-            self.decode(tokens[self.prefix_offset : self.read_offset])
-            if self.read_offset > self.prefix_offset
-            else ""
-        )
-        full = self.decode(tokens[self.prefix_offset :])
-        if len(full) <= len(prefix) or (not final and full.endswith("\ufffd")):
-            return ""
-        delta = full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
-        self.num_chars += len(delta)
-        return delta
-
-
-class ByteDetokenizer:
-    """IncrementalDetokenizer's deltas for the byte tokenizer (the built-in models and the
-    oracle), from an incremental UTF-8 decoder: each token is decoded once, and a character
-    cut between tokens is held back by the decoder itself until it is complete (or, at the
-    end, replaced)."""
-
-    __slots__ = ("num_chars", "to_bytes", "utf8")
-
-    def __init__(self, tokenizer: ByteTokenizer) -> None:
-        self.to_bytes = tokenizer.to_bytes
-        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self.num_chars = 0
-
-    def add(self, new_tokens: list[int], final: bool) -> str:
-        delta = self.utf8.decode(self.to_bytes(new_tokens), final)
-        self.num_chars += len(delta)
-        return delta
-
-
-def detokenizer(tokenizer: Tokenizer) -> IncrementalDetokenizer | ByteDetokenizer:
-    """The incremental detokenizer of one stream."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return ByteDetokenizer(tokenizer)
-    return IncrementalDetokenizer(tokenizer.decode)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

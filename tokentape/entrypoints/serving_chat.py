@@ -9,16 +9,15 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokentape.engine.outputs import CompletionOutput
+from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplateError, message_text
-from tokentape.entrypoints.choices import ChoiceText, chat_logprobs
+from tokentape.entrypoints.choices import chat_logprobs
 from tokentape.entrypoints.serving import (
     SSE_DONE,
     APIError,
     OpenAIServing,
     SSEFramer,
-    detokenizer,
     guarded_sse,
     merge_streams,
     sse_bytes,
@@ -70,7 +69,6 @@ async def create_chat_completion(
     streams = await serving.start(request, [tokens], params, request_id, aliases)
     created = int(time.time())
     tokenizer, n, k = serving.engine.tokenizer, params.n, req.top_logprobs or 0
-    texts = [ChoiceText(detokenizer(tokenizer), tokenizer.decode, params) for _ in range(n)]
 
     def choice_logprobs(c: CompletionOutput) -> p.ChatChoiceLogprobs | None:
         if not req.logprobs or c.logprobs is None:
@@ -89,7 +87,7 @@ async def create_chat_completion(
             async for _, out in merge_streams(streams):
                 for c in out.outputs:  # n > 1: the choices with something new
                     generated += len(c.token_ids)
-                    delta = p.ChatDelta(content=texts[c.index].add(c))
+                    delta = p.ChatDelta(content=c.text)  # the processor's, cut at a stop string
                     ch = p.ChatStreamChoice(
                         c.index,
                         delta,
@@ -110,25 +108,18 @@ async def create_chat_completion(
         return StreamingResponse(guarded_sse(sse()), media_type="text/event-stream")
 
     async def collect() -> p.ChatCompletionResponse:
-        merged = [
-            CompletionOutput(
-                j, None, [], None, [] if req.logprobs else None, None, [] if logprobs else None
-            )
-            for j in range(n)
-        ]
+        whole: RequestOutput | None = None  # the DELTA outputs appended
         async for out in streams[0].outputs():
-            for c in out.outputs:
-                m = merged[c.index]
-                m.token_ids += c.token_ids
-                if m.logprobs is not None:
-                    m.logprobs += c.logprobs or ()
-                if m.top_logprobs is not None:
-                    m.top_logprobs.extend(c.top_logprobs or ())
-                m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
+            if whole is None:
+                whole = out
+            else:
+                whole.add(out, aggregate=True)
+        assert whole is not None  # a stream ends with its finished output
+        merged = whole.outputs
         choices = [
             p.ChatChoice(
                 m.index,
-                p.ChatResponseMessage("assistant", texts[m.index].add(m)),
+                p.ChatResponseMessage("assistant", m.text),
                 m.finish_reason,
                 choice_logprobs(m) if req.logprobs else None,
                 m.token_ids if req.return_token_ids else None,

@@ -10,15 +10,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokentape.engine.outputs import CompletionOutput
+from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.entrypoints import protocol as p
-from tokentape.entrypoints.choices import ChoiceText
+from tokentape.entrypoints.choices import CompletionLogprobsFormatter
 from tokentape.entrypoints.serving import (
     SSE_DONE,
     APIError,
     OpenAIServing,
     SSEFramer,
-    detokenizer,
     guarded_sse,
     merge_streams,
     sse_bytes,
@@ -75,22 +74,20 @@ async def create_completion(
     streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES)
     created = int(time.time())
     tokenizer, n = serving.engine.tokenizer, params.n
-    texts: dict[int, ChoiceText] = {}  # by choice index: prompt i's completion j is i * n + j
+    # By choice index (prompt i's completion j is i * n + j): its logprobs' text offsets.
+    texts: dict[int, CompletionLogprobsFormatter] = {}
 
     def choice(i: int, c: CompletionOutput) -> p.CompletionChoice:
+        """A choice for a DELTA completion (the text is the processor's, held back and cut
+        at a stop string)."""
         index = i * n + c.index
-        text = texts.get(index)
-        if text is None:
-            text = texts[index] = ChoiceText(detokenizer(tokenizer), tokenizer.decode, params)
-        delta = text.add(c)
-        lps = (
-            text.completion_logprobs(c)
-            if req.logprobs is not None and c.logprobs is not None
-            else None
-        )
+        fmt = texts.get(index)
+        if fmt is None:
+            fmt = texts[index] = CompletionLogprobsFormatter(tokenizer.decode)
+        lps = fmt.add(c) if req.logprobs is not None and c.logprobs is not None else None
         return p.CompletionChoice(
             index,
-            delta,
+            c.text,
             c.finish_reason,
             lps,
             token_ids=c.token_ids if req.return_token_ids else None,  # a copy already
@@ -125,28 +122,14 @@ async def create_completion(
         choices: list[p.CompletionChoice] = []
         generated = 0
         for i, s in enumerate(streams):
-            merged = [
-                CompletionOutput(
-                    j,
-                    None,
-                    [],
-                    None,
-                    [] if req.logprobs is not None else None,
-                    None,
-                    [] if req.logprobs else None,
-                )
-                for j in range(n)
-            ]
+            merged: RequestOutput | None = None  # the DELTA outputs appended
             async for out in s.outputs():
-                for c in out.outputs:
-                    m = merged[c.index]
-                    m.token_ids += c.token_ids
-                    if m.logprobs is not None:
-                        m.logprobs += c.logprobs or ()
-                    if m.top_logprobs is not None:
-                        m.top_logprobs.extend(c.top_logprobs or ())
-                    m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
-            for m in merged:
+                if merged is None:
+                    merged = out
+                else:
+                    merged.add(out, aggregate=True)
+            assert merged is not None  # a stream ends with its finished output
+            for m in merged.outputs:
                 generated += len(m.token_ids)
                 ch = choice(i, m)
                 if req.return_token_ids:

@@ -18,7 +18,6 @@ from tokentape.engine.core.messages import (
     CoreDead,
     CoreInfo,
     CoreMessage,
-    CoreOutput,
     CoreOutputs,
     CoreRequest,
     SchedulerStats,
@@ -28,7 +27,7 @@ from tokentape.engine.core.messages import (
 )
 from tokentape.engine.llm import LLM, TapeSpec
 from tokentape.engine.llm_engine import EngineDeadError
-from tokentape.engine.parallel_sampling import child_params, child_request_id
+from tokentape.engine.outputs import EngineCoreOutput
 
 SHUTDOWN = "shutdown"  # the call that ends the core
 
@@ -51,7 +50,6 @@ class EngineCore:
     def __init__(self, model: str, tape: TapeSpec, engine_args: dict[str, Any]) -> None:
         self.llm = LLM(model, tape=tape, **engine_args)
         self.engine = self.llm.engine
-        self._sent: dict[str, int] = {}  # tokens handed out so far, per unfinished request
         self._closed = False
         self._calls: dict[str, Callable[..., Any]] = {
             "pause_generation": self.engine.pause_generation,
@@ -84,40 +82,16 @@ class EngineCore:
         """Whether stepping can make progress (a paused engine schedules nothing)."""
         return self.engine.has_unfinished_requests() and not self.engine.is_paused()
 
-    def add_request(self, req: AddRequest) -> CoreOutput | None:
-        """Add a request; a refused one (checked before anything is recorded) comes back as
-        an error output. EngineDeadError: the add ended the engine (it is on the tape)."""
+    def add_request(self, req: AddRequest) -> EngineCoreOutput | None:
+        """Add a request (for n > 1 its children "{i}_{id}", whose deltas the frontend's
+        output processor gathers); a refused one (checked before anything is recorded) comes
+        back as an error output. EngineDeadError: the add ended the engine (on the tape)."""
         try:
-            ids = self._add(req)
+            self.engine.add_core_request(req.request_id, req.prompt_token_ids, req.params)
         except Exception as exc:  # noqa: BLE001 - any refusal goes back to its caller
             self._raise_if_dead()
-            return CoreOutput(req.request_id, [], error=error_of(exc))
-        for req_id in ids:
-            self._sent[req_id] = 0
+            return EngineCoreOutput(req.request_id, [], error=error_of(exc))
         return None
-
-    def _add(self, req: AddRequest) -> list[str]:
-        """Add the request, or for n > 1 its children "{i}_{id}" (each an n=1 request whose
-        deltas the frontend gathers, as vLLM's AsyncLLM fans out): checked together first, so
-        a refusal records none of them. The tape is the one LLM records for the same call."""
-        engine, params = self.engine, req.params
-        if params.n == 1:
-            engine.add_request(req.request_id, req.prompt_token_ids, params)
-            return [req.request_id]
-        engine.check_request(req.request_id, req.prompt_token_ids, params)
-        ids = [child_request_id(i, req.request_id) for i in range(params.n)]
-        for i, child_id in enumerate(ids):
-            try:
-                engine.add_request(
-                    child_id,
-                    req.prompt_token_ids,
-                    child_params(params, i, engine.config.seed, req.prompt_token_ids),
-                )
-            except Exception:
-                if engine.dead_reason is None:  # refused: the children added before it go too
-                    self.abort(ids[:i])
-                raise
-        return ids
 
     def abort(self, request_ids: list[str]) -> None:
         requests = self.engine.state.requests
@@ -136,7 +110,7 @@ class EngineCore:
         """Handle the requests that arrived, in order, then step if there is work: the
         messages for the frontend, and whether the core is done (shut down or dead)."""
         messages: list[CoreMessage] = []
-        pending: list[CoreOutput] = []
+        pending: list[EngineCoreOutput] = []
         try:
             for msg in requests:
                 if isinstance(msg, AddRequest):
@@ -196,30 +170,9 @@ class EngineCore:
             self._raise_if_dead()
             return UtilityResult(msg.call_id, None, error_of(exc))
 
-    def step(self) -> list[CoreOutput]:
-        """One engine step; the token deltas of every request that got output."""
-        outs = self.engine.step()
-        if not outs:
-            return []
-        requests = self.engine.state.requests
-        deltas = []
-        for out in outs:
-            req = requests[out.request_id]
-            # Read from the state, whatever the request's output kind: after a step every
-            # token the reducer appended has been emitted (OutputsEmitted is on the tape).
-            sent = self._sent.get(out.request_id, 0)
-            tokens = req.output_token_ids
-            lps = req.output_logprobs[sent:] if req.params.logprobs is not None else None
-            top = req.output_top_logprobs[sent:] if req.params.logprobs else None
-            reason = out.outputs[0].finish_reason
-            deltas.append(
-                CoreOutput(out.request_id, tokens[sent:], lps, reason, None, req.stop_str, top)
-            )
-            if reason is None:
-                self._sent[out.request_id] = len(tokens)
-            else:
-                self._sent.pop(out.request_id, None)
-        return deltas
+    def step(self) -> list[EngineCoreOutput]:
+        """One engine step; the deltas of every request that got output."""
+        return self.engine.step_core()
 
     def frontend_died(self) -> None:
         """The frontend's process died (killed, or the actor that held it crashed): record it on
@@ -248,7 +201,7 @@ class EngineCore:
                 for _ in range(engine.depth + 2):  # the in-flight steps, then nothing
                     if not engine.has_unfinished_requests():
                         break
-                    engine.step()
+                    engine.step_core()
         except Exception as exc:  # noqa: BLE001 - on the tape; the tape is closed all the same
             self._record_failure(exc)
         finally:

@@ -3,8 +3,8 @@ on the wire (ZMQ in the background-process mode; passed as they are in the in-pr
 
 Frontend to core: `AddRequest`, `AbortRequests`, `UtilityCall`. Core to frontend: `CoreReady`
 once (or `CoreFailed` when the engine cannot be built), then `CoreOutputs` after every step or
-command, and `CoreDead` if the engine fails. Token outputs are always deltas: the frontend
-applies each request's output kind (CUMULATIVE, DELTA, FINAL_ONLY) itself.
+command, and `CoreDead` if the engine fails. Token outputs are the core's deltas
+(`EngineCoreOutput`): the frontend's output processor turns them into RequestOutputs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from tokentape.engine.outputs import EngineCoreOutput
 from tokentape.events.schema import SamplingParams
 
 # -- frontend to core -------------------------------------------------------------------------
@@ -42,22 +43,6 @@ CoreRequest = AddRequest | AbortRequests | UtilityCall
 # -- core to frontend -------------------------------------------------------------------------
 
 
-class CoreOutput(msgspec.Struct, array_like=True, gc=False):
-    """New tokens of one request. `error` set: the request was refused before anything was
-    recorded (`error_type: message`), and nothing else will come for it."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float] | None = None
-    finish_reason: str | None = None
-    error: tuple[str, str] | None = None
-    # With finish_reason "stop" by a stop string: the string (the frontend cuts the text).
-    stop_reason: str | None = None
-    # With SamplingParams.logprobs = k > 0: per new token, the logprobs of the k most likely ids
-    # and the sampled one.
-    new_top_logprobs: list[dict[int, float]] | None = None
-
-
 class UtilityResult(msgspec.Struct, array_like=True):
     call_id: int
     result: Any = None
@@ -72,7 +57,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: list[CoreOutput]
+    outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     utility: UtilityResult | None = None
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from tokentape import __version__
 from tokentape.engine.config import EngineConfig
 from tokentape.events import schema as ev
+from tokentape.version import __version__
 
 # vLLM's RequestStatus and FinishReason names, as tokentape's finish reasons. The tape knows
 # stop, length and abort: an error finish reads as an abort, repetition detection as a stop.

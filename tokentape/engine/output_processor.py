@@ -1,0 +1,273 @@
+"""The one output processor, as vLLM V1's `OutputProcessor`: it turns the engine core's
+per-request deltas (`EngineCoreOutput`, what `OutputsEmitted` records) into the
+`RequestOutput`s a client sees. `LLMEngine.step` (so `LLM`), `AsyncLLM` and the server (over
+`AsyncLLM`) all get their outputs from here.
+
+Per request it keeps every token, logprob and text piece delivered so far, and does:
+- incremental detokenization (detokenizer.py);
+- stop strings: the engine finds the match and records it as the finish's `stop_reason`
+  (stop_strings.find_stop_string); here, while the request runs, the last
+  `len(longest stop) - 1` characters are held back (none with include_stop_str_in_output:
+  nothing after a match can have been released), and the final text is cut at the match;
+- output kinds: every token so far (CUMULATIVE), the new ones (DELTA), or nothing until the
+  request finishes (FINAL_ONLY, whose text is decoded once, at the end);
+- n > 1 fan-in: the children "{i}_{id}" gathered into their parent's outputs (each output
+  holds the completions with something new; FINAL_ONLY one output with all n);
+- `stream_interval` N > 1 (vLLM's --stream-interval): a completion's first tokens go out at
+  once, then every N tokens, at its finish, or when `flush` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokentape.engine.detokenizer import Detokenizer, detokenizer, no_text
+from tokentape.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from tokentape.engine.stop_strings import stop_text
+from tokentape.engine.tokenizer import Tokenizer
+from tokentape.events.schema import RequestOutputKind, SamplingParams
+
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+class _Completion:
+    """Everything one engine request (the request, or one child) delivered so far."""
+
+    __slots__ = (
+        "index",
+        "tokens",
+        "logprobs",
+        "top",
+        "detok",
+        "fed",
+        "pieces",
+        "num_chars",
+        "unsent",
+        "sent_tokens",
+        "sent_chars",
+        "started",
+        "finish_reason",
+        "stop_reason",
+    )
+
+    def __init__(self, index: int, params: SamplingParams, detok: Detokenizer) -> None:
+        self.index = index
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top: list[dict[int, float]] | None = [] if params.logprobs else None
+        self.detok = detok
+        self.fed = 0  # tokens given to the detokenizer
+        self.pieces: list[str] = []  # the detokenizer's text deltas (CUMULATIVE reads them)
+        self.num_chars = 0
+        self.unsent = ""  # DELTA: text decoded but not released (the stop-string holdback)
+        self.sent_tokens = 0  # tokens given out in outputs
+        self.sent_chars = 0  # DELTA: characters given out
+        self.started = False  # an output was given (stream_interval releases the first at once)
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+    def append(self, out: EngineCoreOutput) -> None:
+        self.tokens += out.new_token_ids
+        if self.logprobs is not None and out.new_logprobs:
+            self.logprobs += out.new_logprobs
+        if self.top is not None and out.new_top_logprobs:
+            self.top += out.new_top_logprobs
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+    def _feed(self) -> str:
+        """Detokenize the tokens not yet detokenized; their text."""
+        new = self.tokens[self.fed :] if self.fed else self.tokens
+        self.fed = len(self.tokens)
+        piece = self.detok.add(new, self.finish_reason is not None)
+        if piece:
+            self.pieces.append(piece)
+            self.num_chars += len(piece)
+        return piece
+
+
+class _Request:
+    """One client request: its completions (n of them) and how its outputs are shaped."""
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "prompt",
+        "params",
+        "kind",
+        "holdback",
+        "completions",
+        "num_unfinished",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        prompt: str | None,
+        params: SamplingParams,
+        completions: list[_Completion],
+    ) -> None:
+        self.request_id, self.prompt_token_ids, self.prompt = request_id, prompt_token_ids, prompt
+        self.params, self.kind = params, params.output_kind
+        stops = params.stop
+        # A stop string may be completed by a later frame: its beginning must not go out yet.
+        include = params.include_stop_str_in_output
+        self.holdback = max(map(len, stops)) - 1 if stops and not include else 0
+        self.completions = completions
+        self.num_unfinished = len(completions)
+
+
+class OutputProcessor:
+    """Turns the core's deltas into each request's RequestOutputs (see the module doc)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1) -> None:
+        self.tokenizer = tokenizer
+        self.decode = tokenizer.decode if tokenizer is not None else no_text
+        self.stream_interval = stream_interval
+        self._requests: dict[str, _Request] = {}
+        self._by_engine_id: dict[str, tuple[_Request, _Completion]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        prompt: str | None,
+        params: SamplingParams,
+        engine_request_ids: list[str],
+    ) -> None:
+        """Follow a request whose engine requests (itself, or its n children, in index order)
+        are `engine_request_ids`."""
+        comps = [_Completion(i, params, detokenizer(self.tokenizer)) for i in range(params.n)]
+        req = _Request(request_id, prompt_token_ids, prompt, params, comps)
+        self._requests[request_id] = req
+        for engine_id, comp in zip(engine_request_ids, comps, strict=True):
+            self._by_engine_id[engine_id] = (req, comp)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def remove_request(self, request_id: str) -> None:
+        """Stop following a request (its consumer left)."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            for engine_id in [k for k, v in self._by_engine_id.items() if v[0] is req]:
+                del self._by_engine_id[engine_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def num_output_tokens(self, request_ids: Iterable[str]) -> int:
+        """Tokens delivered so far to these requests (a progress bar's count)."""
+        reqs = self._requests
+        return sum(len(c.tokens) for r in request_ids if r in reqs for c in reqs[r].completions)
+
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[RequestOutput]:
+        """The RequestOutputs for the core's deltas: one per request that has something to
+        give, in the order of the deltas. Deltas of engine requests not followed here (added
+        to the core directly) are passed over."""
+        touched: dict[_Request, dict[int, _Completion]] = {}
+        by_engine_id = self._by_engine_id
+        for out in outputs:
+            entry = by_engine_id.get(out.request_id)
+            if entry is None:
+                continue
+            req, comp = entry
+            comp.append(out)
+            if out.finish_reason is not None:
+                req.num_unfinished -= 1
+                del by_engine_id[out.request_id]
+            touched.setdefault(req, {})[comp.index] = comp
+        results = []
+        for req, comps in touched.items():
+            result = self._request_output(req, comps.values(), force=False)
+            if result is not None:
+                results.append(result)
+            if not req.num_unfinished:
+                del self._requests[req.request_id]
+        return results
+
+    def flush(self) -> list[RequestOutput]:
+        """The outputs held back by `stream_interval` (a pause: the drained tokens go out)."""
+        results = []
+        for req in self._requests.values():
+            if req.kind == _FINAL_ONLY:
+                continue
+            comps = [c for c in req.completions if len(c.tokens) > c.sent_tokens]
+            result = self._request_output(req, comps, force=True) if comps else None
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _request_output(
+        self, req: _Request, comps: Iterable[_Completion], force: bool
+    ) -> RequestOutput | None:
+        finished = not req.num_unfinished
+        if req.kind == _FINAL_ONLY:
+            if not finished:
+                return None
+            completions = [self._final(req, c) for c in req.completions]
+        else:
+            completions = [
+                out
+                for c in sorted(comps, key=lambda c: c.index)
+                if (out := self._streamed(req, c, force)) is not None
+            ]
+            if not completions:
+                return None
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, completions, finished, req.prompt
+        )
+
+    def _streamed(self, req: _Request, c: _Completion, force: bool) -> CompletionOutput | None:
+        """A CUMULATIVE or DELTA completion for what `c` got since its last, or None while
+        stream_interval holds it back."""
+        end = len(c.tokens)
+        done = c.finish_reason is not None
+        interval = self.stream_interval
+        if interval > 1 and not (done or force) and c.started and end - c.sent_tokens < interval:
+            return None
+        piece = c._feed()
+        final = self._cut_text(req, c) if done and c.stop_reason is not None else None
+        hold = 0 if done else req.holdback
+        span = (c.tokens, c.logprobs, c.top, c.sent_tokens if req.kind == _DELTA else 0, end)
+        c.started, c.sent_tokens = True, end
+        if req.kind == _DELTA:
+            if final is not None:
+                text, c.unsent = final[c.sent_chars :], ""
+            else:
+                unsent = c.unsent + piece
+                release = len(unsent) - hold
+                text, c.unsent = (
+                    (unsent[:release], unsent[release:]) if release > 0 else ("", unsent)
+                )
+            c.sent_chars += len(text)
+            return CompletionOutput.of_span(c.index, span, text, c.finish_reason, c.stop_reason)
+        if final is not None:
+            return CompletionOutput.of_span(c.index, span, final, c.finish_reason, c.stop_reason)
+        pieces, visible = c.pieces, c.num_chars - hold
+        num_pieces = len(pieces)
+
+        def cumulative_text() -> str:  # the pieces only grow: those of now, read later
+            return "".join(pieces[:num_pieces])[:visible]
+
+        return CompletionOutput.of_span(
+            c.index, span, cumulative_text, c.finish_reason, c.stop_reason
+        )
+
+    def _final(self, req: _Request, c: _Completion) -> CompletionOutput:
+        """A FINAL_ONLY completion: every token, the text decoded when it is first read."""
+
+        def final_text() -> str:
+            if c.stop_reason is not None:
+                return self._cut_text(req, c)
+            c._feed()
+            return "".join(c.pieces)
+
+        span = (c.tokens, c.logprobs, c.top, 0, len(c.tokens))
+        return CompletionOutput.of_span(c.index, span, final_text, c.finish_reason, c.stop_reason)
+
+    def _cut_text(self, req: _Request, c: _Completion) -> str:
+        """The whole text cut at the stop string that finished the completion."""
+        assert c.stop_reason is not None
+        return stop_text(self.decode, req.params, c.tokens, c.stop_reason)
