@@ -349,7 +349,7 @@ def test_a_tape_path_that_cannot_be_created_is_named_before_the_model_is_built(
     def no_model(config: EngineConfig) -> None:
         raise AssertionError("the model was built before the tape path was checked")
 
-    monkeypatch.setattr("tokentape.engine.llm.make_runner", no_model)
+    monkeypatch.setattr("tokentape.engine.factory.make_runner", no_model)
     path = make(tmp_path)
     with pytest.raises(error) as info:
         LLM(model="tiny", tape=path)
@@ -397,7 +397,7 @@ def test_an_engine_that_fails_to_build_closes_and_removes_its_new_tape(
     def failing_engine(*args: object) -> LLMEngine:
         raise MemoryError("no room for the KV blocks")
 
-    monkeypatch.setattr("tokentape.engine.llm.LLMEngine", failing_engine)
+    monkeypatch.setattr("tokentape.engine.factory.LLMEngine", failing_engine)
     with pytest.raises(MemoryError):
         LLM(model="oracle", tape=tmp_path / "x.tape")
     assert not os.listdir(tmp_path)

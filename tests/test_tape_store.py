@@ -21,7 +21,8 @@ import pytest
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.llm_engine import EngineDeadError, make_header
+from tokentape.engine.factory import make_header
+from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
 from tokentape.events import sqlite_reader

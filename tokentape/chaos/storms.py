@@ -23,9 +23,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from tokentape.engine.config import ORACLE_MODELS
 from tokentape.engine.llm import LLM
 from tokentape.engine.llm_engine import LLMEngine
+from tokentape.engine.model_registry import ORACLE_MODELS
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events.discard import DISCARD_POLICIES
 from tokentape.events.schema import SamplingParams

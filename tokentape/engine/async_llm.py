@@ -40,13 +40,14 @@ from tokentape.engine.frontend_inputs import (
     prompt_token_ids,
     state_dict_bytes,
 )
-from tokentape.engine.llm import TapeSpec, check_tape_path
-from tokentape.engine.llm_engine import PAUSE_MODES, EngineDeadError
+from tokentape.engine.llm_engine import PAUSE_MODES
 from tokentape.engine.output_collector import RequestOutputCollector
 from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
+from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams
+from tokentape.events.tape_path import TapeSpec, check_tape_path
 from tokentape.events.validation import check_int, check_str, shown
 
 __all__ = ["AsyncLLM", "PromptType", "frontend_tokenizer"]

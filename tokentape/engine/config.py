@@ -11,9 +11,6 @@ from tokentape.events.faults import FAULTS
 from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_str
 
 MAX_PIPELINE_DEPTH = 4
-# The fake models (tokentape.engine.runners.oracle): their token streams are known without
-# weights, so replays, storms and the postmortem can check a run against them.
-ORACLE_MODELS = ("oracle", "oracle-random")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,7 +8,7 @@ import logging
 import msgspec
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.runners.base import ModelRunner
+from tokentape.engine.runners.base import HasModelConfig, ModelRunner
 
 _log = logging.getLogger(__name__)
 
@@ -18,11 +18,10 @@ def with_model_max_len(config: EngineConfig, runner: ModelRunner) -> EngineConfi
     (its config's derived_max_model_len), capped, with a warning, at what the KV cache holds.
     A max_model_len above the model's context length is refused. The oracle has no context
     length: its default stays the KV capacity."""
-    model_config = getattr(runner, "config", None)
-    derived: int | None = getattr(model_config, "derived_max_model_len", None)
-    if derived is None:
+    if not isinstance(runner, HasModelConfig):
         return config
-    source: str = model_config.context_length_source  # type: ignore[union-attr]
+    derived = runner.config.derived_max_model_len
+    source = runner.config.context_length_source
     if config.max_model_len is not None:
         if config.max_model_len > derived:
             raise ValueError(

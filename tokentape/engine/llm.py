@@ -1,101 +1,24 @@
-"""`LLM`: vLLM's offline entry point. Builds an engine, a runner and a tape, and generates."""
+"""`LLM`: vLLM's offline entry point. Gets an engine from the engine factory and generates."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Self
 
 import msgspec
 
-from tokentape.engine.config import ORACLE_MODELS, EngineConfig
-from tokentape.engine.context_length import with_model_max_len
-from tokentape.engine.llm_engine import LLMEngine, make_header
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.factory import build_engine, runner_tokenizer
+from tokentape.engine.model_registry import DEFAULT_MODEL
 from tokentape.engine.outputs import RequestOutput
-from tokentape.engine.runners.base import ModelRunner
-from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.scenario import Scenario
-from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
+from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
-from tokentape.events.sqlite_store import SQLiteTape
-from tokentape.events.store import MemoryTape, NullTape, TapeWriter
-from tokentape.events.validation import check_str, short_repr, shown
+from tokentape.events.tape_path import TapeSpec
+from tokentape.events.validation import check_str, shown
 from tokentape.progress import RequestProgress
 
-TapeSpec = str | os.PathLike[str] | None | bool
-
-# Called with every new LLM. The postmortem's pytest plugin (--tokentape-dir) uses it to keep
-# the tape of every engine a failing test created.
-LLM_CREATED_HOOKS: list[Callable[[LLM], None]] = []
-
-
-def make_runner(config: EngineConfig) -> ModelRunner:
-    """The oracle for 'oracle'/'oracle-random'; otherwise the real model: a built-in name
-    ('tiny', 'qwen3-0.6b', weights drawn from the engine seed) or a checkpoint folder."""
-    if config.model in ORACLE_MODELS:
-        return OracleRunner(
-            cyclic=config.model == "oracle",
-            seed=config.seed,
-            prompt_lookup_max=config.prompt_lookup_max,
-            prompt_lookup_min=config.prompt_lookup_min,
-        )
-    from tokentape.engine.model.loader import check_model_folder
-    from tokentape.engine.runners.model_runner import build_model_runner
-
-    check_model_folder(config.model)  # "no such folder" rather than "unknown model"
-    return build_model_runner(config)
-
-
-def check_tape_path(tape: TapeSpec) -> None:
-    """Refuse a tape path that cannot be created, naming it and why: cheap, so it runs before
-    the model is built. (SQLiteTape checks again when it creates the file.)"""
-    if tape is None or tape is False:
-        return
-    if tape is True:
-        raise ValueError("tape=True is ambiguous: pass a file path, None (memory) or False (off)")
-    if not isinstance(tape, (str, os.PathLike)):
-        raise TypeError(
-            f"tape must be a file path, None (memory) or False (off), got {shown(tape)}"
-        )
-    path = os.fspath(tape)
-    if not isinstance(path, str):
-        raise TypeError(f"tape must be a str path, got {shown(path)}")
-    if not path or "\0" in path:
-        raise ValueError(f"tape must be a file path, got {short_repr(path)}")
-    try:
-        os.fsencode(path)
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"tape path {short_repr(path)} cannot be encoded for the file system: {exc.reason}"
-        ) from None
-    what = f"{path}: cannot create the tape"
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{what}: it is a directory; pass a file path inside it")
-    if os.path.lexists(path):
-        raise FileExistsError(f"{path}: a tape already exists here; choose a new path")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(parent):
-        raise FileNotFoundError(f"{what}: directory {parent} does not exist")
-    if not os.path.isdir(parent):
-        raise NotADirectoryError(f"{what}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"{what}: directory {parent} is not writable")
-
-
-def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) -> TapeWriter:
-    """A path means an SQLite tape file, None an in-memory tape, False no tape at all."""
-    check_tape_path(tape)
-    header = make_header(config, runner)
-    if tape is None:
-        return MemoryTape(header)
-    if tape is False:
-        return NullTape(header)
-    try:
-        return SQLiteTape(tape, header)  # type: ignore[arg-type]
-    except sqlite3.Error as exc:  # a path the checks above passed but SQLite could not open
-        raise OSError(f"{os.fspath(tape)}: cannot create the tape: {exc}") from exc
+__all__ = ["LLM", "TapeSpec"]
 
 
 class LLM:
@@ -108,35 +31,14 @@ class LLM:
     """
 
     def __init__(
-        self, model: str = "tiny", *, tape: TapeSpec = None, **engine_args: object
+        self, model: str = DEFAULT_MODEL, *, tape: TapeSpec = None, **engine_args: object
     ) -> None:
-        self.config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
-        self.config.check_runnable()  # before the model is built
-        check_tape_path(tape)  # before the model is built: a bad path fails in milliseconds
-        runner = make_runner(self.config)
-        self.tokenizer: Tokenizer = getattr(runner, "tokenizer", None) or ByteTokenizer()
-        try:
-            self.config = with_model_max_len(self.config, runner)
-            writer = open_tape_writer(tape, self.config, runner)
-        except BaseException:
-            runner.close()
-            raise
-        # A checkpoint without tokenizer.json: the engine gets none, so it refuses stop
-        # strings and string bad words rather than look for them in empty text.
-        engine_tokenizer = None if isinstance(self.tokenizer, MissingTokenizer) else self.tokenizer
-        try:
-            self.engine = LLMEngine(self.config, runner, writer, engine_tokenizer)
-        except BaseException:
-            # Leave nothing behind: no writer process, no tape holding a header and no run.
-            runner.close()
-            writer.close()
-            if writer.path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(writer.path)
-            raise
+        config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
+        self.engine = build_engine(config, tape)
+        self.config = self.engine.config  # with max_model_len's default from the model
+        # The prompts' tokenizer (a checkpoint's own; one that refuses text without one).
+        self.tokenizer: Tokenizer = runner_tokenizer(self.engine.runner)
         self._next_id = 0
-        for hook in LLM_CREATED_HOOKS:
-            hook(self)
 
     @property
     def tape_path(self) -> str | None:

@@ -9,7 +9,6 @@ last completed step.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Iterator, Sequence
 
 import msgspec
@@ -21,39 +20,29 @@ from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
-from tokentape.engine.runners.base import ModelRunner
+from tokentape.engine.runners.base import ChecksParams, ModelRunner, UpdatesWeights
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.stop_strings import find_stop_string
-from tokentape.engine.tokenizer import Tokenizer
+from tokentape.engine.tokenizer import SplitsSafely, Tokenizer
+from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
 from tokentape.events.validation import check_bool
-from tokentape.version import __version__
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine failed earlier (the failure is on the tape) and cannot serve any more."""
-
-
-def make_header(config: EngineConfig, runner: ModelRunner) -> ev.TapeHeader:
-    return ev.TapeHeader(
-        format_version=ev.FORMAT_VERSION,
-        config=msgspec.to_builtins(config),
-        discard_policy=config.discard_policy,
-        model_id=runner.model_id,
-        seed=config.seed,
-        package_version=__version__,
-        eos_token_id=runner.eos_token_id,
-        vocab_size=runner.vocab_size,
-        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    )
-
-
 class LLMEngine:
+    """The engine loop, as vLLM's LLMEngine with its EngineCore inside: it owns the engine's
+    state (the reducer's, changed only through `_emit`), the KV cache manager, the scheduler,
+    the runner, the tape writer and the output processor. Commands (add, abort, pause,
+    resume, reset, update_weights) and steps go on the tape before they take effect; `step`
+    gives RequestOutputs, `step_core` the per-request deltas an engine core sends across the
+    process boundary. The runner's optional capabilities (runners.base: ChecksParams,
+    UpdatesWeights) are read once, here, when it is built."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -64,8 +53,16 @@ class LLMEngine:
         config.check_runnable()
         self.config = config
         self.runner = runner
+        # The runner's optional capabilities, checked once (runners/base.py's Protocols).
+        self.params_checker: ChecksParams | None = (
+            runner if isinstance(runner, ChecksParams) else None
+        )
+        self.weights_updater: UpdatesWeights | None = (
+            runner if isinstance(runner, UpdatesWeights) else None
+        )
         self.tape = tape
         self.tokenizer = tokenizer
+        self._safe_split = tokenizer.safe_split if isinstance(tokenizer, SplitsSafely) else None
         self.depth = config.effective_pipeline_depth
         self.state = initial_state(
             config.discard_policy,
@@ -267,7 +264,7 @@ class LLMEngine:
                     req.params,
                     req.output_token_ids,
                     before.pop(entry.req_id),
-                    split=getattr(self.tokenizer, "safe_split", None),
+                    split=self._safe_split,
                 )
                 if stop_str is not None:  # it overrides "length", as in vLLM
                     self.scheduler.finish(req, "stop", stop_str)
@@ -381,12 +378,13 @@ class LLMEngine:
             raise RuntimeError(
                 f"update_weights: {len(self.state.in_flight_steps)} step(s) still in flight"
             )
-        update = getattr(self.runner, "update_weights", None)
-        if update is None:
+        if self.weights_updater is None:
             raise RuntimeError(
                 f"update_weights: model {self.runner.model_id!r} has no weights to update"
             )
-        weights_id = update(weights)  # raises before any change on bad input; the engine lives on
+        weights_id = self.weights_updater.update_weights(
+            weights
+        )  # raises before any change on bad input; the engine lives on
         with self._recorded():
             self._emit(ev.WeightsUpdated(self.state.step, weights_id))
         return weights_id

@@ -140,10 +140,9 @@ def check_request(
                     f"request {request_id!r}: bad_words[{i}][{j}] must be a token id "
                     f"in the vocabulary [0, {vocab}), got {t!r}"
                 )
-    check_params = getattr(engine.runner, "check_params", None)  # options a runner cannot honour
-    if check_params is not None:
+    if engine.params_checker is not None:  # options the runner cannot honour
         try:
-            check_params(params)
+            engine.params_checker.check_params(params)
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: {exc}") from None
     if params.stop and engine.tokenizer is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tokentape.engine.checkpoint_error import CheckpointError
 
@@ -14,6 +14,14 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+
+@runtime_checkable
+class SplitsSafely(Protocol):
+    """A tokenizer that can say where a token list may be cut without changing the text
+    before the cut (stop_strings.SafeSplit): stop strings are then looked for in a window."""
+
+    def safe_split(self, token_ids: list[int], pos: int) -> int: ...
 
 
 class ByteTokenizer:

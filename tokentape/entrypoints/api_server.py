@@ -17,7 +17,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokentape.engine.async_llm import AsyncLLM
-from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.auth import APIKeyMiddleware
 from tokentape.entrypoints.chat_template import ChatTemplate
@@ -27,6 +26,7 @@ from tokentape.entrypoints.rl_endpoints import RL_PATHS, add_rl_endpoints
 from tokentape.entrypoints.serving import APIError, ClientGone, OpenAIServing
 from tokentape.entrypoints.serving_chat import create_chat_completion
 from tokentape.entrypoints.serving_completion import create_completion
+from tokentape.errors import EngineDeadError
 
 logger = logging.getLogger("tokentape.serve")
 T = TypeVar("T")

@@ -20,10 +20,10 @@ from fastapi import FastAPI, Query, Request
 from starlette.responses import Response
 
 from tokentape.engine.async_llm import AsyncLLM
-from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.refusals import APIError
 from tokentape.entrypoints.request_body import decode_body
+from tokentape.errors import EngineDeadError
 
 RL_PATHS = ("/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/update_weights")
 DEV_MODE_ENV_VAR = "VLLM_SERVER_DEV_MODE"

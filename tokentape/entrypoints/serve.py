@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokentape.entrypoints.cli.common import int_at_least
+from tokentape.engine.arg_utils import add_engine_cli_args, engine_args_from_cli, int_at_least
 from tokentape.entrypoints.server_lifecycle import (
     CORE_STOP_TIMEOUT_S,
     EXIT_ENGINE_FAILED,
@@ -52,7 +52,6 @@ def _seconds(text: str) -> float:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `serve` on the CLI's subparsers."""
     from tokentape.entrypoints.cli.common import add_force_argument
-    from tokentape.events.discard import DISCARD_POLICIES
 
     srv = sub.add_parser(
         "serve",
@@ -89,12 +88,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     srv.add_argument(
-        "--model",
-        default="tiny",
-        help="'tiny' (default), 'qwen3-0.6b', a Hugging Face checkpoint folder, "
-        "'oracle' or 'oracle-random'",
-    )
-    srv.add_argument(
         "--served-model-name",
         default=None,
         metavar="NAME",
@@ -117,48 +110,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
     add_force_argument(srv, "tape file")
-    srv.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
-    pipe = srv.add_mutually_exclusive_group()
-    pipe.add_argument("--sync", action="store_true", help="synchronous scheduling")
-    pipe.add_argument(
-        "--pipeline-depth",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="steps in flight with async scheduling (engine default: 2)",
+    add_engine_cli_args(  # --model, --seed, --sync and the engine's flags (arg_utils.py)
+        srv,
+        help_overrides={
+            "cpu_threads": "default: one per CPU less one, left to the HTTP server, at least "
+            "one; one per CPU with --in-process"
+        },
     )
-    srv.add_argument(
-        "--num-speculative-tokens",
-        type=int_at_least(0),
-        default=None,
-        metavar="K",
-        help="n-gram speculative tokens per decode (engine default: 0)",
-    )
-    srv.add_argument(
-        "--discard-policy",
-        choices=list(DISCARD_POLICIES),
-        default=None,
-        help="epoch (default, exact); counter and flag reproduce vLLM's historical bugs",
-    )
-    for flag, what in (
-        ("--num-kv-blocks", "KV cache blocks (engine default: 2048)"),
-        ("--block-size", "tokens per KV block (engine default: 16)"),
-        ("--max-num-seqs", "most requests running at once (engine default: 256)"),
-        ("--max-num-batched-tokens", "token budget of one step (engine default: 8192)"),
-        (
-            "--max-model-len",
-            ("longest sequence (default: the model's context length, capped at the KV capacity)"),
-        ),
-        (
-            "--cpu-threads",
-            (
-                "CPU threads of the engine core (a small model's lanes; "
-                "default: one per CPU less one, left to the HTTP server, at least one; one "
-                "per CPU with --in-process)"
-            ),
-        ),
-    ):
-        srv.add_argument(flag, type=int_at_least(1), default=None, metavar="N", help=what)
     srv.add_argument(
         "--stream-interval",
         type=int_at_least(1),
@@ -167,14 +125,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="tokens per streamed chunk after a stream's first (vLLM's option): N > 1 "
         "sends fewer, larger chunks, so serving costs less CPU per token, and tokens "
         "arrive up to N - 1 steps later (default: 1)",
-    )
-    srv.add_argument(
-        "--max-logprobs",
-        type=int_at_least(-1),
-        default=None,
-        metavar="N",
-        help="the most log-probabilities a request may ask for per token (vLLM's "
-        "option; -1: no limit but the vocabulary; engine default: 20)",
     )
     srv.add_argument(
         "--api-key",
@@ -223,28 +173,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return srv
 
 
-def engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"seed": args.seed}
-    if args.sync:
-        kwargs["async_scheduling"] = False
-    for name in (
-        "pipeline_depth",
-        "num_speculative_tokens",
-        "discard_policy",
-        "num_kv_blocks",
-        "block_size",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "cpu_threads",
-        "max_logprobs",
-    ):
-        value = getattr(args, name)
-        if value is not None:
-            kwargs[name] = value
-    return kwargs
-
-
 def server_cpu_threads() -> int:
     """The engine core's lanes beside the HTTP server: one per CPU less one, which the server's
     event loop needs for every streamed token (as vLLM's CPU backend reserves one for its
@@ -291,9 +219,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = server_options(args)
     tape: str | None = None if args.no_tape else (args.tape or _default_tape_path())
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
-        EngineConfig(model=args.model, **engine_args(args))  # bad arguments fail before the removal
+        # Bad arguments fail before the removal.
+        EngineConfig(model=args.model, **engine_args_from_cli(args))
         remove_for_overwrite(args.tape)
-    kwargs = engine_args(args)
+    kwargs = engine_args_from_cli(args)
     if args.cpu_threads is None and not args.in_process:
         kwargs["cpu_threads"] = server_cpu_threads()
     sock = bind_socket(args.host, args.port)  # a port in use fails before the engine is built

@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from tokentape.engine.async_llm import AsyncLLM
-from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.outputs import RequestOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
 from tokentape.entrypoints.refusals import APIError, check_fits_context, refusal
+from tokentape.errors import EngineDeadError
 from tokentape.events.schema import RequestOutputKind, SamplingParams
 
 __all__ = ["APIError", "ClientGone", "OpenAIServing", "PromptStream", "guarded_sse"]

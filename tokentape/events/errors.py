@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tokentape.errors import ReducerError
+
 if TYPE_CHECKING:
     from tokentape.events.schema import Event
-
-
-class ReducerError(RuntimeError):
-    """An event that cannot follow the state it is applied to: the tape is inconsistent."""
 
 
 # What applying an event to a state it cannot follow raises: the reducer's own checks raise

@@ -15,21 +15,8 @@ from typing import Protocol
 
 import msgspec
 
+from tokentape.errors import TapeError, TapeFormatError
 from tokentape.events import schema as ev
-
-
-class TapeError(Exception):
-    """A tape that cannot be read: names the file and the position where reading failed."""
-
-    def __init__(self, path: str | None, message: str, position: int | None = None) -> None:
-        self.path = path
-        self.position = position
-        where = f" at event {position}" if position is not None else ""
-        super().__init__(f"{path or '<memory tape>'}: {message}{where}")
-
-
-class TapeFormatError(TapeError):
-    """The tape was written by a newer format version than this package reads."""
 
 
 class TapeWriter(Protocol):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from tokentape.engine.config import ORACLE_MODELS
+from tokentape.engine.model_registry import ORACLE_MODELS
 from tokentape.events import schema as ev
 from tokentape.events.errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve

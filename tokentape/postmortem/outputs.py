@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from tokentape.engine.llm import make_runner
+from tokentape.engine.factory import make_runner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
 from tokentape.events.state import RequestState

@@ -1,6 +1,7 @@
 """The postmortem's pytest keepers: `--tokentape-dir DIR` keeps, for every failing test, the
-tape of every `LLM` the test created, with the postmortem's HTML report beside it, and adds
-both paths to the test's JUnit XML properties (`record_property`), so CI shows them. The
+tape of every engine the test built (through the engine factory: `LLM`, an in-process
+`AsyncLLM`), with the postmortem's HTML report beside it, and adds both paths to the test's
+JUnit XML properties (`record_property`), so CI shows them. The
 options are added by the plugin, tokentape/pytest_plugin.py; the helpers below serve the vLLM
 recorder's keeper too (tokentape/integrations/vllm/pytest_recorder.py).
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tokentape.engine.llm import LLM
+    from tokentape.engine.llm_engine import LLMEngine
     from tokentape.postmortem.findings import Report
 
 # tokentape itself is imported only when an option is on: the plugin loads in every pytest
@@ -45,20 +46,20 @@ def tape_name(nodeid: str) -> str:
 class TapeKeeper:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.engines: list[LLM] = []
+        self.engines: list[LLMEngine] = []
         self.kept: list[tuple[str, Path, Path | None]] = []  # (test, tape, report)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
-        from tokentape.engine import llm as llm_module
+        from tokentape.engine.factory import ENGINE_CREATED_HOOKS
 
         self.engines = []
         hook = self.engines.append
-        llm_module.LLM_CREATED_HOOKS.append(hook)
+        ENGINE_CREATED_HOOKS.append(hook)
         try:
             yield
         finally:
-            llm_module.LLM_CREATED_HOOKS.remove(hook)
+            ENGINE_CREATED_HOOKS.remove(hook)
             self.engines = []
 
     @pytest.hookimpl(hookwrapper=True)
@@ -73,12 +74,12 @@ class TapeKeeper:
         self.directory.mkdir(parents=True, exist_ok=True)
         base = tape_name(item.nodeid)
         properties = []
-        engines = [llm for llm in self.engines if _has_tape(llm)]
-        for i, llm in enumerate(engines):
+        engines = [e for e in self.engines if _has_tape(e)]
+        for i, engine in enumerate(engines):
             name = base if len(engines) == 1 else f"{base}-{i}"
             tape = self.directory / f"{name}.tape"
             try:
-                _save_tape(llm, tape)
+                _save_tape(engine, tape)
             except Exception as exc:  # keeping a tape must never break the test run
                 properties.append(("tokentape_error", f"{name}: the tape could not be kept: {exc}"))
                 continue
@@ -103,19 +104,19 @@ class TapeKeeper:
             terminalreporter.write_line(f"{nodeid}: {tape}{shown}")
 
 
-def _has_tape(llm: LLM) -> bool:
+def _has_tape(engine: LLMEngine) -> bool:
     from tokentape.events.sqlite_store import SQLiteTape
     from tokentape.events.store import MemoryTape
 
-    writer = llm.engine.tape
+    writer = engine.tape
     return isinstance(writer, (MemoryTape, SQLiteTape))
 
 
-def _save_tape(llm: LLM, dest: Path) -> None:
+def _save_tape(engine: LLMEngine, dest: Path) -> None:
     from tokentape.events.sqlite_store import SQLiteTape, copy_tape, remove_tape_files, write_tape
     from tokentape.events.store import MemoryTape
 
-    writer = llm.engine.tape
+    writer = engine.tape
     remove_tape_files(dest)  # a tape kept by an earlier run of the same test
     if isinstance(writer, MemoryTape):
         write_tape(dest, writer.header, (event for _, event in writer.iter_events()))

@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from tokentape.engine.config import ORACLE_MODELS, EngineConfig
-from tokentape.engine.llm import make_runner, open_tape_writer
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.factory import ORACLE_MODELS, make_runner, open_tape_writer
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.events import schema as ev

@@ -242,7 +242,7 @@ class MPClient(CoreClient):
     def send(self, msg: CoreRequest) -> None:
         """Hand a message to the core without ever blocking: a PUSH socket with no peer (the
         core's end is closed: it died) would wait forever, and the event loop with it."""
-        from tokentape.engine.llm_engine import EngineDeadError
+        from tokentape.errors import EngineDeadError
 
         if self._closed:
             raise EngineDeadError("the engine has been shut down")

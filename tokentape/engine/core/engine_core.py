@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.messages import (
     AbortRequests,
     AddRequest,
@@ -25,9 +26,10 @@ from tokentape.engine.core.messages import (
     UtilityResult,
     error_of,
 )
-from tokentape.engine.llm import LLM, TapeSpec
-from tokentape.engine.llm_engine import EngineDeadError
+from tokentape.engine.factory import build_engine
 from tokentape.engine.outputs import EngineCoreOutput
+from tokentape.errors import EngineDeadError
+from tokentape.events.tape_path import TapeSpec
 
 SHUTDOWN = "shutdown"  # the call that ends the core
 
@@ -48,8 +50,7 @@ def load_weights_arg(arg: object) -> object:
 
 class EngineCore:
     def __init__(self, model: str, tape: TapeSpec, engine_args: dict[str, Any]) -> None:
-        self.llm = LLM(model, tape=tape, **engine_args)
-        self.engine = self.llm.engine
+        self.engine = build_engine(EngineConfig(model=model, **engine_args), tape)
         self._closed = False
         self._calls: dict[str, Callable[..., Any]] = {
             "pause_generation": self.engine.pause_generation,
@@ -205,4 +206,4 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - on the tape; the tape is closed all the same
             self._record_failure(exc)
         finally:
-            self.llm.close()
+            self.engine.close()

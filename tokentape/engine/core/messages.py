@@ -146,7 +146,7 @@ def rebuild_error(error: tuple[str, str]) -> Exception:
     """The frontend's exception for an error the core reported."""
     name, message = error
     if name == "EngineDeadError":
-        from tokentape.engine.llm_engine import EngineDeadError
+        from tokentape.errors import EngineDeadError
 
         return EngineDeadError(message)
     cls = _ERROR_TYPES.get(name)

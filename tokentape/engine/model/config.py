@@ -19,6 +19,7 @@ from tokentape.engine.model.rope import (
     context_length,
     context_length_source,
 )
+from tokentape.engine.model_registry import BUILTIN_MODELS
 from tokentape.engine.tokenizer import ByteTokenizer
 
 _POSITIVE_INTS = (
@@ -161,7 +162,8 @@ QWEN3_0_6B = ModelConfig(
     eos_token_id=151645,
 )
 
-BUILTIN_CONFIGS = {"tiny": TINY, "qwen3-0.6b": QWEN3_0_6B}
+# The shapes of the built-in models, by their names in the registry (in its order).
+BUILTIN_CONFIGS = dict(zip(BUILTIN_MODELS, (TINY, QWEN3_0_6B), strict=True))
 __all__ = ["BUILTIN_CONFIGS", "CheckpointError", "ModelConfig", "config_from_hf"]
 
 

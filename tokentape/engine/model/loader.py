@@ -19,6 +19,7 @@ from tokentape.engine.model.config import (
 )
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.hf_config import read_json_object
+from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.tokenizer import (
     ByteTokenizer,
     Tokenizer,
@@ -75,10 +76,7 @@ def check_model_folder(name: str) -> None:
             f"{name}: no such folder (tokentape loads local checkpoint "
             "folders; it downloads nothing)"
         )
-    raise ValueError(
-        f"unknown model {name!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
-        "'oracle-random' or a local Hugging Face checkpoint folder"
-    )
+    raise unknown_model(name)
 
 
 def check_checkpoint_files(name: str) -> None:

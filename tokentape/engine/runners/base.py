@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams, ScheduledEntry
 
 
@@ -56,5 +57,46 @@ class ModelRunner(Protocol):
 
     def close(self) -> None: ...
 
-    # Optional: `check_params(params) -> None` raises ValueError for sampling options the
-    # runner cannot honour (the oracle's); the engine calls it before recording a request.
+
+# A runner's optional capabilities, each a Protocol the engine checks once, when it is built
+# (LLMEngine.__init__), rather than probing for attributes at every call.
+
+
+@runtime_checkable
+class ChecksParams(Protocol):
+    """A runner that cannot honour every sampling option (the oracle: no logits)."""
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for options it cannot honour; called before a request is
+        recorded."""
+
+
+@runtime_checkable
+class UpdatesWeights(Protocol):
+    """A runner with weights (the real model), which an RL loop may replace while paused."""
+
+    def update_weights(self, weights: object) -> str:
+        """Validate every tensor, then load them; the new weights' content hash."""
+
+
+@runtime_checkable
+class HasTokenizer(Protocol):
+    """A runner whose model comes with its own tokenizer (a checkpoint's tokenizer.json, or
+    one that refuses text when the folder has none); other runners use the byte tokenizer."""
+
+    tokenizer: Tokenizer
+
+
+@runtime_checkable
+class HasModelConfig(Protocol):
+    """A runner of a real model, whose config gives the model's context length."""
+
+    config: ModelConfigLike
+
+
+class ModelConfigLike(Protocol):
+    @property
+    def derived_max_model_len(self) -> int: ...
+
+    @property
+    def context_length_source(self) -> str: ...

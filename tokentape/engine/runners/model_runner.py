@@ -27,6 +27,7 @@ from tokentape.engine.model.logits_processors import (
     top_logprobs,
 )
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
+from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
 from tokentape.engine.runners.devices import cpus_available, resolve_device
@@ -39,7 +40,7 @@ from tokentape.engine.runners.input_batch import (
     split_over_lanes,
 )
 from tokentape.engine.runners.worker import ModelWorker
-from tokentape.engine.tokenizer import Tokenizer
+from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
@@ -60,7 +61,11 @@ class TorchModelRunner:
         batch_invariant: bool | None = None,
         prompt_lookup: tuple[int, int] = (3, 1),
         eos_token_id: int | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        # A checkpoint's own tokenizer (runners.base.HasTokenizer); the built-in models' is
+        # the byte tokenizer.
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
@@ -126,7 +131,6 @@ class TorchModelRunner:
         ]
         self.model.rope.extend(num_kv_blocks * block_size)
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
-        self.tokenizer: Tokenizer | None = None  # a checkpoint's own; None means the byte tokenizer
         self._seqs: dict[str, SeqState] = {}
         cfg = self.config
         # Per token of context, in bytes: K and V of every layer (for balancing the lanes).
@@ -355,10 +359,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         tokenizer = load_tokenizer(config.model)
         model_id = os.path.abspath(config.model)
     else:
-        raise ValueError(
-            f"unknown model {config.model!r}: use 'tiny', 'qwen3-0.6b', 'oracle', "
-            "'oracle-random' or a local Hugging Face checkpoint folder"
-        )
+        raise unknown_model(config.model)
     threads = config.cpu_threads or cpus_available()  # every CPU we may run on
     dtype_name = config.dtype
     if dtype_name == "auto":
@@ -374,8 +375,8 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         num_threads=threads,
         batch_invariant=config.batch_invariant,
         prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
+        tokenizer=tokenizer,
     )
-    runner.tokenizer = tokenizer
     return runner
 
 

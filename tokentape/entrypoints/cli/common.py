@@ -7,11 +7,13 @@ prints `error: <message>` on one line and exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from tokentape.engine.arg_utils import int_at_least
+from tokentape.errors import CLIError, EngineDeadError, ReducerError, TapeError
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1  # also: findings (postmortem), outputs that differ (diff, whatif)
@@ -19,14 +21,7 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-class CLIError(Exception):
-    """An expected failure: printed as `error: <message>`, exit status 2."""
-
-
 def expected_errors() -> tuple[type[BaseException], ...]:
-    from tokentape.engine.llm_engine import EngineDeadError
-    from tokentape.events.errors import ReducerError
-    from tokentape.events.store import TapeError
 
     return (
         CLIError,
@@ -44,21 +39,6 @@ def one_line(exc: BaseException) -> str:
     from tokentape.events.errors import one_line as message
 
     return message(exc)
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= minimum, with a one-line error otherwise."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 positive_int = int_at_least(1)

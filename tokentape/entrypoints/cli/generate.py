@@ -11,13 +11,13 @@ import os
 import sys
 from typing import Any
 
+from tokentape.engine.arg_utils import add_engine_cli_args, engine_args_from_cli
 from tokentape.entrypoints.cli.common import (
     EXIT_OK,
     CLIError,
     add_force_argument,
     check_output_path,
     expected_errors,
-    non_negative_int,
     positive_int,
     remove_for_overwrite,
 )
@@ -37,8 +37,6 @@ DEFAULT_PROMPTS = (
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from tokentape.events.discard import DISCARD_POLICIES
-
     gen = sub.add_parser(
         "generate",
         help="generate completions and record a tape",
@@ -71,14 +69,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "may be repeated",
     )
     gen.add_argument(
-        "--model",
-        default="tiny",
-        help="model to serve: 'tiny' (default: the built-in model, random weights "
-        "drawn from the seed), 'qwen3-0.6b' (its shapes, random weights), a local "
-        "Hugging Face checkpoint folder, or the fake models 'oracle' and "
-        "'oracle-random'",
-    )
-    gen.add_argument(
         "--max-tokens",
         type=positive_int,
         default=16,
@@ -91,12 +81,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=1.0,
         help="sampling temperature, recorded in each request's params (default: 1.0)",
     )
-    gen.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="engine seed: keys the model's sampling and goes into the tape header (default: 0)",
-    )
     tape = gen.add_mutually_exclusive_group()
     tape.add_argument(
         "--tape",
@@ -107,60 +91,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
     add_force_argument(gen, "tape file")
-    pipe = gen.add_mutually_exclusive_group()
-    pipe.add_argument(
-        "--sync", action="store_true", help="synchronous scheduling: one step in flight at a time"
-    )
-    pipe.add_argument(
-        "--pipeline-depth",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="steps in flight with async scheduling (engine default: 2)",
-    )
-    gen.add_argument(
-        "--num-speculative-tokens",
-        type=non_negative_int,
-        default=None,
-        metavar="K",
-        help="n-gram speculative tokens per decode (engine default: 0)",
-    )
-    gen.add_argument(
-        "--discard-policy",
-        choices=list(DISCARD_POLICIES),
-        default=None,
-        help="how stale frames are recognised after a preemption "
-        "(engine default: epoch, the exact one; counter and flag reproduce vLLM's "
-        "historical bugs)",
-    )
-    gen.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="number of paged KV cache blocks (engine default: 2048)",
-    )
-    gen.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="tokens per KV block (engine default: 16)",
-    )
-    gen.add_argument(
-        "--max-num-seqs",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="most requests running at once (engine default: 256)",
-    )
-    gen.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="token budget of one step (engine default: 8192)",
-    )
+    add_engine_cli_args(gen)  # --model, --seed, --sync and the engine's flags (arg_utils.py)
     add_script_arguments(gen)
     gen.add_argument(
         "--json",
@@ -212,26 +143,6 @@ def _default_tape_path() -> str:
     return path
 
 
-def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"seed": args.seed}
-    if args.sync:
-        kwargs["async_scheduling"] = False
-    if args.pipeline_depth is not None:
-        kwargs["pipeline_depth"] = args.pipeline_depth
-    for name in (
-        "num_speculative_tokens",
-        "discard_policy",
-        "num_kv_blocks",
-        "block_size",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-    ):
-        value = getattr(args, name)
-        if value is not None:
-            kwargs[name] = value
-    return kwargs
-
-
 def _tape_path(args: argparse.Namespace) -> str | None:
     """The tape to create, checked (and an existing one removed under --force) before the run."""
     if args.no_tape:
@@ -244,20 +155,16 @@ def _tape_path(args: argparse.Namespace) -> str | None:
 
 
 def _has_random_weights(model: str) -> bool:
-    from tokentape.engine.config import ORACLE_MODELS
+    from tokentape.engine.model_registry import BUILTIN_MODELS
 
-    if model in ORACLE_MODELS:
-        return False  # and the model package (torch) is not loaded for the oracle
-    from tokentape.engine.model.config import BUILTIN_CONFIGS
-
-    return model in BUILTIN_CONFIGS
+    return model in BUILTIN_MODELS
 
 
 def _check_model(model: str) -> None:
     """A model that cannot load fails before the tape is touched (--force would have removed
     the old one), with the file at fault named: a checked CheckpointError, one error line.
     The prompts are text, so a checkpoint needs its tokenizer.json."""
-    from tokentape.engine.config import ORACLE_MODELS
+    from tokentape.engine.model_registry import ORACLE_MODELS
 
     if model in ORACLE_MODELS:
         return  # and the model package (torch) is not loaded for the oracle
@@ -277,12 +184,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompts = _collect_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    EngineConfig(model=args.model, **_engine_args(args))  # bad engine arguments fail here
+    EngineConfig(model=args.model, **engine_args_from_cli(args))  # bad engine arguments fail here
     _check_model(args.model)
     scenario = scenario_of(args)
     scenario.check_requests([str(i) for i in range(len(prompts))])
     tape = _tape_path(args)
-    llm = LLM(args.model, tape=tape, **_engine_args(args))
+    llm = LLM(args.model, tape=tape, **engine_args_from_cli(args))
     path = llm.tape_path
     try:
         outputs = llm.generate(prompts, params, scenario=scenario)

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from tokentape.engine.arg_utils import add_engine_cli_args
 from tokentape.entrypoints.cli.common import (
     EXIT_DIVERGED,
     EXIT_ERROR,
@@ -15,7 +16,6 @@ from tokentape.entrypoints.cli.common import (
     add_force_argument,
     check_output_path,
     open_tape,
-    positive_int,
     remove_for_overwrite,
 )
 from tokentape.entrypoints.cli.diff import print_diff
@@ -98,7 +98,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _add_whatif(replay_sub: Any) -> None:
-    from tokentape.events.discard import DISCARD_POLICIES
 
     wi = replay_sub.add_parser(
         "whatif",
@@ -122,18 +121,9 @@ def _add_whatif(replay_sub: Any) -> None:
         ),
     )
     wi.add_argument("tape", metavar="TAPE", help="the recorded tape")
-    wi.add_argument(
-        "--discard-policy",
-        choices=list(DISCARD_POLICIES),
-        default=None,
-        help="discard policy for the new run (default: the tape's)",
-    )
-    wi.add_argument(
-        "--pipeline-depth",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="steps in flight for the new run, 1 = synchronous (default: the tape's)",
+    # The engine flags a what-if may change (arg_utils.py), the tape's when not given.
+    add_engine_cli_args(
+        wi, ("discard_policy", "pipeline_depth"), model=False, seed=False, default_of="the tape's"
     )
     wi.add_argument(
         "--runner",

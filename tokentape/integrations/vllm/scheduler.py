@@ -36,9 +36,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from tokentape.engine.llm import check_tape_path
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.store import MemoryTape
+from tokentape.events.tape_path import check_tape_path
 from tokentape.integrations.vllm import mapping, session
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 from tokentape.integrations.vllm.recorder import RecorderError, TapeRecorder

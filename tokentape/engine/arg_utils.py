@@ -1,0 +1,140 @@
+"""The engine's command-line arguments, defined once (as vLLM's `EngineArgs.add_cli_args`):
+`tokentape generate`, `tokentape serve` and `tokentape replay whatif` add the ones they take
+to their parsers and read them back as the engine arguments of `LLM` / `AsyncLLM`. Each
+flag is an `EngineConfig` field; its default is the config's unless the command says whose
+default applies (whatif: the tape's)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.model_registry import DEFAULT_MODEL, MODEL_HELP
+from tokentape.events.discard import DISCARD_POLICIES
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum, with a one-line error otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True, slots=True)
+class _Flag:
+    help: str
+    minimum: int | None = None  # an integer flag; None: a choice of discard_policy's
+    metavar: str = "N"
+
+
+# By EngineConfig field, in the order --help lists them.
+ENGINE_FLAGS: dict[str, _Flag] = {
+    "pipeline_depth": _Flag("steps in flight with async scheduling, 1 = synchronous", 1),
+    "num_speculative_tokens": _Flag("n-gram speculative tokens per decode", 0, "K"),
+    "discard_policy": _Flag(
+        "how stale frames are recognised after a preemption: epoch, the exact one; counter "
+        "and flag reproduce vLLM's historical bugs"
+    ),
+    "num_kv_blocks": _Flag("number of paged KV cache blocks", 1),
+    "block_size": _Flag("tokens per KV block", 1),
+    "max_num_seqs": _Flag("most requests running at once", 1),
+    "max_num_batched_tokens": _Flag("token budget of one step", 1),
+    "max_model_len": _Flag("longest sequence", 1),
+    "cpu_threads": _Flag("CPU threads the model runs on", 1),
+    "max_logprobs": _Flag(
+        "the most log-probabilities a request may ask for per token (vLLM's option; -1: no "
+        "limit but the vocabulary)",
+        -1,
+    ),
+}
+_DEFAULTS = EngineConfig()
+_NONE_DEFAULTS = {
+    "max_model_len": "the model's context length, capped at the KV capacity",
+    "cpu_threads": "one per CPU",
+}
+
+
+def add_engine_cli_args(
+    parser: argparse.ArgumentParser,
+    fields: Iterable[str] = tuple(ENGINE_FLAGS),
+    *,
+    model: bool = True,
+    seed: bool = True,
+    default_of: str | None = None,
+    help_overrides: Mapping[str, str] = {},  # noqa: B006 - read only
+) -> None:
+    """Add --model, --seed, --sync and the engine flags named by `fields`. `default_of`:
+    whose default applies when a flag is not given (e.g. "the tape's"); the engine's by
+    default, shown in each flag's help. `help_overrides`: a command's own default text."""
+    if model:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve: {MODEL_HELP}")
+    if seed:
+        parser.add_argument(
+            "--seed",
+            type=int,
+            default=0,
+            help="engine seed: keys the model's sampling and goes into the tape header "
+            "(default: 0)",
+        )
+    fields = list(fields)
+    group: Any = parser
+    if "pipeline_depth" in fields and default_of is None:  # --sync is depth 1, without async
+        group = parser.add_mutually_exclusive_group()
+        group.add_argument(
+            "--sync",
+            action="store_true",
+            help="synchronous scheduling: one step in flight at a time",
+        )
+    for name in fields:
+        flag = ENGINE_FLAGS[name]
+        if name in help_overrides:
+            default = help_overrides[name]
+        elif default_of is not None:
+            default = f"default: {default_of}"
+        elif name in _NONE_DEFAULTS:
+            default = f"default: {_NONE_DEFAULTS[name]}"
+        else:
+            default = f"engine default: {getattr(_DEFAULTS, name)}"
+        option = "--" + name.replace("_", "-")
+        where = group if name == "pipeline_depth" else parser
+        if flag.minimum is None:
+            where.add_argument(
+                option,
+                choices=list(DISCARD_POLICIES),
+                default=None,
+                help=f"{flag.help} ({default})",
+            )
+        else:
+            where.add_argument(
+                option,
+                type=int_at_least(flag.minimum),
+                default=None,
+                metavar=flag.metavar,
+                help=f"{flag.help} ({default})",
+            )
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments the command line gave (LLM's / AsyncLLM's keyword arguments):
+    the seed, async_scheduling=False for --sync, and every engine flag that was given."""
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "seed", None) is not None:
+        kwargs["seed"] = args.seed
+    if getattr(args, "sync", False):
+        kwargs["async_scheduling"] = False
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            kwargs[name] = value
+    return kwargs

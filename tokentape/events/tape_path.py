@@ -1,0 +1,47 @@
+"""Where a tape may be created: the check every tape writer's caller runs before it builds
+anything (a model, vLLM), so a bad path fails in milliseconds, naming the path and why."""
+
+from __future__ import annotations
+
+import os
+
+from tokentape.events.validation import short_repr, shown
+
+# A path means an SQLite tape file, None an in-memory tape, False no tape at all.
+TapeSpec = str | os.PathLike[str] | None | bool
+
+
+def check_tape_path(tape: TapeSpec) -> None:
+    """Refuse a tape path that cannot be created, naming it and why. (SQLiteTape checks again
+    when it creates the file.)"""
+    if tape is None or tape is False:
+        return
+    if tape is True:
+        raise ValueError("tape=True is ambiguous: pass a file path, None (memory) or False (off)")
+    if not isinstance(tape, (str, os.PathLike)):
+        raise TypeError(
+            f"tape must be a file path, None (memory) or False (off), got {shown(tape)}"
+        )
+    path = os.fspath(tape)
+    if not isinstance(path, str):
+        raise TypeError(f"tape must be a str path, got {shown(path)}")
+    if not path or "\0" in path:
+        raise ValueError(f"tape must be a file path, got {short_repr(path)}")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"tape path {short_repr(path)} cannot be encoded for the file system: {exc.reason}"
+        ) from None
+    what = f"{path}: cannot create the tape"
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{what}: it is a directory; pass a file path inside it")
+    if os.path.lexists(path):
+        raise FileExistsError(f"{path}: a tape already exists here; choose a new path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise FileNotFoundError(f"{what}: directory {parent} does not exist")
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"{what}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what}: directory {parent} is not writable")
