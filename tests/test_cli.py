@@ -17,6 +17,7 @@ from tokentape import LLM, SamplingParams, cli
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.entrypoints.cli.generate import DEFAULT_PROMPTS
 from tokentape.events import schema as ev
+from tokentape.events.discard import discard_count
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.replay import load_tape, verify
 
@@ -517,7 +518,7 @@ def test_inspect_plain(busy_tape: Path, capsys: pytest.CaptureFixture[str]) -> N
                 req.num_computed_tokens,
                 req.num_output_placeholders,
                 req.epoch,
-                state.discard_count(req),
+                discard_count(state, req),
                 req.num_preemptions,
                 len(req.block_ids),
                 req.num_frames_dropped,

@@ -15,7 +15,7 @@ import msgspec
 from tokentape.chaos import StormSpec, run_storm
 from tokentape.engine.config import EngineConfig
 from tokentape.events import schema as ev
-from tokentape.events.discard import DISCARD_POLICIES, get_policy
+from tokentape.events.discard import DISCARD_POLICIES, discard_count, get_policy
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.state import EngineState, RequestStatus
 from tokentape.events.store import MemoryTape
@@ -52,7 +52,7 @@ def test_stale_output_after_kv_pressure_is_delivered_and_not_counted() -> None:
     s = apply(started(), ev.RequestPreempted(2, "r", "kv_pressure", 2))
     r = s.requests["r"]
     assert r.status is RequestStatus.PREEMPTED and r.num_output_placeholders == 0
-    assert r.num_stale_in_flight == 2 and not r.drop_stale_output and s.discard_count(r) == 0
+    assert r.num_stale_in_flight == 2 and not r.drop_stale_output and discard_count(s, r) == 0
     apply(
         s,
         ev.FrameProduced(0, [ev.FrameEntry("r", [42])]),
@@ -73,20 +73,20 @@ def test_stale_output_after_kv_pressure_is_delivered_and_not_counted() -> None:
 def test_a_reset_drops_the_stale_output() -> None:
     s = apply(started(), ev.RequestPreempted(2, "r", "reset_prefix_cache", 2))
     r = s.requests["r"]
-    assert r.drop_stale_output and s.discard_count(r) == 2
+    assert r.drop_stale_output and discard_count(s, r) == 2
     # A reset allows the request back at once: its new entry is fresh behind the stale ones.
     apply(
         s,
         ev.StepScheduled(2, [ev.ScheduledEntry("r", 1, 0, 4, 0, [1])]),
         ev.FrameProduced(0, [ev.FrameEntry("r", [42])]),
     )
-    assert r.output_token_ids == [] and r.num_frames_dropped == 1 and s.discard_count(r) == 1
+    assert r.output_token_ids == [] and r.num_frames_dropped == 1 and discard_count(s, r) == 1
     apply(
         s,
         ev.FrameProduced(1, [ev.FrameEntry("r", [43])]),
         ev.FrameProduced(2, [ev.FrameEntry("r", [42])]),
     )
-    assert r.output_token_ids == [42] and r.num_frames_dropped == 2 and s.discard_count(r) == 0
+    assert r.output_token_ids == [42] and r.num_frames_dropped == 2 and discard_count(s, r) == 0
 
 
 def test_an_undrained_dropped_share_stays_dropped_at_the_next_preemption() -> None:
@@ -98,7 +98,7 @@ def test_an_undrained_dropped_share_stays_dropped_at_the_next_preemption() -> No
         ev.RequestPreempted(3, "r", "kv_pressure", 3),
     )
     r = s.requests["r"]
-    assert r.drop_stale_output and r.num_stale_in_flight == 3 and s.discard_count(r) == 3
+    assert r.drop_stale_output and r.num_stale_in_flight == 3 and discard_count(s, r) == 3
     for step in range(3):
         apply(s, ev.FrameProduced(step, [ev.FrameEntry("r", [42 + step])]))
     assert r.output_token_ids == [] and r.num_frames_dropped == 3
@@ -108,7 +108,7 @@ def test_an_undrained_dropped_share_stays_dropped_at_the_next_preemption() -> No
         ev.StepScheduled(3, [ev.ScheduledEntry("r", 2, 0, 4, 0, [1])]),
         ev.RequestPreempted(4, "r", "kv_pressure", 1),
     )
-    assert not r.drop_stale_output and s.discard_count(r) == 0
+    assert not r.drop_stale_output and discard_count(s, r) == 0
 
 
 def test_synchronous_scheduling_has_no_discard_logic() -> None:

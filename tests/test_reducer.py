@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokentape.events import schema as ev
+from tokentape.events.discard import discard_count
 from tokentape.events.errors import ReducerError
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.state import EngineState, RequestStatus
@@ -51,7 +52,7 @@ def test_a_stale_frame_after_preemption_is_dropped(policy: str) -> None:
     apply(s, ev.RequestPreempted(1, "r", "reset_prefix_cache", 2))
     assert r.epoch == 1 and r.status is RequestStatus.PREEMPTED and s.waiting[0] == "r"
     assert r.num_output_placeholders == 0 and r.num_computed_tokens == 0 and r.block_ids == []
-    assert s.discard_count(r) == (2 if policy != "flag" else 1)
+    assert discard_count(s, r) == (2 if policy != "flag" else 1)
     apply(s, ev.FrameProduced(0, [ev.FrameEntry("r", [42])]))
     assert r.output_token_ids == [] and r.num_frames_dropped == 1
 
@@ -67,7 +68,7 @@ def test_epoch_never_drops_a_fresh_frame() -> None:
         ev.FrameProduced(2, [ev.FrameEntry("r", [42])]),
     )
     assert r.output_token_ids == [42] and r.num_frames_dropped == 2
-    assert s.discard_count(r) == 0 and r.num_output_placeholders == 0
+    assert discard_count(s, r) == 0 and r.num_output_placeholders == 0
 
 
 def test_flag_drops_the_first_fresh_frame_when_nothing_was_in_flight() -> None:

@@ -131,7 +131,8 @@ def test_the_serve_parser_and_its_errors(
 ) -> None:
     import argparse
 
-    from tokentape.entrypoints.serve import add_parser, engine_args, main
+    from tokentape.engine.arg_utils import engine_args_from_cli as engine_args
+    from tokentape.entrypoints.serve import add_parser, main
 
     sub = argparse.ArgumentParser(prog="tokentape").add_subparsers()
     srv = add_parser(sub)

@@ -37,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import tokentape
 from tokentape import SamplingParams
+from tokentape.events.discard import discard_count
 from tokentape.events.state import RequestStatus
 from tokentape.replay import fold, verify
 
@@ -328,7 +329,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.busy = True
         state = self.engine.state
         for r in state.requests.values():
-            assert state.discard_count(r) >= 0, (r.req_id, state.discard_count(r), r)
+            assert discard_count(state, r) >= 0, (r.req_id, discard_count(state, r), r)
             in_flight = [
                 (s, e) for s in state.in_flight_steps for e in s.entries if e.req_id == r.req_id
             ]
@@ -556,11 +557,11 @@ def test_repro_counter_policy_discard_count_goes_negative():
     engine.reset_prefix_cache(reset_running_requests=True)  # 3 in flight: counter = 3
     engine.step()  # recompute scheduled; one stale frame dropped
     engine.reset_prefix_cache(reset_running_requests=True)  # overwrites the counter with 1
-    counts.append(engine.state.discard_count(req))
+    counts.append(discard_count(engine.state, req))
     engine.pause_generation("keep", clear_cache=False)  # drains: two stale frames slip through
     engine.resume_generation()
     engine.step()
     engine.reset_prefix_cache(reset_running_requests=True)  # counter = placeholders (< 0)
-    counts.append(engine.state.discard_count(req))
+    counts.append(discard_count(engine.state, req))
     _drain(engine)
     assert min(counts) >= 0, (counts, req)

@@ -14,6 +14,7 @@ import pytest
 from tokentape import LLM, SamplingParams
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
+from tokentape.events.discard import discard_count
 from tokentape.events.reducer import evolve
 from tokentape.postmortem import postmortem
 from tokentape.replay import load_tape
@@ -257,7 +258,7 @@ def test_a_reset_preemption_drops_in_flight_output_under_deliver() -> None:
     assert in_flight == 2
     llm.engine.reset_prefix_cache(reset_running_requests=True)
     assert req.drop_stale_output and req.num_stale_in_flight == in_flight
-    assert llm.engine.state.discard_count(req) == in_flight
+    assert discard_count(llm.engine.state, req) == in_flight
     got = _run(llm)
     assert req.num_frames_dropped == in_flight  # dropped, not delivered
     assert got["r"] == _expected(llm, PROMPT, params)

@@ -5,7 +5,7 @@
     tokentape inspect tokentape-20250101T000000Z.tape --step 3 --request 0
 
 The commands live in tokentape/entrypoints/cli/ (generate, inspect, replay, debug, diff,
-export, why, bisect, chaos), tokentape/postmortem/cli.py and tokentape/entrypoints/serve.py, each with
+export, why, bisect, chaos, postmortem) and tokentape/entrypoints/serve.py, each with
 `add_parser(subparsers)`. Expected failures (a file that is not a tape, a tape from a newer
 tokentape, a damaged tape, an unknown request, bad engine arguments, an existing output file
 without --force) print one line `error: <message>` on stderr and exit with status 2.
@@ -41,10 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         export,
         generate,
         inspect,
+        postmortem,
         replay,
         why,
     )
-    from tokentape.postmortem import cli as postmortem
     from tokentape.version import __version__
 
     parser = argparse.ArgumentParser(

@@ -141,7 +141,8 @@ def test_bad_checkpoints_name_the_file_and_tensor(tmp_path: Path) -> None:
 
 
 def test_builtin_config_round_trips_through_hf_json(tmp_path: Path) -> None:
-    from tokentape.engine.model.config import TINY, config_from_hf
+    from tokentape.engine.model.config import TINY
+    from tokentape.engine.model.hf_config import config_from_hf
 
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
     assert config_from_hf(tmp_path) == dataclasses.replace(TINY)

@@ -104,7 +104,7 @@ def _stem(spec: StormSpec) -> str:
 def _keep(result: StormResult, report: object, out_dir: str, stem: str) -> tuple[str, str]:
     """Write the run's tape (an SQLite file) and its postmortem report (text and JSON)."""
     from tokentape.events.sqlite_store import SQLiteTape
-    from tokentape.postmortem.cli import print_report
+    from tokentape.postmortem.report_text import print_report
     from tokentape.replay import load_tape
 
     tape_path = os.path.join(out_dir, f"{stem}.tape")

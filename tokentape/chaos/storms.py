@@ -23,7 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from tokentape.engine.llm import LLM
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.factory import build_engine
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.model_registry import ORACLE_MODELS
 from tokentape.engine.runners.oracle import OracleRunner
@@ -220,18 +221,18 @@ def run_storm(
     bad = [c for c in names if c not in COMMANDS]
     if bad:
         raise StormError(f"unknown storm command {bad[0]!r} (commands: {', '.join(COMMANDS)})")
-    llm = LLM(spec.model, tape=tape, **spec.engine_args())
-    result = StormResult(spec, names, llm.engine.tape)
+    engine = build_engine(EngineConfig(model=spec.model, **spec.engine_args()), tape)  # type: ignore[arg-type]
+    result = StormResult(spec, names, engine.tape)
     try:
-        driver = StormDriver(llm.engine, spec.seed, result)
+        driver = StormDriver(engine, spec.seed, result)
         for _ in range(spec.initial_requests):
             driver.add()
         for command in names:
             driver.issue(command)
         driver.drain()
     finally:
-        llm.close()
-    state = llm.engine.state
+        engine.close()
+    state = engine.state
     result.num_events = state.num_events
     result.num_steps = state.step
     result.num_preemptions = sum(r.num_preemptions for r in state.requests.values())

@@ -1,52 +1,49 @@
-"""Installers of the injectable faults (names and upstream bugs: tokentape.events.faults).
+"""The injectable faults' hooks (names and upstream bugs: tokentape.events.faults).
 
-`LLMEngine` calls `install_faults(engine)` only when its config names faults, so the default
-path carries none of this. Each installer wraps a method of that one engine or of its
-scheduler (an instance attribute in front of the class's method), keeping its own notes of
-what the upstream code got wrong; request state still changes only through the reducer.
-Every fault is deterministic: a replay of the tape (which records the faults in its header)
-installs them again and decides the same.
+`LLMEngine` builds them (`fault_hooks`) only when its config names faults, so the default
+path carries none of this. Each fault is an `EngineHooks` (hooks.py) acting at the places
+the engine and its scheduler offer, keeping its own notes of what the upstream code got
+wrong; request state still changes only through the reducer. Every fault is deterministic:
+a replay of the tape (which records the faults in its header) builds them again and decides
+the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import msgspec.structs
 
+from tokentape.engine.config import EngineConfig
+from tokentape.engine.hooks import EngineHooks
+from tokentape.engine.scheduler import Scheduler
+from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
 from tokentape.events.faults import REDUCER_FAULTS
-from tokentape.events.state import RequestState, RequestStatus
-
-if TYPE_CHECKING:
-    from tokentape.engine.llm_engine import LLMEngine
-    from tokentape.engine.scheduler import _StepPlan
+from tokentape.events.state import EngineState, RequestState, RequestStatus
 
 
-def _spec_placeholder_input(engine: LLMEngine) -> None:
+class SpecPlaceholderInput(EngineHooks):
     """vLLM #40768: a request preempted with speculative slots in flight keeps its -1 draft
     placeholders, and the step that admits it again takes them as input ids (after its
     prompt and output). A real model reads embedding -1; the oracle counts each -1 as a
     position, so the request's stream skips that many tokens."""
-    sched, state, k = engine.scheduler, engine.state, engine.config.num_speculative_tokens
-    leftover: dict[str, int] = {}  # request -> draft placeholders it still holds
-    preempt, admit = sched.preempt, sched._admit_waiting
 
-    def preempt_keeping_drafts(
-        req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()
-    ) -> None:
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.sched, self.state = sched, state
+        self.leftover: dict[str, int] = {}  # request -> draft placeholders it still holds
+
+    def before_preempt(self, req: RequestState) -> None:
         spec = [
             e.num_spec_tokens
-            for _, e in state.in_flight_entries(req.req_id)
+            for _, e in self.state.in_flight_entries(req.req_id)
             if e.epoch == req.epoch
         ]
         if spec and spec[-1]:
-            leftover[req.req_id] = spec[-1]
-        preempt(req, reason, extra_blocks)
+            self.leftover[req.req_id] = spec[-1]
 
-    def admit_with_drafts(plan: _StepPlan) -> None:
-        admit(plan)
+    def after_waiting_admitted(self, plan: StepPlan) -> None:
+        leftover, state = self.leftover, self.state
         for req_id, entry in list(plan.entries.items()):
             n = leftover.get(req_id)
             if n is None or req_id not in plan.batch.new_requests or plan.budget < n:
@@ -54,7 +51,7 @@ def _spec_placeholder_input(engine: LLMEngine) -> None:
             total = entry.num_computed_before + entry.num_new_tokens
             if total < state.requests[req_id].num_tokens:
                 continue  # a chunk short of the end has no slot for drafts
-            more = sched.kv.allocate(len(entry.new_block_ids), total + n)
+            more = self.sched.kv.allocate(len(entry.new_block_ids), total + n)
             if more is None:
                 continue
             del leftover[req_id]
@@ -67,40 +64,30 @@ def _spec_placeholder_input(engine: LLMEngine) -> None:
             plan.budget -= n
             plan.batch.token_ids[req_id] = [*plan.batch.token_ids[req_id], *[-1] * n]
 
-    if k:
-        sched.preempt = preempt_keeping_drafts  # type: ignore[method-assign]
-        sched._admit_waiting = admit_with_drafts  # type: ignore[method-assign]
 
-
-def _late_stop_after_drain(engine: LLMEngine) -> None:
+class LateStopAfterDrain(EngineHooks):
     """vLLM #49860: pause_generation drains the steps in flight, but their placeholders are
     not returned; vLLM's look-ahead (skip a request once computed + 2 - placeholders reaches
     prompt + max_tokens) then fails, and one more decode is scheduled per step drained."""
-    sched, state = engine.scheduler, engine.state
-    inflated: dict[str, int] = {}
-    pause, preempt, schedule_running = (
-        engine.pause_generation,
-        sched.preempt,
-        sched._schedule_running,
-    )
 
-    def pause_without_returning(mode: str = "keep", clear_cache: bool = True) -> None:
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.sched, self.state = sched, state
+        self.inflated: dict[str, int] = {}
+
+    def before_pause(self) -> None:
+        state, inflated = self.state, self.inflated
         for req_id in state.running:
             n = state.requests[req_id].num_fresh_in_flight
             if n:
                 inflated[req_id] = inflated.get(req_id, 0) + n
-        pause(mode, clear_cache)
 
-    def preempt_zeroing(
-        req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()
-    ) -> None:
-        inflated.pop(req.req_id, None)  # a preemption zeroes the placeholders
-        preempt(req, reason, extra_blocks)
+    def before_preempt(self, req: RequestState) -> None:
+        self.inflated.pop(req.req_id, None)  # a preemption zeroes the placeholders
 
-    def schedule_past_stop(plan: _StepPlan) -> None:
-        schedule_running(plan)
+    def after_running_scheduled(self, plan: StepPlan) -> None:
+        sched, state = self.sched, self.state
         for req_id in list(state.running):
-            extra = inflated.get(req_id)
+            extra = self.inflated.get(req_id)
             req = state.requests[req_id]
             if (
                 not extra
@@ -128,40 +115,29 @@ def _late_stop_after_drain(engine: LLMEngine) -> None:
                 partial=False,
             )
 
-    engine.pause_generation = pause_without_returning  # type: ignore[method-assign]
-    sched.preempt = preempt_zeroing  # type: ignore[method-assign]
-    sched._schedule_running = schedule_past_stop  # type: ignore[method-assign]
 
+class _AbortedInFlight(EngineHooks):
+    """Notes each request aborted with a step in flight, before the abort; `after_step`
+    runs after each frame with the request ids of its step."""
 
-def _aborted_in_flight(engine: LLMEngine, note: Callable[[RequestState], None]) -> None:
-    """Call `note(req)` for each request aborted with a step in flight, before the abort."""
-    finish = engine.scheduler.finish
+    def __init__(
+        self, note: Callable[[RequestState], None], after_step: Callable[[list[str]], None]
+    ) -> None:
+        self.note, self.after_step = note, after_step
 
-    def finish_noting(req: RequestState, reason: ev.FinishReason, *args: Any) -> None:
+    def before_finish(self, req: RequestState, reason: str) -> None:
         if reason == "abort" and req.num_in_flight:
-            note(req)
-        finish(req, reason, *args)
+            self.note(req)
 
-    engine.scheduler.finish = finish_noting  # type: ignore[method-assign]
-
-
-def _after_frames(engine: LLMEngine, then: Callable[[list[str]], None]) -> None:
-    """Call `then(request ids of the frame's step)` after each frame is applied."""
-    apply = engine._apply_oldest_frame
-
-    def apply_then() -> None:
-        ids = [e.req_id for e in engine.state.in_flight_steps[0].entries]
-        apply()
-        then(ids)
-
-    engine._apply_oldest_frame = apply_then  # type: ignore[method-assign]
+    def after_frame(self, req_ids: list[str]) -> None:
+        self.after_step(req_ids)
 
 
-def _double_free_on_abort(engine: LLMEngine) -> None:
+def double_free_on_abort(sched: Scheduler, state: EngineState) -> EngineHooks:
     """vLLM #33377: the blocks of a request aborted with a step in flight are freed at the
     abort and again when that step's output comes back, as vLLM's block pool frees them
     (no check): by then another request may hold them, and they are handed out twice."""
-    kv = engine.kv
+    kv = sched.kv
     pending: dict[str, list[int]] = {}
 
     def free_again(ids: list[str]) -> None:
@@ -172,11 +148,12 @@ def _double_free_on_abort(engine: LLMEngine) -> None:
                     if kv.ref_cnt[b] == 0:
                         kv.free_queue[b] = None
 
-    _aborted_in_flight(engine, lambda req: pending.__setitem__(req.req_id, list(req.block_ids)))
-    _after_frames(engine, free_again)
+    return _AbortedInFlight(
+        lambda req: pending.__setitem__(req.req_id, list(req.block_ids)), free_again
+    )
 
 
-def _crash_on_aborted_output(engine: LLMEngine) -> None:
+def crash_on_aborted_output(sched: Scheduler, state: EngineState) -> EngineHooks:
     """vLLM #52969: output that comes back for a request aborted while its step was in
     flight is looked up among the live requests, and the engine crashes."""
     aborted: set[str] = set()
@@ -188,20 +165,24 @@ def _crash_on_aborted_output(engine: LLMEngine) -> None:
                     f"output for request {req_id!r}, which is no longer running (aborted)"
                 )
 
-    _aborted_in_flight(engine, lambda req: aborted.add(req.req_id))
-    _after_frames(engine, look_up)
+    return _AbortedInFlight(lambda req: aborted.add(req.req_id), look_up)
 
 
-_INSTALLERS: dict[str, Callable[[LLMEngine], None]] = {
+def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
+    # Only with speculative decoding: without draft slots there is nothing to keep.
+    return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
+
+
+_FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "spec_placeholder_input": _spec_placeholder_input,
-    "late_stop_after_drain": _late_stop_after_drain,
-    "double_free_on_abort": _double_free_on_abort,
-    "crash_on_aborted_output": _crash_on_aborted_output,
+    "late_stop_after_drain": LateStopAfterDrain,
+    "double_free_on_abort": double_free_on_abort,
+    "crash_on_aborted_output": crash_on_aborted_output,
 }
 
 
-def install_faults(engine: LLMEngine) -> None:
-    """Install the engine's faults (its config's `faults`); reducer faults need nothing here."""
-    for name in engine.config.faults:
-        if name not in REDUCER_FAULTS:
-            _INSTALLERS[name](engine)
+def fault_hooks(config: EngineConfig, sched: Scheduler, state: EngineState) -> list[EngineHooks]:
+    """The hooks of the engine's faults (its config's `faults`), in the config's order;
+    reducer faults need none."""
+    hooks = [_FAULTS[name](sched, state) for name in config.faults if name not in REDUCER_FAULTS]
+    return [h for h in hooks if h is not None]

@@ -29,6 +29,11 @@ ROOT_BLOCK_HASH = bytes(32)  # the parent of every request's first block
 
 
 class KVCacheManager:
+    """The paged KV cache's bookkeeping (the blocks, not their contents): owns the reference
+    count of every block, the queue of free blocks (least recently freed first, so cached
+    blocks survive longest), and the prefix cache (block hash -> block, by a chain of hashes
+    of confirmed tokens only). The scheduler asks it for blocks; the runner owns the tensors."""
+
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
     ) -> None:

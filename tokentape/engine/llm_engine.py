@@ -15,6 +15,7 @@ import msgspec
 
 from tokentape.engine.bad_words import has_text_bad_words
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
@@ -79,10 +80,13 @@ class LLMEngine:
         # Deltas produced outside step() (e.g. by a drain), handed out by the next step.
         self._ready: list[EngineCoreOutput] = []
         self._dead: str | None = None
-        if config.faults:  # upstream bugs on purpose (tests, tapes): the default path has none
-            from tokentape.engine.faults import install_faults
+        # Upstream bugs on purpose (tests, tapes), through the engine's hooks (hooks.py): the
+        # default path has none.
+        self.hooks: Sequence[EngineHooks] = ()
+        if config.faults:
+            from tokentape.engine.faults import fault_hooks
 
-            install_faults(self)
+            self.hooks = self.scheduler.hooks = fault_hooks(config, self.scheduler, self.state)
         # n > 1: each parent's children on the tape (the output processor gathers them).
         self._children: dict[str, list[str]] = {}
         # The one output processor: the deltas of step_core() as the client's RequestOutputs.
@@ -243,6 +247,15 @@ class LLMEngine:
             self._apply_oldest_frame()
 
     def _apply_oldest_frame(self) -> None:
+        if self.hooks:
+            ids = [e.req_id for e in self.state.in_flight_steps[0].entries]
+            self._apply_frame()
+            for hook in self.hooks:
+                hook.after_frame(ids)
+        else:
+            self._apply_frame()
+
+    def _apply_frame(self) -> None:
         step = self.state.in_flight_steps[0].step
         frame = self.runner.collect(step)
         requests = self.state.requests
@@ -320,6 +333,8 @@ class LLMEngine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
         check_bool("clear_cache", clear_cache)
+        for hook in self.hooks:
+            hook.before_pause()
         with self._recorded():
             self._emit(ev.GenerationPaused(self.state.step, mode, clear_cache))  # type: ignore[arg-type]
             if mode == "abort":

@@ -245,7 +245,7 @@ class OutputProcessor:
             return CompletionOutput.of_span(c.index, span, text, c.finish_reason, c.stop_reason)
         if final is not None:
             return CompletionOutput.of_span(c.index, span, final, c.finish_reason, c.stop_reason)
-        pieces, visible = c.pieces, c.num_chars - hold
+        pieces, visible = c.pieces, max(0, c.num_chars - hold)
         num_pieces = len(pieces)
 
         def cumulative_text() -> str:  # the pieces only grow: those of now, read later

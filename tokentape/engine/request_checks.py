@@ -20,16 +20,30 @@ The limits (README, "Serve"):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tokentape.engine.bad_words import resolve_bad_words
+from tokentape.engine.config import EngineConfig
 from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.parallel_sampling import child_params, child_request_id
+from tokentape.engine.runners.base import ChecksParams, ModelRunner
+from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import SamplingParams
+from tokentape.events.state import EngineState
 from tokentape.events.validation import check_int, check_str, shown
 
-if TYPE_CHECKING:
-    from tokentape.engine.llm_engine import LLMEngine
+
+class CheckedEngine(Protocol):
+    """What the checks read of the engine (LLMEngine), without importing it."""
+
+    state: EngineState
+    config: EngineConfig
+    runner: ModelRunner
+    tokenizer: Tokenizer | None
+    params_checker: ChecksParams | None
+
+    def has_parent(self, request_id: str) -> bool: ...
+
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096
@@ -105,7 +119,7 @@ def check_prompt(request_id: str, prompt: object, vocab_size: int, max_model_len
 
 
 def check_request(
-    engine: LLMEngine, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    engine: CheckedEngine, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
 ) -> None:
     """Refuse a request the engine could not serve or the tape could not hold, before
     anything is recorded (LLMEngine.check_request)."""
@@ -153,7 +167,7 @@ def check_request(
 
 
 def resolved_bad_words(
-    engine: LLMEngine, request_id: str, params: SamplingParams
+    engine: CheckedEngine, request_id: str, params: SamplingParams
 ) -> SamplingParams:
     """The params with string bad words as token ids, encoded by the engine's tokenizer."""
     tokenizer = engine.tokenizer

@@ -16,17 +16,24 @@ in-flight steps already reach its token limit is not scheduled again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.runners.base import NewRequest, ScheduledBatch
+from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
 from tokentape.events.state import EngineState, RequestState, RequestStatus
 
 
 class Scheduler:
+    """The decide half of the engine: owns the planning of each step (which requests run,
+    with how many tokens, which are preempted or finished) over the reducer's state and the
+    KV cache manager's blocks. It changes nothing itself: every decision is an event it
+    emits through the engine, which records it and applies it with the reducer. `hooks`:
+    the engine's fault hooks (hooks.py), empty on an ordinary engine."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -39,12 +46,15 @@ class Scheduler:
         self.state = state
         self.emit = emit
         self.max_model_len = config.effective_max_model_len
+        self.hooks: Sequence[EngineHooks] = ()
 
     def preempt(
         self, req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()
     ) -> None:
         """Free the request's KV (and blocks given to it in the step being planned) and
         record the preemption; the reducer requeues it."""
+        for hook in self.hooks:
+            hook.before_preempt(req)
         self.kv.free(req.req_id, [*req.block_ids, *extra_blocks])
         self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, req.num_in_flight))
 
@@ -53,6 +63,8 @@ class Scheduler:
     ) -> None:
         """Free the request's blocks and record its finish (with the stop string that ended
         it, if one did)."""
+        for hook in self.hooks:
+            hook.before_finish(req, reason)
         self.kv.free(req.req_id, req.block_ids)
         self.kv.forget_request(req.req_id)
         if reason == "abort":
@@ -65,17 +77,21 @@ class Scheduler:
         state = self.state
         if state.paused in ("keep", "abort"):
             return None
-        plan = _StepPlan(ScheduledBatch(state.step, []), self.config.max_num_batched_tokens)
+        plan = StepPlan(ScheduledBatch(state.step, []), self.config.max_num_batched_tokens)
         self._schedule_running(plan)
+        for hook in self.hooks:
+            hook.after_running_scheduled(plan)
         if not plan.preempted and state.paused is None:  # "wait" admits nothing new
             self._admit_waiting(plan)
+            for hook in self.hooks:
+                hook.after_waiting_admitted(plan)
         if not plan.entries:
             return None
         plan.batch.entries = list(plan.entries.values())
         self.emit(ev.StepScheduled(plan.batch.step, plan.batch.entries))
         return plan.batch
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         state, kv, requests = self.state, self.kv, self.state.requests
         max_model_len, max_spec = self.max_model_len, self.config.num_speculative_tokens
         for req_id in list(state.running):
@@ -121,7 +137,7 @@ class Scheduler:
                 plan.add(entry, tokens, partial=computed + num_new < num_tokens)
 
     def _allocate_or_preempt(
-        self, req: RequestState, num_tokens: int, plan: _StepPlan
+        self, req: RequestState, num_tokens: int, plan: StepPlan
     ) -> list[int] | None:
         """Blocks for `num_tokens`, preempting the most recently admitted running requests
         until they fit; None if `req` itself had to go."""
@@ -134,7 +150,7 @@ class Scheduler:
                 return None
         return new_blocks
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
+    def _admit_waiting(self, plan: StepPlan) -> None:
         state, kv = self.state, self.kv
         num_running = len(state.running)
         # A policy that delivers stale output (vLLM since #48245) must let it drain first, or
@@ -162,32 +178,3 @@ class Scheduler:
                 partial=num_cached + num_new < req.num_tokens,
             )
             num_running += 1
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """The step being planned: its entries, the runner's batch and the token budget left."""
-
-    batch: ScheduledBatch
-    budget: int
-    entries: dict[str, ev.ScheduledEntry] = field(default_factory=dict)
-    preempted: bool = False
-
-    def add(self, entry: ev.ScheduledEntry, token_ids: list[int] | None, partial: bool) -> None:
-        self.entries[entry.req_id] = entry
-        self.budget -= entry.num_new_tokens
-        if token_ids is not None:
-            self.batch.token_ids[entry.req_id] = token_ids
-        if partial:
-            self.batch.partial_prefills.add(entry.req_id)
-
-    def drop(self, req_id: str) -> list[int]:
-        """Take a preempted request out of the step; returns the blocks it was given in it."""
-        entry = self.entries.pop(req_id, None)
-        if entry is None:
-            return []
-        self.budget += entry.num_new_tokens
-        self.batch.token_ids.pop(req_id, None)
-        self.batch.partial_prefills.discard(req_id)
-        self.batch.new_requests.pop(req_id, None)
-        return entry.new_block_ids

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tokentape.events.state import RequestState
+from tokentape.events.state import EngineState, RequestState
 
 
 class DiscardPolicy(Protocol):
@@ -274,3 +274,9 @@ def get_policy(name: str) -> DiscardPolicy:
             f"unknown discard_policy {name!r}; choose one of {sorted(DISCARD_POLICIES)} "
             f"(or a museum policy: {sorted(MUSEUM_POLICIES)})"
         ) from None
+
+
+def discard_count(state: EngineState, req: RequestState) -> int:
+    """The derived discard count of a request under its tape's policy (the policy's
+    knowledge: the state only names the policy)."""
+    return get_policy(state.discard_policy).discard_count(req)

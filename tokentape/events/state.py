@@ -135,12 +135,6 @@ class EngineState:
     error: str | None = None
     recording_stopped: str | None = None  # why another engine's recorder stopped (its last event)
 
-    def discard_count(self, req: RequestState) -> int:
-        """The derived discard count of a request under this tape's policy."""
-        from tokentape.events.discard import get_policy  # discard.py reads RequestState
-
-        return get_policy(self.discard_policy).discard_count(req)
-
     def in_flight_entries(self, req_id: str) -> list[tuple[int, ScheduledEntry]]:
         """(step, entry) for each of the request's entries still in flight, oldest first."""
         return [(s.step, e) for s in self.in_flight_steps for e in s.entries if e.req_id == req_id]

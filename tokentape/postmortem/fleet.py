@@ -157,7 +157,7 @@ def fleet_postmortem(
     if use_ray:
         from tokentape.postmortem.fleet_ray import run_on_ray
 
-        run_on_ray(paths, reference, done, jobs)
+        run_on_ray(analyse_tape, paths, reference, done, jobs)
     elif (jobs := jobs or default_jobs()) == 1 or len(paths) == 1:
         for path in paths:
             done(analyse_tape(path, reference))

@@ -12,15 +12,18 @@ import logging
 import os
 from collections.abc import Callable
 
-from tokentape.postmortem.fleet import analyse_tape
-
 _WAIT_S = 0.2  # results are gathered in batches, at most this late
 
 
 def run_on_ray(
-    paths: list[str], reference: str | None, done: Callable[[bytes], None], jobs: int | None = None
+    analyse_tape: Callable[[str, str | None], bytes],
+    paths: list[str],
+    reference: str | None,
+    done: Callable[[bytes], None],
+    jobs: int | None = None,
 ) -> None:
-    """Run `analyse_tape` for every path as a Ray task; `done` gets each result (msgpack)."""
+    """Run `analyse_tape` (fleet.py's, handed in: this module is its caller's helper) for
+    every path as a Ray task; `done` gets each result (msgpack)."""
     try:
         import ray
     except ImportError:

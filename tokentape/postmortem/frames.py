@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tokentape.engine.config import MAX_PIPELINE_DEPTH
 from tokentape.events import schema as ev
-from tokentape.events.discard import get_policy
+from tokentape.events.discard import discard_count, get_policy
 from tokentape.events.state import InFlightStep, RequestState
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context, Preemption, cite
@@ -267,7 +267,7 @@ class CountChecker(Checker):
             self._done.add(req.req_id)
             left = {
                 "num_output_placeholders": req.num_output_placeholders,
-                "discard count": self.state.discard_count(req),
+                "discard count": discard_count(self.state, req),
             }
             nonzero = {k: v for k, v in left.items() if v}
             if nonzero:

@@ -129,8 +129,8 @@ def _save_tape(engine: LLMEngine, dest: Path) -> None:
 def write_postmortem(tape: Path, html: Path, text: Path | None = None) -> Report:
     """The postmortem of a kept tape, as an HTML report (and a text one); the report."""
     from tokentape.postmortem.analysis import postmortem
-    from tokentape.postmortem.cli import print_report
     from tokentape.postmortem.report_html import write_report
+    from tokentape.postmortem.report_text import print_report
     from tokentape.replay.tape import load_tape
 
     loaded = load_tape(tape)

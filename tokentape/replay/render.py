@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, TextIO
 
 from tokentape.events import schema as ev
+from tokentape.events.discard import discard_count
 from tokentape.progress import is_terminal
 
 _MAX_TOKENS_SHOWN = 8
@@ -32,6 +33,11 @@ _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u20
 
 def _escaped(match: re.Match[str]) -> str:
     return match.group().encode("unicode_escape").decode("ascii")
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 request', '2 requests', '0 warnings'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def safe_text(text: str) -> str:
@@ -200,7 +206,7 @@ def request_row(state: Any, req: Any) -> tuple[Any, ...]:
         req.num_computed_tokens,
         req.num_output_placeholders,
         req.epoch,
-        state.discard_count(req),
+        discard_count(state, req),
         req.num_preemptions,
         len(req.block_ids),
         req.num_frames_dropped,

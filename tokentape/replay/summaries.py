@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from tokentape.events.discard import discard_count
 from tokentape.events.state import EngineState, RequestState
 from tokentape.replay.tape import Tape
 
@@ -77,7 +78,7 @@ def request_detail(state: EngineState, req: RequestState) -> dict[str, Any]:
         "num_computed_tokens": req.num_computed_tokens,
         "num_output_placeholders": req.num_output_placeholders,
         "epoch": req.epoch,
-        "discard_count": state.discard_count(req),
+        "discard_count": discard_count(state, req),
         "async_tokens_to_discard": req.async_tokens_to_discard,
         "discard_latest_async_tokens": req.discard_latest_async_tokens,
         "drop_stale_output": req.drop_stale_output,

@@ -17,156 +17,18 @@ projected request equals the one a full fold derives (tests/test_why.py checks i
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from typing import Any
 
 from tokentape.events import schema as ev
-from tokentape.events.reducer import evolve
-from tokentape.events.state import EngineState, RequestState
 from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.why_explain import WhyError, WhyResult, explain
 from tokentape.replay.why_source import WhySource, merged
-
-
-@dataclass(slots=True)
-class _Frame:
-    """One scheduled entry of the request, and what became of its frame."""
-
-    sched_seq: int
-    step: int
-    epoch: int
-    first: int | None  # the first output position it computes (None: a prefill chunk)
-    span: int  # positions it may fill: 1 + speculative tokens
-    frame_seq: int | None = None
-    stale: bool = False
-    fate: str = "in flight"  # applied, dropped, ignored, prefill, in flight
-    landed: tuple[int, int] | None = None  # output positions its tokens took [a, b)
-    would: tuple[int, int] | None = None  # where a dropped frame's tokens would have gone
-
-
-def _project(event: ev.Event, req_id: str) -> ev.Event | None:
-    """The event cut to the request's entries (None when nothing of it is left)."""
-    kind = type(event)
-    if kind is ev.StepScheduled or kind is ev.OutputsEmitted:
-        mine = [e for e in event.entries if e.req_id == req_id]  # type: ignore[attr-defined]
-        return kind(event.step, mine) if mine else None  # type: ignore[call-arg]
-    if kind is ev.FrameProduced:
-        return ev.FrameProduced(
-            event.step,
-            [
-                e
-                for e in event.entries  # type: ignore[attr-defined]
-                if e.req_id == req_id
-            ],
-        )
-    return event if getattr(event, "req_id", None) == req_id else None
-
-
-class _Tracer:
-    """Folds the request's projected events and keeps what happened to each entry."""
-
-    def __init__(self, tape: Tape, req_id: str) -> None:
-        self.req_id = req_id
-        self.state: EngineState = tape.initial_state()
-        self.frames: dict[int, _Frame] = {}  # by step
-        self.preemptions: list[tuple[int, ev.RequestPreempted, int]] = []  # with output length
-        self.emitted: list[tuple[int, ev.OutputsEmitted, int, int]] = []  # delivered [a, b)
-        self.added: tuple[int, ev.RequestAdded] | None = None
-        self.finish: tuple[int, ev.Event] | None = None
-        self.num_delivered = 0
-        self.events_read = 0
-
-    @property
-    def req(self) -> RequestState:
-        return self.state.requests[self.req_id]
-
-    def settled(self) -> bool:
-        req = self.req
-        return (
-            req.finish_reason is not None
-            and not req.num_in_flight
-            and self.req_id not in self.state.pending_output
-        )
-
-    def done_with(self, p: int | None) -> bool:
-        """Position `p` is delivered, and no frame in flight may still touch it."""
-        if p is None or self.num_delivered <= p:
-            return False
-        return not any(
-            f.fate == "in flight" and f.first is not None and f.first <= p
-            for f in self.frames.values()
-        )
-
-    def apply(self, seq: int, event: ev.Event) -> None:
-        state, kind = self.state, type(event)
-        if kind is ev.RequestAdded:
-            self.added = (seq, event)  # type: ignore[assignment]
-            evolve(state, event)
-        elif kind is ev.StepScheduled:
-            state.step = event.step  # only this request's steps are folded
-            evolve(state, event)
-            entry = event.entries[0]  # type: ignore[attr-defined]
-            req = self.req
-            partial = self.req_id in state.in_flight_steps[-1].partial
-            first = (
-                None
-                if partial
-                else (
-                    entry.num_computed_before
-                    + entry.num_new_tokens
-                    - entry.num_spec_tokens
-                    - req.num_prompt_tokens
-                )
-            )
-            self.frames[event.step] = _Frame(
-                seq,
-                event.step,
-                entry.epoch,
-                first,
-                1 + entry.num_spec_tokens,
-                fate="prefill" if partial else "in flight",
-            )
-        elif kind is ev.FrameProduced:
-            if not state.in_flight_steps or state.in_flight_steps[0].step != event.step:
-                return  # a step this request was not in
-            self._frame(seq, event)  # type: ignore[arg-type]
-        elif kind is ev.RequestPreempted:
-            evolve(state, event)
-            self.preemptions.append((seq, event, len(self.req.output_token_ids)))  # type: ignore[arg-type]
-        elif kind is ev.OutputsEmitted:
-            got = len(event.entries[0].token_ids)  # type: ignore[attr-defined]
-            evolve(state, event)
-            self.emitted.append((seq, event, self.num_delivered, self.num_delivered + got))  # type: ignore[arg-type]
-            self.num_delivered += got
-        else:  # RequestFinished, RequestAborted
-            if self.req.finish_reason is None:
-                self.finish = (seq, event)
-            evolve(state, event)
-
-    def _frame(self, seq: int, event: ev.FrameProduced) -> None:
-        req, f = self.req, self.frames[event.step]
-        f.frame_seq, f.stale = seq, f.epoch != req.epoch
-        before, dropped, stopped = (
-            len(req.output_token_ids),
-            req.num_frames_dropped,
-            req.stop_reason,
-        )
-        evolve(self.state, event)
-        after = len(req.output_token_ids)
-        if f.first is None:
-            f.fate = "prefill"
-        elif req.num_frames_dropped > dropped:
-            f.fate = "dropped"
-            f.would = (before, before + len(event.entries[0].token_ids))
-        elif after > before:
-            f.fate, f.landed = "applied", (before, after)
-        else:
-            f.fate = "ignored" if stopped is not None else "applied"
+from tokentape.replay.why_trace import RequestTracer, project
 
 
 def trace_request(
     tape: Tape, req_id: str, source: WhySource | None = None, position: int | None = None
-) -> _Tracer:
+) -> RequestTracer:
     """Fold the request alone, from its `RequestAdded` until it is settled (or the tape ends),
     or, given a `position`, until that position is delivered and nothing in flight targets it."""
     own = source or WhySource(tape)
@@ -179,11 +41,11 @@ def trace_request(
                 f"{tape.path or 'the tape'}: no request {req_id!r} on the tape"
                 + (f" (requests: {listed})" if known else " (it has no requests)")
             )
-        tracer = _Tracer(tape, req_id)
+        tracer = RequestTracer(tape, req_id)
         extra: list[tuple[int, ev.Event]] = []
         looked_up: set[int] = set()
         for seq, event in merged(own.events(req_id, start), extra):
-            cut = _project(event, req_id)
+            cut = project(event, req_id)
             if cut is None:
                 continue
             tracer.apply(seq, cut)

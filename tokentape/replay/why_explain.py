@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokentape.replay.why import _Frame, _Tracer
+    from tokentape.replay.why_trace import RequestTracer, TracedFrame
 
 
 class WhyError(ValueError):
@@ -59,7 +59,7 @@ def _covers(span: tuple[int, int] | None, p: int) -> bool:
     return span is not None and span[0] <= p < span[1]
 
 
-def _targets(f: _Frame, p: int) -> bool:
+def _targets(f: TracedFrame, p: int) -> bool:
     return f.first is not None and f.first <= p < f.first + f.span
 
 
@@ -67,7 +67,7 @@ def _positions(a: int, b: int) -> str:
     return f"position {a}" if b - a == 1 else f"positions {a}..{b - 1}"
 
 
-def _frame_link(f: _Frame, p: int, out: list[int], policy: str) -> Link | None:
+def _frame_link(f: TracedFrame, p: int, out: list[int], policy: str) -> Link | None:
     if f.frame_seq is None:
         return None
     epoch = f"epoch {f.epoch}" + (", stale" if f.stale else "")
@@ -105,7 +105,7 @@ def _frame_link(f: _Frame, p: int, out: list[int], policy: str) -> Link | None:
     return None
 
 
-def explain(tracer: _Tracer, p: int) -> WhyResult:
+def explain(tracer: RequestTracer, p: int) -> WhyResult:
     """The chain of events that touched output position `p` of the traced request."""
     req, rid = tracer.req, tracer.req_id
     policy = tracer.state.discard_policy
@@ -226,7 +226,7 @@ def explain(tracer: _Tracer, p: int) -> WhyResult:
     return res
 
 
-def _verdict(res: WhyResult, tracer: _Tracer, p: int, fresh_drops: list[_Frame]) -> str:
+def _verdict(res: WhyResult, tracer: RequestTracer, p: int, fresh_drops: list[TracedFrame]) -> str:
     req = tracer.req
     head = f"request {res.request!r}, output position {p}: "
     if res.step is not None:

@@ -1,5 +1,5 @@
 """Model configs: the built-in ones, their checks, and their Hugging Face `config.json` form
-(reading a checkpoint's config.json is hf_config.py's job).
+(reading a checkpoint's config.json is hf_config.py's job: `config_from_hf`).
 
 Field names follow Hugging Face's so a config converts both ways (the benchmark and the
 logits cross-check build a transformers model from the same config).
@@ -8,7 +8,6 @@ logits cross-check build a transformers model from the same config).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -164,12 +163,4 @@ QWEN3_0_6B = ModelConfig(
 
 # The shapes of the built-in models, by their names in the registry (in its order).
 BUILTIN_CONFIGS = dict(zip(BUILTIN_MODELS, (TINY, QWEN3_0_6B), strict=True))
-__all__ = ["BUILTIN_CONFIGS", "CheckpointError", "ModelConfig", "config_from_hf"]
-
-
-def config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
-    """Parse `config.json` (and generation_config.json's EOS ids) of a Llama, Qwen2 or Qwen3
-    checkpoint folder; a CheckpointError names the file and the problem."""
-    from tokentape.engine.model.hf_config import read_model_config
-
-    return read_model_config(path)
+__all__ = ["BUILTIN_CONFIGS", "CheckpointError", "ModelConfig"]

@@ -48,8 +48,9 @@ def read_json_object(file: str, what: str) -> dict[str, Any]:
     return raw
 
 
-def read_model_config(path: str | os.PathLike[str]) -> ModelConfig:
-    """The ModelConfig of a Llama, Qwen2 or Qwen3 checkpoint folder."""
+def config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
+    """Parse `config.json` (and generation_config.json's EOS ids) of a Llama, Qwen2 or Qwen3
+    checkpoint folder; a CheckpointError names the file and the problem."""
     file = os.path.join(path, "config.json")
     raw = read_json_object(file, "a checkpoint folder needs config.json")
     model_type = raw.get("model_type")

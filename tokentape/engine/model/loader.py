@@ -15,10 +15,9 @@ from tokentape.engine.model.config import (
     BUILTIN_CONFIGS,
     CheckpointError,
     ModelConfig,
-    config_from_hf,
 )
 from tokentape.engine.model.decoder import CausalLM
-from tokentape.engine.model.hf_config import read_json_object
+from tokentape.engine.model.hf_config import config_from_hf, read_json_object
 from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.tokenizer import (
     ByteTokenizer,

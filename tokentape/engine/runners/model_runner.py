@@ -47,6 +47,13 @@ SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples gree
 
 
 class TorchModelRunner:
+    """The real model's runner: owns the model's weights (and `update_weights`, which
+    validates and swaps them), its KV cache tensors, its own copy of every running sequence
+    (so a decode's input is the token it sampled last step, as vLLM fills placeholders on the
+    GPU), the worker thread that runs submitted steps in order, the sampler and, on the CPU,
+    the lanes that share out a step's sequences. It turns each ScheduledBatch into a frame;
+    it decides nothing about scheduling."""
+
     def __init__(
         self,
         model: CausalLM,

@@ -94,8 +94,3 @@ def open_tape(path: str, snapshot_interval: int | None = None) -> Any:
     from tokentape.replay.tape import Tape
 
     return Tape(SQLiteTapeReader(path), snapshot_interval or DEFAULT_INTERVAL)
-
-
-def plural(n: int, noun: str) -> str:
-    """'1 request', '2 requests', '0 warnings'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -9,9 +9,9 @@ import json
 import sys
 from typing import Any
 
-from tokentape.entrypoints.cli.common import EXIT_OK, CLIError, non_negative_int, one_line, plural
+from tokentape.entrypoints.cli.common import EXIT_OK, CLIError, non_negative_int, one_line
 from tokentape.progress import progress
-from tokentape.replay.render import REQUEST_COLUMNS, request_row, state_view
+from tokentape.replay.render import REQUEST_COLUMNS, plural, request_row, state_view
 from tokentape.replay.summaries import engine_summary, header_summary, request_detail
 
 

@@ -39,7 +39,7 @@ from vllm.v1.request import Request
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.store import MemoryTape
 from tokentape.events.tape_path import check_tape_path
-from tokentape.integrations.vllm import mapping, session
+from tokentape.integrations.vllm import active_session, mapping
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 from tokentape.integrations.vllm.recorder import RecorderError, TapeRecorder
 from tokentape.integrations.vllm.releases import Release, check_drafts, check_release
@@ -65,7 +65,7 @@ class RecordingScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._recorder: TapeRecorder | None = None
         self._in_update = False
-        active = session.current()
+        active = active_session.current()
         self._tolerant = active is not None
         if active is None:
             release = check_release(vllm.__version__, Scheduler, Request)

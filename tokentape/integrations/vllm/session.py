@@ -16,12 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-_current: RecordingSession | None = None
+from tokentape.integrations.vllm import active_session
 
 
 def current() -> RecordingSession | None:
     """The session recording this process's schedulers, if one is open."""
-    return _current
+    return active_session.current()  # type: ignore[no-any-return]
 
 
 @dataclass(slots=True)
@@ -45,8 +45,7 @@ class RecordingSession:
     _saved_new: Any = None  # Scheduler.__dict__'s own __new__ before install, if any
 
     def install(self) -> None:
-        global _current
-        if _current is not None:
+        if active_session.current() is not None:
             raise RuntimeError("a recording session is already open in this process")
         from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -59,17 +58,16 @@ class RecordingSession:
 
         self._saved_new = Scheduler.__dict__.get("__new__")
         Scheduler.__new__ = new  # type: ignore[method-assign]
-        _current = self
+        active_session.set_current(self)
 
     def uninstall(self) -> None:
-        global _current
         from vllm.v1.core.sched.scheduler import Scheduler
 
         if self._saved_new is None:
             del Scheduler.__new__
         else:
             Scheduler.__new__ = self._saved_new  # type: ignore[method-assign]
-        _current = None
+        active_session.set_current(None)
 
     # -- called by RecordingScheduler as it is built ---------------------------------------------
 

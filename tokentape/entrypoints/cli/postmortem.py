@@ -16,7 +16,7 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Any, TextIO
+from typing import Any
 
 import msgspec
 
@@ -24,13 +24,12 @@ from tokentape.entrypoints.cli.common import (
     CLIError,
     add_force_argument,
     check_output_path,
-    plural,
     positive_int,
 )
 from tokentape.events.store import TapeError
-from tokentape.postmortem.findings import BUG_CLASSES, Report
+from tokentape.postmortem.report_text import print_report
 from tokentape.progress import progress
-from tokentape.replay.render import SafeWriter, safe_text
+from tokentape.replay.render import safe_text
 from tokentape.replay.tape import Tape
 
 EXIT_OK = 0
@@ -187,39 +186,3 @@ def _length_or_none(tape: Tape) -> int | None:
         return len(tape)
     except TapeError:
         return None  # a damaged tape: the pass itself reports where it breaks
-
-
-def print_report(report: Report, stream: TextIO) -> None:
-    """The report as text (everything from the tape made safe for a terminal)."""
-    out = SafeWriter(stream)
-    s = report.summary
-    state = "complete" if s.complete else "stopped early"
-    if s.complete and any(f.kind == "tape_truncated" for f in report.findings):
-        state = "ends mid-run"  # read to its end, which is not the run's: still written, or cut
-    out.write(
-        f"{s.tape}: {plural(s.num_events, 'event')} ({state}), {plural(s.num_steps, 'step')}, "
-        f"{plural(s.num_requests, 'request')}, policy {s.discard_policy}, model {s.model_id}, "
-        f"reference {s.reference or 'none'}\n"
-    )
-    t = s.tokens
-    out.write(
-        f"tokens: {t['produced']} produced, {t['applied']} applied, {t['dropped_stale']} "
-        f"dropped stale, {t['dropped_fresh']} dropped fresh, {t['after_stop']} after a stop, "
-        f"{t['lost']} lost\n"
-    )
-    if not report.findings:
-        out.write("no findings\n")
-        return
-    out.write(f"{plural(s.errors, 'error')}, {plural(s.warnings, 'warning')}\n")
-    for f in report.findings:
-        reqs = ("request " if len(f.request_ids) == 1 else "requests ") + (
-            ", ".join(f.request_ids) or "-"
-        )
-        steps = (
-            f"step {f.steps[0]}" if f.steps[0] == f.steps[1] else f"steps {f.steps[0]}-{f.steps[1]}"
-        )
-        out.write(f"\n[{f.severity}] {f.kind}  {reqs}  {steps}\n  {f.message}\n")
-        if f.bug_class:  # the description names the upstream issue (the JSON has the key)
-            out.write(f"  matches {BUG_CLASSES.get(f.bug_class, f.bug_class)}\n")
-        for x in f.excerpt:
-            out.write(f"    {x.seq:>8}  step {x.step:<6} {x.kind} {json.dumps(x.data)}\n")

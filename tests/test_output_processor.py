@@ -1,0 +1,85 @@
+"""The output processor alone, on hand-made core deltas (byte tokenizer: token = byte + 3):
+the stop-string holdback and cut, a multi-byte character held until complete, n > 1 fan-in,
+stream_interval and its flush."""
+
+from __future__ import annotations
+
+from tokentape.engine.output_processor import OutputProcessor
+from tokentape.engine.outputs import EngineCoreOutput as Out
+from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.events.schema import RequestOutputKind as Kind
+from tokentape.events.schema import SamplingParams
+
+TOK = ByteTokenizer()
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text)
+
+
+def test_holdback_and_cut_at_a_stop_string_by_kind() -> None:
+    params = dict(stop=("STOP",), max_tokens=20)
+    frames = [ids("ab"), ids("cS"), ids("TO"), ids("Pz")]
+    for kind in (Kind.DELTA, Kind.CUMULATIVE):
+        proc = OutputProcessor(TOK)
+        proc.add_request("r", [5], None, SamplingParams(output_kind=kind, **params), ["r"])
+        texts = []
+        for i, f in enumerate(frames):
+            last = i == len(frames) - 1
+            out = Out("r", f, None, "stop" if last else None, None, "STOP" if last else None)
+            (o,) = proc.process_outputs([out])
+            texts.append(o.outputs[0].text)
+        # Three characters (len("STOP") - 1) held back while it runs; cut before the match.
+        if kind == Kind.DELTA:
+            assert texts == ["", "a", "bc", ""]
+        else:
+            assert texts == ["", "a", "abc", "abc"]
+        assert o.finished and o.outputs[0].stop_reason == "STOP"
+        assert not proc.has_request("r")
+
+
+def test_include_stop_str_holds_nothing_back() -> None:
+    proc = OutputProcessor(TOK)
+    params = SamplingParams(stop=("STOP",), include_stop_str_in_output=True, output_kind=Kind.DELTA)
+    proc.add_request("r", [5], None, params, ["r"])
+    (a,) = proc.process_outputs([Out("r", ids("abS"))])
+    (b,) = proc.process_outputs([Out("r", ids("TOPx"), None, "stop", None, "STOP")])
+    assert (a.outputs[0].text, b.outputs[0].text) == ("abS", "TOP")
+
+
+def test_a_multibyte_character_waits_for_its_last_byte() -> None:
+    proc = OutputProcessor(TOK)
+    proc.add_request("r", [5], None, SamplingParams(output_kind=Kind.DELTA), ["r"])
+    euro = ids("\u20ac")  # three bytes, three tokens
+    texts = [
+        proc.process_outputs([Out("r", euro[:1])])[0].outputs[0].text,
+        proc.process_outputs([Out("r", euro[1:])])[0].outputs[0].text,
+        proc.process_outputs([Out("r", ids("!"), None, "length")])[0].outputs[0].text,
+    ]
+    assert texts == ["", "\u20ac", "!"]
+
+
+def test_n_children_are_gathered_into_their_parent() -> None:
+    children = ["0_p", "1_p"]
+    final = OutputProcessor(TOK)
+    final.add_request("p", [5], "hi", SamplingParams(n=2, output_kind=Kind.FINAL_ONLY), children)
+    assert final.process_outputs([Out("0_p", ids("a"), None, "length")]) == []
+    (out,) = final.process_outputs([Out("1_p", ids("b")), Out("1_p", ids("c"), None, "length")])
+    assert out.finished and out.prompt == "hi"
+    assert [(c.index, c.text) for c in out.outputs] == [(0, "a"), (1, "bc")]
+    delta = OutputProcessor(TOK)
+    delta.add_request("p", [5], None, SamplingParams(n=2, output_kind=Kind.DELTA), children)
+    (both,) = delta.process_outputs([Out("1_p", ids("x")), Out("0_p", ids("y"))])
+    assert [(c.index, c.text) for c in both.outputs] == [(0, "y"), (1, "x")]
+    assert not both.finished
+
+
+def test_stream_interval_gathers_tokens_and_flush_releases_them() -> None:
+    proc = OutputProcessor(TOK, stream_interval=3)
+    proc.add_request("r", [5], None, SamplingParams(output_kind=Kind.DELTA), ["r"])
+    got = [proc.process_outputs([Out("r", ids(ch))]) for ch in "abcd"]
+    # The first token at once, then held until three have gathered.
+    assert [[o.outputs[0].text for o in g] for g in got] == [["a"], [], [], ["bcd"]]
+    assert proc.process_outputs([Out("r", ids("e"))]) == []
+    (flushed,) = proc.flush()
+    assert flushed.outputs[0].token_ids == ids("e") and proc.flush() == []

@@ -1,0 +1,32 @@
+"""The places where an engine lets an injected upstream bug act (tokentape.events.faults names
+them; engine/faults.py implements them): explicit hooks the engine and its scheduler call,
+instead of methods patched from outside. An ordinary engine has none, so the default path
+only checks an empty tuple. A hook may plan (add to a step, free blocks as the upstream code
+did) but request state still changes only through the reducer."""
+
+from __future__ import annotations
+
+from tokentape.engine.step_plan import StepPlan
+from tokentape.events.state import RequestState
+
+
+class EngineHooks:
+    """Every hook does nothing; a fault overrides the ones it needs."""
+
+    def before_preempt(self, req: RequestState) -> None:
+        """A request is about to be preempted (its preemption not recorded yet)."""
+
+    def before_finish(self, req: RequestState, reason: str) -> None:
+        """A request is about to finish or be aborted (not recorded yet)."""
+
+    def after_running_scheduled(self, plan: StepPlan) -> None:
+        """The running requests are planned into the step; the waiting ones come next."""
+
+    def after_waiting_admitted(self, plan: StepPlan) -> None:
+        """Waiting requests were admitted into the step (not recorded yet)."""
+
+    def before_pause(self) -> None:
+        """pause_generation was called (nothing drained or recorded yet)."""
+
+    def after_frame(self, req_ids: list[str]) -> None:
+        """The oldest step's frame was applied; `req_ids`: the requests of that step."""
