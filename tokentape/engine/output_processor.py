@@ -166,7 +166,7 @@ class OutputProcessor:
         """The RequestOutputs for the core's deltas: one per request that has something to
         give, in the order of the deltas. Deltas of engine requests not followed here (added
         to the core directly) are passed over."""
-        touched: dict[_Request, dict[int, _Completion]] = {}
+        touched: dict[_Request, list[_Completion]] = {}
         by_engine_id = self._by_engine_id
         for out in outputs:
             entry = by_engine_id.get(out.request_id)
@@ -177,10 +177,16 @@ class OutputProcessor:
             if out.finish_reason is not None:
                 req.num_unfinished -= 1
                 del by_engine_id[out.request_id]
-            touched.setdefault(req, {})[comp.index] = comp
+            elif req.kind is _FINAL_ONLY:
+                continue  # nothing to give before the finish (LLM.generate's every step)
+            comps = touched.get(req)
+            if comps is None:
+                touched[req] = [comp]
+            elif comp not in comps:
+                comps.append(comp)
         results = []
         for req, comps in touched.items():
-            result = self._request_output(req, comps.values(), force=False)
+            result = self._request_output(req, comps, force=False)
             if result is not None:
                 results.append(result)
             if not req.num_unfinished:
@@ -200,7 +206,7 @@ class OutputProcessor:
         return results
 
     def _request_output(
-        self, req: _Request, comps: Iterable[_Completion], force: bool
+        self, req: _Request, comps: list[_Completion], force: bool
     ) -> RequestOutput | None:
         finished = not req.num_unfinished
         if req.kind == _FINAL_ONLY:
@@ -208,11 +214,9 @@ class OutputProcessor:
                 return None
             completions = [self._final(req, c) for c in req.completions]
         else:
-            completions = [
-                out
-                for c in sorted(comps, key=lambda c: c.index)
-                if (out := self._streamed(req, c, force)) is not None
-            ]
+            if len(req.completions) > 1:
+                comps = sorted(comps, key=lambda c: c.index)
+            completions = [out for c in comps if (out := self._streamed(req, c, force)) is not None]
             if not completions:
                 return None
         return RequestOutput(
