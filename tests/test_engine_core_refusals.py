@@ -59,10 +59,11 @@ def kinds(tape: str) -> list[str]:
 def test_any_exception_of_a_call_is_a_refusal_and_the_engine_serves_on(tmp_path: Path) -> None:
     core, tape = core_of(tmp_path)
 
-    def update_weights(weights: object) -> str:
-        raise ZeroDivisionError("a checkpoint whose config divides by zero")
+    class Failing:  # a runner capability (runners.base.UpdatesWeights) that raises
+        def update_weights(self, weights: object) -> str:
+            raise ZeroDivisionError("a checkpoint whose config divides by zero")
 
-    core.engine.runner.update_weights = update_weights  # type: ignore[attr-defined]
+    core.engine.weights_updater = Failing()
     try:
         run_until_done(core, [UtilityCall(0, "pause_generation", ["keep", True])])
         messages = run_until_done(core, [UtilityCall(1, "update_weights", ["/ckpt"])])
@@ -132,11 +133,12 @@ def test_a_failure_inside_a_step_is_fatal_and_on_the_tape(tmp_path: Path) -> Non
 
 
 def test_a_failure_of_the_core_around_a_step_is_on_the_tape_too(tmp_path: Path) -> None:
-    """Outside the engine's recorded part (the core's own bookkeeping of a step's outputs):
-    still an EngineError on the tape, with the requests as they stand."""
+    """Outside the engine's recorded part (the core's handling of a step's outputs): still
+    an EngineError on the tape, with the requests as they stand."""
     core, tape = core_of(tmp_path)
     run_until_done(core, [AddRequest("r", [5, 6], SamplingParams(max_tokens=50))])  # may finish
-    core._sent = None  # type: ignore[assignment]  # the core's bookkeeping, broken
+    # The step's deltas, broken after the engine's recorded part handed them over.
+    core.engine._ready = None  # type: ignore[assignment]
     try:
         messages, done = core.run_once([AddRequest("s", [7, 8], SamplingParams(max_tokens=50))])
         assert done and isinstance(messages[-1], CoreDead) and "TypeError" in messages[-1].message

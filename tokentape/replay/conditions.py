@@ -19,12 +19,13 @@ import ast
 from collections.abc import Callable
 from typing import Any
 
+from tokentape.events.discard import discard_count
 from tokentape.events.state import EngineState, RequestState
 
 REQUEST_NAMES: dict[str, Callable[[EngineState, RequestState], Any]] = {
     "req": lambda s, r: r.req_id,
     "status": lambda s, r: r.status.value,
-    "discard": lambda s, r: s.discard_count(r),
+    "discard": lambda s, r: discard_count(s, r),
     "placeholders": lambda s, r: r.num_output_placeholders,
     "computed": lambda s, r: r.num_computed_tokens,
     "epoch": lambda s, r: r.epoch,
