@@ -16,8 +16,11 @@ BUG_CLASSES: dict[str, str] = {
     "vllm#42043": "vLLM #42043: a preemption flag drops the first token after resume",
     "vllm#42117-overwrite": "vLLM #42117 review: a second preemption overwrites a discard counter "
     "that has not drained, so a stale token slips through",
-    "vllm#42117-spec-units": "vLLM #42117 follow-up (#46066): the discard counter is set in tokens "
+    "vllm#42117-spec-units": "vLLM #42117 follow-up: the discard counter is set in tokens "
     "but drained per frame, so with speculative decoding fresh frames are dropped",
+    "vllm#46066": "vLLM #46066: before it, a stale frame dropped after "
+    "reset_prefix_cache(reset_running_requests=True) still took its rejected drafts off the "
+    "placeholders of the request scheduled again, which went below zero silently",
     "vllm#42043-one-frame": "vLLM before #42117: a reset sets one boolean flag, which drops one "
     "frame, so with several steps in flight (pipeline depth 3 or more) the "
     "other stale frames are applied; #42117's counter replaced the flag",

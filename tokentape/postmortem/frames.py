@@ -288,10 +288,12 @@ class CountChecker(Checker):
     def _negative(self, seq: int, e: ev.Event, req: RequestState, name: str, value: int) -> None:
         p = self.ctx.preemptions.get(req.req_id)
         bug = None
-        if name == "num_output_placeholders":  # a stale frame got through: it was counted once more
-            bug = stale_bug_class(p, self.ctx.tape.header.discard_policy)
-            if p is None and req.req_id in self.ctx.chunked:
-                bug = "vllm#57562"  # no preemption: a prefill chunk's placeholder went missing
+        if name == "num_output_placeholders" and p is not None:
+            bug = get_policy(self.ctx.tape.header.discard_policy).negative_placeholders_bug(
+                p.event.reason, p.spec_in_flight, p.counter_left
+            )
+        elif name == "num_output_placeholders" and req.req_id in self.ctx.chunked:
+            bug = "vllm#57562"  # no preemption: a prefill chunk's placeholder went missing
         self.ctx.report(
             "negative_count",
             "error",
