@@ -5,10 +5,11 @@
     tokentape inspect tokentape-20250101T000000Z.tape --step 3 --request 0
 
 The commands live in tokentape/entrypoints/cli/ (generate, inspect, replay, debug, diff,
-export, why, bisect, chaos), tokentape/postmortem/cli.py and tokentape/entrypoints/serve.py, each with
-`add_parser(subparsers)`. Expected failures (a file that is not a tape, a tape from a newer
-tokentape, a damaged tape, an unknown request, bad engine arguments, an existing output file
-without --force) print one line `error: <message>` on stderr and exit with status 2.
+export, why, bisect, chaos), tokentape/postmortem/cli.py and tokentape/entrypoints/serve.py,
+each with `add_parser(subparsers)`. Expected failures (a file that is not a tape, a tape from
+a newer tokentape, a damaged tape, an unknown request, bad engine arguments, an existing
+output file without --force) print one line `error: <message>` on stderr and exit with
+status 2.
 """
 
 from __future__ import annotations

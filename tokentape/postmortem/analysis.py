@@ -85,7 +85,8 @@ class EngineErrorChecker(Checker):
             "error",
             names,
             e.step,
-            f"the engine failed at step {e.step}{cause}: {e.error_type}: {' '.join(e.message.split())}",
+            f"the engine failed at step {e.step}{cause}: "
+            f"{e.error_type}: {' '.join(e.message.split())}",
             excerpt,
             bug,
             seq,

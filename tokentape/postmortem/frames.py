@@ -158,8 +158,9 @@ class FrameChecker(Checker):
                 "error",
                 [req.req_id],
                 e.step,
-                f"the first token after resume of request {req.req_id!r} (step {e.step}) was dropped by "
-                f"{why}, set by its {p.event.reason} preemption in step {p.event.step} with "
+                f"the first token after resume of request {req.req_id!r} (step {e.step}) "
+                f"was dropped by {why}, set by its {p.event.reason} preemption in step "
+                f"{p.event.step} with "
                 f"{p.event.in_flight} steps in flight; every later token moves up by one",
                 excerpt,
                 bug,
@@ -171,8 +172,8 @@ class FrameChecker(Checker):
             "error",
             [req.req_id],
             e.step,
-            f"a fresh frame of request {req.req_id!r} (step {e.step}, epoch {req.epoch}) was dropped by "
-            f"{why}; its tokens are lost and later tokens move up",
+            f"a fresh frame of request {req.req_id!r} (step {e.step}, epoch {req.epoch}) "
+            f"was dropped by {why}; its tokens are lost and later tokens move up",
             excerpt,
             bug,
             seq,
@@ -200,7 +201,8 @@ class FrameChecker(Checker):
             "error",
             [req.req_id],
             e.step,
-            f"a stale frame of request {req.req_id!r} (scheduled in step {e.step} before a preemption) "
+            f"a stale frame of request {req.req_id!r} "
+            f"(scheduled in step {e.step} before a preemption) "
             f"was applied: its token is delivered and computed again{extra}",
             [scheduled, cite(p), (seq, e)],
             bug,
