@@ -295,6 +295,10 @@ class TorchModelRunner:
                 rows.temperatures.append(temperature)
                 rows.top_ks.append(p.top_k)
                 rows.top_ps.append(p.top_p)
+                if p.min_p > 0 and rows.min_ps is None:
+                    rows.min_ps = [0.0] * (len(rows.top_ps) - 1)
+                if rows.min_ps is not None:
+                    rows.min_ps.append(p.min_p)
                 rows.keys.append(
                     position_key(seq.seed, len(seq.tokens) + j) if temperature > 0 else (0, 0)
                 )
