@@ -10,8 +10,8 @@ deviations, so n-gram drafts are sometimes accepted and sometimes rejected.
 
 The oracle has no logits, so the sampling options that act on them (the penalties, min_tokens,
 bad_words, logit_bias, min_p) cannot be honoured: `check_params` refuses such a request before
-anything is recorded. Ignoring them would give a stream no model could produce, and a what-if replay with
-the oracle would then report a difference that is not there.
+anything is recorded. Ignoring them would give a stream no model could produce, and a what-if
+replay with the oracle would then report a difference that is not there.
 """
 
 from __future__ import annotations
