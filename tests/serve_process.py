@@ -87,7 +87,7 @@ class ServerProcess:
                 line
                 for line in text.splitlines()
                 if line.startswith(
-                    ("tokentape:num_requests_running", "tokentape:num_requests_waiting")
+                    ("vllm:num_requests_running", "vllm:num_requests_waiting")
                 )
                 and not line.endswith(" 0.0")
             ]

@@ -78,9 +78,9 @@ def test_models_health_and_metrics(live: Live) -> None:
     assert httpx.get(f"{live.url}/health").status_code == 200
     live.client.completions.create(model="oracle", prompt="metrics", max_tokens=3)
     text = httpx.get(f"{live.url}/metrics").text
-    assert 'tokentape:request_success_total{finished_reason="length",model_name="oracle"}' in text
-    assert "tokentape:time_to_first_token_seconds_bucket" in text
-    assert "tokentape:num_requests_running" in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="oracle"}' in text
+    assert "vllm:time_to_first_token_seconds_bucket" in text
+    assert "vllm:num_requests_running" in text
     # The engine core's lanes leave one CPU to the HTTP server (serve.server_cpu_threads).
     assert load_tape(live.tape).header.config["cpu_threads"] == max(
         1, len(os.sched_getaffinity(0)) - 1
