@@ -251,6 +251,10 @@ def check_logprobs(s: Servers) -> None:
     lp = complete(s, max_tokens=4, temperature=0.0, logprobs=2).choices[0].logprobs
     assert lp.token_logprobs == pytest.approx(ref.logprobs, abs=1e-5)
     assert [len(d) for d in lp.top_logprobs] == [len(d) for d in ref.top_logprobs]
+    # logprobs=0: each token's own logprob, and it alone as the "top 0 + 1" (vLLM's).
+    zero = complete(s, max_tokens=4, temperature=0.0, logprobs=0).choices[0].logprobs
+    assert zero.token_logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert zero.top_logprobs == [{t: lp} for t, lp in zip(zero.tokens, zero.token_logprobs)]
     chat = s.c.chat.completions.create(
         model="tiny", messages=MSGS, max_tokens=3, logprobs=True, top_logprobs=2, extra_body=NOEOS
     )
