@@ -190,6 +190,33 @@ def check_stream(s: Servers) -> None:
     assert all(c.system_fingerprint.startswith("tokentape-") for c in chunks)
 
 
+def check_continuous_usage(s: Servers) -> None:
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(complete(s, **GREEDY, n=2, stream=True, stream_options=opts))
+    *per_choice, last = chunks
+    assert last.usage.completion_tokens == 16 and not last.choices
+    prompt = len(TOK.encode(PROMPT))
+    for j in (0, 1):  # each choice's chunks count its own tokens so far
+        mine = [c for c in per_choice if c.choices[0].index == j]
+        so_far = [len(c.choices[0].token_ids) for c in mine]  # type: ignore[attr-defined]
+        so_far = [sum(so_far[: i + 1]) for i in range(len(so_far))]
+        assert [c.usage.completion_tokens for c in mine] == so_far and so_far[-1] == 8
+        assert all(c.usage.prompt_tokens == prompt for c in mine)
+        assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in mine)
+    chat = list(
+        s.c.chat.completions.create(
+            model="tiny",
+            messages=MSGS,
+            max_tokens=3,
+            stream=True,
+            stream_options=opts,
+            extra_body=NOEOS,
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chat]  # the role chunk, the tokens, the usage
+    assert counts[0] == 0 and counts[-2:] == [3, 3] and counts == sorted(counts)
+
+
 def check_stop(s: Servers) -> None:
     quote = {"logit_bias": {"42": 100}}  # every token "'" (byte 39: id 42)
     assert complete(s, **GREEDY, **quote).choices[0].text == "'" * 8
@@ -362,6 +389,7 @@ IMPLEMENTED: dict[str, Callable[[Servers], None]] = {
     "n": check_n,
     "stream": check_stream,
     "stream_options.include_usage": check_stream,
+    "stream_options.continuous_usage_stats": check_continuous_usage,
     "stop": check_stop,
     "include_stop_str_in_output": check_stop,
     "stop_token_ids": check_stop_token_ids,
@@ -439,20 +467,10 @@ def test_a_refused_field_gets_a_400_naming_it(servers: Servers, endpoint: str, f
     assert field in exc.value.body["message"] or "chat template" in exc.value.body["message"]  # type: ignore[index]
 
 
-def test_echo_and_continuous_usage_stats_are_refused(servers: Servers) -> None:
-    for kw, param in (
-        ({"echo": True}, "echo"),
-        (
-            {
-                "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            },
-            "stream_options",
-        ),
-    ):
-        with pytest.raises(openai.BadRequestError) as exc:
-            servers.c.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, **kw)
-        assert exc.value.body["param"] == param  # type: ignore[index]
+def test_echo_is_refused(servers: Servers) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        servers.c.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True)
+    assert exc.value.body["param"] == "echo"  # type: ignore[index]
     # The server serves on, with the defaults of a field that asks for nothing.
     out = servers.c.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"tool_choice": None, "priority": 0}
@@ -507,5 +525,5 @@ def test_readme_table_matches_the_server() -> None:
     assert documented == set(IMPLEMENTED), documented ^ set(IMPLEMENTED)
     refused = {f for f, status in rows.items() if status == "refused"}
     # response_format is a row of its own: {"type": "text"} is served, other types refused.
-    expected = {*COMPLETION, *CHAT, "echo", "stream_options.continuous_usage_stats"}
+    expected = {*COMPLETION, *CHAT, "echo"}
     assert refused == expected - {"response_format"}, refused ^ expected

@@ -16,7 +16,7 @@ import msgspec
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused when true (unsupported_fields.py)
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 # chat_template_kwargs' values: one level of JSON (a deeper value is refused as it is decoded).

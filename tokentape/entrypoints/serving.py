@@ -209,13 +209,6 @@ class OpenAIServing:
                 check_prompt_fits(num_prompt_tokens, max_model_len)
             except ValueError as exc:
                 raise refusal(exc, aliases) from None
-        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-            raise APIError(
-                400,
-                "continuous_usage_stats is not supported: usage comes in the last chunk "
-                "(include_usage)",
-                param="stream_options",
-            )
         asked = max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_model_len - num_prompt_tokens)

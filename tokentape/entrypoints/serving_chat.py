@@ -109,20 +109,36 @@ async def create_chat_completion(
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # vLLM's continuous_usage_stats: every chunk has its choice's usage so far.
+        continuous = include_usage and req.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+        choice_tokens = [0] * n
+
+        def chunk(ch: p.ChatStreamChoice) -> bytes:
+            if not continuous:
+                return framer.chunk(ch)
+            usage = p.UsageInfo(len(tokens), choice_tokens[ch.index])
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            return sse_bytes(
+                p.ChatCompletionChunk(
+                    request_id, created, serving.model_name, [ch], usage, system_fingerprint=fp
+                )
+            )
+
+        framer = SSEFramer(
+            p.ChatCompletionChunk(
+                request_id, created, serving.model_name, [], None, system_fingerprint=fp
+            )
+        )
 
         async def sse() -> AsyncIterator[bytes]:
             role = p.ChatDelta("assistant", "")
-            framer = SSEFramer(
-                p.ChatCompletionChunk(
-                    request_id, created, serving.model_name, [], None, system_fingerprint=fp
-                )
-            )
             for j in range(n):
-                yield framer.chunk(p.ChatStreamChoice(j, role, None))
+                yield chunk(p.ChatStreamChoice(j, role, None))
             generated = 0
             async for _, out in merge_streams(streams):
                 for c in out.outputs:  # n > 1: the choices with something new
                     generated += len(c.token_ids)
+                    choice_tokens[c.index] += len(c.token_ids)
                     delta = p.ChatDelta(content=texts[c.index].add(c))
                     ch = p.ChatStreamChoice(
                         c.index,
@@ -132,7 +148,7 @@ async def create_chat_completion(
                         c.token_ids if req.return_token_ids else None,  # a copy already
                         c.stop_reason,
                     )
-                    yield framer.chunk(ch)
+                    yield chunk(ch)
             if include_usage:
                 yield sse_bytes(
                     p.ChatCompletionChunk(

@@ -106,6 +106,9 @@ async def create_completion(
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # vLLM's continuous_usage_stats: every chunk has its choice's usage so far.
+        continuous = include_usage and req.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+        choice_tokens: dict[int, int] = {}
 
         async def sse() -> AsyncIterator[bytes]:
             generated = 0
@@ -121,7 +124,24 @@ async def create_completion(
                     generated += len(c.token_ids)
                     if first and req.return_token_ids:
                         ch.prompt_token_ids = streams[i].prompt_token_ids
-                    yield framer.chunk(ch)
+                    if not continuous:
+                        yield framer.chunk(ch)
+                        continue
+                    done = choice_tokens[ch.index] = choice_tokens.get(ch.index, 0) + len(
+                        c.token_ids
+                    )
+                    prompt = len(streams[i].prompt_token_ids)
+                    usage = p.UsageInfo(prompt, done, prompt + done)
+                    yield sse_bytes(
+                        p.CompletionResponse(
+                            request_id,
+                            created,
+                            serving.model_name,
+                            [ch],
+                            usage,
+                            system_fingerprint=fp,
+                        )
+                    )
             if include_usage:
                 usage = usage_of(streams, generated)
                 yield sse_bytes(
