@@ -57,8 +57,9 @@ def checkpoint(root: Path) -> str:
     }
     file.write_text(json.dumps(tok))
     template = (
-        "{% if style %}<{{ style }}>{% endif %}{% for m in messages %}[{{ m.role }}] "
-        "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+        "{% if style %}<{{ style }}>{% endif %}{% for m in messages %}[{{ m.role }}]"
+        "{% if m.name %}({{ m.name }}){% endif %} {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
     )
     Path(folder, "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return folder
@@ -370,6 +371,16 @@ def check_messages(s: Servers) -> None:
         {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}
     ]
     assert chat_prompt_tokens(s, parts) == chat_prompt_tokens(s, MSGS)
+    named = [{**MSGS[0], "name": "bob"}]  # the participant's name reaches the template
+    assert chat_prompt_tokens(s, named) == chat_prompt_tokens(s, MSGS) + len("(bob)")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for bad in (
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "1", "tool_call_id": "c1"},
+    ):
+        with pytest.raises(openai.BadRequestError) as exc:
+            s.c.chat.completions.create(model="tiny", messages=[*MSGS, bad], max_tokens=1)
+        assert exc.value.body["param"] == "messages" and "tool calling" in str(exc.value)  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as exc:
         s.c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * CTX}])
     assert "maximum context length" in str(exc.value)

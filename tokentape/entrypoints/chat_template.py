@@ -128,12 +128,14 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def message_text(role: str, content: object) -> dict[str, str]:
-    """One message as the template sees it: text content, or the text parts joined."""
+def message_text(role: str, content: object, name: str | None = None) -> dict[str, str]:
+    """One message as the template sees it: text content, or the text parts joined (and the
+    participant's `name`, when given, for templates that show it)."""
+    named = {"name": name} if name is not None else {}
     if content is None:
-        return {"role": role, "content": ""}
+        return {"role": role, "content": "", **named}
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return {"role": role, "content": content, **named}
     parts = []
     for part in content:  # type: ignore[attr-defined]
         if (
@@ -143,4 +145,4 @@ def message_text(role: str, content: object) -> dict[str, str]:
         ):
             raise ChatTemplateError(f"only text content parts are supported, got {str(part)[:80]}")
         parts.append(part["text"])
-    return {"role": role, "content": "".join(parts)}
+    return {"role": role, "content": "".join(parts), **named}

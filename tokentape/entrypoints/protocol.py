@@ -73,6 +73,11 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # OpenAI's participant name: passed to the template, as vLLM does
+    # Tool calling is not implemented: a message with these is refused (serving_chat.py); kept
+    # raw, so never recursed into.
+    tool_calls: msgspec.Raw = msgspec.Raw(b"")
+    tool_call_id: msgspec.Raw = msgspec.Raw(b"")
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -64,13 +64,21 @@ def chat_prompt(
             "set. Refused request with untrusted chat template.",
             param="chat_template_kwargs",
         )
+    for i, m in enumerate(req.messages):
+        for field in ("tool_calls", "tool_call_id"):
+            if bytes(getattr(m, field)) not in (b"", b"null", b"[]"):
+                raise APIError(
+                    400,
+                    f"messages[{i}].{field} is not supported: tool calling is not implemented",
+                    param="messages",
+                )
     add_generation_prompt = (
         not req.continue_final_message
         if req.add_generation_prompt is None
         else req.add_generation_prompt
     )
     try:
-        messages = [message_text(m.role, content_of(m)) for m in req.messages]
+        messages = [message_text(m.role, content_of(m), m.name) for m in req.messages]
         text = serving.chat_template.render(
             messages, add_generation_prompt, req.continue_final_message, kwargs
         )
