@@ -89,16 +89,16 @@ EXIT_1 = (
     "tokentape postmortem bug.tape",
     "tokentape diff ci.tape local.tape",
     "tokentape bisect ci.tape local.tape",
+    "tokentape replay whatif vllm.tape",
+    "tokentape diff vllm.tape tokentape.tape",
 )
 ELSEWHERE: dict[str, str] = {
     "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q": (
         "the whole suite: .ci/run runs it"
     ),
     "pip install -e '.[serve,ray]'": "examples/rlhf_ray.py on Ray: tests/test_rlhf_ray.py",
-    "import os": "vLLM itself: tests/integrations/test_vllm_recorder.py (vllm mark)",
-    "tokentape replay verify vllm.tape": (
-        "a vLLM tape: tests/integrations/test_vllm_recorder.py (vllm mark)"
-    ),
+    "import os": "vLLM itself: test_vllm_blocks_run below (vllm mark)",
+    "tokentape replay verify vllm.tape": "a vLLM tape: test_vllm_blocks_run below (vllm mark)",
     "benchmarks/setup_vllm_venv.sh": (
         "vLLM's releases: tests/integrations/test_vllm_releases.py (vllm mark)"
     ),
@@ -222,3 +222,31 @@ def test_readme_block_runs(block: Block, tmp_path: Path) -> None:
     assert out.returncode == 0, (
         f"README line {block.line}:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     )
+
+
+@pytest.mark.vllm
+def test_vllm_blocks_run(tmp_path: Path) -> None:
+    """README's vLLM recording example in vLLM's Python (tokentape on its path), then the
+    commands that read its tape in this one."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from baselines.locate import find_vllm
+
+    found, where = find_vllm()
+    if found is None:
+        pytest.skip(where)
+    (tmp_path / "record.py").write_text(BY_KEY["import os"].text)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = subprocess.run(
+        [found.python, "record.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0 and (tmp_path / "vllm.tape").exists(), out.stderr[-5000:]
+    port = free_port()
+    script = as_script(BY_KEY["tokentape replay verify vllm.tape"], port, BY_KEY)
+    shown = run(script, tmp_path, port)
+    assert shown.returncode == 0, f"{shown.stdout[-3000:]}\n{shown.stderr[-3000:]}"
+    assert "recorded by vllm" in shown.stdout and "no findings" in shown.stdout
