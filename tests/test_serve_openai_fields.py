@@ -287,6 +287,9 @@ def check_logprobs(s: Servers) -> None:
         model="tiny", messages=MSGS, max_tokens=3, logprobs=True, top_logprobs=2, extra_body=NOEOS
     )
     assert [len(c.top_logprobs) for c in chat.choices[0].logprobs.content] == [2, 2, 2]
+    with pytest.raises(openai.BadRequestError) as exc:  # top_logprobs alone: refused
+        s.c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, top_logprobs=2)
+    assert exc.value.body["param"] == "top_logprobs"  # type: ignore[index]
 
 
 def check_return_token_ids(s: Servers) -> None:

@@ -98,6 +98,12 @@ async def create_chat_completion(
     """POST /v1/chat/completions: the messages through the chat template, n choices."""
     serving.check_model(req.model)
     tokens = chat_prompt(serving, req)
+    if req.top_logprobs and not req.logprobs:  # vLLM's words: not dropped silently
+        raise APIError(
+            400,
+            "when using `top_logprobs`, `logprobs` must be set to true.",
+            param="top_logprobs",
+        )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
