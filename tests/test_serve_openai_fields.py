@@ -188,6 +188,9 @@ def check_stream(s: Servers) -> None:
         == complete(s, **GREEDY).choices[0].text
     )
     assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+    with pytest.raises(openai.BadRequestError) as exc:  # without stream: refused, as vLLM's
+        complete(s, **GREEDY, stream_options={"include_usage": True})
+    assert exc.value.body["param"] == "stream_options"  # type: ignore[index]
     assert all(c.system_fingerprint.startswith("tokentape-") for c in chunks)
 
 

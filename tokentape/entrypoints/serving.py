@@ -209,6 +209,13 @@ class OpenAIServing:
                 check_prompt_fits(num_prompt_tokens, max_model_len)
             except ValueError as exc:
                 raise refusal(exc, aliases) from None
+        options = req.stream_options
+        if options is not None and not req.stream and options != p.StreamOptions():
+            raise APIError(  # vLLM's words; an empty object passes, as in vLLM
+                400,
+                "Stream options can only be defined when `stream=True`.",
+                param="stream_options",
+            )
         asked = max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_model_len - num_prompt_tokens)
