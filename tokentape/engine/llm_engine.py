@@ -80,6 +80,7 @@ class LLMEngine:
         self._finished_since_last_batch: list[str] = []
         self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
         self._dead: str | None = None
+        self.num_preemptions = 0  # RequestPreempted events emitted (vLLM's preemption metric)
         if config.faults:  # upstream bugs on purpose (tests, tapes): the default path has none
             from tokentape.engine.faults import install_faults
 
@@ -95,6 +96,8 @@ class LLMEngine:
         evolve(self.state, event)
         if isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
             self._finished_since_last_batch.append(event.req_id)
+        elif isinstance(event, ev.RequestPreempted):
+            self.num_preemptions += 1  # for the server's metrics
 
     @contextlib.contextmanager
     def _recorded(self) -> Iterator[None]:

@@ -64,17 +64,19 @@ class ChoiceText:
 
     def completion_logprobs(self, c: CompletionOutput) -> p.CompletionLogprobs:
         """The completions API's shape: per token its text, logprob, text offset and, with
-        logprobs=k > 0, the top k (and the sampled token) by their text."""
+        logprobs=k, the top k and the sampled token by their text (k = 0: the sampled one)."""
         decode = self.decode
         pieces = [decode([t]) for t in c.token_ids]
         offsets = []
         for piece in pieces:
             offsets.append(self.pieces_len)
             self.pieces_len += len(piece)
-        top = None
+        lps = list(c.logprobs or ())
         if c.top_logprobs is not None:
             top = [{decode([t]): lp for t, lp in pos.items()} for pos in c.top_logprobs]
-        return p.CompletionLogprobs(pieces, list(c.logprobs or ()), offsets, top)
+        else:  # logprobs=0: the sampled token alone, as vLLM's (OpenAI's top k + 1)
+            top = [{piece: lp} for piece, lp in zip(pieces, lps)]
+        return p.CompletionLogprobs(pieces, lps, offsets, top)
 
 
 def chat_logprobs(decode: Decode, c: CompletionOutput, k: int) -> list[p.ChatLogprob]:

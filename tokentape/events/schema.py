@@ -18,8 +18,9 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 
 # 2: the sampling options (SamplingParams from `n` on), top-k logprobs in FrameEntry and the
 # matched stop string in RequestFinished; every new field is last, with a default, so a
-# version-1 tape reads unchanged.
-FORMAT_VERSION = 2
+# version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
+# defaults: a version-2 tape reads unchanged).
+FORMAT_VERSION = 3
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -58,6 +59,10 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # Token-id sequences (the last id is banned after the rest), or strings as vLLM takes them:
     # the engine encodes a string before recording, so a tape holds token ids only.
     bad_words: tuple[str | tuple[int, ...], ...] = ()
+    # Format 3: vLLM's min_p, and logit_bias as (token id, bias) pairs in id order (a mapping
+    # is accepted, as vLLM's dict, and normalised, so a params object equals its decoded copy).
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is

@@ -162,7 +162,8 @@ def postmortem(
             k: ctx.tokens.get(k, 0)
             for k in ("produced", "applied", "dropped_stale", "dropped_fresh", "after_stop", "lost")
         },
-        complete=complete,
+        complete=complete and "tape_truncated" not in counts,
+        read_to_end=complete,
     )
     return Report(findings, summary)
 

@@ -77,7 +77,10 @@ class Summary(msgspec.Struct):
     warnings: int
     counts: dict[str, int]  # findings per kind
     tokens: dict[str, int]  # token conservation: produced, applied, dropped_stale, ...
-    complete: bool  # False when the tape could not be read or folded to its end
+    # The run's tape is whole: read and folded to its end, and that end is the run's (no
+    # tape_truncated finding). A summary never says "complete" beside a truncated tape.
+    complete: bool
+    read_to_end: bool = True  # the pass read and folded every event (a damaged tape: False)
 
 
 class Report(msgspec.Struct):

@@ -152,7 +152,7 @@ def _summary(report: Report) -> str:
         )
     rows = {
         "tape": s.tape,
-        "events analysed": f"{s.num_events}" + ("" if s.complete else " (stopped early)"),
+        "events analysed": f"{s.num_events}" + ("" if s.read_to_end else " (stopped early)"),
         "steps": s.num_steps,
         "requests": s.num_requests,
         "discard policy": s.discard_policy,
