@@ -17,7 +17,8 @@ For each: wall time, CPU time of this process, and CPU time of the helper proces
 pool's workers: getrusage(RUSAGE_CHILDREN) once they are reaped; Ray: every live process
 below this one, raylet, GCS and workers, from /proc). The reports must agree.
 
-    python benchmarks/bench_fleet_postmortem.py [--tapes 1000] [--events 10000] [--jobs J] [--ray] [--json out.json]
+    python benchmarks/bench_fleet_postmortem.py [--tapes 1000] [--events 10000] [--jobs J]
+        [--ray] [--json out.json]
 """
 
 from __future__ import annotations
@@ -182,8 +183,9 @@ def main() -> None:
                 f"### fleet postmortem: {args.tapes:,} tapes, {total:,} events "
                 f"({total / args.tapes:,.0f} per tape), --jobs {args.jobs}",
                 "",
-                f"Recorded in {record_s:.0f} s ({args.jobs} processes). Findings: {summary.errors} error(s), "
-                f"{summary.warnings} warning(s) on {summary.failed} tapes; the reports agree: {agree}."
+                f"Recorded in {record_s:.0f} s ({args.jobs} processes). "
+                f"Findings: {summary.errors} error(s), {summary.warnings} warning(s) "
+                f"on {summary.failed} tapes; the reports agree: {agree}."
                 + (
                     f" Ray started in {ray_start_s:.1f} s (not in its wall time)."
                     if ray_start_s is not None

@@ -15,7 +15,8 @@ for another --events) and never committed. Timed, in alternation, on the same fi
 
 Target: the postmortem of 1,000,000 events in under 30 s.
 
-    python benchmarks/bench_postmortem.py [--events 1000000] [--repeats 2] [--tape PATH] [--json out.json]
+    python benchmarks/bench_postmortem.py [--events 1000000] [--repeats 2] [--tape PATH]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ def main() -> None:
                     ["variant", "seconds (best)", "events/s", "time vs read + decode"], rows
                 ),
                 "",
-                f"Findings on the tape: {len(report.findings)} ({report.summary.counts or 'none'}); "
-                f"tokens {report.summary.tokens}.",
+                f"Findings on the tape: {len(report.findings)} "
+                f"({report.summary.counts or 'none'}); tokens {report.summary.tokens}.",
                 f"Target: postmortem of {TARGET_EVENTS:,} events < {TARGET_S:.0f} s "
-                f"(scaled to this tape: {TARGET_S * n / TARGET_EVENTS:.1f} s): **{c.verdict(ok)}** ({pm:.1f} s).",
+                f"(scaled to this tape: {TARGET_S * n / TARGET_EVENTS:.1f} s): "
+                f"**{c.verdict(ok)}** ({pm:.1f} s).",
             ]
         )
         summary = [

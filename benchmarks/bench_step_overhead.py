@@ -41,9 +41,9 @@ def main() -> None:
             for n in SIZES:
                 best = c.best_of(
                     {
-                        "on": lambda: c.measure_decode_steps(n, async_sched, tmp.new()),
-                        "off": lambda: c.measure_decode_steps(n, async_sched, False),
-                        "memory": lambda: c.measure_decode_steps(n, async_sched, None),
+                        "on": lambda n=n, a=async_sched: c.measure_decode_steps(n, a, tmp.new()),
+                        "off": lambda n=n, a=async_sched: c.measure_decode_steps(n, a, False),
+                        "memory": lambda n=n, a=async_sched: c.measure_decode_steps(n, a, None),
                     },
                     repeats=args.repeats,
                     key=_wall,

@@ -136,15 +136,17 @@ def main() -> int:
     }
     print(
         f"## vLLM {found.version} CPU engine, tiny model: recording overhead "
-        f"({args.requests} requests, {sum(outputs)} output tokens per round, {args.rounds} interleaved rounds)\n"
+        f"({args.requests} requests, {sum(outputs)} output tokens per round, "
+        f"{args.rounds} interleaved rounds)\n"
     )
     print("| variant | median tok/s | best tok/s |\n|---|---|---|")
     for name in tput:
         print(f"| {name} | {result['median_tok_s'][name]:.0f} | {result['best_tok_s'][name]:.0f} |")
     ok = result["overhead_median"] <= TARGET
     print(
-        f"\noverhead: {100 * result['overhead_median']:.1f}% by the median, {100 * result['overhead_best']:.1f}% "
-        f"by the best round (target <= {100 * TARGET:.0f}%: {'met' if ok else 'NOT met'}); greedy streams "
+        f"\noverhead: {100 * result['overhead_median']:.1f}% by the median, "
+        f"{100 * result['overhead_best']:.1f}% by the best round "
+        f"(target <= {100 * TARGET:.0f}%: {'met' if ok else 'NOT met'}); greedy streams "
         f"{'identical' if result['same_streams'] else 'DIFFER'}; the tape: {num_events} events, "
         f"{'verifies' if checked.ok else 'does NOT verify'}, {len(report.findings)} findings"
     )

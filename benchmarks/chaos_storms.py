@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
 
     print(
-        f"chaos storms: {sum(t['runs'] for t in totals.values())} runs, {args.num_commands} commands each, "
-        f"seeds {seeds.start}..{seeds.stop - 1}{' (full grid)' if args.grid else ''}, {wall:.1f} s wall"
+        f"chaos storms: {sum(t['runs'] for t in totals.values())} runs, "
+        f"{args.num_commands} commands each, seeds {seeds.start}..{seeds.stop - 1}"
+        f"{' (full grid)' if args.grid else ''}, {wall:.1f} s wall"
     )
     columns = (
         "runs",

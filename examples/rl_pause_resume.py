@@ -104,7 +104,8 @@ def run(depth: int, discard_policy: str, device: str = "cpu", tape: str | None =
                 min(len(after), len(expected)),
             )
             mismatches.append(
-                f"request {req_id}: after {len(prefix)} tokens, resumed {after[first : first + 4]}... "
+                f"request {req_id}: after {len(prefix)} tokens, "
+                f"resumed {after[first : first + 4]}... "
                 f"where a fresh engine gives {expected[first : first + 4]}... "
                 f"(from token {first} after resume)"
             )

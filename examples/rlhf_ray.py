@@ -118,7 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--kill-engine needs an engine index in [0, --engines) and another engine left")
         if args.weight_sync == "broadcast":
             p.error(
-                "--kill-engine needs --weight-sync object-store (a broadcast group cannot lose a member)"
+                "--kill-engine needs --weight-sync object-store "
+                "(a broadcast group cannot lose a member)"
             )
     return args
 

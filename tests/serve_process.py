@@ -86,9 +86,7 @@ class ServerProcess:
             busy = [
                 line
                 for line in text.splitlines()
-                if line.startswith(
-                    ("tokentape:num_requests_running", "tokentape:num_requests_waiting")
-                )
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
                 and not line.endswith(" 0.0")
             ]
             if not busy:

@@ -408,7 +408,9 @@ from tokentape import AsyncLLM, SamplingParams
 engine = AsyncLLM("oracle", tape=sys.argv[1], pipeline_depth=2)
 async def main():
     n = 0
-    async for _ in engine.generate([5, 6, 7], SamplingParams(max_tokens=1_000_000, ignore_eos=True), "r"):
+    async for _ in engine.generate(
+        [5, 6, 7], SamplingParams(max_tokens=1_000_000, ignore_eos=True), "r"
+    ):
         n += 1
         if n == 50:
             if sys.argv[2] == "killed":

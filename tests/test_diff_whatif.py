@@ -220,7 +220,10 @@ def test_whatif_skips_a_weight_update_under_the_oracle() -> None:
     result = whatif(with_update)
     assert result.diff.identical
     step = next(e.step for _, e in recording.events() if isinstance(e, ev.GenerationResumed))
-    note = f"weight update to 'sha256:abc' at step {step} skipped: the oracle's tokens do not depend on weights"
+    note = (
+        f"weight update to 'sha256:abc' at step {step} skipped: "
+        "the oracle's tokens do not depend on weights"
+    )
     assert result.notes == [note]
     assert [ev.kind_of(e) for e in recorded_commands(load_tape(with_update))].count(
         "WeightsUpdated"

@@ -595,8 +595,8 @@ def test_the_text_report_reads_as_english(capsys: pytest.CaptureFixture[str]) ->
     report = postmortem(TAPES / "flag_42043.tape")
     errors, warnings = report.summary.errors, report.summary.warnings
     assert (
-        f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''}\n"
-        in text
+        f"{errors} error{'s' if errors != 1 else ''}, "
+        f"{warnings} warning{'s' if warnings != 1 else ''}\n" in text
     )
     assert "matches vllm#" not in text and text.count("vLLM #42043: vLLM #42043") == 0
 

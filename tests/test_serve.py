@@ -78,9 +78,19 @@ def test_models_health_and_metrics(live: Live) -> None:
     assert httpx.get(f"{live.url}/health").status_code == 200
     live.client.completions.create(model="oracle", prompt="metrics", max_tokens=3)
     text = httpx.get(f"{live.url}/metrics").text
-    assert 'tokentape:request_success_total{finished_reason="length",model_name="oracle"}' in text
-    assert "tokentape:time_to_first_token_seconds_bucket" in text
-    assert "tokentape:num_requests_running" in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="oracle"}' in text
+    assert "vllm:time_to_first_token_seconds_bucket" in text
+    assert "vllm:num_requests_running" in text
+    # vLLM's names only: no metric is served twice, under tokentape's old names too.
+    assert 'vllm:kv_cache_usage_perc{model_name="oracle"}' in text
+    assert 'vllm:num_preemptions_total{model_name="oracle"} 0.0' in text
+    assert 'vllm:prompt_tokens_total{model_name="oracle"}' in text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    assert {n for n in names if n.startswith("tokentape:")} <= {
+        "tokentape:is_paused",
+        "tokentape:engine_step",
+        "tokentape:http_errors_total",
+    }
     # The engine core's lanes leave one CPU to the HTTP server (serve.server_cpu_threads).
     assert load_tape(live.tape).header.config["cpu_threads"] == max(
         1, len(os.sched_getaffinity(0)) - 1

@@ -106,15 +106,15 @@ def test_latency_histograms_render_cumulative_buckets() -> None:
     lines = {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in m.render().decode().splitlines()
-        if line.startswith("tokentape:inter_token_latency_seconds")
+        if line.startswith("vllm:inter_token_latency_seconds")
     }
     assert (
-        lines['tokentape:inter_token_latency_seconds_bucket{le="0.001",model_name="tiny"}'] == 2
+        lines['vllm:inter_token_latency_seconds_bucket{le="0.001",model_name="tiny"}'] == 2
     )  # le: <=
-    assert lines['tokentape:inter_token_latency_seconds_bucket{le="0.005",model_name="tiny"}'] == 3
-    assert lines['tokentape:inter_token_latency_seconds_bucket{le="+Inf",model_name="tiny"}'] == 4
-    assert lines['tokentape:inter_token_latency_seconds_count{model_name="tiny"}'] == 4
-    assert lines['tokentape:inter_token_latency_seconds_sum{model_name="tiny"}'] == pytest.approx(
+    assert lines['vllm:inter_token_latency_seconds_bucket{le="0.005",model_name="tiny"}'] == 3
+    assert lines['vllm:inter_token_latency_seconds_bucket{le="+Inf",model_name="tiny"}'] == 4
+    assert lines['vllm:inter_token_latency_seconds_count{model_name="tiny"}'] == 4
+    assert lines['vllm:inter_token_latency_seconds_sum{model_name="tiny"}'] == pytest.approx(
         100.0045
     )
 

@@ -253,8 +253,8 @@ def test_duplicated_row(workdir: Path, where: float) -> None:
         # Make room after the row (from the end, so that no two rows share a seq), copy it.
         *[("UPDATE events SET seq = seq + 1 WHERE seq = ?", (s,)) for s in range(n - 1, seq, -1)],
         (
-            "INSERT INTO events(seq, step, kind, data) SELECT seq + 1, step, kind, data FROM events "
-            "WHERE seq = ?",
+            "INSERT INTO events(seq, step, kind, data) SELECT seq + 1, step, kind, data "
+            "FROM events WHERE seq = ?",
             (seq,),
         ),
     )

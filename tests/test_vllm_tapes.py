@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -307,19 +308,67 @@ def test_vllm_0_24_0_handles_the_same_preemptions_cleanly() -> None:
     assert d.identical, d.format()
 
 
+def _findings(tape: Any) -> dict[str, set[str | None]]:
+    """Each finding kind of a tape's postmortem, with the bug classes it named."""
+    found: dict[str, set[str | None]] = {}
+    for f in postmortem(tape).findings:
+        found.setdefault(f.kind, set()).add(f.bug_class)
+    return found
+
+
+def test_speculative_decoding_and_resets_on_the_releases_before_48245() -> None:
+    """Two drafts per step under async scheduling, resets with a step in flight, recorded from
+    0.20.0, 0.24.0 and 0.26.0; each tape verifies under its release's policy. 0.20.0's flag drops
+    the stale frame, but that frame's rejected drafts are still taken off the resumed request's
+    placeholders, which go below zero (#46066). 0.24.0's counter is set in tokens (1 + 2 per
+    frame) but drained per frame, so fresh frames are dropped after the stale one, and #46066
+    too; a request one token short of its limit then hangs. 0.26.0 has #46066's guard: fresh
+    frames are still dropped, nothing goes below zero."""
+    expected = {
+        "0.20.0": ("vllm-flag", {"negative_count": {"vllm#46066"}}),
+        "0.24.0": (
+            "vllm-counter",
+            {
+                "negative_count": {"vllm#46066"},
+                "fresh_frame_dropped": {"vllm#42117-spec-units"},
+                "phantom_placeholders": {"vllm#42117-spec-units"},
+            },
+        ),
+        "0.26.0": (
+            "vllm-counter-guarded",
+            {
+                "fresh_frame_dropped": {"vllm#42117-spec-units"},
+                "phantom_placeholders": {"vllm#42117-spec-units"},
+            },
+        ),
+    }
+    for version, (policy, findings) in expected.items():
+        tape = load_tape(TAPES / f"{version}_spec_resets.tape")
+        assert (tape.header.source_version, tape.header.discard_policy) == (version, policy)
+        assert verify(tape).ok, version
+        kinds = ("negative_count", "fresh_frame_dropped", "phantom_placeholders")
+        found = {k: v for k, v in _findings(tape).items() if k in kinds}
+        assert found == findings, (version, found)
+
+
 def test_the_recorder_knows_each_release_and_refuses_the_others_by_name() -> None:
     from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
     from tokentape.integrations.vllm.releases import release_of
 
     policies = {
         v: release_of(v).discard_policy
-        for v in ("0.20.0", "0.21.0", "0.22.0", "0.26.0", "0.27.0", "0.32.0+cpu", "0.33.1rc1")
+        for v in (
+            *("0.20.0", "0.21.0", "0.22.0", "0.24.1", "0.25.0", "0.26.0", "0.27.0"),
+            *("0.32.0+cpu", "0.33.1rc1"),
+        )
     }
     assert policies == {
         "0.20.0": "vllm-flag",
         "0.21.0": "vllm-flag",
         "0.22.0": "vllm-counter",
-        "0.26.0": "vllm-counter",
+        "0.24.1": "vllm-counter",
+        "0.25.0": "vllm-counter-guarded",
+        "0.26.0": "vllm-counter-guarded",
         "0.27.0": "deliver",
         "0.32.0+cpu": "deliver",
         "0.33.1rc1": "deliver",

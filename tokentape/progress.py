@@ -116,3 +116,16 @@ class RequestProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+LOUD_BYTES = 64 << 20  # a model's weights past this take seconds to build, load or prepare
+
+
+def say(message: str, stream: TextIO | None = None) -> None:
+    """One line on stderr before a phase that takes seconds (building a large model's weights,
+    loading a checkpoint, allocating the KV cache), so a slow start is never silent."""
+    print(f"{message}...", file=stream or sys.stderr, flush=True)
+
+
+def gigabytes(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.1f} GB"

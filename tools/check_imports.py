@@ -5,7 +5,7 @@ Exit 1, naming each offending edge, when
 - two modules import each other, directly or through others (a module cycle);
 - two top-level parts import each other (a package cycle: `engine` <-> `kernels`);
 - a module imports one from a higher layer, in this order from the bottom:
-  version, errors (and progress) -> events -> engine, kernels -> replay -> postmortem ->
+  version, errors (and progress, extras) -> events -> engine, kernels -> replay -> postmortem ->
   chaos, integrations -> entrypoints, the CLI and the package's facade (`tokentape`);
 - a module below the entrypoints imports a facade (`tokentape`, `tokentape.engine`'s package,
   `LLM`'s or `AsyncLLM`'s module), other than a facade itself.
@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "version": 0,
     "errors": 0,
     "progress": 0,
+    "extras": 0,
     "events": 1,
     "engine": 2,
     "kernels": 2,

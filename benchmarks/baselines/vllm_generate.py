@@ -9,9 +9,10 @@ with one core left to the front end). `VLLM_CPU_KVCACHE_SPACE` comes from the en
 One `LLM` serves every round, after a warm-up generate.
 
 Spec: {"model", "dtype", "seed", "max_model_len", "prompts": [[int]], "max_tokens": [int],
-"warmup_prompts": int, "llm": {more LLM(...) arguments, optional: e.g. scheduler_cls}}. Commands: `round` (args: tokens: bool) -> seconds, output_tokens,
-cpu_s (CPU seconds per process, by name: the front end is this process), tokens if asked;
-`cpu` -> CPU seconds so far per process (to see what the processes use while idle).
+"warmup_prompts": int, "llm": {more LLM(...) arguments, optional: e.g. scheduler_cls}}.
+Commands: `round` (args: tokens: bool) -> seconds, output_tokens, cpu_s (CPU seconds per
+process, by name: the front end is this process), tokens if asked; `cpu` -> CPU seconds so
+far per process (to see what the processes use while idle).
 """
 
 from __future__ import annotations

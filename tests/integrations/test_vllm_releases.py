@@ -1,17 +1,19 @@
 """The recorder on every kind of vLLM release it was taught (marker vllm): the seed bug,
 recorded from the release that shipped it.
 
-vLLM 0.20.0 (the reset's discard flag, before #42117), 0.24.0 (its counter, #42117) and 0.33.0
-(the newest) run as overlays on the vLLM venv (benchmarks/setup_vllm_venv.sh makes them); 0.32.0
-is the venv's own. Each runs vLLM's own AsyncScheduler under tests/integrations/
-vllm_scheduler_run.py with the same scenario spec, only PYTHONPATH changing:
+vLLM 0.20.0 (the reset's discard flag, before #42117), 0.24.0 (its counter, #42117), 0.26.0 (the
+counter with #46066's guard) and 0.33.0 (the newest) run as overlays on the vLLM venv
+(benchmarks/setup_vllm_venv.sh makes them); 0.32.0 is the venv's own. Each runs vLLM's own
+AsyncScheduler under tests/integrations/vllm_scheduler_run.py with the same scenario spec, only
+PYTHONPATH changing:
 - the seed bug's scenario (two requests decoding, pause(keep, clear_cache), resume): on 0.20.0
   the postmortem names vLLM #42043 for both requests and `why` shows the dropped frame; on the
   others the tape is clean and every client got tokentape's stream;
 - KV-pressure preemptions with steps in flight, a reset with a step in flight, then a pause:
   every release's tape verifies under its own discard semantics. On 0.20.0 the pause drops a
-  token (#42043) and leaves a request hung one token short of its limit, which the tape shows.
-"""
+  token (#42043) and leaves a request hung one token short of its limit, which the tape shows;
+- speculative decoding with resets in flight: #46066 and the token-unit counter on the releases
+  before #48245, clean after."""
 
 from __future__ import annotations
 
@@ -43,8 +45,28 @@ from tokentape.replay import diff, load_tape, verify  # noqa: E402
 
 FOUND, WHERE = find_vllm()
 VENV = Path(FOUND.python).parents[1] if FOUND is not None else None
-RELEASES = ["0.20.0", "0.24.0", None, "0.33.0"]  # None: the venv's own (0.32.0)
-POLICIES = {"0.20.0": "vllm-flag", "0.24.0": "vllm-counter", None: "deliver", "0.33.0": "deliver"}
+RELEASES = ["0.20.0", "0.24.0", "0.26.0", None, "0.33.0"]  # None: the venv's own (0.32.0)
+POLICIES = {
+    "0.20.0": "vllm-flag",
+    "0.24.0": "vllm-counter",
+    "0.26.0": "vllm-counter-guarded",
+    None: "deliver",
+    "0.33.0": "deliver",
+}
+# What speculative decoding with resets in flight shows on each release before #48245: the
+# finding kinds, each with the bug class it names.
+SPEC_FINDINGS: dict[str | None, dict[str, set[str]]] = {
+    "0.20.0": {"negative_count": {"vllm#46066"}},
+    "0.24.0": {
+        "negative_count": {"vllm#46066"},
+        "fresh_frame_dropped": {"vllm#42117-spec-units"},
+        "phantom_placeholders": {"vllm#42117-spec-units"},
+    },
+    "0.26.0": {
+        "fresh_frame_dropped": {"vllm#42117-spec-units"},
+        "phantom_placeholders": {"vllm#42117-spec-units"},
+    },
+}
 
 
 def _skip_reason(version: str | None) -> str | None:
@@ -151,19 +173,25 @@ def test_speculative_decoding_with_resets_in_flight(
     work: Path, model: str, version: str | None
 ) -> None:
     """Two drafts per step under async scheduling (the model accepts a seeded random number),
-    resets of running requests with a step in flight: recorded and clean from #48245 on; the
-    releases before it are refused by name, since a tape does not yet re-apply how they give
-    back a dropped frame's rejected drafts (#46066)."""
+    resets of running requests with a step in flight. Every release's tape verifies under its
+    own policy. Before #48245 the releases show the bugs of that code: a dropped stale frame's
+    rejected drafts taken off the resumed request's placeholders (#46066, until 0.25 guarded
+    it), and the counter set in tokens but drained per frame, which drops fresh frames (0.22 on)
+    and leaves a request hung one token short. From #48245 on the tape is clean."""
     spec = spec_reset_scenario(model)
-    if version in ("0.20.0", "0.24.0"):
-        with pytest.raises(RuntimeError, match=rf"vLLM {version} with speculative decoding"):
-            _run(version, spec, work, "spec")
-        return
     result = _run(version, spec, work, "spec")
     checked = verify(result["tape"])
     assert checked.ok, checked.first_divergence.format() if checked.first_divergence else ""
     report = postmortem(result["tape"])
-    assert report.findings == [], [f.message for f in report.findings]
-    assert report.summary.tokens["dropped_stale"] > 0
     steps = [e for _, e in load_tape(result["tape"]).events() if isinstance(e, ev.StepScheduled)]
     assert any(entry.num_spec_tokens == 2 for step in steps for entry in step.entries)
+    expected = SPEC_FINDINGS.get(version)
+    if expected is None:
+        assert report.findings == [], [f.message for f in report.findings]
+        assert report.summary.tokens["dropped_stale"] > 0
+        return
+    found: dict[str, set[str | None]] = {}
+    for f in report.findings:
+        if f.kind in ("negative_count", "fresh_frame_dropped", "phantom_placeholders"):
+            found.setdefault(f.kind, set()).add(f.bug_class)
+    assert found == expected, [f.message for f in report.findings]

@@ -117,7 +117,9 @@ def spec_reset_scenario(model: str) -> dict[str, Any]:
     """Speculative decoding (2 drafts) under async scheduling, with resets of running requests
     while a step is in flight (steps 9 and 21): the step in flight holds 1 + 2 placeholders per
     request. vLLM 0.22-0.26 set the discard counter to them and drain it one frame at a time,
-    so after the stale frame two fresh ones are dropped (#42117's token-unit counter, #41190)."""
+    so after the stale frame two fresh ones are dropped (#42117's token-unit counter); until
+    0.25, the dropped stale frame's rejected drafts come off the resumed request's placeholders
+    (#46066)."""
     return {
         "model": model,
         "async": True,

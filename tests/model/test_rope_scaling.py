@@ -142,7 +142,8 @@ def test_both_forms_read_the_same() -> None:
     [
         (
             {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
-            r"rope_scaling\['rope_type'\] = 'longrope' is not supported \(supported: default, linear",
+            r"rope_scaling\['rope_type'\] = 'longrope' is not supported "
+            r"\(supported: default, linear",
         ),
         (
             {"rope_scaling": {"rope_type": "su"}},
@@ -221,8 +222,8 @@ def test_both_forms_read_the_same() -> None:
         (
             {"original_max_position_embeddings": 64, "rope_scaling": LLAMA31},
             (
-                r"original_max_position_embeddings = 64 must be a positive integer that agrees with "
-                r"rope_scaling\['original_max_position_embeddings'\] = 32"
+                r"original_max_position_embeddings = 64 must be a positive integer "
+                r"that agrees with rope_scaling\['original_max_position_embeddings'\] = 32"
             ),
         ),
         ({"rope_theta": -1.0}, r"rope_theta = -1.0 must be a number > 0"),

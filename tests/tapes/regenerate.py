@@ -341,7 +341,7 @@ def clean_epoch_pause_resume(path: Path) -> None:
     llm.engine.add_request("s", PROMPT[:7], SamplingParams(max_tokens=30, ignore_eos=True))
     delivered: Delivered = {}
     for target in (6, 12, 18, 24):
-        _until(llm, delivered, lambda: len(delivered.get("r", [])) >= target)
+        _until(llm, delivered, lambda target=target: len(delivered.get("r", [])) >= target)
         llm.engine.pause_generation(mode="keep", clear_cache=True)
         _drive(llm, delivered)
         llm.engine.resume_generation()

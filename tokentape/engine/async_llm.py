@@ -49,6 +49,7 @@ from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams
 from tokentape.events.tape_path import TapeSpec, check_tape_path
 from tokentape.events.validation import check_int, check_str, shown
+from tokentape.extras import require_extra
 
 __all__ = ["AsyncLLM", "PromptType", "frontend_tokenizer"]
 
@@ -68,6 +69,8 @@ class AsyncLLM:
         EngineConfig(model=model, **engine_args)  # a bad argument fails here, before any process
         check_tape_path(tape)
         check_int("stream_interval", stream_interval, 1)
+        if multiprocess_mode:  # the engine core process talks ZMQ: the `serve` extra
+            require_extra("serve", "AsyncLLM's engine core process", "zmq")
         # Tokens per output after a stream's first (vLLM's --stream-interval): how outputs are
         # grouped for the consumer, after the engine; nothing on the tape changes.
         self.stream_interval = stream_interval

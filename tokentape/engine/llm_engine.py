@@ -80,6 +80,7 @@ class LLMEngine:
         # Deltas produced outside step() (e.g. by a drain), handed out by the next step.
         self._ready: list[EngineCoreOutput] = []
         self._dead: str | None = None
+        self.num_preemptions = 0  # RequestPreempted events emitted (vLLM's preemption metric)
         # Upstream bugs on purpose (tests, tapes), through the engine's hooks (hooks.py): the
         # default path has none.
         self.hooks: Sequence[EngineHooks] = ()
@@ -99,6 +100,8 @@ class LLMEngine:
         evolve(self.state, event)
         if isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
             self._finished_since_last_batch.append(event.req_id)
+        elif isinstance(event, ev.RequestPreempted):
+            self.num_preemptions += 1  # for the server's metrics
 
     @contextlib.contextmanager
     def _recorded(self) -> Iterator[None]:

@@ -14,7 +14,8 @@ The limits (README, "Serve"):
   check after every frame looks for each of them in a window as long as the longest);
 - `bad_words`: at most MAX_BAD_WORDS words of MAX_BAD_WORDS_SIZE characters or token ids in
   all (each word is matched against the context at every step);
-- `stop_token_ids`: at most MAX_STOP_TOKEN_IDS ids, each in the vocabulary.
+- `stop_token_ids`: at most MAX_STOP_TOKEN_IDS ids, each in the vocabulary;
+- `logit_bias`: token ids of the vocabulary (so at most one entry per token).
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def check_request_limits(params: SamplingParams, max_logprobs: int, vocab_size: 
         raise ValueError(
             f"bad_words must hold at most {MAX_BAD_WORDS_SIZE} characters (or token "
             f"ids) in all, got {size}"
+        )
+    bad_ids = [t for t, _ in params.logit_bias if t >= vocab_size]  # ids in order, unique
+    if bad_ids:
+        raise ValueError(  # vLLM's words
+            f"logit_bias: token_id(s) {bad_ids} in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}"
         )
     stop_ids = params.stop_token_ids
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:

@@ -11,7 +11,9 @@ from tokentape.engine.checkpoint_error import CheckpointError
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    # add_special_tokens: the tokenizer's post-processor runs (a BOS, for Llama's), as vLLM's
+    # completions ask by default; the byte tokenizer has none.
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -31,8 +33,8 @@ class ByteTokenizer:
     _OFFSET = 3
     vocab_size = 256 + _OFFSET
 
-    def encode(self, text: str) -> list[int]:
-        return [b + self._OFFSET for b in text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b + self._OFFSET for b in text.encode("utf-8")]  # no post-processor
 
     def decode(self, token_ids: list[int]) -> str:
         return self.to_bytes(token_ids).decode("utf-8", errors="replace")
@@ -61,8 +63,8 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self._lead_table: list[bool | None] | None = None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
@@ -129,7 +131,7 @@ class MissingTokenizer:
     def __init__(self, folder: str) -> None:
         self.folder = folder
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         raise CheckpointError(
             f"{os.path.join(self.folder, 'tokenizer.json')}: missing, so text cannot be "
             "encoded for this checkpoint; pass prompts as token ids, or add the tokenizer.json "

@@ -1,7 +1,7 @@
 """The FastAPI app of `tokentape serve`: OpenAI's /v1/completions, /v1/chat/completions and
-/v1/models; /health and /metrics; vLLM's RL endpoints (rl_endpoints.py) when asked for, and
-API keys (auth.py). Every error is an OpenAI-style JSON body ({"error": {"message", "type",
-"param", "code"}}), and the server keeps serving.
+/v1/models; vLLM's /tokenize and /detokenize; /health and /metrics; vLLM's RL endpoints
+(rl_endpoints.py) when asked for, and API keys (auth.py). Every error is an OpenAI-style
+JSON body ({"error": {"message", "type", "param", "code"}}), and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -26,10 +26,17 @@ from tokentape.entrypoints.rl_endpoints import RL_PATHS, add_rl_endpoints
 from tokentape.entrypoints.serving import APIError, ClientGone, OpenAIServing
 from tokentape.entrypoints.serving_chat import create_chat_completion
 from tokentape.entrypoints.serving_completion import create_completion
+from tokentape.entrypoints.serving_tokenization import (
+    detokenize,
+    tokenize,
+    tokenize_request_type,
+)
+from tokentape.entrypoints.unsupported_fields import CHAT, COMPLETION, refuse_unsupported
 from tokentape.errors import EngineDeadError
 
 logger = logging.getLogger("tokentape.serve")
 T = TypeVar("T")
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # behind the API key, as the /v1 routes
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
 
 
@@ -119,7 +126,9 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await read_body(request, p.CompletionRequest)
+        body = await request.body()
+        req = decode_body(body, p.CompletionRequest)
+        refuse_unsupported(body, COMPLETION)
         try:
             return await create_completion(serving, req, request)
         except ClientGone:
@@ -127,11 +136,23 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await read_body(request, p.ChatCompletionRequest)
+        body = await request.body()
+        req = decode_body(body, p.ChatCompletionRequest)
+        refuse_unsupported(body, CHAT)
         try:
             return await create_chat_completion(serving, req, request)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(request: Request) -> Response:
+        body = await request.body()
+        return json_response(tokenize(serving, decode_body(body, tokenize_request_type(body))))
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(request: Request) -> Response:
+        req = await read_body(request, p.DetokenizeRequest)
+        return json_response(detokenize(serving, req))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -152,6 +173,9 @@ def build_app(
         add_rl_endpoints(app, engine, options.allowed_weight_dirs, json_response)
     if options.api_keys:
         app.add_middleware(
-            APIKeyMiddleware, keys=options.api_keys, protected_paths=RL_PATHS, error=unauthorized
+            APIKeyMiddleware,
+            keys=options.api_keys,
+            protected_paths=(*RL_PATHS, *TOKENIZER_PATHS),
+            error=unauthorized,
         )
     return app

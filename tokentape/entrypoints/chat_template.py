@@ -19,7 +19,12 @@ BUILTIN_TEMPLATE = "builtin"
 
 
 class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (no template, a bad message, the template refused)."""
+    """The messages cannot be rendered (no template, a bad message, the template refused);
+    `param`: the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _token_text(value: Any) -> str:
@@ -68,7 +73,17 @@ class ChatTemplate:
     def available(self) -> bool:
         return self.source is not None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text. `continue_final_message` (vLLM's, as transformers does it): the
+        text ends where the final message's content ends, open for the model to continue.
+        `template_kwargs` (vLLM's chat_template_kwargs): more variables for the template
+        (e.g. `enable_thinking`); they cannot replace the messages or the flags."""
         if self.source is None:
             raise ChatTemplateError(
                 "this model has no chat template (no chat_template in tokenizer_config.json, "
@@ -76,32 +91,51 @@ class ChatTemplate:
             )
         if self._compiled is None:
             text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-            return text + ("<|assistant|>\n" if add_generation_prompt else "")
-        try:
-            return self._compiled.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # a template error is the request's problem, not the server's
-            raise ChatTemplateError(
-                f"the chat template failed: {type(exc).__name__}: {exc}"
-            ) from None
+            text += "<|assistant|>\n" if add_generation_prompt else ""
+        else:
+            variables = {
+                **(template_kwargs or {}),
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+            }
+            try:
+                text = self._compiled.render(**variables)
+            except ChatTemplateError:
+                raise
+            except Exception as exc:  # a template error is the request's problem
+                raise ChatTemplateError(
+                    f"the chat template failed: {type(exc).__name__}: {exc}"
+                ) from None
+        return _continued(text, messages) if continue_final_message else text
+
+
+def _continued(text: str, messages: list[dict[str, str]]) -> str:
+    """The rendered text cut after the final message's content (transformers' rule)."""
+    final = messages[-1]["content"] if messages else ""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message does not appear in the "
+            "chat after applying the chat template",
+            param="continue_final_message",
+        )
+    return text[: at + len(final.strip())]
 
 
 def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def message_text(role: str, content: object) -> dict[str, str]:
-    """One message as the template sees it: text content, or the text parts joined."""
+def message_text(role: str, content: object, name: str | None = None) -> dict[str, str]:
+    """One message as the template sees it: text content, or the text parts joined (and the
+    participant's `name`, when given, for templates that show it)."""
+    named = {"name": name} if name is not None else {}
     if content is None:
-        return {"role": role, "content": ""}
+        return {"role": role, "content": "", **named}
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return {"role": role, "content": content, **named}
     parts = []
     for part in content:  # type: ignore[attr-defined]
         if (
@@ -111,4 +145,4 @@ def message_text(role: str, content: object) -> dict[str, str]:
         ):
             raise ChatTemplateError(f"only text content parts are supported, got {str(part)[:80]}")
         parts.append(part["text"])
-    return {"role": role, "content": "".join(parts)}
+    return {"role": role, "content": "".join(parts), **named}

@@ -14,8 +14,8 @@ Decode = Callable[[list[int]], str]
 
 class CompletionLogprobsFormatter:
     """The completions API's shape for one choice, its DELTA completions in order: per token
-    its text, logprob, text offset and, with logprobs=k > 0, the top k (and the sampled
-    token) by their text."""
+    its text, logprob, text offset and, with logprobs=k, the top k and the sampled token by
+    their text (k = 0: the sampled one)."""
 
     __slots__ = ("decode", "pieces_len")
 
@@ -30,10 +30,12 @@ class CompletionLogprobsFormatter:
         for piece in pieces:
             offsets.append(self.pieces_len)
             self.pieces_len += len(piece)
-        top = None
+        lps = list(c.logprobs or ())
         if c.top_logprobs is not None:
             top = [{decode([t]): lp for t, lp in pos.items()} for pos in c.top_logprobs]
-        return p.CompletionLogprobs(pieces, list(c.logprobs or ()), offsets, top)
+        else:  # logprobs=0: the sampled token alone, as vLLM's (OpenAI's top k + 1)
+            top = [{piece: lp} for piece, lp in zip(pieces, lps)]
+        return p.CompletionLogprobs(pieces, lps, offsets, top)
 
 
 def chat_logprobs(decode: Decode, c: CompletionOutput, k: int) -> list[p.ChatLogprob]:

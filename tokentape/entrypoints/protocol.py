@@ -1,7 +1,10 @@
 """The OpenAI-compatible request and response bodies (msgspec structs, JSON on the wire),
-with vLLM's extra request fields (top_k, stop_token_ids, ignore_eos, return_token_ids).
+with vLLM's extra request fields (top_k, min_p, stop_token_ids, ignore_eos, return_token_ids,
+...) and vLLM's /tokenize and /detokenize.
 
-Unknown request fields are ignored, as the OpenAI clients send some this server does not use.
+The fields of OpenAI's and vLLM's requests that this server does not implement are refused
+with a 400 naming them (unsupported_fields.py); a field neither API has is ignored, as vLLM
+ignores it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ import msgspec
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
+
+
+# chat_template_kwargs' values: one level of JSON (a deeper value is refused as it is decoded).
+TemplateValue = str | int | float | bool | None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -36,7 +44,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None  # vLLM's: strings, encoded by the engine's tokenizer
-    user: str | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> bias
+    request_id: str | None = None  # vLLM's: the response id (as the X-Request-Id header)
+    user: str | None = None  # OpenAI's end-user id: no effect on the output (nor in vLLM)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -44,8 +55,11 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     # takes one array type in a union, so a list's items are checked in serving_completion.
     # Typed to two levels: a deeper body is refused as it is decoded, not recursed into.
     prompt: str | list[int | str | list[int]]
+    # Unset: OpenAI's and vLLM's default for completions, 16 (less where the context ends).
+    max_tokens: int | None | msgspec.UnsetType = msgspec.UNSET
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's post-processor (a BOS) runs
 
 
 class ContentPart(msgspec.Struct):
@@ -59,6 +73,11 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # OpenAI's participant name: passed to the template, as vLLM does
+    # Tool calling is not implemented: a message with these is refused (serving_chat.py); kept
+    # raw, so never recursed into.
+    tool_calls: msgspec.Raw = msgspec.Raw(b"")
+    tool_call_id: msgspec.Raw = msgspec.Raw(b"")
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -66,7 +85,36 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: True, unless continue_final_message
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
+    add_special_tokens: bool = False  # vLLM's chat default: the template adds what it needs
+
+
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize of chat messages, through the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
 
 
 class UpdateWeightsRequest(msgspec.Struct):
@@ -106,6 +154,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: Literal["text_completion"] = "text_completion"
+    system_fingerprint: str | None = None
 
 
 class ChatLogprob(msgspec.Struct):
@@ -145,6 +194,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str | None = None
 
 
 class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
@@ -163,6 +213,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    system_fingerprint: str | None = None
 
 
 class ModelCard(msgspec.Struct):
@@ -176,6 +227,17 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: Literal["list"] = "list"
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 class ErrorInfo(msgspec.Struct):

@@ -64,14 +64,16 @@ def refusal(exc: Exception, aliases: Mapping[str, str] | None = None) -> APIErro
 def check_fits_context(
     num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens"
 ) -> None:
-    """vLLM's rule: a request whose prompt and max_tokens exceed the context is refused (the
-    engine would otherwise cut the output short, silently, at the context's end)."""
+    """A request whose prompt and explicit max_tokens exceed the context is refused, in the
+    words of vLLM's OpenAI server (through 0.10; later releases cut max_tokens to the context
+    silently, which this server does only for a max_tokens it chose itself)."""
     if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
         return
     raise APIError(
         400,
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-        f"in the completion): reduce {param} or the prompt.",
+        f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+        f"maximum context length is {max_model_len} tokens and your request has "
+        f"{num_prompt_tokens} input tokens ({max_tokens} > {max_model_len} - "
+        f"{num_prompt_tokens}).",
         param=param,
     )

@@ -38,6 +38,9 @@ from tokentape.entrypoints.server_lifecycle import (
 if TYPE_CHECKING:
     from tokentape.entrypoints.api_server import ServerOptions
 
+# What `tokentape serve` imports from the `serve` extra (pyproject.toml).
+SERVE_MODULES = ("uvicorn", "fastapi", "zmq", "prometheus_client")
+
 
 def _seconds(text: str) -> float:
     try:
@@ -209,6 +212,10 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokentape.extras import require_extra
+
+    # One line naming the extra, exit 2, before anything starts (a traceback otherwise).
+    require_extra("serve", "tokentape serve", *SERVE_MODULES)
     import uvicorn
 
     from tokentape.engine.async_llm import AsyncLLM

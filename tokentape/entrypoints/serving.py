@@ -10,13 +10,16 @@ streams, which aborts their requests on the tape.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
+from uuid import uuid4
 
 from starlette.requests import Request
 
 from tokentape.engine.async_llm import AsyncLLM
+from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.outputs import RequestOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate
@@ -24,6 +27,7 @@ from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
 from tokentape.entrypoints.refusals import APIError, check_fits_context, refusal
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import RequestOutputKind, SamplingParams
+from tokentape.version import __version__
 
 __all__ = ["APIError", "ClientGone", "OpenAIServing", "PromptStream", "guarded_sse"]
 
@@ -106,6 +110,24 @@ class OpenAIServing:
             chat_template,
             metrics,
         )
+        self._fingerprint: str | None = None
+
+    @property
+    def system_fingerprint(self) -> str:
+        """vLLM's system_fingerprint, `tokentape-<version>-<hash8>`: the hash of what shapes
+        every output (the model, its vocabulary, the context), so a client sees a change."""
+        if self._fingerprint is None:
+            e = self.engine
+            identity = f"{e.model_id}|{e.vocab_size}|{e.max_model_len}".encode()
+            self._fingerprint = (
+                f"tokentape-{__version__}-{hashlib.sha256(identity).hexdigest()[:8]}"
+            )
+        return self._fingerprint
+
+    def request_id(self, request: Request, req: p._SamplingFields, prefix: str) -> str:
+        """The response id: vLLM's `request_id` field, else the X-Request-Id header, else a
+        new one."""
+        return req.request_id or request.headers.get("x-request-id") or f"{prefix}-{uuid4().hex}"
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -120,10 +142,25 @@ class OpenAIServing:
         aliases: Mapping[str, str],
     ) -> SamplingParams:
         """The request's SamplingParams; a refused value is a 400 naming its field (as the
-        endpoint calls it: `aliases`), and so is a max_tokens past the context (vLLM's)."""
+        endpoint calls it: `aliases`). As vLLM's: a prompt past the context is refused in
+        vLLM's words, `max_tokens` None means the rest of the context, and an explicit
+        max_tokens past it is refused."""
+        max_model_len = self.engine.max_model_len
+        if num_prompt_tokens >= max_model_len:  # before max_tokens: the prompt is the fault
+            try:
+                check_prompt_fits(num_prompt_tokens, max_model_len)
+            except ValueError as exc:
+                raise refusal(exc, aliases) from None
+        options = req.stream_options
+        if options is not None and not req.stream and options != p.StreamOptions():
+            raise APIError(  # vLLM's words; an empty object passes, as in vLLM
+                400,
+                "Stream options can only be defined when `stream=True`.",
+                param="stream_options",
+            )
         asked = max_tokens
         if max_tokens is None:
-            max_tokens = max(1, self.engine.max_model_len - num_prompt_tokens)
+            max_tokens = max(1, max_model_len - num_prompt_tokens)
         top_k = 0 if req.top_k in (None, -1) else req.top_k
         try:
             params = SamplingParams(
@@ -146,14 +183,13 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 n=req.n,
                 bad_words=tuple(req.bad_words or ()),
+                min_p=req.min_p or 0.0,
+                logit_bias=logit_bias_ids(req.logit_bias),
             )
         except (ValueError, TypeError) as exc:
             raise refusal(exc, aliases) from None
         check_fits_context(
-            num_prompt_tokens,
-            asked,
-            self.engine.max_model_len,
-            aliases.get("max_tokens", "max_tokens"),
+            num_prompt_tokens, asked, max_model_len, aliases.get("max_tokens", "max_tokens")
         )
         return params
 
@@ -208,6 +244,21 @@ class OpenAIServing:
             for s in streams:
                 await s.agen.aclose()  # type: ignore[attr-defined]
             raise
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it, each bias
+    clamped to [-100, 100] as vLLM's; a key that is no integer is refused in vLLM's words."""
+    if not bias:
+        return {}
+    bad = [k for k in bias if not k.strip().lstrip("+-").isdigit()]
+    if bad:
+        raise APIError(
+            400,
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
+            param="logit_bias",
+        )
+    return {int(k): min(100.0, max(-100.0, v)) for k, v in bias.items()}
 
 
 def sse_bytes(chunk: Any) -> bytes:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -42,32 +41,77 @@ def content_of(message: p.ChatMessage) -> str | list[dict[str, object]] | None:
     return message.content
 
 
+def chat_prompt(
+    serving: OpenAIServing, req: p.ChatCompletionRequest | p.TokenizeChatRequest
+) -> list[int]:
+    """The messages through the chat template (with vLLM's add_generation_prompt,
+    continue_final_message and chat_template_kwargs), encoded: a 400 naming `messages` (or the
+    field at fault) when they cannot be."""
+    if not req.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(  # vLLM's words
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    kwargs = dict(req.chat_template_kwargs or {})
+    if "chat_template" in kwargs:  # vLLM refuses a template smuggled in here too
+        raise APIError(
+            400,
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+            param="chat_template_kwargs",
+        )
+    for i, m in enumerate(req.messages):
+        for field in ("tool_calls", "tool_call_id"):
+            if bytes(getattr(m, field)) not in (b"", b"null", b"[]"):
+                raise APIError(
+                    400,
+                    f"messages[{i}].{field} is not supported: tool calling is not implemented",
+                    param="messages",
+                )
+    add_generation_prompt = (
+        not req.continue_final_message
+        if req.add_generation_prompt is None
+        else req.add_generation_prompt
+    )
+    try:
+        messages = [message_text(m.role, content_of(m), m.name) for m in req.messages]
+        text = serving.chat_template.render(
+            messages, add_generation_prompt, req.continue_final_message, kwargs
+        )
+        tokens = serving.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except ValueError as exc:  # a lone surrogate; a checkpoint without a tokenizer
+        raise APIError(400, f"the messages cannot be encoded: {exc}", param="messages") from None
+    if not tokens:
+        raise APIError(400, "the rendered chat prompt is empty", param="messages")
+    return tokens
+
+
 async def create_chat_completion(
     serving: OpenAIServing, req: p.ChatCompletionRequest, request: Request
 ) -> Response:
     """POST /v1/chat/completions: the messages through the chat template, n choices."""
     serving.check_model(req.model)
-    if not req.messages:
-        raise APIError(400, "messages must not be empty", param="messages")
-    try:
-        messages = [message_text(m.role, content_of(m)) for m in req.messages]
-        text = serving.chat_template.render(messages, req.add_generation_prompt)
-        tokens = serving.engine.tokenizer.encode(text)
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    except ValueError as exc:  # a lone surrogate; a checkpoint without a tokenizer
-        raise APIError(400, f"the messages cannot be encoded: {exc}", param="messages") from None
-    if not tokens:
-        raise APIError(400, "the rendered chat prompt is empty", param="messages")
+    tokens = chat_prompt(serving, req)
+    if req.top_logprobs and not req.logprobs:  # vLLM's words: not dropped silently
+        raise APIError(
+            400,
+            "when using `top_logprobs`, `logprobs` must be set to true.",
+            param="top_logprobs",
+        )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     aliases = param_aliases(req)
     params = serving.sampling_params(req, max_tokens, len(tokens), logprobs, aliases)
-    request_id = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = serving.request_id(request, req, "chatcmpl")
     streams = await serving.start(request, [tokens], params, request_id, aliases)
-    created = int(time.time())
+    created, fp = int(time.time()), serving.system_fingerprint
     tokenizer, n, k = serving.engine.tokenizer, params.n, req.top_logprobs or 0
 
     def choice_logprobs(c: CompletionOutput) -> p.ChatChoiceLogprobs | None:
@@ -77,16 +121,36 @@ async def create_chat_completion(
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # vLLM's continuous_usage_stats: every chunk has its choice's usage so far.
+        continuous = include_usage and req.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+        choice_tokens = [0] * n
+
+        def chunk(ch: p.ChatStreamChoice) -> bytes:
+            if not continuous:
+                return framer.chunk(ch)
+            usage = p.UsageInfo(len(tokens), choice_tokens[ch.index])
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            return sse_bytes(
+                p.ChatCompletionChunk(
+                    request_id, created, serving.model_name, [ch], usage, system_fingerprint=fp
+                )
+            )
+
+        framer = SSEFramer(
+            p.ChatCompletionChunk(
+                request_id, created, serving.model_name, [], None, system_fingerprint=fp
+            )
+        )
 
         async def sse() -> AsyncIterator[bytes]:
             role = p.ChatDelta("assistant", "")
-            framer = SSEFramer(p.ChatCompletionChunk(request_id, created, serving.model_name, []))
             for j in range(n):
-                yield framer.chunk(p.ChatStreamChoice(j, role, None))
+                yield chunk(p.ChatStreamChoice(j, role, None))
             generated = 0
             async for _, out in merge_streams(streams):
                 for c in out.outputs:  # n > 1: the choices with something new
                     generated += len(c.token_ids)
+                    choice_tokens[c.index] += len(c.token_ids)
                     delta = p.ChatDelta(content=c.text)  # the processor's, cut at a stop string
                     ch = p.ChatStreamChoice(
                         c.index,
@@ -96,11 +160,16 @@ async def create_chat_completion(
                         c.token_ids if req.return_token_ids else None,  # a copy already
                         c.stop_reason,
                     )
-                    yield framer.chunk(ch)
+                    yield chunk(ch)
             if include_usage:
                 yield sse_bytes(
                     p.ChatCompletionChunk(
-                        request_id, created, serving.model_name, [], usage_of(streams, generated)
+                        request_id,
+                        created,
+                        serving.model_name,
+                        [],
+                        usage_of(streams, generated),
+                        system_fingerprint=fp,
                     )
                 )
             yield SSE_DONE
@@ -133,6 +202,7 @@ async def create_chat_completion(
             serving.model_name,
             choices,
             usage_of(streams, sum(len(m.token_ids) for m in merged)),
+            system_fingerprint=fp,
         )
 
     body = await serving.finish(request, streams, collect())

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -26,16 +26,20 @@ from tokentape.entrypoints.serving import (
 
 # The engine's names of a refused field, as a completion request calls them.
 PARAM_ALIASES = {"prompt_token_ids": "prompt"}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's, for completions
 
 
-def completion_prompts(serving: OpenAIServing, prompt: str | list[Any]) -> list[list[int]]:
-    """The prompts as token ids: a string, token ids, or a list of either."""
+def completion_prompts(
+    serving: OpenAIServing, prompt: str | list[Any], add_special_tokens: bool = True
+) -> list[list[int]]:
+    """The prompts as token ids: a string (encoded with the tokenizer's special tokens, as
+    vLLM's add_special_tokens asks), token ids, or a list of either."""
     encode = serving.engine.tokenizer.encode
 
     def one(x: Any) -> list[int]:
         if isinstance(x, str):
             try:
-                return encode(x)
+                return encode(x, add_special_tokens=add_special_tokens)
             except ValueError as exc:  # a lone surrogate; a checkpoint without a tokenizer
                 raise APIError(
                     400, f"the prompt cannot be encoded: {exc}", param="prompt"
@@ -66,13 +70,15 @@ async def create_completion(
     serving.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
-    prompts = completion_prompts(serving, req.prompt)
-    params = serving.sampling_params(
-        req, req.max_tokens, max(map(len, prompts)), req.logprobs, PARAM_ALIASES
-    )
-    request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+    prompts = completion_prompts(serving, req.prompt, req.add_special_tokens)
+    longest = max(map(len, prompts))
+    max_tokens = req.max_tokens
+    if max_tokens is msgspec.UNSET:  # vLLM's default: 16, cut to the context that is left
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, serving.engine.max_model_len - longest))
+    params = serving.sampling_params(req, max_tokens, longest, req.logprobs, PARAM_ALIASES)
+    request_id = serving.request_id(request, req, "cmpl")
     streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES)
-    created = int(time.time())
+    created, fp = int(time.time()), serving.system_fingerprint
     tokenizer, n = serving.engine.tokenizer, params.n
     # By choice index (prompt i's completion j is i * n + j): its logprobs' text offsets.
     texts: dict[int, CompletionLogprobsFormatter] = {}
@@ -97,10 +103,17 @@ async def create_completion(
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # vLLM's continuous_usage_stats: every chunk has its choice's usage so far.
+        continuous = include_usage and req.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+        choice_tokens: dict[int, int] = {}
 
         async def sse() -> AsyncIterator[bytes]:
             generated = 0
-            framer = SSEFramer(p.CompletionResponse(request_id, created, serving.model_name, []))
+            framer = SSEFramer(
+                p.CompletionResponse(
+                    request_id, created, serving.model_name, [], None, system_fingerprint=fp
+                )
+            )
             async for i, out in merge_streams(streams):
                 for c in out.outputs:  # n > 1: the completions with something new
                     first = i * n + c.index not in texts
@@ -108,11 +121,30 @@ async def create_completion(
                     generated += len(c.token_ids)
                     if first and req.return_token_ids:
                         ch.prompt_token_ids = streams[i].prompt_token_ids
-                    yield framer.chunk(ch)
+                    if not continuous:
+                        yield framer.chunk(ch)
+                        continue
+                    done = choice_tokens[ch.index] = choice_tokens.get(ch.index, 0) + len(
+                        c.token_ids
+                    )
+                    prompt = len(streams[i].prompt_token_ids)
+                    usage = p.UsageInfo(prompt, done, prompt + done)
+                    yield sse_bytes(
+                        p.CompletionResponse(
+                            request_id,
+                            created,
+                            serving.model_name,
+                            [ch],
+                            usage,
+                            system_fingerprint=fp,
+                        )
+                    )
             if include_usage:
                 usage = usage_of(streams, generated)
                 yield sse_bytes(
-                    p.CompletionResponse(request_id, created, serving.model_name, [], usage)
+                    p.CompletionResponse(
+                        request_id, created, serving.model_name, [], usage, system_fingerprint=fp
+                    )
                 )
             yield SSE_DONE
 
@@ -136,7 +168,12 @@ async def create_completion(
                     ch.prompt_token_ids = s.prompt_token_ids
                 choices.append(ch)
         return p.CompletionResponse(
-            request_id, created, serving.model_name, choices, usage_of(streams, generated)
+            request_id,
+            created,
+            serving.model_name,
+            choices,
+            usage_of(streams, generated),
+            system_fingerprint=fp,
         )
 
     body = await serving.finish(request, streams, collect())

@@ -22,11 +22,14 @@ of the reducer: they change request state only when the reducer calls them.
 The museum policies (`MUSEUM_POLICIES`) reproduce later bugs of the family, for tapes and
 tests only: selectable by name, never a default, not offered by the CLI.
 
-- `vllm-flag`, `vllm-counter`: vLLM's AsyncScheduler exactly as released before PR #42117
-  (0.20-0.21) and between #42117 and #48245 (0.22-0.26): the flag or the counter is set by a
-  reset's preemptions only; a KV-pressure preemption leaves the stale frame to be applied,
-  which vLLM's batch queue of depth 2 does before the request is scheduled again, so it is
-  delivered as under `deliver`. Tapes recorded from those releases name them.
+- `vllm-flag`, `vllm-counter`, `vllm-counter-guarded`: vLLM's AsyncScheduler exactly as
+  released before PR #42117 (0.20-0.21), between #42117 and #46066 (0.22-0.24) and from #46066
+  to #48245 (0.25-0.26): the flag or the counter is set by a reset's preemptions only; a
+  KV-pressure preemption leaves the stale frame to be applied, which vLLM's batch queue of
+  depth 2 does before the request is scheduled again, so it is delivered as under `deliver`.
+  With drafts, a frame gives its rejected drafts back even when the discard drops it, which
+  sends a resumed request's placeholders below zero (#46066); 0.25 stopped that while the
+  counter runs. Tapes recorded from those releases name them.
 
 - `flag-reset-only`: vLLM #38624. The flag is set by a reset's preemptions only, so a
   KV-pressure preemption leaves its in-flight output to be applied: a token twice.
@@ -74,6 +77,19 @@ class DiscardPolicy(Protocol):
     def stale_bug(self, reason: str, counter_left: int) -> str | None:
         """The upstream bug a stale frame applied after a preemption for `reason` matches."""
 
+    def give_back_drafts(
+        self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
+    ) -> int:
+        """Called for a frame whose entry had drafts, before the discard looks at it: gives
+        back the rejected draft positions; returns the placeholders the frame's tokens then
+        return if it is applied."""
+
+    def negative_placeholders_bug(
+        self, reason: str, spec_in_flight: bool, counter_left: int
+    ) -> str | None:
+        """The upstream bug that placeholders going below zero after a preemption for `reason`
+        match (`spec_in_flight`: an entry in flight then had drafts)."""
+
 
 class _Policy:
     """What the policies share: no discard count of their own, no upstream bug."""
@@ -84,6 +100,13 @@ class _Policy:
     def discard_count(self, req: RequestState) -> int:
         return req.num_stale_in_flight
 
+    def give_back_drafts(
+        self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
+    ) -> int:
+        if not stale:  # rejected draft positions were counted as computed
+            req.num_computed_tokens -= num_drafts - num_accepted
+        return 1 + num_drafts
+
     def fresh_drop_bug(self, spec_in_flight: bool, counter_left: int) -> str | None:
         return None
 
@@ -91,6 +114,24 @@ class _Policy:
         if counter_left > 0:
             return "vllm#42117-overwrite"
         return "vllm#47900" if reason == "kv_pressure" else None
+
+    def negative_placeholders_bug(
+        self, reason: str, spec_in_flight: bool, counter_left: int
+    ) -> str | None:
+        return self.stale_bug(reason, counter_left)  # a stale frame that got through, counted
+
+
+def _give_back_drafts_as_released(req: RequestState, num_drafts: int, num_accepted: int) -> int:
+    """vLLM before #48245 (Scheduler.update_from_output): every frame with drafts, stale or
+    about to be dropped, takes its rejected drafts off the computed tokens and the placeholders
+    when they are positive. A stale frame thus takes them from a request already scheduled again
+    after a reset, and its placeholders go below zero, silently (#46066)."""
+    rejected = num_drafts - num_accepted
+    if req.num_computed_tokens > 0:
+        req.num_computed_tokens -= rejected
+    if req.num_output_placeholders > 0:
+        req.num_output_placeholders -= rejected
+    return 1 + num_accepted  # what the applied tokens return (the rejected ones went above)
 
 
 class EpochPolicy(_Policy):
@@ -222,9 +263,21 @@ class VllmFlagPolicy(FlagResetOnlyPolicy):
             return super().stale_bug(reason, counter_left)
         return FlagPolicy.stale_bug(self, reason, counter_left)
 
+    def give_back_drafts(
+        self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
+    ) -> int:
+        return _give_back_drafts_as_released(req, num_drafts, num_accepted)
+
+    def negative_placeholders_bug(
+        self, reason: str, spec_in_flight: bool, counter_left: int
+    ) -> str | None:
+        if reason == "reset_prefix_cache" and spec_in_flight:
+            return "vllm#46066"  # the dropped stale frame's rejected drafts, given back
+        return super().negative_placeholders_bug(reason, spec_in_flight, counter_left)
+
 
 class VllmCounterPolicy(CounterResetOnlyPolicy):
-    """vLLM 0.22-0.26 as released: the reset's counter; KV-pressure output delivered."""
+    """vLLM 0.22-0.24 as released: the reset's counter; KV-pressure output delivered."""
 
     name = "vllm-counter"
     delivers_stale = True
@@ -232,6 +285,32 @@ class VllmCounterPolicy(CounterResetOnlyPolicy):
     def on_preempt(self, req: RequestState, reason: str) -> None:
         super().on_preempt(req, reason)
         req.drop_stale_output = reason == "reset_prefix_cache"
+
+    def give_back_drafts(
+        self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
+    ) -> int:
+        return _give_back_drafts_as_released(req, num_drafts, num_accepted)
+
+    def negative_placeholders_bug(
+        self, reason: str, spec_in_flight: bool, counter_left: int
+    ) -> str | None:
+        if reason == "reset_prefix_cache" and spec_in_flight:
+            return "vllm#46066"  # the dropped stale frame's rejected drafts, given back
+        return super().negative_placeholders_bug(reason, spec_in_flight, counter_left)
+
+
+class VllmCounterGuardedPolicy(VllmCounterPolicy):
+    """vLLM 0.25-0.26 as released: #46066's guard, a frame the counter is about to drop gives
+    no drafts back (not even a fresh one, whose rejected positions stay counted as computed)."""
+
+    name = "vllm-counter-guarded"
+
+    def give_back_drafts(
+        self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
+    ) -> int:
+        if req.async_tokens_to_discard > 0:
+            return 1 + num_drafts  # dropped: nothing is given back
+        return _give_back_drafts_as_released(req, num_drafts, num_accepted)
 
 
 class CounterSpecBudgetPolicy(CounterPolicy):
@@ -261,6 +340,7 @@ MUSEUM_POLICIES: dict[str, DiscardPolicy] = {
         CounterSpecBudgetPolicy(),
         VllmFlagPolicy(),
         VllmCounterPolicy(),
+        VllmCounterGuardedPolicy(),
     )
 }
 ALL_POLICIES: dict[str, DiscardPolicy] = {**DISCARD_POLICIES, **MUSEUM_POLICIES}

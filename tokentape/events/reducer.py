@@ -230,13 +230,14 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
                 continue
         if not frame.token_ids:
             continue  # nothing sampled (vLLM: an aborted or failed request): nothing to apply
-        if num_spec and not stale:  # rejected draft positions were counted as computed
-            req.num_computed_tokens -= num_spec - frame.num_accepted
+        returned = 1  # the placeholders the frame returns if applied
+        if num_spec:
+            returned = policy.give_back_drafts(req, stale, num_spec, frame.num_accepted)
         if (stale or may_drop_fresh) and should_drop(req, stale, len(frame.token_ids)):
             req.num_frames_dropped += 1
             continue
         if not (stale and delivers_stale):  # delivered stale output is not counted (#48245)
-            req.num_output_placeholders -= 1 + num_spec
+            req.num_output_placeholders -= returned
         # Append the tokens one at a time, up to the first stop condition.
         output = req.output_token_ids
         if entry.req_id not in pending:  # _mark_pending, inlined: this loop is the hot path

@@ -7,7 +7,8 @@ so a params object equals its copy decoded from the tape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tokentape.events.validation import check_bool, check_int, check_number, check_str, shown
@@ -60,3 +61,18 @@ def check_sampling_options(params: Any, set_field: Callable[[Any, str, Any], Non
             check_int(f"bad_words[{i}][{j}]", token, 0)
         words.append(word)
     set_field(params, "bad_words", tuple(words))
+    set_field(params, "min_p", check_number("min_p", params.min_p, 0.0, 1.0))
+    set_field(params, "logit_bias", _logit_bias(params.logit_bias))
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """vLLM's {token id: bias} (or (id, bias) pairs) as pairs in id order; a finite bias."""
+    items = value.items() if isinstance(value, Mapping) else _sequence("logit_bias", value, "pairs")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if isinstance(item, (str, bytes)) or not hasattr(item, "__len__") or len(item) != 2:
+            raise TypeError(f"logit_bias must map token ids to biases, got {shown(item)}")
+        token, bias = item
+        check_int(f"logit_bias key {token!r}", token, 0)
+        pairs[token] = check_number(f"logit_bias[{token}]", bias, -math.inf)
+    return tuple(sorted(pairs.items()))

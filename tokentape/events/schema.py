@@ -18,8 +18,9 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 
 # 2: the sampling options (SamplingParams from `n` on), top-k logprobs in FrameEntry and the
 # matched stop string in RequestFinished; every new field is last, with a default, so a
-# version-1 tape reads unchanged.
-FORMAT_VERSION = 2
+# version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
+# defaults: a version-2 tape reads unchanged).
+FORMAT_VERSION = 3
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -58,6 +59,10 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # Token-id sequences (the last id is banned after the rest), or strings as vLLM takes them:
     # the engine encodes a string before recording, so a tape holds token ids only.
     bad_words: tuple[str | tuple[int, ...], ...] = ()
+    # Format 3: vLLM's min_p, and logit_bias as (token id, bias) pairs in id order (a mapping
+    # is accepted, as vLLM's dict, and normalised, so a params object equals its decoded copy).
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is
@@ -124,33 +129,33 @@ class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
 # -- commands from the client -------------------------------------------------------------
 
 
-class RequestAdded(Event, tag="RequestAdded"):
+class RequestAdded(Event, frozen=True, tag="RequestAdded"):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
 
 
-class RequestAborted(Event, tag="RequestAborted"):
+class RequestAborted(Event, frozen=True, tag="RequestAborted"):
     req_id: str
 
 
-class GenerationPaused(Event, tag="GenerationPaused"):
+class GenerationPaused(Event, frozen=True, tag="GenerationPaused"):
     mode: PauseMode
     clear_cache: bool
 
 
-class GenerationResumed(Event, tag="GenerationResumed"):
+class GenerationResumed(Event, frozen=True, tag="GenerationResumed"):
     pass
 
 
-class PrefixCacheReset(Event, tag="PrefixCacheReset"):
+class PrefixCacheReset(Event, frozen=True, tag="PrefixCacheReset"):
     """Recorded before the preemptions it causes; `ok` is the call's return value."""
 
     reset_running_requests: bool
     ok: bool
 
 
-class WeightsUpdated(Event, tag="WeightsUpdated"):
+class WeightsUpdated(Event, frozen=True, tag="WeightsUpdated"):
     weights_id: str
 
 
@@ -166,17 +171,17 @@ class ScheduledEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     new_block_ids: list[int]
 
 
-class StepScheduled(Event, tag="StepScheduled"):
+class StepScheduled(Event, frozen=True, tag="StepScheduled"):
     entries: list[ScheduledEntry]
 
 
-class RequestPreempted(Event, tag="RequestPreempted"):
+class RequestPreempted(Event, frozen=True, tag="RequestPreempted"):
     req_id: str
     reason: PreemptReason
     in_flight: int  # steps of this request still in flight when it was preempted
 
 
-class RequestFinished(Event, tag="RequestFinished"):
+class RequestFinished(Event, frozen=True, tag="RequestFinished"):
     req_id: str
     reason: FinishReason
     # Format 2: the stop string that finished it (reason "stop"), found by the engine in the
@@ -202,7 +207,7 @@ class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
         return len(self.token_ids) - 1
 
 
-class FrameProduced(Event, tag="FrameProduced"):
+class FrameProduced(Event, frozen=True, tag="FrameProduced"):
     entries: list[FrameEntry]
 
 
@@ -213,16 +218,16 @@ class EmittedOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     finish_reason: FinishReason | None = None
 
 
-class OutputsEmitted(Event, tag="OutputsEmitted"):
+class OutputsEmitted(Event, frozen=True, tag="OutputsEmitted"):
     entries: list[EmittedOutput]
 
 
-class EngineError(Event, tag="EngineError"):
+class EngineError(Event, frozen=True, tag="EngineError"):
     error_type: str
     message: str
 
 
-class RecordingStopped(Event, tag="RecordingStopped"):
+class RecordingStopped(Event, frozen=True, tag="RecordingStopped"):
     """The recorder of another engine stopped here and the run went on unrecorded: something
     changed the engine's state outside the calls the recorder follows (a test setting vLLM's
     scheduler state by hand), so the tape could no longer describe it. The last event."""
@@ -278,7 +283,7 @@ def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
-def decode(data: bytes) -> AnyEvent:
+def decode(data: bytes | bytearray | memoryview) -> AnyEvent:
     return _decoder.decode(data)
 
 
@@ -286,5 +291,5 @@ def encode_header(header: TapeHeader) -> bytes:
     return _encoder.encode(header)
 
 
-def decode_header(data: bytes) -> TapeHeader:
+def decode_header(data: bytes | bytearray | memoryview) -> TapeHeader:
     return _header_decoder.decode(data)

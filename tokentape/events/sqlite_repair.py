@@ -63,9 +63,9 @@ def account_for_loss(
             (),
         )
     steps: dict[int, int] = {}
-    for end, message in unconfirmed:
-        if end > committed:
-            steps.update((seq, step) for seq, step, _, _ in sqlite_writer.unframe_rows(message))
+    for last_seq, rows in unconfirmed:
+        if last_seq > committed:
+            steps.update((seq, step) for seq, step, _, _ in sqlite_writer.unframe_rows(rows))
     steps.update((seq, step) for seq, step, _, _ in buffer)
     lost = range(committed, appended)
     lost_steps = tuple(sorted({steps[s] for s in lost if s in steps}))

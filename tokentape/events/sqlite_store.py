@@ -237,7 +237,8 @@ class SQLiteTape:
         if stopped[0] == sqlite_writer.EXIT_WAL_KEPT:
             warnings.warn(
                 TapeWarning(
-                    f"{self.path}: {stopped[1]}; the tape is complete only with that file beside it "
+                    f"{self.path}: {stopped[1]}; "
+                    "the tape is complete only with that file beside it "
                     f"(copy it with `tokentape export {self.path} --format sqlite -o COPY.tape`)"
                 ),
                 stacklevel=2,

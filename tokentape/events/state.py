@@ -13,7 +13,9 @@ from enum import Enum
 from tokentape.events.schema import FinishReason, PauseMode, SamplingParams, ScheduledEntry
 
 
-class RequestStatus(str, Enum):
+# Not StrEnum: str() of a member would change (the value, not "RequestStatus.X"), and the
+# module is compiled by mypyc.
+class RequestStatus(str, Enum):  # noqa: UP042
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"

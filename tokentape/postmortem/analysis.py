@@ -85,7 +85,8 @@ class EngineErrorChecker(Checker):
             "error",
             names,
             e.step,
-            f"the engine failed at step {e.step}{cause}: {e.error_type}: {' '.join(e.message.split())}",
+            f"the engine failed at step {e.step}{cause}: "
+            f"{e.error_type}: {' '.join(e.message.split())}",
             excerpt,
             bug,
             seq,
@@ -161,7 +162,8 @@ def postmortem(
             k: ctx.tokens.get(k, 0)
             for k in ("produced", "applied", "dropped_stale", "dropped_fresh", "after_stop", "lost")
         },
-        complete=complete,
+        complete=complete and "tape_truncated" not in counts,
+        read_to_end=complete,
     )
     return Report(findings, summary)
 

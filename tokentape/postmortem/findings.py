@@ -16,22 +16,26 @@ BUG_CLASSES: dict[str, str] = {
     "vllm#42043": "vLLM #42043: a preemption flag drops the first token after resume",
     "vllm#42117-overwrite": "vLLM #42117 review: a second preemption overwrites a discard counter "
     "that has not drained, so a stale token slips through",
-    "vllm#42117-spec-units": "vLLM #42117 follow-up (#46066): the discard counter is set in tokens "
+    "vllm#42117-spec-units": "vLLM #42117 follow-up: the discard counter is set in tokens "
     "but drained per frame, so with speculative decoding fresh frames are dropped",
+    "vllm#46066": "vLLM #46066: before it, a stale frame dropped after "
+    "reset_prefix_cache(reset_running_requests=True) still took its rejected drafts off the "
+    "placeholders of the request scheduled again, which went below zero silently",
     "vllm#42043-one-frame": "vLLM before #42117: a reset sets one boolean flag, which drops one "
     "frame, so with several steps in flight (pipeline depth 3 or more) the "
     "other stale frames are applied; #42117's counter replaced the flag",
-    "vllm#47900": "vLLM #47900: output placeholders go negative after a KV-pressure preemption "
-    "with output in flight",
-    "vllm#26400": "vLLM #26400/#29987: an abort during the final step is reported as a normal finish",
-    "vllm#38624": "vLLM #38624: in-flight tokens are discarded after a reset's preemption only, not "
-    "after a KV-pressure preemption, so its stale output is applied",
-    "vllm#40768": "vLLM #40768: -1 draft placeholder ids of a preempted request leak into the input "
-    "ids of the step that admits it again",
+    "vllm#47900": "vLLM #47900: output placeholders go negative after a KV-pressure "
+    "preemption with output in flight",
+    "vllm#26400": "vLLM #26400/#29987: an abort during the final step is reported as a "
+    "normal finish",
+    "vllm#38624": "vLLM #38624: in-flight tokens are discarded after a reset's preemption "
+    "only, not after a KV-pressure preemption, so its stale output is applied",
+    "vllm#40768": "vLLM #40768: -1 draft placeholder ids of a preempted request leak into the "
+    "input ids of the step that admits it again",
     "vllm#41190": "vLLM #41190 (fixed by #49620): with speculative decoding the discard budget is "
     "counted as 1 + k tokens per frame, outlives the stale frames and drops fresh ones",
-    "vllm#49860": "vLLM #49860: placeholders inflated after a drain, so a request is scheduled past "
-    "max_tokens and its stop comes late",
+    "vllm#49860": "vLLM #49860: placeholders inflated after a drain, so a request is scheduled "
+    "past max_tokens and its stop comes late",
     "vllm#57562": "vLLM #57562: output placeholders go negative with chunked prefill and other "
     "requests in the step, without speculative decoding or preemption",
     "vllm#33377": "vLLM #33377: the KV blocks of a request aborted with a step in flight are freed "
@@ -73,7 +77,10 @@ class Summary(msgspec.Struct):
     warnings: int
     counts: dict[str, int]  # findings per kind
     tokens: dict[str, int]  # token conservation: produced, applied, dropped_stale, ...
-    complete: bool  # False when the tape could not be read or folded to its end
+    # The run's tape is whole: read and folded to its end, and that end is the run's (no
+    # tape_truncated finding). A summary never says "complete" beside a truncated tape.
+    complete: bool
+    read_to_end: bool = True  # the pass read and folded every event (a damaged tape: False)
 
 
 class Report(msgspec.Struct):

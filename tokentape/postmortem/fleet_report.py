@@ -56,7 +56,8 @@ def print_fleet_report(report: FleetReport, stream: TextIO) -> None:
                 reqs = ", ".join(f.request_ids) or "-"
                 bug = f" [{f.bug_class}]" if f.bug_class else ""
                 out.write(
-                    f"  [{f.severity}] {f.kind}  requests {reqs}  {_steps(f)}{bug}\n    {f.message}\n"
+                    f"  [{f.severity}] {f.kind}  requests {reqs}  {_steps(f)}{bug}\n"
+                    f"    {f.message}\n"
                 )
 
 
@@ -168,8 +169,10 @@ tr.error td { background: #ffe8e8; } tr.warning td { background: #fff6dc; }
 .st { font-weight: bold; } .st.error { color: #b00000; } .st.warning { color: #a06800; }
 .st.ok { color: #207020; } .path { font-weight: normal; color: #666; font-size: 0.9em; }
 .verdict { font-weight: bold; } .verdict.bad { color: #b00000; } .verdict.ok { color: #207020; }
-.finding { border-left: 4px solid #999; padding: 0.2em 0.8em; margin: 0.5em 0; background: #fafafa; }
+.finding { border-left: 4px solid #999; padding: 0.2em 0.8em; margin: 0.5em 0; \
+background: #fafafa; }
 .finding.error { border-color: #c00000; } .finding.warning { border-color: #d09000; }
-.sev { text-transform: uppercase; font-size: 0.8em; color: #fff; background: #c00000; padding: 1px 5px; }
+.sev { text-transform: uppercase; font-size: 0.8em; color: #fff; background: #c00000; \
+padding: 1px 5px; }
 .finding.warning .sev { background: #d09000; }
 </style></head><body>"""

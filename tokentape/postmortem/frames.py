@@ -158,8 +158,9 @@ class FrameChecker(Checker):
                 "error",
                 [req.req_id],
                 e.step,
-                f"the first token after resume of request {req.req_id!r} (step {e.step}) was dropped by "
-                f"{why}, set by its {p.event.reason} preemption in step {p.event.step} with "
+                f"the first token after resume of request {req.req_id!r} (step {e.step}) "
+                f"was dropped by {why}, set by its {p.event.reason} preemption in step "
+                f"{p.event.step} with "
                 f"{p.event.in_flight} steps in flight; every later token moves up by one",
                 excerpt,
                 bug,
@@ -171,8 +172,8 @@ class FrameChecker(Checker):
             "error",
             [req.req_id],
             e.step,
-            f"a fresh frame of request {req.req_id!r} (step {e.step}, epoch {req.epoch}) was dropped by "
-            f"{why}; its tokens are lost and later tokens move up",
+            f"a fresh frame of request {req.req_id!r} (step {e.step}, epoch {req.epoch}) "
+            f"was dropped by {why}; its tokens are lost and later tokens move up",
             excerpt,
             bug,
             seq,
@@ -200,7 +201,8 @@ class FrameChecker(Checker):
             "error",
             [req.req_id],
             e.step,
-            f"a stale frame of request {req.req_id!r} (scheduled in step {e.step} before a preemption) "
+            f"a stale frame of request {req.req_id!r} "
+            f"(scheduled in step {e.step} before a preemption) "
             f"was applied: its token is delivered and computed again{extra}",
             [scheduled, cite(p), (seq, e)],
             bug,
@@ -288,10 +290,12 @@ class CountChecker(Checker):
     def _negative(self, seq: int, e: ev.Event, req: RequestState, name: str, value: int) -> None:
         p = self.ctx.preemptions.get(req.req_id)
         bug = None
-        if name == "num_output_placeholders":  # a stale frame got through: it was counted once more
-            bug = stale_bug_class(p, self.ctx.tape.header.discard_policy)
-            if p is None and req.req_id in self.ctx.chunked:
-                bug = "vllm#57562"  # no preemption: a prefill chunk's placeholder went missing
+        if name == "num_output_placeholders" and p is not None:
+            bug = get_policy(self.ctx.tape.header.discard_policy).negative_placeholders_bug(
+                p.event.reason, p.spec_in_flight, p.counter_left
+            )
+        elif name == "num_output_placeholders" and req.req_id in self.ctx.chunked:
+            bug = "vllm#57562"  # no preemption: a prefill chunk's placeholder went missing
         self.ctx.report(
             "negative_count",
             "error",

@@ -74,8 +74,9 @@ class KVChecker(Checker):
                         "error",
                         sorted({entry.req_id, other or "?"}),
                         e.step,
-                        f"KV block {b} was newly allocated to request {entry.req_id!r} in step {e.step} "
-                        f"while request {other!r} still held it: it was freed twice or handed out twice",
+                        f"KV block {b} was newly allocated to request {entry.req_id!r} "
+                        f"in step {e.step} while request {other!r} still held it: "
+                        "it was freed twice or handed out twice",
                         [(seq, e)],
                         bug,
                         seq,
@@ -132,9 +133,10 @@ class KVChecker(Checker):
                     "error",
                     [e.req_id],
                     e.step,
-                    f"request {e.req_id!r} was preempted for KV pressure in step {e.step} while the tape "
-                    f"accounts for only {self.used} of {self.num_blocks} blocks in use ({free} free, "
-                    f"no allocation of the step needs more than {bound}): the engine's pool lost blocks",
+                    f"request {e.req_id!r} was preempted for KV pressure in step {e.step} "
+                    f"while the tape accounts for only {self.used} of {self.num_blocks} blocks "
+                    f"in use ({free} free, no allocation of the step needs more than {bound}): "
+                    "the engine's pool lost blocks",
                     [(seq, e)],
                     None,
                     seq,
@@ -167,7 +169,8 @@ class KVChecker(Checker):
                 "error",
                 holders[:8],
                 reset.step,
-                f"the prefix cache was reset in step {reset.step} while {self.used} KV blocks were in use",
+                f"the prefix cache was reset in step {reset.step} "
+                f"while {self.used} KV blocks were in use",
                 [(reset_seq, reset)],
                 None,
                 reset_seq,

@@ -123,7 +123,8 @@ def render_report(
     parts.append(f"<h2>Timeline</h2>\n{timeline_svg(timeline, findings, watch, tokens.step_seq)}")
     parts.append(f"<h2>Findings ({len(findings)})</h2>\n{_findings(findings)}")
     parts.append(
-        f"<h2>Tokens around the findings</h2>\n{_token_tables(findings, watch, state, tokens, expected)}"
+        "<h2>Tokens around the findings</h2>\n"
+        f"{_token_tables(findings, watch, state, tokens, expected)}"
     )
     parts.append(_TAIL)
     return "\n".join(parts)
@@ -151,7 +152,7 @@ def _summary(report: Report) -> str:
         )
     rows = {
         "tape": s.tape,
-        "events analysed": f"{s.num_events}" + ("" if s.complete else " (stopped early)"),
+        "events analysed": f"{s.num_events}" + ("" if s.read_to_end else " (stopped early)"),
         "steps": s.num_steps,
         "requests": s.num_requests,
         "discard policy": s.discard_policy,
@@ -258,16 +259,19 @@ th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-al
 table.summary th { background: #f3f3f3; }
 code { font-size: 0.85em; word-break: break-all; }
 .verdict { font-weight: bold; } .verdict.bad { color: #b00000; } .verdict.ok { color: #207020; }
-.finding { border-left: 4px solid #999; padding: 0.2em 0.8em; margin: 0.8em 0; background: #fafafa; }
+.finding { border-left: 4px solid #999; padding: 0.2em 0.8em; margin: 0.8em 0; \
+background: #fafafa; }
 .finding.error { border-color: #c00000; } .finding.warning { border-color: #d09000; }
-.sev { text-transform: uppercase; font-size: 0.8em; color: #fff; background: #c00000; padding: 1px 5px; }
+.sev { text-transform: uppercase; font-size: 0.8em; color: #fff; background: #c00000; \
+padding: 1px 5px; }
 .finding.warning .sev { background: #d09000; }
 .timeline { overflow-x: auto; border: 1px solid #ddd; }
 svg text { font-size: 11px; font-family: system-ui, sans-serif; }
 .grid { stroke: #eee; } .tick { fill: #777; }
 .finding-mark.error { fill: rgba(220, 0, 0, 0.18); stroke: #d00000; stroke-width: 1.5; }
 .finding-mark.warning { fill: rgba(220, 160, 0, 0.2); stroke: #d09000; stroke-width: 1.5; }
-.key { display: inline-block; width: 12px; height: 12px; margin: 0 3px 0 10px; vertical-align: middle; }
+.key { display: inline-block; width: 12px; height: 12px; margin: 0 3px 0 10px; \
+vertical-align: middle; }
 .key.hl { background: rgba(220, 0, 0, 0.18); border: 1px solid #d00000; }
 .x { color: #e00000; margin-left: 10px; }
 tr.differs td { background: #ffe0e0; }

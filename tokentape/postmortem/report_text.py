@@ -14,9 +14,8 @@ def print_report(report: Report, stream: TextIO) -> None:
     """The report as text (everything from the tape made safe for a terminal)."""
     out = SafeWriter(stream)
     s = report.summary
-    state = "complete" if s.complete else "stopped early"
-    if s.complete and any(f.kind == "tape_truncated" for f in report.findings):
-        state = "ends mid-run"  # read to its end, which is not the run's: still written, or cut
+    # Read to its end, which may not be the run's (still written, or cut): "ends mid-run".
+    state = "complete" if s.complete else "ends mid-run" if s.read_to_end else "stopped early"
     out.write(
         f"{s.tape}: {plural(s.num_events, 'event')} ({state}), {plural(s.num_steps, 'step')}, "
         f"{plural(s.num_requests, 'request')}, policy {s.discard_policy}, model {s.model_id}, "

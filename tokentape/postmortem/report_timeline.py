@@ -120,7 +120,8 @@ def timeline_svg(
     out.append(f'<text class="tick" x="{label_w - 6}" y="{top - 8}" text-anchor="end">step</text>')
     for step, seq in axis.ticks():
         out.append(
-            f'<line class="grid" x1="{x(seq):.1f}" x2="{x(seq):.1f}" y1="{top - 4}" y2="{height - 8}"/>'
+            f'<line class="grid" x1="{x(seq):.1f}" x2="{x(seq):.1f}" '
+            f'y1="{top - 4}" y2="{height - 8}"/>'
             f'<text class="tick" x="{x(seq):.1f}" y="{top - 8}" text-anchor="middle">{step}</text>'
         )
     for fi, f in enumerate(findings):  # highlight under the spans
@@ -169,7 +170,8 @@ def _span(span: Span, x: Callable[[float], float], y0: int, row_h: int) -> str:
     x0, x1 = x(span.start_seq), x(span.end_seq)
     w = max(x1 - x0, 1.5)
     return (
-        f'<rect class="span {span.phase}" x="{x0:.1f}" y="{y0 + 3}" width="{w:.1f}" height="{row_h - 6}" '
+        f'<rect class="span {span.phase}" x="{x0:.1f}" y="{y0 + 3}" '
+        f'width="{w:.1f}" height="{row_h - 6}" '
         f'fill="{_PHASE_COLOURS[span.phase]}"><title>{e(span.req_id)}: {span.phase}, steps '
         f"{span.start_step}-{span.end_step}</title></rect>"
     )
@@ -183,7 +185,8 @@ def _marker(
     if m.req_id is None:
         colour = _ENGINE_MARKERS.get(m.kind, "#000")
         return (
-            f'<line class="marker {m.kind}" x1="{xm:.1f}" x2="{xm:.1f}" y1="{top - 2}" y2="{height - 8}" '
+            f'<line class="marker {m.kind}" x1="{xm:.1f}" x2="{xm:.1f}" '
+            f'y1="{top - 2}" y2="{height - 8}" '
             f'stroke="{colour}" stroke-width="1.5" stroke-dasharray="4 2">{title}</line>'
         )
     if y0 is None:
@@ -192,13 +195,20 @@ def _marker(
     if m.kind == "discarded":
         colour = "#e00000" if m.detail == "fresh" else "#303030"
         return (
-            f'<text class="marker discarded {e(m.detail)}" x="{xm:.1f}" y="{cy + 5:.1f}" fill="{colour}" '
+            f'<text class="marker discarded {e(m.detail)}" x="{xm:.1f}" y="{cy + 5:.1f}" '
+            f'fill="{colour}" '
             f'text-anchor="middle" font-weight="bold">&#215;{title}</text>'
         )
     if m.kind == "preempt":
-        return f'<path class="marker preempt" d="M{xm:.1f},{y0 + 2} l4,6 l-8,0 z" fill="#c05000">{title}</path>'
+        return (
+            f'<path class="marker preempt" d="M{xm:.1f},{y0 + 2} l4,6 l-8,0 z" '
+            f'fill="#c05000">{title}</path>'
+        )
     if m.kind == "finish":
-        return f'<rect class="marker finish" x="{xm - 1:.1f}" y="{y0 + 2}" width="2" height="{row_h - 4}" fill="#202020">{title}</rect>'
+        return (
+            f'<rect class="marker finish" x="{xm - 1:.1f}" y="{y0 + 2}" width="2" '
+            f'height="{row_h - 4}" fill="#202020">{title}</rect>'
+        )
     return ""
 
 

@@ -2,9 +2,10 @@
 
 A small, safe subset of Python: names, constants, comparisons, `and`/`or`/`not`, arithmetic
 and `in` over tuples or lists; no calls, attributes or subscripts. What an expression may
-build is bounded (MAX_TEXT, MAX_LENGTH, MAX_INT_BITS), so it cannot exhaust memory or time. Names are either
-engine-level (one value) or request-level; an expression that names a request-level field is
-evaluated once per request, and as a condition it holds when it holds for any request.
+build is bounded (MAX_TEXT, MAX_LENGTH, MAX_INT_BITS), so it cannot exhaust memory or time.
+Names are either engine-level (one value) or request-level; an expression that names a
+request-level field is evaluated once per request, and as a condition it holds when it holds
+for any request.
 
 Request-level names: req, status, discard, placeholders, computed, epoch, preemptions,
 output, prompt, emitted, dropped, in_flight, stale, fresh, partial, blocks, finished,
@@ -179,8 +180,8 @@ class StateExpression:
         for node in ast.walk(tree):
             if not isinstance(node, _ALLOWED):
                 raise ExpressionError(
-                    f"{type(node).__name__} is not allowed in {self.text!r} (only names, constants, "
-                    "comparisons, and/or/not and arithmetic)"
+                    f"{type(node).__name__} is not allowed in {self.text!r} "
+                    "(only names, constants, comparisons, and/or/not and arithmetic)"
                 )
             if isinstance(node, ast.Name) and node.id not in ("True", "False", "None"):
                 if node.id not in REQUEST_NAMES and node.id not in ENGINE_NAMES:

@@ -41,7 +41,8 @@ class BreakpointCommands:
                 self.out.line("no breakpoints")
             for bp in self.breakpoints:
                 self.out.line(
-                    f"{bp.number}: {bp.describe()} (hit {bp.hits} time{'s' if bp.hits != 1 else ''})"
+                    f"{bp.number}: {bp.describe()} "
+                    f"(hit {bp.hits} time{'s' if bp.hits != 1 else ''})"
                 )
             return
         bp = parse_breakpoint(next(self._numbers), arg)

@@ -111,7 +111,8 @@ class TapeDiff:
         lines = [
             (
                 f"DIFFERENT: {len(self.divergences)} of {self.num_requests} "
-                f"request{'' if self.num_requests == 1 else 's'} differ{'s' if len(self.divergences) == 1 else ''} "
+                f"request{'' if self.num_requests == 1 else 's'} "
+                f"differ{'s' if len(self.divergences) == 1 else ''} "
                 f"between A ({self.a_name}) and B ({self.b_name})"
             ),
             f"first divergence: request {d.req_id}, output position {d.position} ({d.what})",
@@ -197,7 +198,8 @@ def _compare(a: ClientStream, b: ClientStream) -> RequestDivergence | None:
             tb[n] if n < len(tb) else None,
             seq_of(a, n),
             seq_of(b, n),
-            f"{shorter} delivered {n} tokens and {ended}; {longer} delivered {max(len(ta), len(tb))}",
+            f"{shorter} delivered {n} tokens and {ended}; "
+            f"{longer} delivered {max(len(ta), len(tb))}",
         )
     if a.finish_reason != b.finish_reason:
         return RequestDivergence(
@@ -233,7 +235,8 @@ def _align(
         if sa.prompt_token_ids != b[req_id].prompt_token_ids:
             raise AlignmentError(
                 f"the tapes cannot be aligned: request {req_id!r} has a different prompt in A "
-                f"({len(sa.prompt_token_ids)} tokens) and B ({len(b[req_id].prompt_token_ids)} tokens)"
+                f"({len(sa.prompt_token_ids)} tokens) "
+                f"and B ({len(b[req_id].prompt_token_ids)} tokens)"
             )
 
 

@@ -143,7 +143,8 @@ class Output:
         title: str | None = None,
         numeric_from: int = 1,
     ) -> None:
-        """A table; columns from `numeric_from` on are right-aligned when their cells are numbers."""
+        """A table; columns from `numeric_from` on are right-aligned when their cells are
+        numbers."""
         cells = [[safe_text(str(v)) for v in row] for row in rows]
         columns = [safe_text(c) for c in columns]
         title = safe_text(title) if title is not None else None

@@ -2,9 +2,9 @@
 
 A `SnapshotIndex` folds its tape once, in one streaming pass that goes only as far as it is
 asked to, and keeps a snapshot of the `EngineState` every `interval` events (in memory),
-plus the position of every `StepScheduled`. The state at any position is then the nearest snapshot at
-or before it, copied, with at most `interval - 1` events folded on top: the cost of a seek no
-longer grows with the length of the tape.
+plus the position of every `StepScheduled`. The state at any position is then the nearest
+snapshot at or before it, copied, with at most `interval - 1` events folded on top: the cost
+of a seek no longer grows with the length of the tape.
 
 Copies are made field by field (`copy_state`), not by pickling: a request's output and block
 lists are copied with one C-level slice each, the prompt (never mutated), the sampling params

@@ -116,8 +116,8 @@ class _LazyTokenizer:
             self._tok = load_tokenizer(self.folder) or ByteTokenizer()  # type: ignore[assignment]
         return self._tok  # type: ignore[return-value]
 
-    def encode(self, text: str) -> list[int]:
-        return self._get().encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._get().encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._get().decode(token_ids)

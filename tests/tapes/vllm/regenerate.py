@@ -17,7 +17,10 @@ tests/integrations/vllm_scenarios.py:
   requests decoding) on vLLM 0.20.0, which drops each one's first token after the resume
   (#42043), and on 0.33.0, which does not;
 - RELEASE_preemptions.tape: async_scheduler's scenario on vLLM 0.20.0 (its pause drops a token
-  and leaves a request hung one token short of its limit) and 0.24.0 (clean).
+  and leaves a request hung one token short of its limit) and 0.24.0 (clean);
+- RELEASE_spec_resets.tape: two drafts per step, resets with a step in flight, on vLLM 0.20.0
+  (a dropped frame's rejected drafts send placeholders below zero, #46066), 0.24.0 (that, and
+  the token-unit counter drops fresh frames) and 0.26.0 (fresh frames dropped).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from vllm_scenarios import (  # noqa: E402
     engine_scenario,
     pause_resume_scenario,
     run_vllm,
+    spec_reset_scenario,
 )
 
 from tokentape.engine.model.loader import builtin_model, save_checkpoint  # noqa: E402
@@ -74,6 +78,9 @@ def main() -> int:
             ("0.33.0", "pause_resume", pause_resume_scenario(model)),
             ("0.20.0", "preemptions", async_scenario(model)),
             ("0.24.0", "preemptions", async_scenario(model)),
+            ("0.20.0", "spec_resets", spec_reset_scenario(model)),
+            ("0.24.0", "spec_resets", spec_reset_scenario(model)),
+            ("0.26.0", "spec_resets", spec_reset_scenario(model)),
         ):
             name = f"{version}_{scenario}"
             result = run_vllm(

@@ -72,8 +72,16 @@ class EngineCore:
         )
 
     def stats(self) -> SchedulerStats:
-        s = self.engine.state
-        return SchedulerStats(len(s.running), len(s.waiting), s.paused is not None, s.step)
+        e = self.engine
+        s, kv = e.state, e.kv
+        return SchedulerStats(
+            len(s.running),
+            len(s.waiting),
+            s.paused is not None,
+            s.step,
+            kv.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0,
+            e.num_preemptions,
+        )
 
     @property
     def is_paused(self) -> bool:

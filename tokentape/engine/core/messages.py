@@ -54,6 +54,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     num_waiting: int = 0
     is_paused: bool = False
     step: int = 0
+    kv_cache_usage: float = 0.0  # the share of KV blocks in use, 0 to 1 (vLLM's metric)
+    num_preemptions: int = 0  # RequestPreempted events so far
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -1,5 +1,6 @@
 """vLLM's logits processors that change greedy sampling, in vLLM's order: bad words,
-min_tokens, then the repetition, frequency and presence penalties (batched torch ops).
+min_tokens and logit_bias, then the repetition, frequency and presence penalties (batched
+torch ops).
 
 Each row's adjustment is a pure function of its own logits and its own tokens (the prompt and
 the output before the row's position), so it gives the same bits whatever else is in the
@@ -28,7 +29,7 @@ class RowContext:
 
 
 def needs_processing(params: SamplingParams) -> bool:
-    return bool(params.bad_words or params.min_tokens or params.has_penalties)
+    return bool(params.bad_words or params.min_tokens or params.logit_bias or params.has_penalties)
 
 
 def banned_bad_words(bad_words: Sequence[Sequence[int]], tokens: Sequence[int]) -> set[int]:
@@ -129,6 +130,21 @@ def apply_logits_processors(
             torch.tensor(ban_toks, dtype=torch.int64),
         )
         logits[tuple(x.to(logits.device) for x in index)] = float("-inf")
+    bias_rows: list[int] = []
+    bias_toks: list[int] = []
+    biases: list[float] = []
+    for i, ctx in todo:  # vLLM's LogitBiasLogitsProcessor: added to the raw logit
+        for token, bias in ctx.params.logit_bias:
+            if token < vocab:
+                bias_rows.append(i)
+                bias_toks.append(token)
+                biases.append(bias)
+    if biases:
+        index = (
+            torch.tensor(bias_rows, dtype=torch.int64, device=logits.device),
+            torch.tensor(bias_toks, dtype=torch.int64, device=logits.device),
+        )
+        logits.index_put_(index, torch.tensor(biases, device=logits.device), accumulate=True)
     penalised = [(i, ctx) for i, ctx in todo if ctx.params.has_penalties]
     if penalised:
         index_t = torch.tensor([i for i, _ in penalised], dtype=torch.int64, device=logits.device)

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k and top-p, with randomness keyed by (seed, position).
+"""Sampling: greedy, temperature, min-p, top-k and top-p, with randomness keyed by (seed, position).
 
 The random draw for the token at position p of a request is a pure function of the request's
 seed and p (a counter-based hash, the Gumbel-max trick), so a position recomputed after a
@@ -54,6 +54,7 @@ class SamplingRows:
     top_ks: list[int]
     top_ps: list[float]
     keys: list[tuple[int, int]]  # position_key of each row
+    min_ps: list[float] | None = None  # None: no row asks for min_p
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -70,12 +71,22 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     ).unsqueeze(1)
     keys = torch.tensor([rows.keys[i] for i in random_rows], dtype=torch.int64, device=device)
     noise = gumbel_noise(keys, x.shape[1])
+    if rows.min_ps is not None and any(rows.min_ps[i] > 0 for i in random_rows):
+        x = _mask_min_p(x, [rows.min_ps[i] for i in random_rows])
     top_ks = [rows.top_ks[i] for i in random_rows]
     top_ps = [rows.top_ps[i] for i in random_rows]
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
         x = _mask_top_k_top_p(x, top_ks, top_ps)
     out[sel] = (x + noise).argmax(dim=-1)
     return out
+
+
+def _mask_min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """vLLM's min-p, after the temperature and before top-k and top-p: -inf for each token
+    whose probability is below min_p times the row's most likely token's (which is kept)."""
+    probs = x.softmax(dim=-1)
+    floor = torch.tensor(min_ps, device=x.device, dtype=probs.dtype).unsqueeze(1)
+    return x.masked_fill(probs < floor * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def _mask_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from tokentape import kernels
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
@@ -42,6 +43,7 @@ from tokentape.engine.runners.input_batch import (
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
+from tokentape.progress import LOUD_BYTES, gigabytes, say
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
@@ -98,6 +100,9 @@ class TorchModelRunner:
         self._lanes = [ModelWorker(1, f"tokentape-model-lane-{i}") for i in range(1, lanes)]
         self.min_lane_work = MIN_LANE_WORK  # the least work a step shares out to another lane
         self.pad_rows_to = 0
+        loud = sum(p.numel() * p.element_size() for p in self.model.parameters()) >= LOUD_BYTES
+        if loud and self.device.type == "cpu":
+            say("preparing the weights for the CPU's matmuls (oneDNN layout, batch invariance)")
         if self.device.type == "cpu":
             self.model.prepack()  # oneDNN's weight layout once, not at every matmul
         if batch_invariant:
@@ -129,6 +134,12 @@ class TorchModelRunner:
         self.lookup = prompt_lookup
         shape = (num_kv_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
         _check_kv_cache_fits(shape, dtype, self.config.num_hidden_layers, self.device)
+        kv_bytes = 2 * self.config.num_hidden_layers * math.prod(shape) * dtype.itemsize
+        if loud or kv_bytes >= 1 << 30:
+            say(
+                f"allocating the KV cache: {num_kv_blocks} blocks of {block_size} tokens "
+                f"({gigabytes(kv_bytes)}; num_kv_blocks sets it)"
+            )
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=self.device),
@@ -306,6 +317,10 @@ class TorchModelRunner:
                 rows.temperatures.append(temperature)
                 rows.top_ks.append(p.top_k)
                 rows.top_ps.append(p.top_p)
+                if p.min_p > 0 and rows.min_ps is None:
+                    rows.min_ps = [0.0] * (len(rows.top_ps) - 1)
+                if rows.min_ps is not None:
+                    rows.min_ps.append(p.min_p)
                 rows.keys.append(
                     position_key(seq.seed, len(seq.tokens) + j) if temperature > 0 else (0, 0)
                 )
@@ -348,6 +363,14 @@ class TorchModelRunner:
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 
 
+def parameter_count(c: ModelConfig) -> int:
+    """A decoder's parameters from its config (norms left out: they are few)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return embeddings + c.num_hidden_layers * layer
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -359,9 +382,16 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     device = resolve_device(config.device)  # before the model is built: a ValueError naming it
     tokenizer = None
     if config.model in BUILTIN_CONFIGS:
+        size = 4 * parameter_count(BUILTIN_CONFIGS[config.model])  # built in float32
+        if size >= LOUD_BYTES:
+            say(f"building {config.model}'s weights from seed {config.seed} ({gigabytes(size)})")
         _, model = builtin_model(config.model, config.seed)
         model_id = config.model
     elif os.path.isdir(config.model):
+        files = [f for f in os.scandir(config.model) if f.name.endswith(".safetensors")]
+        size = sum(f.stat().st_size for f in files)
+        if size >= LOUD_BYTES:
+            say(f"loading the checkpoint {config.model} ({gigabytes(size)})")
         _, model = load_checkpoint(config.model)
         tokenizer = load_tokenizer(config.model)
         model_id = os.path.abspath(config.model)

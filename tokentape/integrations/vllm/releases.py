@@ -8,7 +8,9 @@ reducer must re-apply (its discard policy, in the tape's header):
   `reset_prefix_cache(reset_running_requests=True)` on every request it preempts; the next
   frame is dropped, stale or not (#42043). Policy `vllm-flag`.
 - 0.22-0.26, #42117 until #48245: `Request.async_tokens_to_discard`, set to the output
-  placeholders by the same reset and drained one frame at a time. Policy `vllm-counter`.
+  placeholders by the same reset and drained one frame at a time. Policy `vllm-counter`
+  (0.22-0.24) and, once #46066 stopped a frame the counter drops from giving its rejected
+  drafts back, `vllm-counter-guarded` (0.25-0.26).
 - 0.27-0.33, since #48245: `_preempt_request(..., drop_stale_output)`; stale output is
   delivered uncounted, a reset's dropped. Policy `deliver`.
 
@@ -35,17 +37,18 @@ class Release:
     first: tuple[int, int]  # (major, minor) of the first release, inclusive
     last: tuple[int, int]  # of the last release taught, inclusive (every patch release)
     discard_policy: str  # the reducer's policy that re-applies it
-    mechanism: str  # what the recorder looks for in vLLM's code
-    # Whether a tape re-applies its speculative decoding under async scheduling. Before #48245
-    # a frame the discard drops still gave its rejected drafts back to the request (#46066;
-    # 0.25 skipped that while the counter ran), arithmetic the policies do not model yet.
-    async_drafts: bool = True
+    mechanism: str  # what the recorder looks for in vLLM's code (mechanism_in)
 
 
+_FLAG = "Request.discard_latest_async_tokens"
+_COUNTER = "Request.async_tokens_to_discard"
+_GUARDED = f"{_COUNTER}, with #46066's guard on rejected drafts"
+_DELIVER = "Scheduler._preempt_request(..., drop_stale_output)"
 RELEASES = (
-    Release((0, 20), (0, 21), "vllm-flag", "Request.discard_latest_async_tokens", False),
-    Release((0, 22), (0, 26), "vllm-counter", "Request.async_tokens_to_discard", False),
-    Release((0, 27), (0, 33), "deliver", "Scheduler._preempt_request(..., drop_stale_output)"),
+    Release((0, 20), (0, 21), "vllm-flag", _FLAG),
+    Release((0, 22), (0, 24), "vllm-counter", _COUNTER),
+    Release((0, 25), (0, 26), "vllm-counter-guarded", _GUARDED),
+    Release((0, 27), (0, 33), "deliver", _DELIVER),
 )
 TAUGHT = "{}.{}.0 to {}.{}.x".format(*RELEASES[0].first, *RELEASES[-1].last)
 
@@ -71,21 +74,15 @@ def mechanism_in(scheduler_cls: type, request_cls: type) -> str | None:
     """The discard mechanism vLLM's code has, named as in RELEASES (None: none known)."""
     preempt = getattr(scheduler_cls, "_preempt_request", None)
     if preempt is not None and "drop_stale_output" in inspect.signature(preempt).parameters:
-        return RELEASES[2].mechanism
+        return _DELIVER
     request_init = inspect.getsource(request_cls.__init__)
-    for release in RELEASES[:2]:
-        if f"self.{release.mechanism.split('.')[1]} =" in request_init:
-            return release.mechanism
+    if "self.discard_latest_async_tokens =" in request_init:
+        return _FLAG
+    if "self.async_tokens_to_discard =" in request_init:
+        # #46066: the rejected-draft give-back in update_from_output waits for the counter.
+        update = inspect.getsource(scheduler_cls.update_from_output)
+        return _GUARDED if "async_tokens_to_discard == 0" in update else _COUNTER
     return None
-
-
-def check_drafts(release: Release, version: str, asynchronous: bool, num_drafts: int) -> None:
-    """Refuse what the tape cannot re-apply for this release (Release.async_drafts)."""
-    if asynchronous and num_drafts and not release.async_drafts:
-        raise UnsupportedByRecorder(
-            f"vLLM {version} with speculative decoding under async scheduling: a tape does not "
-            "yet re-apply how this release gives back a dropped frame's rejected drafts (#46066)"
-        )
 
 
 def check_release(version: str, scheduler_cls: type, request_cls: type) -> Release:

@@ -42,7 +42,7 @@ from tokentape.events.tape_path import check_tape_path
 from tokentape.integrations.vllm import active_session, mapping
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 from tokentape.integrations.vllm.recorder import RecorderError, TapeRecorder
-from tokentape.integrations.vllm.releases import Release, check_drafts, check_release
+from tokentape.integrations.vllm.releases import Release, check_release
 from tokentape.replay.tape import state_before_events
 from tokentape.replay.verify_recorded import ConsistencyChecker
 
@@ -116,7 +116,6 @@ class RecordingScheduler(Scheduler):
             release.discard_policy,
             asynchronous,
         )
-        check_drafts(release, vllm.__version__, asynchronous, config.num_speculative_tokens)
         header = mapping.make_header(config, self.vllm_config, vllm.__version__)
         checker = None
         if checked:
