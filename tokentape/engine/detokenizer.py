@@ -28,7 +28,8 @@ class IncrementalDetokenizer:
     __slots__ = ("decode", "num_chars", "prefix_offset", "read_offset", "tokens")
 
     def __init__(self, decode: Decode) -> None:
-        self.decode, self.tokens, self.num_chars = decode, [], 0
+        self.decode, self.num_chars = decode, 0
+        self.tokens: list[int] = []
         self.prefix_offset = self.read_offset = 0
 
     def add(self, new_tokens: list[int], final: bool) -> str:

@@ -93,7 +93,8 @@ def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) 
         return NullTape(header)
     assert not isinstance(tape, bool)  # check_tape_path refused True
     try:
-        return SQLiteTape(tape, header)
+        writer: TapeWriter = SQLiteTape(tape, header)  # type: ignore[assignment]  # path: str
+        return writer
     except sqlite3.Error as exc:  # a path the checks passed but SQLite could not open
         raise OSError(f"{os.fspath(tape)}: cannot create the tape: {exc}") from exc
 
