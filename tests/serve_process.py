@@ -3,6 +3,7 @@ picks it: --port 0) and always stopped, by SIGTERM to its own pid."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 _SERVING = re.compile(r"serving on (http://[0-9.]+:[0-9]+)")
@@ -115,3 +117,16 @@ class ServerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def tiny_openai_client(tape: str) -> Iterator[Any]:
+    """`tokentape serve --model tiny --seed 0` recording on `tape`, and an OpenAI client of
+    it (openai.OpenAI); the server is stopped at the end."""
+    import openai
+
+    server = ServerProcess("--model", "tiny", "--tape", tape, "--seed", "0")
+    try:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    finally:
+        server.stop()

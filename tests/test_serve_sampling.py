@@ -11,7 +11,7 @@ from typing import Any
 
 import openai
 import pytest
-from serve_process import ServerProcess
+from serve_process import tiny_openai_client
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.tokenizer import ByteTokenizer
@@ -23,12 +23,8 @@ PROMPT = "The tape says"
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    tape = str(tmp_path_factory.mktemp("serve") / "serve.tape")
-    server = ServerProcess("--model", "tiny", "--tape", tape, "--seed", "0")
-    try:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        server.stop()
+    with tiny_openai_client(str(tmp_path_factory.mktemp("serve") / "serve.tape")) as client:
+        yield client
 
 
 def pick_stops(outputs: list[Any]) -> list[str]:
