@@ -11,7 +11,7 @@ from typing import Self
 import msgspec
 
 from tokentape.engine.config import ORACLE_MODELS, EngineConfig
-from tokentape.engine.context_length import with_model_max_len
+from tokentape.engine.kv_cache_size import with_kv_cache
 from tokentape.engine.llm_engine import LLMEngine, make_header
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
@@ -119,7 +119,7 @@ class LLM:
         runner = make_runner(self.config)
         self.tokenizer: Tokenizer = getattr(runner, "tokenizer", None) or ByteTokenizer()
         try:
-            self.config = with_model_max_len(self.config, runner)
+            self.config = with_kv_cache(self.config, runner)  # blocks, max_model_len, logged
             writer = open_tape_writer(tape, self.config, runner)
         except BaseException:
             runner.close()
