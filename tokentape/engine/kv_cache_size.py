@@ -146,14 +146,19 @@ def num_blocks_for(
     return blocks
 
 
+def with_kv_blocks(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
+    """The config with num_kv_blocks as the runner allocated it (a fixed pool for the oracle,
+    which has no memory to size it from)."""
+    if config.num_kv_blocks is not None:
+        return config
+    blocks = getattr(runner, "num_kv_blocks", ORACLE_NUM_KV_BLOCKS)
+    return msgspec.structs.replace(config, num_kv_blocks=blocks)
+
+
 def with_kv_cache(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
-    """The config with num_kv_blocks as the runner allocated it (a fixed pool for the oracle)
-    and max_model_len defaulted against that capacity (context_length.py); logs the capacity
-    as vLLM does."""
-    if config.num_kv_blocks is None:
-        blocks = getattr(runner, "num_kv_blocks", ORACLE_NUM_KV_BLOCKS)
-        config = msgspec.structs.replace(config, num_kv_blocks=blocks)
-    config = with_model_max_len(config, runner)
+    """with_kv_blocks, then max_model_len defaulted against that capacity
+    (context_length.py); logs the capacity as vLLM does."""
+    config = with_model_max_len(with_kv_blocks(config, runner), runner)
     tokens = config.kv_capacity
     max_len = config.effective_max_model_len
     _log.info(
