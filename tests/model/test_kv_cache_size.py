@@ -12,10 +12,10 @@ import pytest
 from tokentape import LLM, SamplingParams
 from tokentape.engine.kv_cache_size import (
     DEFAULT_CPU_KV_CACHE_BYTES,
-    ORACLE_NUM_KV_BLOCKS,
     kv_bytes_per_token,
     physical_memory_bytes,
 )
+from tokentape.engine.runner_defaults import ORACLE_NUM_KV_BLOCKS
 from tokentape.events import schema as ev
 
 # tiny: 4 layers x 2 x 2 KV heads x 64 x 4 bytes (float32)

@@ -18,8 +18,11 @@ ORACLE_MODELS = ("oracle", "oracle-random")
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "tiny"
-    async_scheduling: bool = True
-    pipeline_depth: int = 2
+    # None: off for a model on the CPU (as vLLM's CPU platform sets it), unless a
+    # pipeline_depth > 1 asks for it; on for CUDA and the oracle (engine/runner_defaults.py,
+    # resolved before the header is written). pipeline_depth None: 2.
+    async_scheduling: bool | None = None
+    pipeline_depth: int | None = None
     num_speculative_tokens: int = 0
     discard_policy: str = "epoch"
     block_size: int = 16
@@ -62,10 +65,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         # runners' 64-bit seed hashing), then the relations between fields.
         for name in ("model", "discard_policy", "device", "dtype"):
             check_str(name, getattr(self, name))
-        for name in ("async_scheduling", "enable_prefix_caching"):
-            check_bool(name, getattr(self, name))
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("async_scheduling", self.async_scheduling, optional=True)
         check_bool("batch_invariant", self.batch_invariant, optional=True)
-        check_int("pipeline_depth", self.pipeline_depth, 1, MAX_PIPELINE_DEPTH)
+        check_int("pipeline_depth", self.pipeline_depth, 1, MAX_PIPELINE_DEPTH, optional=True)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         check_int("block_size", self.block_size, 1)
         check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
@@ -138,5 +141,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def effective_pipeline_depth(self) -> int:
-        """`async_scheduling=False` means synchronous: one step in flight at a time."""
-        return self.pipeline_depth if self.async_scheduling else 1
+        """`async_scheduling=False` means synchronous: one step in flight at a time. (Unset
+        fields, before an engine resolved them for its runner, read as the oracle's.)"""
+        depth = 2 if self.pipeline_depth is None else self.pipeline_depth
+        on = depth > 1 if self.async_scheduling is None else self.async_scheduling
+        return depth if on else 1

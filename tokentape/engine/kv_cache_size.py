@@ -21,10 +21,9 @@ import logging
 import math
 import os
 
-import msgspec
-
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.context_length import with_model_max_len
+from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import ModelRunner
 
 _log = logging.getLogger(__name__)
@@ -38,8 +37,6 @@ GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32's CacheConfig default
 CPU_KVCACHE_SPACE_ENVS = ("VLLM_CPU_KVCACHE_SPACE", "TOKENTAPE_CPU_KVCACHE_SPACE")
-# The fake models have no K/V to hold: their pool keeps the size it always had.
-ORACLE_NUM_KV_BLOCKS = 2048
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -146,19 +143,11 @@ def num_blocks_for(
     return blocks
 
 
-def with_kv_blocks(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
-    """The config with num_kv_blocks as the runner allocated it (a fixed pool for the oracle,
-    which has no memory to size it from)."""
-    if config.num_kv_blocks is not None:
-        return config
-    blocks = getattr(runner, "num_kv_blocks", ORACLE_NUM_KV_BLOCKS)
-    return msgspec.structs.replace(config, num_kv_blocks=blocks)
-
-
 def with_kv_cache(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
-    """with_kv_blocks, then max_model_len defaulted against that capacity
-    (context_length.py); logs the capacity as vLLM does."""
-    config = with_model_max_len(with_kv_blocks(config, runner), runner)
+    """The runner's defaults (runner_defaults.py: the block count it allocated, the
+    scheduling mode), then max_model_len defaulted against that capacity (context_length.py);
+    logs the capacity as vLLM does."""
+    config = with_model_max_len(with_runner_defaults(config, runner), runner)
     tokens = config.kv_capacity
     max_len = config.effective_max_model_len
     _log.info(

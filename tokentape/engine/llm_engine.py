@@ -18,10 +18,10 @@ from tokentape import __version__
 from tokentape.engine.bad_words import has_text_bad_words
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_manager import KVCacheManager
-from tokentape.engine.kv_cache_size import with_kv_blocks
 from tokentape.engine.outputs import RequestOutput, build_request_output
 from tokentape.engine.parallel_sampling import ParentRequest, child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
+from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.stop_strings import find_stop_string, stop_decoder
@@ -42,7 +42,7 @@ class EngineDeadError(RuntimeError):
 def make_header(config: EngineConfig, runner: ModelRunner) -> ev.TapeHeader:
     return ev.TapeHeader(
         format_version=ev.FORMAT_VERSION,
-        config=msgspec.to_builtins(with_kv_blocks(config, runner)),  # always a block count
+        config=msgspec.to_builtins(with_runner_defaults(config, runner)),  # as the engine runs
         discard_policy=config.discard_policy,
         model_id=runner.model_id,
         seed=config.seed,
@@ -61,7 +61,7 @@ class LLMEngine:
         tape: TapeWriter,
         tokenizer: Tokenizer | None = None,
     ) -> None:
-        config = with_kv_blocks(config, runner)  # LLM has done it; a direct caller may not
+        config = with_runner_defaults(config, runner)  # LLM has done it; a direct caller may not
         config.check_runnable()
         self.config = config
         self.runner = runner

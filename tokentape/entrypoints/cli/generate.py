@@ -116,7 +116,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         metavar="N",
-        help="steps in flight with async scheduling (engine default: 2)",
+        help="steps in flight with async scheduling, which N > 1 turns on (engine default: "
+        "sync for a model on the CPU; depth 2 on CUDA and for the oracle)",
     )
     gen.add_argument(
         "--num-speculative-tokens",
