@@ -190,8 +190,9 @@ class LLM:
         except BaseException:
             self._next_id = first_id  # nothing was added: the ids are still free
             raise
-        for req_id, tokens, params in requests:
-            self.engine.add_request(req_id, tokens, params)
+        with self.engine.one_commit():  # one call: one commit on the tape
+            for req_id, tokens, params in requests:
+                self.engine.add_request(req_id, tokens, params)
         return self._run_to_completion(
             [r[0] for r in requests], [r[2].n for r in requests], prompts, use_tqdm, scenario
         )

@@ -82,6 +82,7 @@ class LLMEngine:
         self._finished_since_last_batch: list[str] = []
         self._ready: list[RequestOutput] = []  # outputs produced outside step(), e.g. by a drain
         self._dead: str | None = None
+        self._commits_held = 0  # inside one_commit(): the calls share one tape commit
         if config.faults:  # upstream bugs on purpose (tests, tapes): the default path has none
             from tokentape.engine.faults import install_faults
 
@@ -108,13 +109,27 @@ class LLMEngine:
             yield
             self._flush_outputs()  # whatever the operation finished or produced, deliver it
             # A tape that cannot be written ends the run too: the state would outgrow its record.
-            self.tape.commit()
+            if not self._commits_held:
+                self.tape.commit()
         except BaseException as exc:
             self._dead = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
                 self.tape.append(ev.EngineError(self.state.step, type(exc).__name__, str(exc)))
                 self.tape.flush()  # in the file before the exception propagates
             raise
+
+    @contextlib.contextmanager
+    def one_commit(self) -> Iterator[None]:
+        """The engine calls made inside go to the tape as one commit, at the end: one client
+        call made of many (LLM.generate's adds), one message to the tape writer rather than
+        one a request (half of a tiny run's messages were adds: docs/benchmarks.md)."""
+        self._commits_held += 1
+        try:
+            yield
+        finally:
+            self._commits_held -= 1
+            if not self._commits_held and self._dead is None:
+                self.tape.commit()
 
     # -- requests ------------------------------------------------------------------------------
 
