@@ -352,10 +352,11 @@ def run_rounds(
         for name, variant in tt_variants(args.device).items():
             for side in sides.values():
                 side.idle_begin()
-            keep(name, run_tokentape(args, prompts, outputs, tmp, variant))
+            r = run_tokentape(args, prompts, outputs, tmp, variant)
+            keep(name, r)
             for side in sides.values():
                 side.idle_end()
-            print(f"# round {rnd + 1}: {name} {results[name]['seconds']:.2f} s", flush=True)
+            print(f"# round {rnd + 1}: {name} {r['seconds']:.2f} s", flush=True)
         if "vllm" in sides:
             try:
                 reply = sides["vllm"].proc.call("round", tokens=True)
