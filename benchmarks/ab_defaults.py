@@ -9,9 +9,16 @@ before/after in one window).
 
     python benchmarks/ab_defaults.py --rounds 3 'defaults={}' 'async={"pipeline_depth": 2}'
     git archive de0da2e | (mkdir -p /tmp/old && tar -x -C /tmp/old)
+    (cd /tmp/old && python setup.py build_ext --inplace)   # its compiled modules, as here
     python benchmarks/ab_defaults.py --rounds 3 'before={}@/tmp/old' 'after={}'
     python benchmarks/ab_defaults.py --config qwen3-0.6b --num-prompts 16 --output-len 32 \\
         'sync={}' 'async={"pipeline_depth": 2}'
+    python benchmarks/ab_defaults.py --num-prompts 16 --prompt-len 2048 --output-len 128 'd={}'
+
+With `--one SPEC` (what each child runs) it can run under a profiler in this process:
+    python -m cProfile -s tottime benchmarks/ab_defaults.py x --one \\
+        '{"config": "tiny", "n": 16, "prompt_len": 2048, "output_len": 128, "seed": 0,
+          "engine_args": {}}'
 """
 
 from __future__ import annotations
@@ -31,15 +38,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def workload(
-    config: str, n: int, output_len: int | None, seed: int
+    config: str, n: int, prompt_len: int | None, output_len: int | None, seed: int
 ) -> tuple[list[list[int]], list[int]]:
-    """bench_generate's: tiny, 32-256 prompt tokens and 64-256 out; qwen3-0.6b, 128 and 128."""
+    """bench_generate's: tiny, 32-256 prompt tokens and 64-256 out; qwen3-0.6b, 128 and 128;
+    `prompt_len` / `output_len` fix either for every request (16 x 2,048 -> 128: long prompts)."""
     rng = random.Random(seed)
-    if config == "qwen3-0.6b":
-        prompts = [[rng.randrange(3, 151_000) for _ in range(128)] for _ in range(n)]
-        return prompts, [output_len or 128] * n
-    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(32, 256))] for _ in range(n)]
-    return prompts, [output_len or rng.randint(64, 256) for _ in range(n)]
+    vocab = 151_000 if config == "qwen3-0.6b" else 259
+    prompts, outputs = [], []
+    for _ in range(n):
+        length = prompt_len or (128 if config == "qwen3-0.6b" else rng.randint(32, 256))
+        prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+        out = 128 if config == "qwen3-0.6b" else rng.randint(64, 256)
+        outputs.append(output_len or out)
+    return prompts, outputs
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +60,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 
     from tokentape import LLM, SamplingParams
 
-    prompts, outputs = workload(spec["config"], spec["n"], spec["output_len"], spec["seed"])
+    prompts, outputs = workload(
+        spec["config"], spec["n"], spec["prompt_len"], spec["output_len"], spec["seed"]
+    )
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
     args = dict(spec["engine_args"])
     tape: Any = args.pop("tape", True)
@@ -105,6 +118,7 @@ def main() -> int:
             spec = {
                 "config": args.config,
                 "n": args.num_prompts,
+                "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
                 "seed": args.seed,
                 "engine_args": engine_args,
