@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("variants", nargs="+", metavar="NAME=JSON[@TREE]")
     p.add_argument("--config", default="tiny", choices=["tiny", "qwen3-0.6b"])
     p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, help="every prompt's length (default: the workload's)")
     p.add_argument(
         "--output-len", type=int, help="every request's output (default: the workload's)"
     )
