@@ -1,7 +1,7 @@
 """An interleaved A/B of `LLM` settings, or of source trees, on bench_generate's workloads:
 each variant runs in a fresh process per round (so no variant inherits another's warm state),
-rounds alternate, and the medians are reported with the CPU of the engine's process and of
-its tape writer.
+rounds alternate, each starting one variant later than the last, and the medians are
+reported with the CPU of the engine's process and of its tape writer.
 
 A variant is `NAME=JSON` (engine arguments beside the model; `"tape": false` for none) or
 `NAME=JSON@TREE` (the same, with TREE first on PYTHONPATH: an older checkout, for a
@@ -115,7 +115,10 @@ def main() -> int:
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     print(f"# ab_defaults: {args.config}, {args.num_prompts} prompts, {args.rounds} rounds")
     for rnd in range(args.rounds):
-        for name, engine_args, tree in variants:
+        # Each round starts one variant later: a variant's place in the round showed up in
+        # its time (whatever runs first after another's exit runs slower), so it rotates.
+        shift = rnd % len(variants)
+        for name, engine_args, tree in variants[shift:] + variants[:shift]:
             spec = {
                 "config": args.config,
                 "n": args.num_prompts,
