@@ -446,7 +446,7 @@ def test_truncated_tape_reads_prefix_and_names_position(
     tape = load_tape(path)  # the header survives: the tape opens
     got = []
     with pytest.raises(TapeError) as info:
-        for seq, event in tape.events():
+        for _seq, event in tape.events():
             got.append(event)
     assert str(path) in str(info.value)
     assert info.value.position == len(got)
