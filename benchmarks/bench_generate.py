@@ -8,9 +8,14 @@ Workloads (random token ids, seeded, greedy, ignore_eos, so every engine does th
   tokens, 128 output tokens each.
 
 Variants, each run once per round (`--repeats N` rounds, interleaved so that machine drift
-falls on all alike; the best of each is kept):
-- tokentape: async depth 2 with an SQLite tape (the figure compared), async without a tape,
-  sync with a tape; a fresh `LLM` each time, a warm-up `generate` of two prompts first;
+falls on all alike; the best and the median of each are reported):
+- tokentape through the public API at its defaults, `LLM(model=..., tape=PATH, seed=...)`,
+  with an SQLite tape (the figure compared): the KV cache sized from its memory budget,
+  max_model_len the model's context length, the CPU's scheduling mode (sync); the same
+  without a tape; the same in the other scheduling mode (async depth 2 on the CPU); and,
+  labelled hand-tuned, a KV pool and max_model_len sized to the workload by this script. A
+  fresh `LLM` each time, a warm-up `generate` of two prompts first; KV slots and preemptions
+  are reported per variant;
 - vLLM's CPU engine (benchmarks/baselines/vllm_generate.py, in vLLM's own Python): the
   built-in model written as a Hugging Face folder (`save_checkpoint`), prompts as token ids,
   every setting at vLLM's default (one `LLM` for every round, warmed up);
@@ -23,8 +28,9 @@ Beside wall time, the CPU time of every process over the same `generate`: tokent
 Checks printed every run: the tokentape variants agree, and how many greedy streams equal
 vLLM's and transformers' token for token.
 
-Targets (tokentape async with the tape on): tiny >= 1.5x vLLM CPU's output tok/s;
-qwen3-0.6b >= 1.0x. Without vLLM or transformers the script says so and leaves that column
+Targets (tokentape at its defaults, the tape on): tiny >= 1.5x vLLM CPU's output tok/s
+(issue 26: 2.0x); qwen3-0.6b >= 1.0x; tape on / off >= 0.98. Without vLLM or transformers
+the script says so and leaves that column
 out. On CUDA it also times the decode step at batch 1 and 64 against the memory-bandwidth
 floor (weight bytes / 4.8 TB/s, an H200's HBM3e).
 
@@ -40,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from typing import Any
@@ -59,12 +66,28 @@ from tokentape.engine.model.loader import builtin_model, save_checkpoint
 HBM_BYTES_PER_S = 4.8e12
 TARGETS = {"tiny": 1.5, "qwen3-0.6b": 1.0}  # tokentape / vLLM CPU, output tok/s
 DEFAULT_PROMPTS = {"tiny": 256, "qwen3-0.6b": 64}
-TT_VARIANTS = {  # name: (pipeline depth, tape on)
-    "tokentape async (depth 2), SQLite tape": (2, True),
-    "tokentape async, no tape": (2, False),
-    "tokentape sync, SQLite tape": (1, True),
-}
-MAIN = "tokentape async (depth 2), SQLite tape"
+
+
+def other_mode(device: str) -> tuple[str, dict[str, Any]]:
+    """The scheduling mode the engine does not default to on `device` (runner_defaults.py:
+    sync for a model on the CPU, async depth 2 on CUDA), as a variant."""
+    if device == "cpu":
+        return "async (depth 2)", {"async_scheduling": True, "pipeline_depth": 2}
+    return "sync", {"async_scheduling": False}
+
+
+MAIN = "tokentape at its defaults, SQLite tape"
+HAND_TUNED = "tokentape hand-tuned (KV pool and max_model_len sized to the workload), SQLite tape"
+
+
+def tt_variants(device: str) -> dict[str, dict[str, Any]]:
+    other, other_args = other_mode(device)
+    return {
+        MAIN: {},
+        "tokentape at its defaults, no tape": {"tape": False},
+        f"tokentape {other}, SQLite tape": other_args,
+        HAND_TUNED: {"hand_tuned": True},
+    }
 
 
 def workload(config: str, n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -86,28 +109,25 @@ def run_tokentape(
     prompts: list[list[int]],
     outputs: list[int],
     tmp: c.TempDir,
-    *,
-    depth: int,
-    tape: bool,
+    variant: dict[str, Any],
 ) -> dict[str, Any]:
-    max_len = max(len(p) + o for p, o in zip(prompts, outputs))
-    blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs)) + len(prompts)
+    engine_args = dict(variant)
+    tape = engine_args.pop("tape", True)
+    if engine_args.pop("hand_tuned", False):
+        max_len = max(len(p) + o for p, o in zip(prompts, outputs))
+        blocks = sum(-(-(len(p) + o) // 16) for p, o in zip(prompts, outputs)) + len(prompts)
+        engine_args.update(num_kv_blocks=blocks, block_size=16, max_model_len=max_len + 1)
+    # Only what the command line changed from the defaults is passed.
+    if args.device != "cpu":
+        engine_args["device"] = args.device
+    if args.dtype != "float32":
+        engine_args["dtype"] = args.dtype
+    if args.max_num_batched_tokens is not None:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.cpu_threads is not None:
+        engine_args["cpu_threads"] = args.cpu_threads
     path = tmp.new("bench") if tape else False
-    llm = LLM(
-        model=args.config,
-        tape=path,
-        device=args.device,
-        dtype=args.dtype,
-        pipeline_depth=depth,
-        async_scheduling=depth > 1,
-        num_kv_blocks=blocks,
-        block_size=16,
-        max_num_seqs=256,
-        max_model_len=max_len + 1,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-        cpu_threads=args.cpu_threads,
-    )
+    llm = LLM(model=args.config, tape=path, seed=args.seed, **engine_args)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
     writer = getattr(llm.engine.tape, "writer_pid", None)
@@ -118,6 +138,8 @@ def run_tokentape(
     sync_device(args.device)
     elapsed, cpu = time.perf_counter() - t, time.process_time() - c0
     helpers = {"tape writer": procstat.cpu_seconds(writer) - w0} if writer else {}
+    preemptions = sum(r.num_preemptions for r in llm.engine.state.requests.values())
+    kv_tokens = llm.config.kv_capacity
     llm.close()
     if tape:
         c.remove_db(path)
@@ -129,6 +151,8 @@ def run_tokentape(
         "cpu_main_s": cpu,
         "cpu_helpers_s": helpers,
         "tokens": [o.outputs[0].token_ids for o in outs],
+        "preemptions": preemptions,
+        "kv_tokens": kv_tokens,
     }
 
 
@@ -183,7 +207,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--config", choices=sorted(BUILTIN_CONFIGS), default="tiny")
     p.add_argument("--num-prompts", type=int, help="default: 256 for tiny, 64 for qwen3-0.6b")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokentape's (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeats",
@@ -313,20 +337,26 @@ def run_rounds(
     results: dict[str, dict[str, Any]] = {}
     hf_by_size: dict[int, float] = {}  # transformers' best seconds per batch size
 
+    all_seconds: dict[str, list[float]] = {}
+
     def keep(name: str, r: dict[str, Any]) -> None:
         r["tok_s"] = r["output_tokens"] / r["seconds"]
+        all_seconds.setdefault(name, []).append(r["seconds"])
         if name not in results or r["seconds"] < results[name]["seconds"]:
             results[name] = r  # with its own tokens: a batch size may change transformers' bits
+        best = results[name]
+        best["median_tok_s"] = best["output_tokens"] / statistics.median(all_seconds[name])
 
     sizes = gb.hf_batch_sizes([int(s) for s in args.hf_batch_sizes.split(",")], len(prompts))
     for rnd in range(args.repeats):
-        for name, (depth, tape) in TT_VARIANTS.items():
+        for name, variant in tt_variants(args.device).items():
             for side in sides.values():
                 side.idle_begin()
-            keep(name, run_tokentape(args, prompts, outputs, tmp, depth=depth, tape=tape))
+            r = run_tokentape(args, prompts, outputs, tmp, variant)
+            keep(name, r)
             for side in sides.values():
                 side.idle_end()
-            print(f"# round {rnd + 1}: {name} {results[name]['seconds']:.2f} s", flush=True)
+            print(f"# round {rnd + 1}: {name} {r['seconds']:.2f} s", flush=True)
         if "vllm" in sides:
             try:
                 reply = sides["vllm"].proc.call("round", tokens=True)
@@ -377,11 +407,14 @@ def report(
     for name, r in results.items():
         helpers = r["cpu_helpers_s"]
         label = name if name != "transformers" else f"transformers (batch {r['batch_size']})"
+        kv = f"{r['kv_tokens']:,} slots, {r['preemptions']} preempted" if "kv_tokens" in r else "-"
         rows.append(
             [
                 label,
                 f"{r['seconds']:.2f}",
                 _rate(r["tok_s"]),
+                _rate(r["median_tok_s"]),
+                kv,
                 f"{r['cpu_main_s']:.2f}",
                 f"{sum(helpers.values()):.2f}",
                 ", ".join(f"{k} {v:.2f}" for k, v in helpers.items() if v >= 0.005) or "-",
@@ -391,6 +424,8 @@ def report(
         "variant",
         "wall (s)",
         "output tok/s",
+        "median tok/s",
+        "KV cache",
         "CPU, main process (s)",
         "CPU, helper processes (s)",
         "helpers",
@@ -417,7 +452,9 @@ def report(
             )
     lines.append(machine)
     tt = results[MAIN]
-    agree = all(same_streams(tt["tokens"], results[v]["tokens"]) == n for v in TT_VARIANTS)
+    agree = all(
+        same_streams(tt["tokens"], results[v]["tokens"]) == n for v in tt_variants(args.device)
+    )
     lines.append(f"tokentape variants agree: {'yes' if agree else 'NO'}")
     summary: list[dict[str, Any]] = []
     target = TARGETS.get(args.config)
@@ -426,11 +463,15 @@ def report(
         equal = same_streams(tt["tokens"], v["tokens"])
         lines.append(f"greedy streams equal to vLLM: {equal}/{n}")
         ratio = tt["tok_s"] / v["tok_s"]
+        median_ratio = tt["median_tok_s"] / v["median_tok_s"]
         summary.append(
             {
                 "name": f"(g) tokentape / vLLM CPU, output tok/s ({args.config}, "
                 f"{n} prompts, tape on)",
-                "value": (f"{ratio:.3f}x ({_rate(tt['tok_s'])} vs {_rate(v['tok_s'])} tok/s)"),
+                "value": (
+                    f"{ratio:.3f}x best ({_rate(tt['tok_s'])} vs {_rate(v['tok_s'])} tok/s); "
+                    f"{median_ratio:.3f}x by the medians"
+                ),
                 "target": f">= {target:.1f}x" if target else "-",
                 "pass": (ratio >= target) if target else None,
             }
@@ -468,20 +509,36 @@ def report(
         )
     else:
         lines.append("greedy streams equal to transformers: not measured (no transformers)")
-    tape_ratio = tt["tok_s"] / results["tokentape async, no tape"]["tok_s"]
+    off = results["tokentape at its defaults, no tape"]
+    tape_ratio = tt["tok_s"] / off["tok_s"]
+    tape_median = tt["median_tok_s"] / off["median_tok_s"]
     summary.append(
         {
             "name": "(g) tape on / off, output tok/s",
-            "value": f"{tape_ratio:.3f}",
-            "target": ">= 0.95",
-            "pass": tape_ratio >= 0.95,
+            "value": f"{tape_ratio:.3f} best; {tape_median:.3f} by the medians",
+            "target": ">= 0.98",
+            "pass": tape_ratio >= 0.98,
         }
     )
-    async_ratio = tt["tok_s"] / results["tokentape sync, SQLite tape"]["tok_s"]
+    other_name = other_mode(args.device)[0]
+    other = results[f"tokentape {other_name}, SQLite tape"]
+    mode_ratio = tt["tok_s"] / other["tok_s"]
+    mode_median = tt["median_tok_s"] / other["median_tok_s"]
+    default_mode = "sync" if args.device == "cpu" else "async (depth 2)"
+    tuned = results[HAND_TUNED]
     summary.append(
         {
-            "name": "(g) async (depth 2) / sync, output tok/s",
-            "value": f"{async_ratio:.3f}",
+            "name": "(g) defaults / hand-tuned KV pool, output tok/s",
+            "value": f"{tt['tok_s'] / tuned['tok_s']:.3f} best; "
+            f"{tt['median_tok_s'] / tuned['median_tok_s']:.3f} by the medians",
+            "target": "-",
+            "pass": None,
+        }
+    )
+    summary.append(
+        {
+            "name": f"(g) {default_mode} (the default) / {other_name}, output tok/s",
+            "value": f"{mode_ratio:.3f} best; {mode_median:.3f} by the medians",
             "target": "-",
             "pass": None,
         }

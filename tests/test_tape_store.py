@@ -223,7 +223,8 @@ def test_header_round_trip(tmp_path: Path) -> None:
     assert reader.header.format_version == ev.FORMAT_VERSION
     assert len(reader) == 0 and list(reader.iter_events()) == []
     tape = load_tape(path)
-    assert tape.config == EngineConfig(
+    assert tape.config == EngineConfig(  # as the header holds it: resolved for the runner
+        async_scheduling=True,
         discard_policy="counter",
         pipeline_depth=3,
         num_speculative_tokens=2,

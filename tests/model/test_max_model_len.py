@@ -50,7 +50,8 @@ def test_a_kv_cache_smaller_than_the_context_caps_it_and_says_so(
     assert record.getMessage() == (
         "max_model_len 64: the model's context length is 256 (max_position_embeddings = 256 "
         "in the model's config), but the KV cache holds 64 tokens (num_kv_blocks=16 x "
-        "block_size=4); raise num_kv_blocks to serve the whole context"
+        "block_size=4); raise num_kv_blocks, or give the cache more memory "
+        "(kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE), to serve the whole context"
     )
 
 

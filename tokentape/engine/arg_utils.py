@@ -40,13 +40,16 @@ class _Flag:
 
 # By EngineConfig field, in the order --help lists them.
 ENGINE_FLAGS: dict[str, _Flag] = {
-    "pipeline_depth": _Flag("steps in flight with async scheduling, 1 = synchronous", 1),
+    "pipeline_depth": _Flag(
+        "steps in flight with async scheduling, which N > 1 turns on; 1 = synchronous", 1
+    ),
     "num_speculative_tokens": _Flag("n-gram speculative tokens per decode", 0, "K"),
     "discard_policy": _Flag(
         "how stale frames are recognised after a preemption: epoch, the exact one; counter "
         "and flag reproduce vLLM's historical bugs"
     ),
-    "num_kv_blocks": _Flag("number of paged KV cache blocks", 1),
+    "kv_cache_memory_bytes": _Flag("the KV cache's memory budget in bytes", 1, "BYTES"),
+    "num_kv_blocks": _Flag("number of paged KV cache blocks, instead of the budget", 1),
     "block_size": _Flag("tokens per KV block", 1),
     "max_num_seqs": _Flag("most requests running at once", 1),
     "max_num_batched_tokens": _Flag("token budget of one step", 1),
@@ -60,6 +63,10 @@ ENGINE_FLAGS: dict[str, _Flag] = {
 }
 _DEFAULTS = EngineConfig()
 _NONE_DEFAULTS = {
+    "pipeline_depth": "synchronous for a model on the CPU, 2 on CUDA and for the oracle",
+    "kv_cache_memory_bytes": "VLLM_CPU_KVCACHE_SPACE GiB on the CPU, else 4 GiB or a quarter "
+    "of the RAM; gpu_memory_utilization of the GPU on CUDA",
+    "num_kv_blocks": "what the memory budget holds",
     "max_model_len": "the model's context length, capped at the KV capacity",
     "cpu_threads": "one per CPU",
 }

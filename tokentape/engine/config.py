@@ -8,19 +8,27 @@ import msgspec.structs
 
 from tokentape.events.discard import ALL_POLICIES
 from tokentape.events.faults import FAULTS
-from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_str
+from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_number, check_str
 
 MAX_PIPELINE_DEPTH = 4
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "tiny"
-    async_scheduling: bool = True
-    pipeline_depth: int = 2
+    # None: off for a model on the CPU (as vLLM's CPU platform sets it), unless a
+    # pipeline_depth > 1 asks for it; on for CUDA and the oracle (engine/runner_defaults.py,
+    # resolved before the header is written). pipeline_depth None: 2.
+    async_scheduling: bool | None = None
+    pipeline_depth: int | None = None
     num_speculative_tokens: int = 0
     discard_policy: str = "epoch"
     block_size: int = 16
-    num_kv_blocks: int = 2048
+    # None: as many blocks as the KV cache's memory budget holds (engine/kv_cache_size.py:
+    # kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE on the CPU, gpu_memory_utilization); the
+    # engine records the number it allocated, so a tape's header always has one.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None  # None: 0.92 on CUDA (vLLM's default)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     # None: LLM sets the model's context length (as vLLM derives it from its config),
@@ -54,13 +62,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         # runners' 64-bit seed hashing), then the relations between fields.
         for name in ("model", "discard_policy", "device", "dtype"):
             check_str(name, getattr(self, name))
-        for name in ("async_scheduling", "enable_prefix_caching"):
-            check_bool(name, getattr(self, name))
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("async_scheduling", self.async_scheduling, optional=True)
         check_bool("batch_invariant", self.batch_invariant, optional=True)
-        check_int("pipeline_depth", self.pipeline_depth, 1, MAX_PIPELINE_DEPTH)
+        check_int("pipeline_depth", self.pipeline_depth, 1, MAX_PIPELINE_DEPTH, optional=True)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         check_int("block_size", self.block_size, 1)
-        check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        if self.gpu_memory_utilization is not None:
+            check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_model_len", self.max_model_len, 2, optional=True)
@@ -90,10 +101,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
         )
-        need(
-            self.kv_capacity <= INT64_MAX,
-            f"num_kv_blocks * block_size must be < 2**63, got {self.kv_capacity}",
-        )
+        if self.num_kv_blocks is not None:
+            need(
+                self.kv_capacity <= INT64_MAX,
+                f"num_kv_blocks * block_size must be < 2**63, got {self.kv_capacity}",
+            )
         need(
             self.max_num_batched_tokens >= 1 + self.num_speculative_tokens,
             "max_num_batched_tokens must leave room for one decode with its speculative tokens",
@@ -106,6 +118,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def check_runnable(self) -> None:
         """What tokentape's engine needs beyond a config a tape can hold: room in the KV cache
         for one sequence of max_model_len (vLLM's tests record schedulers with less)."""
+        if self.num_kv_blocks is None:
+            return  # sized from memory when the model is built; checked again then
         if self.max_model_len is not None and self.max_model_len > self.kv_capacity:
             raise ValueError(
                 f"max_model_len must be in 2..{self.kv_capacity} (the KV capacity), "
@@ -114,6 +128,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def kv_capacity(self) -> int:
+        if self.num_kv_blocks is None:
+            raise ValueError("num_kv_blocks is not known until the engine sizes its KV cache")
         return self.num_kv_blocks * self.block_size
 
     @property
@@ -122,5 +138,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def effective_pipeline_depth(self) -> int:
-        """`async_scheduling=False` means synchronous: one step in flight at a time."""
-        return self.pipeline_depth if self.async_scheduling else 1
+        """`async_scheduling=False` means synchronous: one step in flight at a time. (Unset
+        fields, before an engine resolved them for its runner, read as the oracle's.)"""
+        depth = 2 if self.pipeline_depth is None else self.pipeline_depth
+        on = depth > 1 if self.async_scheduling is None else self.async_scheduling
+        return depth if on else 1

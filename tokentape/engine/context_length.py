@@ -33,7 +33,8 @@ def with_model_max_len(config: EngineConfig, runner: ModelRunner) -> EngineConfi
     if derived > capacity:
         _log.warning(
             "max_model_len %d: the model's context length is %d (%s), but the KV cache "
-            "holds %d tokens (num_kv_blocks=%d x block_size=%d); raise num_kv_blocks to "
+            "holds %d tokens (num_kv_blocks=%d x block_size=%d); raise num_kv_blocks, or "
+            "give the cache more memory (kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE), to "
             "serve the whole context",
             capacity,
             derived,

@@ -18,9 +18,10 @@ from collections.abc import Callable
 import msgspec
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.context_length import with_model_max_len
+from tokentape.engine.kv_cache_size import with_kv_cache
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.model_registry import BUILTIN_MODELS, MODEL_HELP, ORACLE_MODELS
+from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import HasTokenizer, ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
@@ -72,7 +73,7 @@ def runner_tokenizer(runner: ModelRunner) -> Tokenizer:
 def make_header(config: EngineConfig, runner: ModelRunner) -> ev.TapeHeader:
     return ev.TapeHeader(
         format_version=ev.FORMAT_VERSION,
-        config=msgspec.to_builtins(config),
+        config=msgspec.to_builtins(with_runner_defaults(config, runner)),  # as the engine runs
         discard_policy=config.discard_policy,
         model_id=runner.model_id,
         seed=config.seed,
@@ -101,14 +102,14 @@ def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) 
 
 def build_engine(config: EngineConfig, tape: TapeSpec) -> LLMEngine:
     """An engine for `config` recording on `tape`: the cheap checks first (the config, the
-    tape path: they fail in milliseconds), then the runner, max_model_len's default from the
-    model, the tape writer. A failure leaves nothing behind: no writer process, no tape
-    holding a header and no run."""
+    tape path: they fail in milliseconds), then the runner, the KV cache's size from the memory
+    budget and max_model_len's default from the model, the tape writer. A failure leaves
+    nothing behind: no writer process, no tape holding a header and no run."""
     config.check_runnable()
     check_tape_path(tape)
     runner = make_runner(config)
     try:
-        config = with_model_max_len(config, runner)
+        config = with_kv_cache(config, runner)  # blocks, max_model_len, logged
         writer = open_tape_writer(tape, config, runner)
     except BaseException:
         runner.close()

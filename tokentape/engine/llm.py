@@ -89,9 +89,10 @@ class LLM:
         except BaseException:
             self._next_id = first_id  # nothing was added: the ids are still free
             raise
-        for (req_id, tokens, params), prompt in zip(requests, prompts):
-            text = prompt if isinstance(prompt, str) else None
-            self.engine.add_request(req_id, tokens, params, prompt=text)
+        with self.engine.one_commit():  # one call: one commit on the tape
+            for (req_id, tokens, params), prompt in zip(requests, prompts):
+                text = prompt if isinstance(prompt, str) else None
+                self.engine.add_request(req_id, tokens, params, prompt=text)
         return self._run_to_completion([r[0] for r in requests], use_tqdm, scenario)
 
     def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:

@@ -21,6 +21,7 @@ from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
+from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import ChecksParams, ModelRunner, UpdatesWeights
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.stop_strings import find_stop_string
@@ -51,6 +52,7 @@ class LLMEngine:
         tape: TapeWriter,
         tokenizer: Tokenizer | None = None,
     ) -> None:
+        config = with_runner_defaults(config, runner)  # LLM has done it; a direct caller may not
         config.check_runnable()
         self.config = config
         self.runner = runner
@@ -80,6 +82,7 @@ class LLMEngine:
         # Deltas produced outside step() (e.g. by a drain), handed out by the next step.
         self._ready: list[EngineCoreOutput] = []
         self._dead: str | None = None
+        self._commits_held = 0  # inside one_commit(): the calls share one tape commit
         self.num_preemptions = 0  # RequestPreempted events emitted (vLLM's preemption metric)
         # Upstream bugs on purpose (tests, tapes), through the engine's hooks (hooks.py): the
         # default path has none.
@@ -113,13 +116,27 @@ class LLMEngine:
             yield
             self._flush_outputs()  # whatever the operation finished or produced, deliver it
             # A tape that cannot be written ends the run too: the state would outgrow its record.
-            self.tape.commit()
+            if not self._commits_held:
+                self.tape.commit()
         except BaseException as exc:
             self._dead = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
                 self.tape.append(ev.EngineError(self.state.step, type(exc).__name__, str(exc)))
                 self.tape.flush()  # in the file before the exception propagates
             raise
+
+    @contextlib.contextmanager
+    def one_commit(self) -> Iterator[None]:
+        """The engine calls made inside go to the tape as one commit, at the end: one client
+        call made of many (LLM.generate's adds), one message to the tape writer rather than
+        one a request (half of a tiny run's messages were adds: docs/benchmarks.md)."""
+        self._commits_held += 1
+        try:
+            yield
+        finally:
+            self._commits_held -= 1
+            if not self._commits_held and self._dead is None:
+                self.tape.commit()
 
     # -- requests ------------------------------------------------------------------------------
 

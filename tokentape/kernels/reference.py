@@ -22,8 +22,10 @@ import torch
 
 from tokentape.kernels.shapes import check_attention_shapes, check_kv_write_shapes
 
-# Upper bound on one score matrix (new tokens x heads x context), in elements (16 MiB fp32).
-SCORE_ELEMENTS_PER_CHUNK = 1 << 22
+# Upper bound on one score matrix (new tokens x heads x context), in elements (1 MiB fp32):
+# small enough that the mask, the softmax and the second bmm read it from the core's cache.
+# 16 MiB chunks spent 25% more CPU on tiny's 16 x 2,048-token prefill (docs/benchmarks.md).
+SCORE_ELEMENTS_PER_CHUNK = 1 << 18
 
 
 def write_kv_cache_ref(

@@ -48,11 +48,12 @@ class Tape:
             ) from None
         # Readers size tables by the KV pool (the postmortem's block counts, verify's engine);
         # no engine that recorded a tape held more blocks than this.
-        if self.config.num_kv_blocks > MAX_KV_BLOCKS:
+        # An engine records the block count it allocated: a header without one is damaged.
+        if self.config.num_kv_blocks is None or self.config.num_kv_blocks > MAX_KV_BLOCKS:
             raise TapeError(
                 self.path,
                 f"the engine config in the header is invalid (num_kv_blocks "
-                f"{self.config.num_kv_blocks} is more than {MAX_KV_BLOCKS})",
+                f"{self.config.num_kv_blocks} is not in 1..{MAX_KV_BLOCKS})",
             )
 
     def __len__(self) -> int:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from tokentape import kernels
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.kv_cache_size import kv_bytes_per_token, num_blocks_for, used_device_bytes
 from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
@@ -132,22 +134,22 @@ class TorchModelRunner:
         self.seed = seed
         self.block_size = block_size
         self.lookup = prompt_lookup
+        self.num_kv_blocks = num_kv_blocks
         shape = (num_kv_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
         _check_kv_cache_fits(shape, dtype, self.config.num_hidden_layers, self.device)
         kv_bytes = 2 * self.config.num_hidden_layers * math.prod(shape) * dtype.itemsize
-        if loud or kv_bytes >= 1 << 30:
+        if loud or (kv_bytes >= 1 << 30 and self.device.type != "cpu"):
+            # (On the CPU the pool is calloc'd: nothing is written, so nothing is slow.)
             say(
                 f"allocating the KV cache: {num_kv_blocks} blocks of {block_size} tokens "
-                f"({gigabytes(kv_bytes)}; num_kv_blocks sets it)"
+                f"({gigabytes(kv_bytes)}; the KV cache memory budget or num_kv_blocks sets it)"
             )
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
+            (_kv_zeros(shape, dtype, self.device), _kv_zeros(shape, dtype, self.device))
             for _ in range(self.config.num_hidden_layers)
         ]
-        self.model.rope.extend(num_kv_blocks * block_size)
+        # No position is past the model's context length (a longer max_model_len is refused).
+        self.model.rope.extend(min(num_kv_blocks * block_size, self.config.derived_max_model_len))
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
         self._seqs: dict[str, SeqState] = {}
         cfg = self.config
@@ -401,20 +403,62 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
+    dtype = _DTYPES[dtype_name]
+    num_kv_blocks = config.num_kv_blocks
+    if num_kv_blocks is None:
+        num_kv_blocks = _kv_blocks_from_budget(config, model, device, dtype)
     runner = TorchModelRunner(
         model,
         model_id,
-        num_kv_blocks=config.num_kv_blocks,
+        num_kv_blocks=num_kv_blocks,
         block_size=config.block_size,
         seed=config.seed,
         device=device,
-        dtype=_DTYPES[dtype_name],
+        dtype=dtype,
         num_threads=threads,
         batch_invariant=config.batch_invariant,
         prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
         tokenizer=tokenizer,
     )
     return runner
+
+
+def _kv_blocks_from_budget(
+    config: EngineConfig, model: CausalLM, device: str, dtype: torch.dtype
+) -> int:
+    """The block count the memory budget holds, measured with the weights in place (on CUDA,
+    what the process already holds counts against gpu_memory_utilization, as in vLLM)."""
+    cfg = model.config
+    model.to(device=device, dtype=dtype)  # the runner's own move is then a no-op
+    device_type = torch.device(device).type
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    per_token = kv_bytes_per_token(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype_bytes
+    )
+    # The forward pass's peak beside the cache, for a budget that is a fraction of the whole
+    # device: a step's hidden states and MLP activations at the token budget, and float32
+    # logits for every sequence (vLLM profiles a dummy pass for this; an estimate here).
+    activations = (
+        config.max_num_batched_tokens
+        * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        * dtype_bytes
+        + config.max_num_seqs * cfg.vocab_size * 4
+    )
+    return num_blocks_for(
+        config, per_token, device_type, used_device_bytes(device_type), activations
+    )
+
+
+def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. On the CPU from calloc'd pages, which the OS commits only when a
+    block is first written: the budget bounds the cache, and a short run's resident memory
+    is what it used (torch.zeros writes every page). Aligned to 64 bytes for the kernels."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+    buf = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64
+    return torch.from_numpy(buf[start : start + nbytes]).view(dtype).view(shape)
 
 
 def _check_kv_cache_fits(
