@@ -15,7 +15,7 @@ has drained (it has exited), the iteration checks that:
     python benchmarks/chaos_sigkill.py --iterations 100 [--model oracle] [--max-kill-s 2]
         [--tiny-every 10] [--seed 0] [--json out.json]
 
-tests/test_sigkill.py runs a few iterations (oracle, and the tiny model once) through
+tests/engine/test_sigkill.py runs a few iterations (oracle, and the tiny model once) through
 `run_iteration`. Exit status: 0 when every iteration passed, 1 otherwise.
 """
 

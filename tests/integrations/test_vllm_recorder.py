@@ -8,7 +8,7 @@ a checkpoint (sync scheduling: vLLM's CPU platform turns async off; ~2 minutes, 
 compiling at start), and its scheduler, async and sync, driven as its engine core drives it
 with tokentape's oracle as the model (~20 s each). Each tape must verify, have no finding,
 hold what each vLLM client received, and diff identical with tokentape's run of the same
-requests. tests/test_vllm_tapes.py checks tapes recorded the same way without vLLM.
+requests. tests/integrations/test_vllm_tapes.py checks tapes recorded the same way without vLLM.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def kv_pressure_in_flight(path: Path, clean: bool = False) -> None:
 
 # -- the museum: later bugs of the family, by museum policy or injected fault ----------------
 # Each takes `clean=True` to run the same scenario on the default engine (epoch, no fault),
-# which tests/test_museum.py holds to no finding at all.
+# which tests/postmortem/test_museum.py holds to no finding at all.
 
 
 def _museum_llm(
@@ -402,7 +402,7 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
             _finding("count_nonzero_at_finish", ["q2"], "vllm#47900", severity="warning"),
         ],
     ),
-    # The museum (each scenario also runs clean: tests/test_museum.py).
+    # The museum (each scenario also runs clean: tests/postmortem/test_museum.py).
     "flag_reset_only_38624": (
         flag_reset_only_38624,
         [

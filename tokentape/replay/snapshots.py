@@ -12,7 +12,7 @@ lists are copied with one C-level slice each, the prompt (never mutated), the sa
 mypyc-compiled state classes alike, since it only reads and sets their attributes.
 
 A *settled* request (finished, nothing of it in flight, its output delivered) is never
-changed by the reducer again: no event can name it any more (tests/test_snapshots.py checks
+changed by the reducer again: no event can name it any more (tests/replay/test_snapshots.py checks
 the invariant). So a `Snapshot` keeps copies of the requests still live only, and the index
 keeps every request object of its pass in arrival order: restoring takes the settled ones
 from there. A snapshot costs time and memory in proportion to the live requests, not to

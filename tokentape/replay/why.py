@@ -11,7 +11,7 @@ came, why not.
 The request is folded alone: its own events (tokentape/replay/why_source.py finds them by
 seeks) go through the reducer into a state that holds only this request, with every step and
 frame cut to its entry. The reducer changes a request only for events that name it, so the
-projected request equals the one a full fold derives (tests/test_why.py checks it).
+projected request equals the one a full fold derives (tests/replay/test_why.py checks it).
 """
 
 from __future__ import annotations

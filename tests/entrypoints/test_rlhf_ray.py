@@ -23,7 +23,7 @@ from tokentape.events import schema as ev  # noqa: E402
 from tokentape.postmortem.fleet import fleet_postmortem  # noqa: E402
 from tokentape.replay import load_tape, verify  # noqa: E402
 
-EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """`tokentape postmortem DIR`: the postmortem of a fleet of tapes (one per engine), in worker
-processes, with a row per engine. The Ray path (--ray) is in tests/test_rlhf_ray.py, on the
+processes, with a row per engine. The Ray path (--ray) is in tests/entrypoints/test_rlhf_ray.py, on the
 tapes of a real fleet."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tokentape.postmortem.fleet import FleetReport, find_tapes, fleet_postmortem
 from tokentape.postmortem.fleet_report import render_fleet_report
 from tokentape.replay import load_tape, verify
 
-TAPES = Path(__file__).parent / "tapes"
+TAPES = Path(__file__).resolve().parents[1] / "tapes"
 
 
 def closed_mid_run(path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos_sigkill.py"
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos_sigkill.py"
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from tokentape.postmortem.findings import BUG_CLASSES, Report
 from tokentape.postmortem.report_html import render_report
 from tokentape.replay import load_tape
 
-TAPES = Path(__file__).parent / "tapes"
+TAPES = Path(__file__).resolve().parents[1] / "tapes"
 ZOO = sorted(p.name.removesuffix(".expected.json") for p in TAPES.glob("*.expected.json"))
 
 

@@ -20,11 +20,11 @@ from tokentape.events.store import MemoryTape
 from tokentape.postmortem import postmortem
 from tokentape.replay import diff, load_tape, verify
 
-sys.path.insert(0, str(Path(__file__).parent / "integrations"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_scenarios import async_scenario, engine_scenario, run_tokentape  # noqa: E402
 
-TAPES = Path(__file__).parent / "tapes" / "vllm"
+TAPES = Path(__file__).resolve().parents[1] / "tapes" / "vllm"
 NAMES = ["engine_cpu", "async_scheduler", "async_aborts"]
 
 

@@ -17,7 +17,7 @@ from tokentape.postmortem.findings import BUG_CLASSES
 from tokentape.replay import load_tape
 from tokentape.replay.verify import verify
 
-TAPES = Path(__file__).parent / "tapes"
+TAPES = Path(__file__).resolve().parents[1] / "tapes"
 _spec = importlib.util.spec_from_file_location("regenerate", TAPES / "regenerate.py")
 assert _spec is not None and _spec.loader is not None
 regenerate = importlib.util.module_from_spec(_spec)

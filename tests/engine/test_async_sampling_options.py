@@ -1,6 +1,6 @@
 """AsyncLLM with n > 1: cancelling or aborting the request aborts every child on the tape, and
 a refused one records nothing. (That its outputs equal LLM's and the server's, every output
-kind, is tests/test_output_parity.py.)"""
+kind, is tests/engine/test_output_parity.py.)"""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from tokentape import LLM, SamplingParams
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.entrypoints.unsupported_fields import CHAT, COMPLETION
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOK = ByteTokenizer()
 CTX = 96  # the servers' max_model_len: the chat default (the rest of the context) stays short
 PROMPT = "The tape says"
