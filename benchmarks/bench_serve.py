@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         print(
-            f"## bench_serve: {args.model}, {args.num_clients} streaming clients x {args.max_tokens} tokens\n"
+            f"## bench_serve: {args.model}, {args.num_clients} streaming clients x "
+            f"{args.max_tokens} tokens\n"
         )
         print("| measure | value |\n| --- | --- |")
         for key, value in result.items():

@@ -92,10 +92,10 @@ def main() -> None:
         for mode_name, async_sched, vllm_name in MODES:
             for n in SIZES:
                 variants: dict[str, Any] = {
-                    "tokentape": lambda: c.measure_decode_steps(n, async_sched, tmp.new())
+                    "tokentape": lambda n=n, a=async_sched: c.measure_decode_steps(n, a, tmp.new())
                 }
                 if side is not None:
-                    variants["vllm"] = lambda: side.call("time", scheduler=vllm_name, n=n)
+                    variants["vllm"] = lambda v=vllm_name, n=n: side.call("time", scheduler=v, n=n)
                 best = c.best_of(variants, repeats=args.repeats, key=_cost)
                 tt: c.StepTimes = best["tokentape"]
                 v = best.get("vllm")

@@ -96,7 +96,9 @@ ELSEWHERE: dict[str, str] = {
     "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q": (
         "the whole suite: .ci/run runs it"
     ),
-    "pip install -e '.[serve,ray]'": "examples/rlhf_ray.py on Ray: tests/entrypoints/test_rlhf_ray.py",
+    "pip install -e '.[serve,ray]'": (
+        "examples/rlhf_ray.py on Ray: tests/entrypoints/test_rlhf_ray.py"
+    ),
     "import os": "vLLM itself: test_vllm_blocks_run below (vllm mark)",
     "tokentape replay verify vllm.tape": "a vLLM tape: test_vllm_blocks_run below (vllm mark)",
     "benchmarks/setup_vllm_venv.sh": (

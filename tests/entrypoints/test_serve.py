@@ -279,7 +279,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("ckpt")
     old = save_checkpoint(builtin_model("tiny", seed=0)[1], root / "old")
     new = save_checkpoint(builtin_model("tiny", seed=1)[1], root / "new")
-    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    template = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
     (root / "old" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return str(old), str(new)
 

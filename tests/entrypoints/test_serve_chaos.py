@@ -30,8 +30,8 @@ from tokentape.replay import load_tape, verify
 # The longest a good request may wait for its first token, and for its whole stream of
 # GOOD_TOKENS tokens, while the chaos runs. Measured on a 2-core machine over 16 runs of the
 # scenario below: first token at most 0.19 s (median 0.03 s), whole stream at most 0.17 s;
-# the bounds leave 10x for a loaded machine. Before this suite's fixes, the bad-words flood alone stalled every client
-# for minutes and the first bad folder ended the engine.
+# the bounds leave 10x for a loaded machine. Before this suite's fixes, the bad-words flood
+# alone stalled every client for minutes and the first bad folder ended the engine.
 FIRST_TOKEN_BOUND_S = 2.0
 STREAM_BOUND_S = 2.0
 GOOD_CLIENTS, GOOD_TOKENS = 6, 12

@@ -1,6 +1,6 @@
 """`tokentape postmortem DIR`: the postmortem of a fleet of tapes (one per engine), in worker
-processes, with a row per engine. The Ray path (--ray) is in tests/entrypoints/test_rlhf_ray.py, on the
-tapes of a real fleet."""
+processes, with a row per engine. The Ray path (--ray) is in
+tests/entrypoints/test_rlhf_ray.py, on the tapes of a real fleet."""
 
 from __future__ import annotations
 

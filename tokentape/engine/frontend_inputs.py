@@ -42,10 +42,10 @@ def prompt_token_ids(tokenizer: Tokenizer, prompt: PromptType) -> tuple[list[int
 
 def check_token_ids(name: str, token_ids: Sequence[object], vocab_size: int) -> None:
     """Every id an int of the vocabulary (one pass at C speed for the usual good list)."""
-    if all(type(t) is int for t in token_ids) and (
-        not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)
-    ):  # type: ignore[type-var]
-        return
+    if all(type(t) is int for t in token_ids):
+        ids = cast(Sequence[int], token_ids)
+        if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+            return
     for i, t in enumerate(token_ids):
         check_int(f"{name}[{i}]", t, 0)  # the type (a bool is not a token id), then the vocabulary
         if t >= vocab_size:  # type: ignore[operator]

@@ -61,7 +61,7 @@ class LLM:
         if self.engine.is_paused():
             raise RuntimeError("generate: the engine is paused; call resume_generation() first")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[list-item,assignment]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -74,9 +74,9 @@ class LLMEngine:
             config.effective_max_model_len,
             config.faults,
         )
-        self.kv = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
+        num_blocks = config.num_kv_blocks
+        assert num_blocks is not None  # with_runner_defaults sized it
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
         self._finished_since_last_batch: list[str] = []
         # Deltas produced outside step() (e.g. by a drain), handed out by the next step.

@@ -21,7 +21,7 @@ The limits (README, "Serve"):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from tokentape.engine.bad_words import resolve_bad_words
 from tokentape.engine.config import EngineConfig
@@ -154,7 +154,8 @@ def check_request(
                 )
         child_params(params, params.n - 1, config.seed, ())  # the seeds fit
     check_prompt(request_id, prompt_token_ids, vocab, config.effective_max_model_len)
-    for i, word in enumerate(resolved_bad_words(engine, request_id, params).bad_words):
+    resolved = resolved_bad_words(engine, request_id, params).bad_words
+    for i, word in enumerate(cast(tuple[tuple[int, ...], ...], resolved)):  # ids only, now
         for j, t in enumerate(word):
             if t >= vocab:
                 raise ValueError(

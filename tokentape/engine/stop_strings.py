@@ -9,7 +9,8 @@ function of the tokens, the params and the matched string.
 
 Decoding the whole output after every frame costs O(output) per frame; given the tokenizer's
 `safe_split` the check decodes only a window ending with the frame, with the same answer
-(tests/engine/test_stop_strings.py; at 4096 output tokens 0.8 ms -> 11 us per frame, byte tokenizer).
+(tests/engine/test_stop_strings.py; at 4096 output tokens 0.8 ms -> 11 us per frame, byte
+tokenizer).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ and the exit status of how it stopped.
 Stopping: SIGTERM or Ctrl-C stops taking requests and lets those in flight finish for the
 drain timeout; then the rest are aborted (their streams end with finish_reason "abort"),
 and the engine core closes the tape within CORE_STOP_TIMEOUT_S (then it is told to stop
-between steps, and killed past client.STOP_GRACE_S). SIGTERM then exits 0 (uvicorn would re-raise it and die by the signal);
-Ctrl-C stays an interrupt (130). An engine core that fails while serving makes the server
-stop as a SIGTERM does and exit 1.
+between steps, and killed past client.STOP_GRACE_S). SIGTERM then exits 0 (uvicorn would
+re-raise it and die by the signal); Ctrl-C stays an interrupt (130). An engine core that
+fails while serving makes the server stop as a SIGTERM does and exit 1.
 """
 
 from __future__ import annotations

@@ -265,7 +265,8 @@ def _where(how: Ended, f: Finding, s: Summary) -> str:
     if how == "truncated":
         return (
             f"stopped mid-run at event {f.seq} after step {f.steps[1]} was scheduled, "
-            f"{len(f.request_ids)} request(s) unfinished, no EngineError (killed, or closed mid-run)"
+            f"{len(f.request_ids)} request(s) unfinished, no EngineError "
+            "(killed, or closed mid-run)"
         )
     if how == "engine_error":
         return f.message  # "the engine failed at step N: Type: message"

@@ -230,7 +230,8 @@ class ReferenceChecker(Checker):
                 "error",
                 [req_id],
                 d.step,
-                f"request {req_id!r} repeats {-shifts[0]} token(s) at {where} against the {self.source} "
+                f"request {req_id!r} repeats {-shifts[0]} token(s) at {where} against the "
+                f"{self.source} "
                 f"stream: got {got}, expected {expected}; every later token comes one place late",
                 excerpt,
                 bug,
@@ -242,7 +243,8 @@ class ReferenceChecker(Checker):
                 "error",
                 [req_id],
                 d.step,
-                f"request {req_id!r} skips {shifts[0]} token(s) at {where} against the {self.source} "
+                f"request {req_id!r} skips {shifts[0]} token(s) at {where} against the "
+                f"{self.source} "
                 f"stream: got {got}, expected {expected}; every later token moved up",
                 excerpt,
                 bug,

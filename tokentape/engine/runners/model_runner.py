@@ -10,6 +10,7 @@ its own stream.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -296,7 +297,7 @@ class TorchModelRunner:
             self.min_lane_work,
         )
         for lane, share in zip(self._lanes, shares[1:]):
-            lane.submit(lambda share=share: self._logits(share))
+            lane.submit(functools.partial(self._logits, share))
         parts = [self._logits(shares[0])]
         parts += [lane.result() for lane in self._lanes[: len(shares) - 1]]
         samplers = [e for share in shares for e in share if e.samples]

@@ -38,7 +38,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         epilog=(
             "examples:\n"
             "  tokentape export run.tape --format perfetto -o run.trace.json\n"
-            "  tokentape export run.tape --format jsonl | jq 'select(.kind == \"RequestPreempted\")'\n"
+            "  tokentape export run.tape --format jsonl "
+            "| jq 'select(.kind == \"RequestPreempted\")'\n"
             "  tokentape export live.tape --format sqlite -o snapshot.tape"
         ),
     )

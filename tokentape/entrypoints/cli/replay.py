@@ -86,7 +86,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(
         safe_text(
-            f"FAILED: {args.tape} does not {'reproduce' if result.statement is None else 'check out'} "
+            f"FAILED: {args.tape} does not "
+            f"{'reproduce' if result.statement is None else 'check out'} "
             f"({result.num_events} events {done})"
         )
     )

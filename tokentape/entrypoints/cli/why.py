@@ -23,7 +23,8 @@ _STYLES = {
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     why = sub.add_parser(
         "why",
-        help="explain one output token of a request: who scheduled, produced, dropped, delivered it",
+        help="explain one output token of a request: who scheduled, produced, dropped, "
+        "delivered it",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "For output position POSITION (from 0) of request REQUEST, print the chain of\n"
