@@ -96,6 +96,9 @@ class _Policy:
 
     name = ""
     mechanism = ""
+    # vLLM before #48245 as released: a frame with drafts gives its rejected drafts back even
+    # when the discard drops it (_give_back_drafts_as_released).
+    drafts_as_released = False
 
     def discard_count(self, req: RequestState) -> int:
         return req.num_stale_in_flight
@@ -103,6 +106,8 @@ class _Policy:
     def give_back_drafts(
         self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
     ) -> int:
+        if self.drafts_as_released:
+            return _give_back_drafts_as_released(req, num_drafts, num_accepted)
         if not stale:  # rejected draft positions were counted as computed
             req.num_computed_tokens -= num_drafts - num_accepted
         return 1 + num_drafts
@@ -118,6 +123,8 @@ class _Policy:
     def negative_placeholders_bug(
         self, reason: str, spec_in_flight: bool, counter_left: int
     ) -> str | None:
+        if self.drafts_as_released and reason == "reset_prefix_cache" and spec_in_flight:
+            return "vllm#46066"  # the dropped stale frame's rejected drafts, given back
         return self.stale_bug(reason, counter_left)  # a stale frame that got through, counted
 
 
@@ -249,6 +256,7 @@ class VllmFlagPolicy(FlagResetOnlyPolicy):
 
     name = "vllm-flag"
     delivers_stale = True
+    drafts_as_released = True
 
     def on_preempt(self, req: RequestState, reason: str) -> None:
         super().on_preempt(req, reason)
@@ -263,40 +271,17 @@ class VllmFlagPolicy(FlagResetOnlyPolicy):
             return super().stale_bug(reason, counter_left)
         return FlagPolicy.stale_bug(self, reason, counter_left)
 
-    def give_back_drafts(
-        self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
-    ) -> int:
-        return _give_back_drafts_as_released(req, num_drafts, num_accepted)
-
-    def negative_placeholders_bug(
-        self, reason: str, spec_in_flight: bool, counter_left: int
-    ) -> str | None:
-        if reason == "reset_prefix_cache" and spec_in_flight:
-            return "vllm#46066"  # the dropped stale frame's rejected drafts, given back
-        return super().negative_placeholders_bug(reason, spec_in_flight, counter_left)
-
 
 class VllmCounterPolicy(CounterResetOnlyPolicy):
     """vLLM 0.22-0.24 as released: the reset's counter; KV-pressure output delivered."""
 
     name = "vllm-counter"
     delivers_stale = True
+    drafts_as_released = True
 
     def on_preempt(self, req: RequestState, reason: str) -> None:
         super().on_preempt(req, reason)
         req.drop_stale_output = reason == "reset_prefix_cache"
-
-    def give_back_drafts(
-        self, req: RequestState, stale: bool, num_drafts: int, num_accepted: int
-    ) -> int:
-        return _give_back_drafts_as_released(req, num_drafts, num_accepted)
-
-    def negative_placeholders_bug(
-        self, reason: str, spec_in_flight: bool, counter_left: int
-    ) -> str | None:
-        if reason == "reset_prefix_cache" and spec_in_flight:
-            return "vllm#46066"  # the dropped stale frame's rejected drafts, given back
-        return super().negative_placeholders_bug(reason, spec_in_flight, counter_left)
 
 
 class VllmCounterGuardedPolicy(VllmCounterPolicy):
@@ -310,7 +295,7 @@ class VllmCounterGuardedPolicy(VllmCounterPolicy):
     ) -> int:
         if req.async_tokens_to_discard > 0:
             return 1 + num_drafts  # dropped: nothing is given back
-        return _give_back_drafts_as_released(req, num_drafts, num_accepted)
+        return super().give_back_drafts(req, stale, num_drafts, num_accepted)
 
 
 class CounterSpecBudgetPolicy(CounterPolicy):
