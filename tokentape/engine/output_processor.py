@@ -42,6 +42,7 @@ class _Completion:
         "fed",
         "pieces",
         "num_chars",
+        "marks",
         "unsent",
         "sent_tokens",
         "sent_chars",
@@ -59,6 +60,8 @@ class _Completion:
         self.fed = 0  # tokens given to the detokenizer
         self.pieces: list[str] = []  # the detokenizer's text deltas (CUMULATIVE reads them)
         self.num_chars = 0
+        # Tokens detokenized -> (pieces, characters) then: where a CUMULATIVE text ends.
+        self.marks: dict[int, tuple[int, int]] = {0: (0, 0)}
         self.unsent = ""  # DELTA: text decoded but not released (the stop-string holdback)
         self.sent_tokens = 0  # tokens given out in outputs
         self.sent_chars = 0  # DELTA: characters given out
@@ -75,15 +78,31 @@ class _Completion:
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
-    def _feed(self) -> str:
-        """Detokenize the tokens not yet detokenized; their text."""
-        new = self.tokens[self.fed :] if self.fed else self.tokens
-        self.fed = len(self.tokens)
-        piece = self.detok.add(new, self.finish_reason is not None)
+    def _feed(self, end: int | None = None, final: bool | None = None) -> str:
+        """Detokenize the tokens not yet detokenized, up to `end` (default: all of them, and
+        `final` when the completion has finished); their text."""
+        end = len(self.tokens) if end is None else end
+        new = self.tokens[self.fed : end]
+        self.fed = end
+        piece = self.detok.add(new, self.finish_reason is not None if final is None else final)
         if piece:
             self.pieces.append(piece)
             self.num_chars += len(piece)
+        self.marks[end] = (len(self.pieces), self.num_chars)
         return piece
+
+    def text_at(self, end: int, final: bool, hold: int) -> str | None:
+        """The text of the first `end` tokens as the incremental detokenizer gives it there,
+        less its last `hold` characters: CUMULATIVE text, decoded when it is first read (a
+        consumer that never reads it costs no decoding). None when the tokens were decoded
+        past `end` in one go (an older output read after a newer one)."""
+        if self.fed < end:
+            self._feed(end, final)
+        mark = self.marks.get(end)
+        if mark is None:
+            return None
+        num_pieces, num_chars = mark
+        return "".join(self.pieces[:num_pieces])[: max(0, num_chars - hold)]
 
 
 class _Request:
@@ -231,12 +250,12 @@ class OutputProcessor:
         interval = self.stream_interval
         if interval > 1 and not (done or force) and c.started and end - c.sent_tokens < interval:
             return None
-        piece = c._feed()
         final = self._cut_text(req, c) if done and c.stop_reason is not None else None
         hold = 0 if done else req.holdback
         span = (c.tokens, c.logprobs, c.top, c.sent_tokens if req.kind == _DELTA else 0, end)
         c.started, c.sent_tokens = True, end
         if req.kind == _DELTA:
+            piece = c._feed()  # a delta's text is released as it comes (less the holdback)
             if final is not None:
                 text, c.unsent = final[c.sent_chars :], ""
             else:
@@ -249,11 +268,14 @@ class OutputProcessor:
             return CompletionOutput.of_span(c.index, span, text, c.finish_reason, c.stop_reason)
         if final is not None:
             return CompletionOutput.of_span(c.index, span, final, c.finish_reason, c.stop_reason)
-        pieces, visible = c.pieces, max(0, c.num_chars - hold)
-        num_pieces = len(pieces)
 
-        def cumulative_text() -> str:  # the pieces only grow: those of now, read later
-            return "".join(pieces[:num_pieces])[:visible]
+        def cumulative_text() -> str:  # decoded up to `end` when first read
+            text = c.text_at(end, done, hold)
+            if text is None:  # decoded past `end` already: decode the first `end` alone
+                alone = detokenizer(self.tokenizer)
+                text = alone.add(c.tokens[:end], done)
+                text = text[: max(0, len(text) - hold)]
+            return text
 
         return CompletionOutput.of_span(
             c.index, span, cumulative_text, c.finish_reason, c.stop_reason
