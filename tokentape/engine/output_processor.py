@@ -60,7 +60,7 @@ class _Completion:
         self.fed = 0  # tokens given to the detokenizer
         self.pieces: list[str] = []  # the detokenizer's text deltas (CUMULATIVE reads them)
         self.num_chars = 0
-        # Tokens detokenized -> (pieces, characters) then: where a CUMULATIVE text ends.
+        # Where each CUMULATIVE text read so far ends: tokens -> (pieces, characters).
         self.marks: dict[int, tuple[int, int]] = {0: (0, 0)}
         self.unsent = ""  # DELTA: text decoded but not released (the stop-string holdback)
         self.sent_tokens = 0  # tokens given out in outputs
@@ -88,7 +88,6 @@ class _Completion:
         if piece:
             self.pieces.append(piece)
             self.num_chars += len(piece)
-        self.marks[end] = (len(self.pieces), self.num_chars)
         return piece
 
     def text_at(self, end: int, final: bool, hold: int) -> str | None:
@@ -98,6 +97,7 @@ class _Completion:
         past `end` in one go (an older output read after a newer one)."""
         if self.fed < end:
             self._feed(end, final)
+            self.marks[end] = (len(self.pieces), self.num_chars)
         mark = self.marks.get(end)
         if mark is None:
             return None
