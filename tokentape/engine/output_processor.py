@@ -49,14 +49,20 @@ class _Completion:
         "started",
         "finish_reason",
         "stop_reason",
+        "holdback",
+        "tokenizer",
     )
 
-    def __init__(self, index: int, params: SamplingParams, detok: Detokenizer) -> None:
+    def __init__(
+        self, index: int, params: SamplingParams, tokenizer: Tokenizer | None, holdback: int
+    ) -> None:
         self.index = index
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top: list[dict[int, float]] | None = [] if params.logprobs else None
-        self.detok = detok
+        self.tokenizer = tokenizer
+        self.detok: Detokenizer = detokenizer(tokenizer)
+        self.holdback = holdback  # characters a running request holds back (stop strings)
         self.fed = 0  # tokens given to the detokenizer
         self.pieces: list[str] = []  # the detokenizer's text deltas (CUMULATIVE reads them)
         self.num_chars = 0
@@ -105,6 +111,17 @@ class _Completion:
         return "".join(self.pieces[:num_pieces])[: max(0, num_chars - hold)]
 
 
+def _cumulative_text(c: _Completion, end: int, finished: bool) -> str:
+    """A CUMULATIVE output's text (CompletionOutput's text_of): the first `end` tokens',
+    less the stop-string holdback while the completion runs."""
+    hold = 0 if finished else c.holdback
+    text = c.text_at(end, finished, hold)
+    if text is None:  # decoded past `end` already: decode the first `end` alone
+        text = detokenizer(c.tokenizer).add(c.tokens[:end], finished)
+        text = text[: max(0, len(text) - hold)]
+    return text
+
+
 class _Request:
     """One client request: its completions (n of them) and how its outputs are shaped."""
 
@@ -125,7 +142,7 @@ class _Request:
         prompt_token_ids: list[int],
         prompt: str | None,
         params: SamplingParams,
-        completions: list[_Completion],
+        tokenizer: Tokenizer | None,
     ) -> None:
         self.request_id, self.prompt_token_ids, self.prompt = request_id, prompt_token_ids, prompt
         self.params, self.kind = params, params.output_kind
@@ -133,8 +150,10 @@ class _Request:
         # A stop string may be completed by a later frame: its beginning must not go out yet.
         include = params.include_stop_str_in_output
         self.holdback = max(map(len, stops)) - 1 if stops and not include else 0
-        self.completions = completions
-        self.num_unfinished = len(completions)
+        self.completions = [
+            _Completion(i, params, tokenizer, self.holdback) for i in range(params.n)
+        ]
+        self.num_unfinished = params.n
 
 
 class OutputProcessor:
@@ -157,10 +176,9 @@ class OutputProcessor:
     ) -> None:
         """Follow a request whose engine requests (itself, or its n children, in index order)
         are `engine_request_ids`."""
-        comps = [_Completion(i, params, detokenizer(self.tokenizer)) for i in range(params.n)]
-        req = _Request(request_id, prompt_token_ids, prompt, params, comps)
+        req = _Request(request_id, prompt_token_ids, prompt, params, self.tokenizer)
         self._requests[request_id] = req
-        for engine_id, comp in zip(engine_request_ids, comps, strict=True):
+        for engine_id, comp in zip(engine_request_ids, req.completions, strict=True):
             self._by_engine_id[engine_id] = (req, comp)
 
     def has_request(self, request_id: str) -> bool:
@@ -199,8 +217,8 @@ class OutputProcessor:
             elif req.kind is _FINAL_ONLY:
                 continue  # nothing to give before the finish (LLM.generate's every step)
             comps = touched.get(req)
-            if comps is None:
-                touched[req] = [comp]
+            if comps is None:  # n = 1: its list of one, not a new one per step
+                touched[req] = req.completions if len(req.completions) == 1 else [comp]
             elif comp not in comps:
                 comps.append(comp)
         results = []
@@ -232,9 +250,13 @@ class OutputProcessor:
             if not finished:
                 return None
             completions = [self._final(req, c) for c in req.completions]
+        elif len(req.completions) == 1:  # the common case, without a comprehension's frame
+            out = self._streamed(req, comps[0], force)
+            if out is None:
+                return None
+            completions = [out]
         else:
-            if len(req.completions) > 1:
-                comps = sorted(comps, key=lambda c: c.index)
+            comps = sorted(comps, key=lambda c: c.index)
             completions = [out for c in comps if (out := self._streamed(req, c, force)) is not None]
             if not completions:
                 return None
@@ -251,47 +273,40 @@ class OutputProcessor:
         if interval > 1 and not (done or force) and c.started and end - c.sent_tokens < interval:
             return None
         final = self._cut_text(req, c) if done and c.stop_reason is not None else None
+        if req.kind is not _DELTA:  # CUMULATIVE: every token so far, the text when read
+            c.started, c.sent_tokens = True, end
+            text_of = final if final is not None else _cumulative_text
+            return CompletionOutput.of_span(
+                c.index, c, 0, end, text_of, c.finish_reason, c.stop_reason
+            )
+        # DELTA: the new tokens; the text as it comes, less the stop-string holdback
         hold = 0 if done else req.holdback
-        span = (c.tokens, c.logprobs, c.top, c.sent_tokens if req.kind == _DELTA else 0, end)
+        start = c.sent_tokens
         c.started, c.sent_tokens = True, end
-        if req.kind == _DELTA:
-            piece = c._feed()  # a delta's text is released as it comes (less the holdback)
-            if final is not None:
-                text, c.unsent = final[c.sent_chars :], ""
-            else:
-                unsent = c.unsent + piece
-                release = len(unsent) - hold
-                text, c.unsent = (
-                    (unsent[:release], unsent[release:]) if release > 0 else ("", unsent)
-                )
-            c.sent_chars += len(text)
-            return CompletionOutput.of_span(c.index, span, text, c.finish_reason, c.stop_reason)
+        piece = c._feed()
         if final is not None:
-            return CompletionOutput.of_span(c.index, span, final, c.finish_reason, c.stop_reason)
-
-        def cumulative_text() -> str:  # decoded up to `end` when first read
-            text = c.text_at(end, done, hold)
-            if text is None:  # decoded past `end` already: decode the first `end` alone
-                alone = detokenizer(self.tokenizer)
-                text = alone.add(c.tokens[:end], done)
-                text = text[: max(0, len(text) - hold)]
-            return text
-
+            text, c.unsent = final[c.sent_chars :], ""
+        else:
+            unsent = c.unsent + piece
+            release = len(unsent) - hold
+            text, c.unsent = (unsent[:release], unsent[release:]) if release > 0 else ("", unsent)
+        c.sent_chars += len(text)
         return CompletionOutput.of_span(
-            c.index, span, cumulative_text, c.finish_reason, c.stop_reason
+            c.index, c, start, end, text, c.finish_reason, c.stop_reason
         )
 
     def _final(self, req: _Request, c: _Completion) -> CompletionOutput:
         """A FINAL_ONLY completion: every token, the text decoded when it is first read."""
 
-        def final_text() -> str:
+        def final_text(c: _Completion, end: int, finished: bool) -> str:
             if c.stop_reason is not None:
                 return self._cut_text(req, c)
             c._feed()
             return "".join(c.pieces)
 
-        span = (c.tokens, c.logprobs, c.top, 0, len(c.tokens))
-        return CompletionOutput.of_span(c.index, span, final_text, c.finish_reason, c.stop_reason)
+        return CompletionOutput.of_span(
+            c.index, c, 0, len(c.tokens), final_text, c.finish_reason, c.stop_reason
+        )
 
     def _cut_text(self, req: _Request, c: _Completion) -> str:
         """The whole text cut at the stop string that finished the completion."""
