@@ -37,6 +37,7 @@ floor (weight bytes / 4.8 TB/s, an H200's HBM3e).
     python benchmarks/bench_generate.py --repeats 2            # tiny, 256 prompts, CPU
     python benchmarks/bench_generate.py --config qwen3-0.6b --repeats 2
     python benchmarks/bench_generate.py --num-prompts 16       # a quick look
+    python benchmarks/bench_generate.py --num-prompts 16 --prompt-len 2048 --output-len 128
     python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --config qwen3-0.6b \
         --skip-vllm
 """
@@ -90,12 +91,23 @@ def tt_variants(device: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def workload(config: str, n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+def workload(
+    config: str,
+    n: int,
+    vocab: int,
+    seed: int,
+    prompt_len: int | None = None,
+    output_len: int | None = None,
+) -> tuple[list[list[int]], list[int]]:
+    """The prompts and output lengths (`prompt_len` / `output_len` fix either for every
+    request: 16 x 2,048 -> 128 is the long-prompt workload)."""
     rng = random.Random(seed)
-    if config == "qwen3-0.6b":
-        return [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(n)], [128] * n
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
-    outputs = [rng.randint(64, 256) for _ in range(n)]
+    qwen = config == "qwen3-0.6b"
+    prompts, outputs = [], []
+    for _ in range(n):
+        length = prompt_len or (128 if qwen else rng.randint(32, 256))
+        prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+        outputs.append(output_len or (128 if qwen else rng.randint(64, 256)))
     return prompts, outputs
 
 
@@ -237,6 +249,8 @@ def parse_args() -> argparse.Namespace:
         type=int,
         help="transformers' torch thread count (default: torch's, one per core)",
     )
+    p.add_argument("--prompt-len", type=int, help="every prompt this long (default: the config's)")
+    p.add_argument("--output-len", type=int, help="every request this many tokens out")
     p.add_argument("--skip-vllm", action="store_true", help="leave vLLM out")
     p.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -248,7 +262,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     config = BUILTIN_CONFIGS[args.config]
-    prompts, outputs = workload(args.config, args.num_prompts, config.vocab_size, args.seed)
+    prompts, outputs = workload(
+        args.config,
+        args.num_prompts,
+        config.vocab_size,
+        args.seed,
+        args.prompt_len,
+        args.output_len,
+    )
     n = len(prompts)
     print(
         f"# bench_generate: {n} prompts, config {args.config}, {args.device}, {args.dtype}; "
