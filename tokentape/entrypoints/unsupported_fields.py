@@ -79,7 +79,6 @@ CHAT: Mapping[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": ((None, "none"), "tool calling is not implemented"),
     "functions": ((None, []), "function calling is not implemented"),
     "function_call": ((None, "none"), "function calling is not implemented"),
-    "echo": ((None, False), "echo of the last message is not implemented"),
     "documents": (_NOTHING, "documents for the chat template are not implemented"),
     "chat_template": (
         _NOTHING,
