@@ -332,6 +332,7 @@ class LLMEngine:
                     None,
                     req.stop_str if reason is not None else None,
                     req.output_top_logprobs[sent:] if logprobs else None,
+                    req.prompt_logprobs if not sent else None,  # with the first tokens
                 )
             )
         self._emit(ev.OutputsEmitted(state.step, entries))

@@ -14,7 +14,9 @@ Per request it keeps every token, logprob and text piece delivered so far, and d
 - n > 1 fan-in: the children "{i}_{id}" gathered into their parent's outputs (each output
   holds the completions with something new; FINAL_ONLY one output with all n);
 - `stream_interval` N > 1 (vLLM's --stream-interval): a completion's first tokens go out at
-  once, then every N tokens, at its finish, or when `flush` says so.
+  once, then every N tokens, at its finish, or when `flush` says so;
+- prompt logprobs (SamplingParams.prompt_logprobs): in vLLM's shape, in the request's first
+  output only (later ones: [], as vLLM's pop_prompt_logprobs leaves them).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tokentape.engine.detokenizer import Detokenizer, detokenizer, no_text
 from tokentape.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from tokentape.engine.stop_strings import stop_text
 from tokentape.engine.tokenizer import Tokenizer
-from tokentape.events.schema import RequestOutputKind, SamplingParams
+from tokentape.events.schema import PromptLogprobs, RequestOutputKind, SamplingParams
 
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
@@ -134,6 +136,8 @@ class _Request:
         "holdback",
         "completions",
         "num_unfinished",
+        "prompt_logprobs",
+        "prompt_logprobs_sent",
     )
 
     def __init__(
@@ -154,6 +158,35 @@ class _Request:
             _Completion(i, params, tokenizer, self.holdback) for i in range(params.n)
         ]
         self.num_unfinished = params.n
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprobs_sent = False
+
+    def take_prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """For an output about to go out: the prompt logprobs the first time they can, [] after
+        (vLLM's), None while they have not come (or were not asked for)."""
+        if self.prompt_logprobs_sent:
+            return []
+        plp = self.prompt_logprobs
+        if plp is not None:
+            self.prompt_logprobs_sent, self.prompt_logprobs = True, None
+        return plp
+
+    def keep_prompt_logprobs(self, plp: PromptLogprobs) -> None:
+        """vLLM's list: None for the first prompt token, then per position the prompt token's
+        logprob first and the k most likely after it. The first to come is kept (each child
+        of n > 1 brings the same)."""
+        if self.prompt_logprobs is not None or self.prompt_logprobs_sent:
+            return
+        tokens = self.prompt_token_ids
+        if self.params.prompt_logprobs:
+            tops = zip(plp.top_token_ids, plp.top_logprobs, strict=True)
+            rows: list[dict[int, float] | None] = [
+                {tok: lp, **dict(zip(ids, lps))}
+                for tok, lp, (ids, lps) in zip(tokens[1:], plp.token_logprobs, tops)
+            ]
+        else:
+            rows = [{tok: lp} for tok, lp in zip(tokens[1:], plp.token_logprobs)]
+        self.prompt_logprobs = [None, *rows]
 
 
 class OutputProcessor:
@@ -211,6 +244,8 @@ class OutputProcessor:
                 continue
             req, comp = entry
             comp.append(out)
+            if out.prompt_logprobs is not None:
+                req.keep_prompt_logprobs(out.prompt_logprobs)
             if out.finish_reason is not None:
                 req.num_unfinished -= 1
                 del by_engine_id[out.request_id]
@@ -260,9 +295,12 @@ class OutputProcessor:
             completions = [out for c in comps if (out := self._streamed(req, c, force)) is not None]
             if not completions:
                 return None
-        return RequestOutput(
+        result = RequestOutput(
             req.request_id, req.prompt_token_ids, completions, finished, req.prompt
         )
+        if req.params.prompt_logprobs is not None:
+            result.prompt_logprobs = req.take_prompt_logprobs()
+        return result
 
     def _streamed(self, req: _Request, c: _Completion, force: bool) -> CompletionOutput | None:
         """A CUMULATIVE or DELTA completion for what `c` got since its last, or None while

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tokentape.events.schema import RequestOutputKind
+from tokentape.events.schema import PromptLogprobs, RequestOutputKind
 
 __all__ = [
     "CompletionOutput",
@@ -38,6 +38,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     # With SamplingParams.logprobs = k > 0: per new token, the logprobs of the k most likely ids
     # and the sampled one.
     new_top_logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs: the prompt's, with the request's first tokens.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class SpanSource(Protocol):
@@ -233,6 +235,9 @@ class RequestOutput:
     finished: bool
     prompt: str | None = None
     metrics: dict[str, int] = field(default_factory=dict)
+    # vLLM's, with SamplingParams.prompt_logprobs: per prompt position, None for the first,
+    # then {prompt token: logprob, the top k...}; in the first output only (later: []).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, later: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one, as vLLM's
@@ -247,3 +252,5 @@ class RequestOutput:
                 by_index[c.index] = c
         self.outputs = [by_index[i] for i in sorted(by_index)]
         self.finished = later.finished
+        if not self.prompt_logprobs:  # delivered once: the first output that has them
+            self.prompt_logprobs = later.prompt_logprobs

@@ -252,6 +252,8 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
             if len(output) >= req.max_output_tokens:
                 req.stop_reason = "length"
                 break
+        if frame.prompt_logprobs is not None and req.prompt_logprobs is None:
+            _keep_prompt_logprobs(req, frame.prompt_logprobs, e.step)
         if frame.logprobs is not None:
             req.output_logprobs += frame.logprobs[: len(output) - num_before]
         if (
@@ -266,6 +268,22 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
                     output[num_before:], frame.logprobs, frame.top_token_ids, frame.top_logprobs
                 )
             ]
+
+
+def _keep_prompt_logprobs(req: RequestState, plp: ev.PromptLogprobs, step: int) -> None:
+    """A frame's prompt logprobs: one per prompt token after the first, or the tape lies."""
+    num = req.num_prompt_tokens - 1
+    k = req.params.prompt_logprobs
+    if (
+        k is None
+        or len(plp.token_logprobs) != num
+        or (k > 0 and (len(plp.top_token_ids) != num or len(plp.top_logprobs) != num))
+    ):
+        raise ReducerError(
+            f"frame of step {step} has prompt logprobs for request {req.req_id!r} that do not "
+            f"match its prompt of {req.num_prompt_tokens} tokens (prompt_logprobs={k})"
+        )
+    req.prompt_logprobs = plp
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:

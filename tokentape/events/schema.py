@@ -19,8 +19,9 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # 2: the sampling options (SamplingParams from `n` on), top-k logprobs in FrameEntry and the
 # matched stop string in RequestFinished; every new field is last, with a default, so a
 # version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
-# defaults: a version-2 tape reads unchanged).
-FORMAT_VERSION = 3
+# defaults: a version-2 tape reads unchanged). 4: prompt_logprobs in SamplingParams and
+# FrameEntry (last, with defaults: a version-3 tape reads unchanged).
+FORMAT_VERSION = 4
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -63,6 +64,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # is accepted, as vLLM's dict, and normalised, so a params object equals its decoded copy).
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Format 4: vLLM's prompt_logprobs (k): the logprob of every prompt token after the first,
+    # with the k most likely tokens there. Such a request takes no prefix-cache hits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is
@@ -82,6 +86,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
             check_int(f"stop_token_ids[{i}]", token, 0)
         check_bool("ignore_eos", self.ignore_eos)
         check_int("logprobs", self.logprobs, 0, optional=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
         kind = self.output_kind
         if type(kind) is not RequestOutputKind:
             check_int("output_kind", kind)
@@ -192,6 +197,17 @@ class RequestFinished(Event, frozen=True, tag="RequestFinished"):
 # -- facts from the runner and what the client saw ----------------------------------------
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Format 4: the prompt's logprobs (SamplingParams.prompt_logprobs = k), for prompt
+    positions 1 .. P-1 (the first token has none, as in vLLM): each prompt token's raw
+    log-softmax given the tokens before it, and with k > 0 the k most likely ids there and
+    their logprobs (best first, ties: lower id first)."""
+
+    token_logprobs: list[float]
+    top_token_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+
 class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     req_id: str
     token_ids: list[int]  # accepted draft tokens followed by one sampled token
@@ -201,6 +217,9 @@ class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # and their logprobs (raw log-softmax, best first), beside the sampled token's above.
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Format 4: on the frame of the prefill chunk that finishes the prompt (and samples the
+    # first token), the whole prompt's logprobs; earlier chunks' rows wait in the runner.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_accepted(self) -> int:

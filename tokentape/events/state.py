@@ -10,7 +10,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tokentape.events.schema import FinishReason, PauseMode, SamplingParams, ScheduledEntry
+from tokentape.events.schema import (
+    FinishReason,
+    PauseMode,
+    PromptLogprobs,
+    SamplingParams,
+    ScheduledEntry,
+)
 
 
 # Not StrEnum: str() of a member would change (the value, not "RequestStatus.X"), and the
@@ -55,6 +61,9 @@ class RequestState:
     output_logprobs: list[float] = field(default_factory=list)  # per output token, when asked
     # Per output token, with logprobs=k > 0: the k most likely token ids -> logprobs.
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With prompt_logprobs: those of the first frame applied that carried them (later ones,
+    # from a recompute, are the same facts again).
+    prompt_logprobs: PromptLogprobs | None = None
     num_computed_tokens: int = 0
     # vLLM's counter of output positions scheduled but not yet returned. Under the
     # historical policies it can drift from the truth; the in-flight counts are the truth.

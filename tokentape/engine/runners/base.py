@@ -24,6 +24,9 @@ def prompt_seed(seed: int, prompt_token_ids: Sequence[int]) -> int:
 class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Compute the prompt's logprobs as it is prefilled: it asks (prompt_logprobs) and has
+    # none on the tape yet (a request re-entering after a preemption usually has them).
+    prompt_logprobs: bool = False
 
 
 @dataclass(slots=True)

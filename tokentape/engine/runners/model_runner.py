@@ -43,6 +43,11 @@ from tokentape.engine.runners.input_batch import (
     choose_lanes,
     split_over_lanes,
 )
+from tokentape.engine.runners.prompt_logprobs import (
+    PromptLogprobsTracker,
+    ScoredRows,
+    score_prompts,
+)
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
@@ -153,6 +158,7 @@ class TorchModelRunner:
         self.model.rope.extend(min(num_kv_blocks * block_size, self.config.derived_max_model_len))
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
         self._seqs: dict[str, SeqState] = {}
+        self._prompt_lps = PromptLogprobsTracker()  # prompt logprobs of chunked prefills
         cfg = self.config
         # Per token of context, in bytes: K and V of every layer (for balancing the lanes).
         self._kv_bytes_per_token = (
@@ -189,6 +195,7 @@ class TorchModelRunner:
         for lane in self._lanes:
             lane.close()
         self._seqs.clear()
+        self._prompt_lps.clear()
 
     # -- weight updates ------------------------------------------------------------------------
 
@@ -225,8 +232,10 @@ class TorchModelRunner:
 
     def _plan(self, batch: ScheduledBatch) -> list[EntryInputs]:
         """What each entry computes; advances the runner's copies of the sequences."""
+        prompt_lps = self._prompt_lps
         for req_id in batch.finished_req_ids:
             self._seqs.pop(req_id, None)
+            prompt_lps.drop(req_id)
         plan = []
         for e in batch.entries:
             req_id = e.req_id
@@ -241,6 +250,7 @@ class TorchModelRunner:
                     e.num_computed_before,
                     len(new.prompt_token_ids),
                 )
+                prompt_lps.enter(req_id, new)
             else:
                 seq = self._seqs[req_id]
                 seq.block_ids += e.new_block_ids
@@ -269,6 +279,7 @@ class TorchModelRunner:
                     drafts,
                     samples=req_id not in batch.partial_prefills,
                     entering=new is not None,
+                    prompt_targets=prompt_lps.targets(req_id, start, len(inputs)),
                 )
             )
             # K/V are now cached up to the inputs before the drafts; accepted drafts add to it.
@@ -276,14 +287,18 @@ class TorchModelRunner:
         return plan
 
     @torch.inference_mode()
-    def _logits(self, entries: list[EntryInputs]) -> torch.Tensor:
-        """One forward pass over `entries`: float32 logits of their sample rows, in order."""
+    def _logits(
+        self, entries: list[EntryInputs]
+    ) -> tuple[torch.Tensor, list[tuple[str, ScoredRows]]]:
+        """One forward pass over `entries`: float32 logits of their sample rows, in order,
+        and the scored rows of those computing prompt logprobs."""
         batch = build_forward_batch(entries, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        scored = score_prompts(entries, hidden, self.model.compute_logits)
         if not batch.sample_rows.numel():  # prefill chunks short of the end sample nothing
-            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scored
         # float32 once here: the sampler and the logprobs both read it.
-        return self.model.compute_logits(hidden[batch.sample_rows]).float()
+        return self.model.compute_logits(hidden[batch.sample_rows]).float(), scored
 
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> list[FrameEntry]:
@@ -298,11 +313,15 @@ class TorchModelRunner:
         )
         for lane, share in zip(self._lanes, shares[1:]):
             lane.submit(functools.partial(self._logits, share))
-        parts = [self._logits(shares[0])]
-        parts += [lane.result() for lane in self._lanes[: len(shares) - 1]]
+        outs = [self._logits(shares[0])]
+        outs += [lane.result() for lane in self._lanes[: len(shares) - 1]]
+        for _, scored in outs:
+            for req_id, rows in scored:
+                self._prompt_lps.add(req_id, rows)
         samplers = [e for share in shares for e in share if e.samples]
         if not samplers:
             return []
+        parts = [part for part, _ in outs]
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         rows = SamplingRows([], [], [], [])
         contexts: list[RowContext | None] = []
@@ -361,7 +380,8 @@ class TorchModelRunner:
             if tops is not None and seq.params.logprobs:
                 top_ids = [tops[row + j][0] for j in range(len(out))]
                 top_lps = [tops[row + j][1] for j in range(len(out))]
-            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp, top_ids, top_lps)
+            plp = self._prompt_lps.take(e.req_id)  # the prompt's, on its last chunk's frame
+            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp, top_ids, top_lps, plp)
             row += 1 + len(drafts)
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 

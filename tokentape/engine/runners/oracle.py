@@ -9,9 +9,9 @@ deviations, so n-gram drafts are sometimes accepted and sometimes rejected.
 `model="oracle-random"` draws every token independently (drafts almost never match).
 
 The oracle has no logits, so the sampling options that act on them (the penalties, min_tokens,
-bad_words, logit_bias, min_p) cannot be honoured: `check_params` refuses such a request before
-anything is recorded. Ignoring them would give a stream no model could produce, and a what-if
-replay with the oracle would then report a difference that is not there.
+bad_words, logit_bias, min_p) and prompt_logprobs cannot be honoured: `check_params` refuses
+such a request before anything is recorded. Ignoring them would give a stream no model could
+produce, and a what-if replay with the oracle would then report a difference that is not there.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class OracleRunner:
                 ("bad_words", bool(params.bad_words)),
                 ("min_p", params.min_p > 0),
                 ("logit_bias", bool(params.logit_bias)),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
             )
             if on
         ]
