@@ -49,6 +49,7 @@ class _Completion:
         "started",
         "finish_reason",
         "stop_reason",
+        "versions",
     )
 
     def __init__(self, index: int, params: SamplingParams, detok: Detokenizer) -> None:
@@ -68,8 +69,13 @@ class _Completion:
         self.started = False  # an output was given (stream_interval releases the first at once)
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
+        self.versions: list[tuple[int, str]] = []  # where each weight version's tokens begin
 
     def append(self, out: EngineCoreOutput) -> None:
+        version = out.weight_version
+        if out.new_token_ids and version is not None:
+            if not self.versions or self.versions[-1][1] != version:
+                self.versions.append((len(self.tokens), version))
         self.tokens += out.new_token_ids
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs += out.new_logprobs
@@ -252,7 +258,8 @@ class OutputProcessor:
             return None
         final = self._cut_text(req, c) if done and c.stop_reason is not None else None
         hold = 0 if done else req.holdback
-        span = (c.tokens, c.logprobs, c.top, c.sent_tokens if req.kind == _DELTA else 0, end)
+        start = c.sent_tokens if req.kind == _DELTA else 0
+        span, versions = (c.tokens, c.logprobs, c.top, start, end), (c.versions, start, end)
         c.started, c.sent_tokens = True, end
         if req.kind == _DELTA:
             piece = c._feed()  # a delta's text is released as it comes (less the holdback)
@@ -265,9 +272,13 @@ class OutputProcessor:
                     (unsent[:release], unsent[release:]) if release > 0 else ("", unsent)
                 )
             c.sent_chars += len(text)
-            return CompletionOutput.of_span(c.index, span, text, c.finish_reason, c.stop_reason)
+            return CompletionOutput.of_span(
+                c.index, span, text, c.finish_reason, c.stop_reason, versions
+            )
         if final is not None:
-            return CompletionOutput.of_span(c.index, span, final, c.finish_reason, c.stop_reason)
+            return CompletionOutput.of_span(
+                c.index, span, final, c.finish_reason, c.stop_reason, versions
+            )
 
         def cumulative_text() -> str:  # decoded up to `end` when first read
             text = c.text_at(end, done, hold)
@@ -278,7 +289,7 @@ class OutputProcessor:
             return text
 
         return CompletionOutput.of_span(
-            c.index, span, cumulative_text, c.finish_reason, c.stop_reason
+            c.index, span, cumulative_text, c.finish_reason, c.stop_reason, versions
         )
 
     def _final(self, req: _Request, c: _Completion) -> CompletionOutput:
@@ -291,7 +302,14 @@ class OutputProcessor:
             return "".join(c.pieces)
 
         span = (c.tokens, c.logprobs, c.top, 0, len(c.tokens))
-        return CompletionOutput.of_span(c.index, span, final_text, c.finish_reason, c.stop_reason)
+        return CompletionOutput.of_span(
+            c.index,
+            span,
+            final_text,
+            c.finish_reason,
+            c.stop_reason,
+            (c.versions, 0, len(c.tokens)),
+        )
 
     def _cut_text(self, req: _Request, c: _Completion) -> str:
         """The whole text cut at the stop string that finished the completion."""

@@ -31,9 +31,26 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     # With SamplingParams.logprobs = k > 0: per new token, the logprobs of the k most likely ids
     # and the sampled one.
     new_top_logprobs: list[dict[int, float]] | None = None
+    # vLLM's weight_version (#49040) of the weights that computed the new tokens: the one in
+    # force when they were delivered (an update needs a drained engine, reducer.py checks it).
+    weight_version: str | None = None
 
 
 Span = tuple[list[int], list[float] | None, list[dict[int, float]] | None, int, int]
+# Where each weight version's tokens begin in a completion ((index, version), in order), and
+# the [start, end) of the completion's tokens an output holds.
+VersionSpan = tuple[list[tuple[int, str]], int, int]
+
+
+def versions_between(spans: list[tuple[int, str]], start: int, end: int) -> list[str]:
+    """One weight version per token in [start, end) (spans as VersionSpan's)."""
+    out: list[str] = []
+    for i, (begin, version) in enumerate(spans):
+        stop = spans[i + 1][0] if i + 1 < len(spans) else end
+        lo, hi = max(begin, start), min(stop, end)
+        if hi > lo:
+            out += [version] * (hi - lo)
+    return out
 
 
 class CompletionOutput:
@@ -55,6 +72,8 @@ class CompletionOutput:
         "_span",
         "_text",
         "_text_fn",
+        "_versions",
+        "_version_span",
     )
 
     def __init__(
@@ -66,6 +85,7 @@ class CompletionOutput:
         logprobs: list[float] | None = None,
         top_logprobs: list[dict[int, float]] | None = None,
         stop_reason: str | None = None,
+        weight_versions: list[str] | None = None,
     ) -> None:
         self.index = index
         self.finish_reason = finish_reason
@@ -77,6 +97,8 @@ class CompletionOutput:
         self._span: Span | None = None
         self._text: str | None = text
         self._text_fn: Callable[[], str] | None = None
+        self._versions = weight_versions if weight_versions is not None else []
+        self._version_span: VersionSpan | None = None
 
     @classmethod
     def of_span(
@@ -86,11 +108,13 @@ class CompletionOutput:
         text: str | Callable[[], str],
         finish_reason: str | None,
         stop_reason: str | None,
+        versions: VersionSpan | None = None,
     ) -> CompletionOutput:
         """tokens[start:end] (and logprobs[start:end]) of append-only lists, copied when read;
-        the text, or a function giving it when it is first read."""
+        the text, or a function giving it when it is first read; the weight versions of the
+        same tokens, expanded when read."""
         out = cls(index, "", [], finish_reason, None, None, stop_reason)
-        out._token_ids, out._span = None, span
+        out._token_ids, out._span, out._version_span = None, span, versions
         if not isinstance(text, str):
             out._text, out._text_fn = None, text
         else:
@@ -143,6 +167,24 @@ class CompletionOutput:
         self._top = value
 
     @property
+    def weight_versions(self) -> list[str]:
+        """Per token of `token_ids`, the weight version that computed it (vLLM #49040's
+        weight_version, token by token: a rollout that spans an update says which tokens
+        came from which weights)."""
+        if self._version_span is not None:
+            self._versions = versions_between(*self._version_span)
+            self._version_span = None
+        return self._versions
+
+    @property
+    def weight_version(self) -> str | None:
+        """vLLM's weight_version: the version that computed this output's first token (as
+        vLLM's RFC #54443 recommends for one label per output); None without tokens.
+        `weight_versions` has every token's."""
+        versions = self.weight_versions
+        return versions[0] if versions else None
+
+    @property
     def text(self) -> str:
         if self._text is None:
             assert self._text_fn is not None
@@ -161,6 +203,7 @@ class CompletionOutput:
         gets one output with everything new)."""
         self.text += delta.text
         self.token_ids = self.token_ids + delta.token_ids
+        self._versions = self.weight_versions + delta.weight_versions
         if self.logprobs is not None:
             self.logprobs = self.logprobs + (delta.logprobs or [])
         if self.top_logprobs is not None:

@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -236,9 +237,18 @@ def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.T
             "update_weights takes a state_dict or a checkpoint folder, "
             f"got {type(weights).__name__}"
         )
-    params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    return checked_update(dict(model.named_parameters()), tensors, origin)
+
+
+def checked_update(
+    params: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Any],
+    origin: Mapping[str, str],
+) -> dict[str, torch.Tensor]:
+    """`tensors` checked against the parameters they replace (`origin`: the file of each, for
+    the message) and cast to their dtype and device; ValueError naming the first bad one."""
     if not tensors:
         raise ValueError("update_weights: the update holds no tensors")
     out = {}
@@ -276,6 +286,26 @@ def apply_update(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, t in tensors.items():
             params[name].copy_(t)
+
+
+def tensor_sha256(name: str, t: torch.Tensor) -> str:
+    """sha256 over one tensor's name, dtype, shape and bytes (a chunk's record on the tape)."""
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+def chunk_record(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[list[str], list[list[int]], list[str]]:
+    """A checked chunk as the tape records it: names, shapes and SHA-256s, in name order."""
+    names = sorted(tensors)
+    return (
+        names,
+        [list(tensors[n].shape) for n in names],
+        [tensor_sha256(n, tensors[n]) for n in names],
+    )
 
 
 def weights_hash(model: CausalLM) -> str:
