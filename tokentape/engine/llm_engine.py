@@ -367,7 +367,7 @@ class LLMEngine(WeightUpdates):
                     self._step_once()
             while self.state.in_flight_steps:
                 self._apply_oldest_frame()
-            if clear_cache:
+            if clear_cache and all(hook.clears_cache_on_pause() for hook in self.hooks):
                 self._reset_prefix_cache(reset_running_requests=True)
         self.tape.flush()  # a paused engine's tape is complete in the file
 

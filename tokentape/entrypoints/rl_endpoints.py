@@ -91,7 +91,7 @@ def add_rl_endpoints(
 
     @app.post("/resume")
     async def resume() -> Response:
-        await engine.resume_generation()
+        await _refused_as_400(engine.resume_generation(), None)  # a transfer still open
         return json_response({"status": "resumed"})
 
     @app.get("/is_paused")
@@ -147,8 +147,9 @@ def add_rl_endpoints(
 
 
 async def _refused_as_400(call: Awaitable[T], param: str | None) -> T:
-    """The engine's refusal of a weight call (not paused, a bad chunk, no transfer open) as a
-    400 with its message; the engine serves on with its old weights."""
+    """The engine's refusal of a weight call (not paused, a bad chunk, no transfer open; a
+    resume with a transfer open) as a 400 with its message; the engine serves on with its
+    old weights."""
     try:
         return await call
     except EngineDeadError:

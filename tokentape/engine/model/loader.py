@@ -115,9 +115,16 @@ def read_checkpoint(
     path: str | os.PathLike[str],
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
     """config.json and every tensor of the folder's *.safetensors, with the file of each."""
+    config = config_from_hf(path)
+    return (config, *read_weight_files(path))
+
+
+def read_weight_files(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of the folder's *.safetensors, with the file of each."""
     from safetensors import safe_open
 
-    config = config_from_hf(path)
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file in weight_files(path):
@@ -132,7 +139,7 @@ def read_checkpoint(
             raise
         except Exception as exc:  # noqa: BLE001 (safetensors has its own error types)
             raise CheckpointError(f"{file}: cannot read the safetensors file ({exc})") from None
-    return config, tensors, origin
+    return tensors, origin
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, CausalLM]:

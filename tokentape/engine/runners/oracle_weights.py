@@ -9,6 +9,7 @@ only (an oracle run that never updates its weights does not load it).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -48,15 +49,22 @@ class OracleWeights:
         return self._params
 
     def _checked(self, weights: object) -> dict[str, torch.Tensor]:
-        from tokentape.engine.model.loader import checked_update
+        """A state_dict, or a folder of *.safetensors (no config.json: the oracle has none),
+        checked against the parameters (loader.checked_update)."""
+        from tokentape.engine.model.loader import checked_update, read_weight_files
 
-        if not isinstance(weights, Mapping):
+        origin: dict[str, str] = {}
+        tensors: Mapping[str, Any]
+        if isinstance(weights, (str, os.PathLike)):
+            tensors, origin = read_weight_files(weights)
+        elif isinstance(weights, Mapping):
+            tensors = weights
+        else:
             raise TypeError(
-                "the oracle's update_weights takes a state_dict (its parameters: "
-                f"{', '.join(ORACLE_PARAMETERS)}), got {type(weights).__name__}"
+                "update_weights takes a state_dict or a folder of *.safetensors (the oracle's "
+                f"parameters: {', '.join(ORACLE_PARAMETERS)}), got {type(weights).__name__}"
             )
-        tensors: Mapping[str, Any] = weights
-        return checked_update(self.params, tensors, {})
+        return checked_update(self.params, tensors, origin)
 
     def update_weights(self, weights: object) -> str:
         return self._load(self._checked(weights))
