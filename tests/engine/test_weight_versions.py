@@ -20,6 +20,7 @@ from tokentape.events import schema as ev
 from tokentape.events.errors import ReducerError
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.replay import load_tape, verify
+from tokentape.replay.weight_versions import delivered_weight_versions
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -72,6 +73,9 @@ def test_versions_are_numbered_named_and_carried_by_every_token() -> None:
     assert all(len(c.weight_versions) == len(c.token_ids) for c in deltas)
     joined = [v for c in deltas for v in c.weight_versions]
     assert joined[0] == "default" and joined[-1] == "42" and len(joined) == 12
+    # The tape alone gives every delivered token's version again (offline, as a postmortem).
+    offline = delivered_weight_versions(llm.engine.tape)  # type: ignore[arg-type]
+    assert offline["r"] == final.weight_versions and offline["d"] == joined
     updates = [e for e in tape_events(llm) if isinstance(e, ev.WeightsUpdated)]
     assert [u.weight_version for u in updates] == ["1", "42"]
     assert engine.state.weight_version == "42" and engine.state.num_weight_updates == 2
