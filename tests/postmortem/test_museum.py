@@ -36,6 +36,7 @@ MUSEUM = {
     "abort_final_step": "vllm#26400",
     "double_free_33377": "vllm#33377",
     "crash_aborted_52969": "vllm#52969",
+    "prefix_cache_4018": "nemo-rl#4018",
 }
 
 

@@ -302,6 +302,26 @@ def crash_aborted_52969(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def prefix_cache_4018(path: Path, clean: bool = False) -> None:
+    """NeMo-RL #4018 (fault prefix_cache_kept_across_weight_update): each weight update comes
+    after pause_generation(keep, clear_cache=True), yet the prefix cache is never reset, so the
+    requests after the updates reuse KV blocks the first weights computed."""
+    from tokentape.engine.runners.oracle_weights import oracle_state_dict
+
+    llm = _museum_llm(path, clean, faults=("prefix_cache_kept_across_weight_update",), depth=2)
+    engine = llm.engine
+    delivered: Delivered = {}
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    for i, req_id in enumerate(("b", "c"), start=1):  # a trainer's steps, the same prompt
+        engine.pause_generation(mode="keep", clear_cache=True)
+        engine.update_weights(oracle_state_dict(i), weight_version=f"step-{i}")
+        engine.resume_generation()
+        engine.add_request(req_id, PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+        _run_until_idle(llm, delivered)
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -463,6 +483,13 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         crash_aborted_52969,
         [
             _finding("engine_error", ["a"], "vllm#52969"),
+        ],
+    ),
+    "prefix_cache_4018": (
+        prefix_cache_4018,
+        [
+            _finding("stale_prefix_hit_after_weight_update", ["b"], "nemo-rl#4018"),
+            _finding("stale_prefix_hit_after_weight_update", ["c"], "nemo-rl#4018"),
         ],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),

@@ -1,6 +1,6 @@
 """Seeded storms: a real engine driven through adds, pauses in every mode, resumes, prefix-cache
-resets with and without running requests, aborts and KV pressure, recording what its client
-received.
+resets with and without running requests, aborts, KV pressure and weight updates (versioned,
+whole or chunked), recording what its client received.
 
     result = run_storm(StormSpec(seed=7, pipeline_depth=3, num_speculative_tokens=2))
     result.oracle_violations()          # {} under the epoch policy, always
@@ -35,7 +35,11 @@ from tokentape.events.store import TapeWriter
 PAUSES = tuple(
     f"pause_{mode}{clear}" for mode in ("keep", "wait", "abort") for clear in ("", "_clear")
 )
-COMMANDS = ("step", "add", "abort", "resume", "reset", "reset_running", *PAUSES)
+# Weight updates, as an RL loop makes them: pause(keep, clear_cache=True), then a whole
+# versioned update, or vLLM's chunked transfer (a bad chunk refused in between, and a resume
+# refused while it is open). The engine stays paused until a later resume.
+WEIGHT_UPDATES = ("update_weights", "update_chunked")
+COMMANDS = ("step", "add", "abort", "resume", "reset", "reset_running", *PAUSES, *WEIGHT_UPDATES)
 # How often a seeded storm draws each command: steps and adds dominate, so that requests
 # progress between the disturbances while the queue stays long (KV pressure, and requests
 # queued behind a head that does not fit, are the common case, not the exception).
@@ -47,6 +51,8 @@ _WEIGHTS = {
     "reset": 3,
     "reset_running": 4,
     **{p: (1 if p.startswith("pause_abort") else 3) for p in PAUSES},
+    "update_weights": 2,
+    "update_chunked": 2,
 }
 DRAIN_LIMIT = 20_000  # steps allowed to finish every request once the storm is over
 
@@ -71,9 +77,11 @@ class StormSpec:
     max_num_batched_tokens: int = 16
     max_num_seqs: int = 4
     initial_requests: int = 3
+    faults: tuple[str, ...] = ()  # upstream bugs injected (tokentape.events.faults)
 
     def engine_args(self) -> dict[str, object]:
         return {
+            "faults": list(self.faults),
             "pipeline_depth": self.pipeline_depth,
             "num_speculative_tokens": self.num_speculative_tokens,
             "discard_policy": self.discard_policy,
@@ -97,6 +105,7 @@ class StormResult:
     num_steps: int = 0
     num_preemptions: int = 0
     num_resets: int = 0  # prefix-cache resets that succeeded
+    num_weight_updates: int = 0  # whole or chunked, each after pause(keep, clear_cache=True)
 
     @property
     def tape_path(self) -> str | None:
@@ -186,8 +195,42 @@ class StormDriver:
         elif command in PAUSES:
             _, mode, *clear = command.split("_")
             engine.pause_generation(mode, clear_cache=bool(clear))
+        elif command in WEIGHT_UPDATES:
+            self.update_weights(chunked=command == "update_chunked")
         else:
             raise StormError(f"unknown storm command {command!r} (commands: {', '.join(COMMANDS)})")
+
+    def update_weights(self, chunked: bool) -> None:
+        """New oracle weights (its tokens ignore them: every stream must stay the oracle's),
+        versioned by name or by number, whole or in a transfer of two chunks."""
+        from tokentape.engine.runners.oracle_weights import oracle_state_dict
+
+        engine, rng = self.engine, self.rng
+        engine.pause_generation("keep", clear_cache=True)
+        weights = oracle_state_dict(rng.randrange(1 << 16))
+        version = f"step-{self.result.num_weight_updates}" if rng.random() < 0.5 else None
+        self.result.num_weight_updates += 1
+        if not chunked:
+            engine.update_weights(weights, weight_version=version)
+            return
+        engine.start_weight_update()
+        for name, tensor in weights.items():
+            engine.update_weights({name: tensor})
+            if rng.random() < 0.3:  # a chunk of the wrong shape: refused, nothing held
+                try:
+                    engine.update_weights({name: tensor[:1]})
+                except ValueError:
+                    pass
+                else:
+                    raise StormError(f"a chunk of the wrong shape for {name!r} was taken")
+        if rng.random() < 0.3:
+            try:
+                engine.resume_generation()
+            except RuntimeError:
+                pass
+            else:
+                raise StormError("resume_generation went through with a transfer open")
+        engine.finish_weight_update(weight_version=version)
 
     def drain(self, limit: int = DRAIN_LIMIT) -> None:
         """Resume and step until every request has finished and been delivered."""

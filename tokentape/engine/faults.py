@@ -168,6 +168,16 @@ def crash_on_aborted_output(sched: Scheduler, state: EngineState) -> EngineHooks
     return _AbortedInFlight(lambda req: aborted.add(req.req_id), look_up)
 
 
+class PrefixCacheKeptAcrossWeightUpdate(EngineHooks):
+    """NeMo-RL #4018 (lmdeploy #4917, SGLang #26792): the prefix cache is never reset across
+    weight updates. The pause that precedes an update asks for clear_cache=True (on the tape),
+    drains, and resets nothing: no PrefixCacheReset, running requests keep their KV, and the
+    blocks the old weights computed stay cached for the requests after the update."""
+
+    def clears_cache_on_pause(self) -> bool:
+        return False
+
+
 def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
     # Only with speculative decoding: without draft slots there is nothing to keep.
     return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
@@ -178,6 +188,9 @@ _FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "late_stop_after_drain": LateStopAfterDrain,
     "double_free_on_abort": double_free_on_abort,
     "crash_on_aborted_output": crash_on_aborted_output,
+    "prefix_cache_kept_across_weight_update": lambda sched, state: (
+        PrefixCacheKeptAcrossWeightUpdate()
+    ),
 }
 
 

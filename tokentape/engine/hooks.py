@@ -30,3 +30,7 @@ class EngineHooks:
 
     def after_frame(self, req_ids: list[str]) -> None:
         """The oldest step's frame was applied; `req_ids`: the requests of that step."""
+
+    def clears_cache_on_pause(self) -> bool:
+        """Whether a pause with clear_cache resets the cache once drained (a fault may not)."""
+        return True

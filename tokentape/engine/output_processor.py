@@ -53,6 +53,7 @@ class _Completion:
         "stop_reason",
         "holdback",
         "tokenizer",
+        "versions",
     )
 
     def __init__(
@@ -76,8 +77,13 @@ class _Completion:
         self.started = False  # an output was given (stream_interval releases the first at once)
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
+        self.versions: list[tuple[int, str]] = []  # where each weight version's tokens begin
 
     def append(self, out: EngineCoreOutput) -> None:
+        version = out.weight_version
+        if out.new_token_ids and version is not None:
+            if not self.versions or self.versions[-1][1] != version:
+                self.versions.append((len(self.tokens), version))
         self.tokens += out.new_token_ids
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs += out.new_logprobs

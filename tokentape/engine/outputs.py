@@ -40,6 +40,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     new_top_logprobs: list[dict[int, float]] | None = None
     # With SamplingParams.prompt_logprobs: the prompt's, with the request's first tokens.
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's weight_version (#49040) of the weights that computed the new tokens: the one in
+    # force when they were delivered (an update needs a drained engine, reducer.py checks it).
+    weight_version: str | None = None
 
 
 class SpanSource(Protocol):
@@ -48,10 +51,22 @@ class SpanSource(Protocol):
     tokens: list[int]
     logprobs: list[float] | None
     top: list[dict[int, float]] | None
+    versions: list[tuple[int, str]]  # where each weight version's tokens begin, in order
 
 
 # The text of tokens[:end] of a source, the output finished or not, decoded when first read.
 TextOf = Callable[[Any, int, bool], str]
+
+
+def versions_between(spans: list[tuple[int, str]], start: int, end: int) -> list[str]:
+    """One weight version per token in [start, end) (spans as SpanSource.versions)."""
+    out: list[str] = []
+    for i, (begin, version) in enumerate(spans):
+        stop = spans[i + 1][0] if i + 1 < len(spans) else end
+        lo, hi = max(begin, start), min(stop, end)
+        if hi > lo:
+            out += [version] * (hi - lo)
+    return out
 
 
 class CompletionOutput:
@@ -77,6 +92,7 @@ class CompletionOutput:
         "_end",
         "_text",
         "_text_of",
+        "_versions",
     )
 
     def __init__(
@@ -88,6 +104,7 @@ class CompletionOutput:
         logprobs: list[float] | None = None,
         top_logprobs: list[dict[int, float]] | None = None,
         stop_reason: str | None = None,
+        weight_versions: list[str] | None = None,
     ) -> None:
         self.index = index
         self.finish_reason = finish_reason
@@ -100,6 +117,7 @@ class CompletionOutput:
         self._start = self._end = 0
         self._text: str | None = text
         self._text_of: TextOf | None = None
+        self._versions = weight_versions if weight_versions is not None else []
 
     @classmethod
     def of_span(
@@ -112,8 +130,9 @@ class CompletionOutput:
         finish_reason: str | None,
         stop_reason: str | None,
     ) -> CompletionOutput:
-        """source's tokens[start:end] (and logprobs), copied when read; the text, or a
-        function text(source, end, finished) giving it when it is first read."""
+        """source's tokens[start:end] (and logprobs, and the weight versions that computed
+        them), copied when read; the text, or a function text(source, end, finished) giving
+        it when it is first read."""
         out = cls.__new__(cls)
         out.index, out.finish_reason, out.stop_reason = index, finish_reason, stop_reason
         out._token_ids = out._logprobs = out._top = None
@@ -130,6 +149,7 @@ class CompletionOutput:
         self._token_ids = source.tokens[start:end]
         self._logprobs = source.logprobs[start:end] if source.logprobs is not None else None
         self._top = source.top[start:end] if source.top is not None else None
+        self._versions = versions_between(source.versions, start, end)
         if self._text_of is None:
             self._source = None  # the text needs it no longer
 
@@ -171,6 +191,23 @@ class CompletionOutput:
         self._top = value
 
     @property
+    def weight_versions(self) -> list[str]:
+        """Per token of `token_ids`, the weight version that computed it (vLLM #49040's
+        weight_version, token by token: a rollout that spans an update says which tokens
+        came from which weights)."""
+        if self._token_ids is None:
+            self._copy_span()
+        return self._versions
+
+    @property
+    def weight_version(self) -> str | None:
+        """vLLM's weight_version: the version that computed this output's first token (as
+        vLLM's RFC #54443 recommends for one label per output); None without tokens.
+        `weight_versions` has every token's."""
+        versions = self.weight_versions
+        return versions[0] if versions else None
+
+    @property
     def text(self) -> str:
         if self._text is None:
             assert self._text_of is not None
@@ -192,6 +229,7 @@ class CompletionOutput:
         gets one output with everything new)."""
         self.text += delta.text
         self.token_ids = self.token_ids + delta.token_ids
+        self._versions = self.weight_versions + delta.weight_versions
         if self.logprobs is not None:
             self.logprobs = self.logprobs + (delta.logprobs or [])
         if self.top_logprobs is not None:

@@ -119,7 +119,12 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class UpdateWeightsRequest(msgspec.Struct):
-    path: str  # a checkpoint folder on the server's machine
+    path: str  # a checkpoint folder on the server's machine (inside a transfer: one chunk)
+    weight_version: str | None = None  # vLLM #49040's label; default: the update's number
+
+
+class FinishWeightUpdateRequest(msgspec.Struct):
+    weight_version: str | None = None  # as vLLM's finish_weight_update takes it
 
 
 # -- responses ----------------------------------------------------------------------------------

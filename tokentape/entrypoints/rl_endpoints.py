@@ -1,5 +1,7 @@
 """vLLM's RL endpoints, by vLLM's names: POST /pause, POST /resume, GET /is_paused, POST
-/reset_prefix_cache, POST /update_weights.
+/reset_prefix_cache, POST /update_weights; the chunked transfer POST /start_weight_update,
+then /update_weights per chunk, then POST /finish_weight_update (vLLM #39212, its
+`weight_version` in the body: #49040), and GET /weight_info (the version serving now).
 
 They change what every client gets (a pause freezes every stream; new weights change every
 later token), so a server attaches them only when asked (`--enable-rl-endpoints`, or vLLM's
@@ -13,8 +15,8 @@ serves on with its old weights.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from starlette.responses import Response
@@ -25,8 +27,18 @@ from tokentape.entrypoints.refusals import APIError
 from tokentape.entrypoints.request_body import decode_body
 from tokentape.errors import EngineDeadError
 
-RL_PATHS = ("/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/update_weights")
+RL_PATHS = (
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/reset_prefix_cache",
+    "/update_weights",
+    "/start_weight_update",
+    "/finish_weight_update",
+    "/weight_info",
+)
 DEV_MODE_ENV_VAR = "VLLM_SERVER_DEV_MODE"
+T = TypeVar("T")
 
 
 def dev_mode(environ: dict[str, str] | None = None) -> bool:
@@ -79,7 +91,7 @@ def add_rl_endpoints(
 
     @app.post("/resume")
     async def resume() -> Response:
-        await engine.resume_generation()
+        await _refused_as_400(engine.resume_generation(), None)  # a transfer still open
         return json_response({"status": "resumed"})
 
     @app.get("/is_paused")
@@ -95,10 +107,52 @@ def add_rl_endpoints(
     async def update_weights(request: Request) -> Response:
         req = decode_body(await request.body(), p.UpdateWeightsRequest)
         folder = allowed_weights_path(req.path, allowed)
-        try:
-            weights_id = await engine.update_weights(folder)
-        except EngineDeadError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the update raised, it was refused
-            raise APIError(400, str(exc), param="path") from None
-        return json_response({"status": "ok", "weights_id": weights_id})
+        weights_id = await _refused_as_400(
+            engine.update_weights(folder, req.weight_version), "path"
+        )
+        if weights_id is None:  # a chunk of a transfer: held until /finish_weight_update
+            return json_response({"status": "ok"})
+        return json_response(
+            {
+                "status": "ok",
+                "weights_id": weights_id,
+                "weight_version": await engine.get_weight_version(),
+            }
+        )
+
+    @app.post("/start_weight_update")
+    async def start_weight_update() -> Response:
+        await _refused_as_400(engine.start_weight_update(), None)
+        return json_response({"status": "ok"})
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> Response:
+        body = await request.body()
+        req = decode_body(body, p.FinishWeightUpdateRequest) if body.strip() else None
+        version = req.weight_version if req is not None else None
+        weights_id = await _refused_as_400(
+            engine.finish_weight_update(version), "weight_version" if version else None
+        )
+        return json_response(
+            {
+                "status": "ok",
+                "weights_id": weights_id,
+                "weight_version": await engine.get_weight_version(),
+            }
+        )
+
+    @app.get("/weight_info")
+    async def weight_info() -> Response:
+        return json_response({"weight_version": await engine.get_weight_version()})
+
+
+async def _refused_as_400(call: Awaitable[T], param: str | None) -> T:
+    """The engine's refusal of a weight call (not paused, a bad chunk, no transfer open; a
+    resume with a transfer open) as a 400 with its message; the engine serves on with its
+    old weights."""
+    try:
+        return await call
+    except EngineDeadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the call raised, it was refused
+        raise APIError(400, str(exc), param=param) from None

@@ -67,7 +67,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "and, with --enable-rl-endpoints (or VLLM_SERVER_DEV_MODE=1), vLLM's RL endpoints:\n"
             "POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume, GET\n"
             '/is_paused, POST /reset_prefix_cache, POST /update_weights (JSON {"path": FOLDER},\n'
-            "a folder under --allowed-weight-dirs). With an API key (--api-key, or the\n"
+            'a folder under --allowed-weight-dirs; optional "weight_version"), the chunked\n'
+            "transfer POST /start_weight_update, /update_weights per chunk, POST\n"
+            "/finish_weight_update, and GET /weight_info. With an API key (--api-key, or the\n"
             "TOKENTAPE_API_KEY or VLLM_API_KEY environment variable) every /v1 route and RL\n"
             "endpoint needs 'Authorization: Bearer KEY'. The engine core runs in a background\n"
             "process and records every request, abort and pause on the tape. Prints 'serving on\n"
@@ -141,7 +143,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--enable-rl-endpoints",
         action="store_true",
         help="serve vLLM's RL endpoints (/pause, /resume, /is_paused, "
-        "/reset_prefix_cache, /update_weights), which change what every client gets; "
+        "/reset_prefix_cache, /update_weights, /start_weight_update, /finish_weight_update, "
+        "/weight_info), which change what every client gets; "
         "also on with VLLM_SERVER_DEV_MODE=1 (default: off)",
     )
     srv.add_argument(

@@ -27,6 +27,10 @@ FAULTS: dict[str, str] = {
     # vLLM #52969: output that comes back for a request aborted while its step was in flight
     # is looked up among the live requests, and the engine crashes.
     "crash_on_aborted_output": "vllm#52969",
+    # NeMo-RL #4018 (lmdeploy #4917, SGLang #26792): the prefix cache is never reset across
+    # weight updates. Here: pause_generation(clear_cache=True) drains but resets nothing, so
+    # the KV of the old weights stays cached (and running requests keep theirs).
+    "prefix_cache_kept_across_weight_update": "nemo-rl#4018",
 }
 
 REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow"})

@@ -112,8 +112,40 @@ def _on_prefix_cache_reset(state: EngineState, e: ev.PrefixCacheReset) -> None:
     state.num_prefix_cache_resets += e.ok
 
 
+def _check_drained(state: EngineState, e: ev.Event, what: str) -> None:
+    # The version of a delivered token is the one in force at its OutputsEmitted: true only if
+    # weights change with nothing in flight and nothing undelivered (the engine's own rule).
+    if state.in_flight_steps or state.pending_output:
+        raise ReducerError(
+            f"{what} in step {e.step} with {len(state.in_flight_steps)} step(s) in flight and "
+            f"{len(state.pending_output)} request(s) with undelivered output"
+        )
+
+
 def _on_weights_updated(state: EngineState, e: ev.WeightsUpdated) -> None:
+    _check_drained(state, e, "weights updated")
     state.weights_id = e.weights_id
+    state.num_weight_updates += 1
+    state.weight_version = e.weight_version or str(state.num_weight_updates)
+    state.weight_update_chunks = None  # the finish of a chunked transfer, if one was open
+
+
+def _on_weight_update_started(state: EngineState, e: ev.WeightUpdateStarted) -> None:
+    if state.weight_update_chunks is not None:
+        raise ReducerError(f"weight update started in step {e.step} while one was open")
+    _check_drained(state, e, "weight update started")
+    state.weight_update_chunks = 0
+
+
+def _on_weight_chunk(state: EngineState, e: ev.WeightChunkReceived) -> None:
+    if state.weight_update_chunks is None:
+        raise ReducerError(f"weight chunk received in step {e.step} with no update started")
+    if not len(e.names) == len(e.shapes) == len(e.hashes):
+        raise ReducerError(
+            f"weight chunk of step {e.step} has {len(e.names)} names, {len(e.shapes)} shapes "
+            f"and {len(e.hashes)} hashes"
+        )
+    state.weight_update_chunks += 1
 
 
 def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
@@ -307,6 +339,8 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.GenerationResumed: _on_resumed,
     ev.PrefixCacheReset: _on_prefix_cache_reset,
     ev.WeightsUpdated: _on_weights_updated,
+    ev.WeightUpdateStarted: _on_weight_update_started,
+    ev.WeightChunkReceived: _on_weight_chunk,
     ev.StepScheduled: _on_scheduled,
     ev.RequestPreempted: _on_preempted,
     ev.FrameProduced: _on_frame,

@@ -20,7 +20,9 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # matched stop string in RequestFinished; every new field is last, with a default, so a
 # version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
 # defaults: a version-2 tape reads unchanged). 4: prompt_logprobs in SamplingParams and
-# FrameEntry (last, with defaults: a version-3 tape reads unchanged).
+# FrameEntry, the weight version in WeightsUpdated (each last, with a default: a version-3
+# tape reads unchanged, its updates named by the counter), and the chunked transfer's
+# WeightUpdateStarted and WeightChunkReceived, which an older reader cannot decode.
 FORMAT_VERSION = 4
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
@@ -161,7 +163,27 @@ class PrefixCacheReset(Event, frozen=True, tag="PrefixCacheReset"):
 
 
 class WeightsUpdated(Event, frozen=True, tag="WeightsUpdated"):
+    """New weights serve from here on: a whole update, or the finish of a chunked transfer
+    (`finish_weight_update`, when a WeightUpdateStarted is open). `weights_id` is the SHA-256
+    of every parameter once loaded."""
+
     weights_id: str
+    # Format 4: vLLM's weight_version, as given or the update's number ("1", "2", ...); ""
+    # (a version-3 tape) reads as that number too.
+    weight_version: str = ""
+
+
+class WeightUpdateStarted(Event, frozen=True, tag="WeightUpdateStarted"):
+    """`start_weight_update()` (vLLM RFC #31848): chunks follow, then WeightsUpdated."""
+
+
+class WeightChunkReceived(Event, frozen=True, tag="WeightChunkReceived"):
+    """One `update_weights(chunk)` of an open transfer, checked against the model and held
+    until the finish: per tensor its name, shape and SHA-256 (the tensors are not taped)."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    hashes: list[str]
 
 
 # -- decisions of the scheduler -----------------------------------------------------------
@@ -261,6 +283,8 @@ AnyEvent = (
     | GenerationResumed
     | PrefixCacheReset
     | WeightsUpdated
+    | WeightUpdateStarted
+    | WeightChunkReceived
     | StepScheduled
     | RequestPreempted
     | RequestFinished
@@ -283,6 +307,8 @@ COMMAND_KINDS = frozenset(
         "GenerationResumed",
         "PrefixCacheReset",
         "WeightsUpdated",
+        "WeightUpdateStarted",
+        "WeightChunkReceived",
     }
 )
 

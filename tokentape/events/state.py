@@ -141,7 +141,15 @@ class EngineState:
     # Requests with tokens or a finish the client has not been given yet, in order.
     pending_output: dict[str, None] = field(default_factory=dict)
     num_prefix_cache_resets: int = 0
-    weights_id: str | None = None
+    weights_id: str | None = None  # the SHA-256 of the latest update; None: the initial weights
+    # vLLM's weight_version (#49040): "default" until an update names one; an update without
+    # a name is its number ("1", "2", ...). Every token delivered was computed under the
+    # version in force when its OutputsEmitted was recorded (an update needs a drained engine).
+    weight_version: str = "default"
+    num_weight_updates: int = 0
+    # A chunked transfer (start_weight_update) not finished yet: the chunks it received so far.
+    # None when no transfer is open; resume_generation refuses while one is.
+    weight_update_chunks: int | None = None
     num_events: int = 0
     error: str | None = None
     recording_stopped: str | None = None  # why another engine's recorder stopped (its last event)

@@ -27,6 +27,7 @@ from tokentape.postmortem.kv import KVChecker
 from tokentape.postmortem.outputs import OutputChecker, ReferenceChecker
 from tokentape.postmortem.schedule import ScheduleChecker
 from tokentape.postmortem.stuck import StuckChecker
+from tokentape.postmortem.weights import WeightsChecker
 from tokentape.replay.render import describe_event, event_requests
 from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.verify import verify
@@ -123,6 +124,7 @@ def postmortem(
         FrameChecker(ctx),
         CountChecker(ctx),
         KVChecker(ctx),
+        WeightsChecker(ctx),
         ScheduleChecker(ctx),
         StuckChecker(ctx),
         OutputChecker(ctx),

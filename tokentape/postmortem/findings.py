@@ -42,6 +42,8 @@ BUG_CLASSES: dict[str, str] = {
     "twice (async scheduling + abort)",
     "vllm#52969": "vLLM #52969: the engine crashes on output for a request aborted while its step "
     "was in flight",
+    "nemo-rl#4018": "NeMo-RL #4018 (the class of lmdeploy #4917 and SGLang #26792): the prefix "
+    "cache is not reset across a weight update, so new requests reuse KV computed by old weights",
 }
 
 

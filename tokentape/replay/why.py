@@ -11,7 +11,9 @@ came, why not.
 The request is folded alone: its own events (tokentape/replay/why_source.py finds them by
 seeks) go through the reducer into a state that holds only this request, with every step and
 frame cut to its entry. The reducer changes a request only for events that name it, so the
-projected request equals the one a full fold derives (tests/replay/test_why.py checks it).
+projected request equals the one a full fold derives (tests/replay/test_why.py checks it). On
+a tape with weight updates, why_weights.py adds the weights that computed the token and any
+prefix it reused from KV of older weights.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.why_explain import WhyError, WhyResult, explain
 from tokentape.replay.why_source import WhySource, merged
 from tokentape.replay.why_trace import RequestTracer, project
+from tokentape.replay.why_weights import add_weights
 
 
 def trace_request(
@@ -74,6 +77,7 @@ def why(source: str | Any, req_id: str, position: int) -> WhyResult:
     tape = load_tape(source)
     tracer = trace_request(tape, req_id, position=position)
     result = explain(tracer, position)
+    add_weights(tape, tracer, result)
     result.tape = tape.path
     result.discard_policy = tape.header.discard_policy
     return result

@@ -21,7 +21,9 @@ class Link:
     seq: int
     step: int
     kind: str  # the event's kind
-    role: str  # added, scheduled, produced, dropped, ignored, preempted, finished, delivered
+    # added, scheduled, produced, dropped, ignored, preempted, finished, delivered; with
+    # weight updates (why_weights.py): paused, weights, cache hit
+    role: str
     detail: str
 
 
@@ -39,6 +41,7 @@ class WhyResult:
     epoch: int | None = None
     scheduled_for: int | None = None  # the output position that step computed it for
     delivered_seq: int | None = None
+    weight_version: str | None = None  # the weights that computed it (a tape with updates)
     verdict: str = ""
     chain: list[Link] = field(default_factory=list)
     events_read: int = 0

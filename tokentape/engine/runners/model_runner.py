@@ -23,7 +23,13 @@ from tokentape.engine.kv_cache_size import kv_bytes_per_token, num_blocks_for, u
 from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
-from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
+from tokentape.engine.model.loader import (
+    WeightsSource,
+    apply_update,
+    chunk_record,
+    prepare_update,
+    weights_hash,
+)
 from tokentape.engine.model.logits_processors import (
     RowContext,
     apply_logits_processors,
@@ -33,7 +39,7 @@ from tokentape.engine.model.logits_processors import (
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
+from tokentape.engine.runners.base import ScheduledBatch, WeightChunk, prompt_seed
 from tokentape.engine.runners.devices import cpus_available, resolve_device
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
@@ -157,6 +163,7 @@ class TorchModelRunner:
         # No position is past the model's context length (a longer max_model_len is refused).
         self.model.rope.extend(min(num_kv_blocks * block_size, self.config.derived_max_model_len))
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
+        self._staged: dict[str, torch.Tensor] = {}  # chunks of an open weight transfer
         self._seqs: dict[str, SeqState] = {}
         self._prompt_lps = PromptLogprobsTracker()  # prompt logprobs of chunked prefills
         cfg = self.config
@@ -202,9 +209,22 @@ class TorchModelRunner:
     def update_weights(self, weights: WeightsSource) -> str:
         """Validate everything first, then load; returns the new weights' content hash.
         The caller guarantees that no step is in flight."""
+        return self._load(prepare_update(self.model, weights))
+
+    def stage_weights(self, weights: WeightsSource) -> WeightChunk:
+        """A chunk of a transfer, checked as a whole update is and held (copied: a trainer
+        may reuse its buffers for the next chunk) until `load_staged_weights`."""
+        tensors = {n: t.clone() for n, t in prepare_update(self.model, weights).items()}
+        self._staged.update(tensors)
+        return WeightChunk(*chunk_record(tensors))
+
+    def load_staged_weights(self) -> str:
+        staged, self._staged = self._staged, {}
+        return self._load(staged)
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> str:
         if self._worker.num_outstanding:
             raise RuntimeError("update_weights: steps are still in flight in the runner")
-        tensors = prepare_update(self.model, weights)
         apply_update(self.model, tensors)
         if self.device.type == "cuda":  # the worker's stream must see the copies
             torch.cuda.synchronize(self.device)
