@@ -36,6 +36,9 @@ MUSEUM = {
     "abort_final_step": "vllm#26400",
     "double_free_33377": "vllm#33377",
     "crash_aborted_52969": "vllm#52969",
+    # Issue 25's newer members of the family.
+    "spec_reset_46066": "vllm#46066",
+    "omni_discard_one_5183": "vllm-omni#5183",
 }
 
 

@@ -302,6 +302,43 @@ def crash_aborted_52969(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+# -- issue 25: the bug family's newest members ----------------------------------------------
+
+
+def spec_reset_46066(path: Path, clean: bool = False) -> None:
+    """vLLM #46066 (museum policy vllm-flag: vLLM 0.20-0.21 as released, in tokentape's own
+    engine): reset_prefix_cache(reset_running_requests=True) with a speculative step in
+    flight; the stale frame the flag drops still takes its rejected drafts off the computed
+    tokens and the placeholders of the request already scheduled again, which go below zero
+    silently; the positions taken back are computed and delivered again."""
+    llm = _museum_llm(path, clean, "vllm-flag", depth=2, k=2)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 4)
+    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def omni_discard_one_5183(path: Path, clean: bool = False) -> None:
+    """vllm-omni #5183 (museum policy omni-discard-one): the discard count is set to 1 whatever
+    is in flight. A reset with two steps in flight (pipeline depth 3) drops one stale frame
+    and applies the other; a pause(keep, clear_cache=True) that drained first still drops
+    one frame, the first fresh one after resume (#42043 again)."""
+    llm = _museum_llm(path, clean, "omni-discard-one", depth=3)
+    engine = llm.engine
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 6)
+    engine.reset_prefix_cache(reset_running_requests=True)  # two steps in flight
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 12)
+    engine.pause_generation(mode="keep", clear_cache=True)  # drained: nothing in flight
+    _drive(llm, delivered)
+    engine.resume_generation()
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -463,6 +500,29 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         crash_aborted_52969,
         [
             _finding("engine_error", ["a"], "vllm#52969"),
+        ],
+    ),
+    # Issue 25's newer members (each scenario also runs clean: test_museum.py).
+    "spec_reset_46066": (
+        spec_reset_46066,
+        [
+            _finding("negative_count", ["r"], "vllm#46066"),  # silently: no assert reached
+            # The rejected drafts also came off the computed tokens: those positions are
+            # computed and delivered again.
+            _finding("token_duplicated", ["r"], "vllm#46066"),
+            _finding("count_nonzero_at_finish", ["r"], "vllm#46066", severity="warning"),
+        ],
+    ),
+    "omni_discard_one_5183": (
+        omni_discard_one_5183,
+        [
+            # The reset: two stale frames in flight, a count of 1 drops one, applies the other.
+            _finding("stale_frame_applied", ["r"], "vllm-omni#5183"),
+            _finding("token_mismatch", ["r"], "vllm-omni#5183"),
+            _finding("negative_count", ["r"], "vllm-omni#5183"),
+            # The drained pause: nothing in flight, a count of 1 drops the first fresh frame.
+            _finding("post_resume_token_dropped", ["r"], "vllm-omni#5183"),
+            _finding("count_nonzero_at_finish", ["r"], "vllm-omni#5183", severity="warning"),
         ],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),
