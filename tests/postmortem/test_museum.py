@@ -39,6 +39,7 @@ MUSEUM = {
     # Issue 25's newer members of the family.
     "spec_reset_46066": "vllm#46066",
     "omni_discard_one_5183": "vllm-omni#5183",
+    "admission_stalled_53130": "vllm#53130",
 }
 
 

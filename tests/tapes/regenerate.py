@@ -339,6 +339,38 @@ def omni_discard_one_5183(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def admission_stalled_53130(path: Path, clean: bool = False) -> None:
+    """vLLM #53130 (fault skipped_waiting_holds_seats): three big requests cannot get their
+    KV blocks while two others run, are skipped and keep counting against max_num_seqs (3);
+    once the big running request finishes, the one left is served alone for 20 steps with
+    room for the queue's head, and admission never opens again. The client gives up and
+    aborts the three (a default engine serves them)."""
+    llm = _museum_llm(
+        path,
+        clean,
+        faults=("skipped_waiting_holds_seats",),
+        depth=2,
+        num_kv_blocks=16,
+        max_num_seqs=3,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    engine.add_request("run", list(range(40, 44)), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("big", list(range(50, 78)), SamplingParams(max_tokens=6, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("big", [])) >= 1)
+    for name, first in (("h1", 100), ("h2", 130), ("h3", 160)):  # 7 blocks each
+        prompt = list(range(first, first + 28))
+        engine.add_request(name, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    _until(llm, delivered, lambda: engine.state.requests["run"].is_finished)
+    for _ in range(10):  # the engine idles: nothing is admitted
+        _drive(llm, delivered)
+    for name in ("h1", "h2", "h3"):
+        engine.abort_request(name)  # a no-op for a request already served
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -524,6 +556,10 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
             _finding("post_resume_token_dropped", ["r"], "vllm-omni#5183"),
             _finding("count_nonzero_at_finish", ["r"], "vllm-omni#5183", severity="warning"),
         ],
+    ),
+    "admission_stalled_53130": (
+        admission_stalled_53130,
+        [_finding("admission_stalled", ["h1", "h2", "h3"], "vllm#53130")],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),

@@ -168,6 +168,27 @@ def crash_on_aborted_output(sched: Scheduler, state: EngineState) -> EngineHooks
     return _AbortedInFlight(lambda req: aborted.add(req.req_id), look_up)
 
 
+class SkippedWaitingHoldsSeats(EngineHooks):
+    """vLLM #53130: a waiting request the admission loop cannot admit yet is skipped (vLLM's
+    skipped_waiting holds requests waiting on remote KV, a grammar or streaming input; here,
+    on KV blocks) and keeps counting against max_num_seqs while it waits. Once running plus
+    skipped requests reach max_num_seqs the loop admits nobody, the skipped ones included, so
+    admission stops for good while the running requests are served as usual."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state = state
+        self.skipped: dict[str, None] = {}  # in the order they were skipped
+
+    def after_running_scheduled(self, plan: StepPlan) -> None:
+        requests, waiting = self.state.requests, (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.skipped = {r: None for r in self.skipped if requests[r].status in waiting}
+        plan.held_seqs = len(self.skipped)
+        plan.skipped = []
+
+    def after_waiting_admitted(self, plan: StepPlan) -> None:
+        self.skipped.update(dict.fromkeys(plan.skipped or ()))
+
+
 def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
     # Only with speculative decoding: without draft slots there is nothing to keep.
     return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
@@ -178,6 +199,7 @@ _FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "late_stop_after_drain": LateStopAfterDrain,
     "double_free_on_abort": double_free_on_abort,
     "crash_on_aborted_output": crash_on_aborted_output,
+    "skipped_waiting_holds_seats": SkippedWaitingHoldsSeats,
 }
 
 

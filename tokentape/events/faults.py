@@ -27,6 +27,10 @@ FAULTS: dict[str, str] = {
     # vLLM #52969: output that comes back for a request aborted while its step was in flight
     # is looked up among the live requests, and the engine crashes.
     "crash_on_aborted_output": "vllm#52969",
+    # vLLM #53130: requests the admission loop skips (vLLM: waiting on remote KV, a grammar or
+    # streaming input; here: on KV blocks) keep counting against max_num_seqs, so admission
+    # stops for good once running plus skipped reach it, while the engine stays healthy.
+    "skipped_waiting_holds_seats": "vllm#53130",
 }
 
 REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow"})

@@ -19,6 +19,7 @@ from tokentape.events import schema as ev
 from tokentape.events.errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
+from tokentape.postmortem.admission import AdmissionChecker
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context, Item
 from tokentape.postmortem.findings import Report, Summary
@@ -125,6 +126,7 @@ def postmortem(
         KVChecker(ctx),
         ScheduleChecker(ctx),
         StuckChecker(ctx),
+        AdmissionChecker(ctx),
         OutputChecker(ctx),
         EngineErrorChecker(ctx),
     ]
