@@ -40,6 +40,7 @@ MUSEUM = {
     "spec_reset_46066": "vllm#46066",
     "omni_discard_one_5183": "vllm-omni#5183",
     "admission_stalled_53130": "vllm#53130",
+    "duplicated_token_395": "tenstorrent-vllm#395",
 }
 
 

@@ -371,6 +371,20 @@ def admission_stalled_53130(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def duplicated_token_395(path: Path, clean: bool = False) -> None:
+    """tenstorrent/vllm #395 (fault stale_overlap_input): request b joins the batch while a
+    decodes with a step in flight; that step goes to the runner before a's previous token is
+    applied to its input, so it samples a's previous position again: the client gets that
+    token twice, and every later one a place late."""
+    llm = _museum_llm(path, clean, faults=("stale_overlap_input",), depth=2)
+    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 4)
+    llm.engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=8, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -541,6 +555,7 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
             _finding("negative_count", ["r"], "vllm#46066"),  # silently: no assert reached
             # The rejected drafts also came off the computed tokens: those positions are
             # computed and delivered again.
+            _finding("duplicated_token", ["r"], "vllm#46066"),
             _finding("token_duplicated", ["r"], "vllm#46066"),
             _finding("count_nonzero_at_finish", ["r"], "vllm#46066", severity="warning"),
         ],
@@ -560,6 +575,13 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
     "admission_stalled_53130": (
         admission_stalled_53130,
         [_finding("admission_stalled", ["h1", "h2", "h3"], "vllm#53130")],
+    ),
+    "duplicated_token_395": (
+        duplicated_token_395,
+        [
+            _finding("duplicated_token", ["a"], "tenstorrent-vllm#395"),  # by the frame's position
+            _finding("token_duplicated", ["a"], "tenstorrent-vllm#395"),  # by the oracle's stream
+        ],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),

@@ -16,6 +16,7 @@ import msgspec.structs
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.hooks import EngineHooks
+from tokentape.engine.runners.base import ScheduledBatch
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
@@ -189,6 +190,39 @@ class SkippedWaitingHoldsSeats(EngineHooks):
         self.skipped.update(dict.fromkeys(plan.skipped or ()))
 
 
+class StaleOverlapInput(EngineHooks):
+    """tenstorrent/vllm #395: the overlap path submits step N+1 before step N's sampled tokens
+    are applied to the runner's input batch, so N+1 reads N's input again and samples N's
+    position a second time; the client gets that token twice and every later token one place
+    late. There the steady state broke in its DP path; here a step where a request joins the
+    batch (its shape changes) does it, to each decode with its previous step in flight. The
+    tape records the step as scheduled; the frame's `position` records what was sampled."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state = state
+
+    def before_submit(self, batch: ScheduledBatch) -> None:
+        if not batch.new_requests:
+            return
+        requests, stale = self.state.requests, False
+        entries = list(batch.entries)  # the recorded list stays as it is
+        for i, e in enumerate(entries):
+            req = requests[e.req_id]
+            c = e.num_computed_before - 1  # step N's input position
+            if (
+                e.req_id in batch.token_ids  # a prefill: its input is known, not sampled
+                or e.num_spec_tokens
+                or req.num_fresh_in_flight < 2  # step N's output is already applied
+                or not 0 <= c < req.num_tokens
+            ):
+                continue
+            entries[i] = msgspec.structs.replace(e, num_computed_before=c)
+            batch.token_ids[e.req_id] = req.token_ids_between(c, c + 1)
+            stale = True
+        if stale:
+            batch.entries = entries
+
+
 def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
     # Only with speculative decoding: without draft slots there is nothing to keep.
     return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
@@ -200,6 +234,7 @@ _FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "double_free_on_abort": double_free_on_abort,
     "crash_on_aborted_output": crash_on_aborted_output,
     "skipped_waiting_holds_seats": SkippedWaitingHoldsSeats,
+    "stale_overlap_input": StaleOverlapInput,
 }
 
 

@@ -31,6 +31,10 @@ FAULTS: dict[str, str] = {
     # streaming input; here: on KV blocks) keep counting against max_num_seqs, so admission
     # stops for good once running plus skipped reach it, while the engine stays healthy.
     "skipped_waiting_holds_seats": "vllm#53130",
+    # tenstorrent/vllm #395: the overlap path submits step N+1 before applying step N's tokens
+    # to the input batch, so N's position is sampled again and the client gets it twice
+    # (here: in a step where a request joins the batch).
+    "stale_overlap_input": "tenstorrent-vllm#395",
 }
 
 REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow"})

@@ -19,8 +19,9 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # 2: the sampling options (SamplingParams from `n` on), top-k logprobs in FrameEntry and the
 # matched stop string in RequestFinished; every new field is last, with a default, so a
 # version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
-# defaults: a version-2 tape reads unchanged).
-FORMAT_VERSION = 3
+# defaults: a version-2 tape reads unchanged). 4: the position each frame entry was sampled
+# at (FrameEntry.position, last, default -1: unknown, as on every older tape).
+FORMAT_VERSION = 4
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -201,6 +202,10 @@ class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # and their logprobs (raw log-softmax, best first), beside the sampled token's above.
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Format 4: the sequence position (prompt + output index) of the first token, as the runner
+    # computed it; -1 where unknown (older tapes, vLLM's). Checks that no position is
+    # delivered twice (the postmortem's duplicated_token).
+    position: int = -1
 
     @property
     def num_accepted(self) -> int:

@@ -351,6 +351,7 @@ class TorchModelRunner:
                 out.append(d)
             out.append(sampled[row + len(out)])
             seq.num_computed += len(out) - 1  # the accepted drafts' K/V are valid
+            position = len(seq.tokens)  # where its first token goes
             seq.tokens += out
             lp = (
                 logprobs[row : row + len(out)]
@@ -361,7 +362,7 @@ class TorchModelRunner:
             if tops is not None and seq.params.logprobs:
                 top_ids = [tops[row + j][0] for j in range(len(out))]
                 top_lps = [tops[row + j][1] for j in range(len(out))]
-            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp, top_ids, top_lps)
+            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp, top_ids, top_lps, position)
             row += 1 + len(drafts)
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 
