@@ -385,6 +385,25 @@ def duplicated_token_395(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def reused_id_42492(path: Path, clean: bool = False) -> None:
+    """vLLM #42492 (reducer fault output_on_reused_id): request 'late' is aborted with a step
+    in flight and a new request is added under the same id; the old step's output is looked
+    up by id when it comes back and lands on the new request: a wrong first token, and its
+    placeholders below zero (vLLM asserted). The default engine refuses an id used before,
+    so its run adds the new request as 'late-2'."""
+    llm = _museum_llm(path, clean, faults=("output_on_reused_id",), depth=2)
+    engine = llm.engine
+    engine.add_request("keep", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("late", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("late", [])) >= 3)
+    engine.abort_request("late")  # its step in flight
+    again = "late-2" if clean else "late"
+    engine.add_request(again, PROMPT[5:], SamplingParams(max_tokens=8, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -581,6 +600,15 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         [
             _finding("duplicated_token", ["a"], "tenstorrent-vllm#395"),  # by the frame's position
             _finding("token_duplicated", ["a"], "tenstorrent-vllm#395"),  # by the oracle's stream
+        ],
+    ),
+    "reused_id_42492": (
+        reused_id_42492,
+        [
+            _finding("stale_frame_applied", ["late"], "vllm#42492"),  # the old output lands
+            _finding("token_mismatch", ["late"], "vllm#42492"),  # on the new request's stream
+            _finding("negative_count", ["late"], "vllm#42492"),  # num_output_placeholders
+            _finding("negative_count", ["late"], "vllm#42492"),  # num_fresh_in_flight
         ],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),

@@ -35,6 +35,11 @@ FAULTS: dict[str, str] = {
     # to the input batch, so N's position is sampled again and the client gets it twice
     # (here: in a step where a request joins the batch).
     "stale_overlap_input": "tenstorrent-vllm#395",
+    # vLLM #42492: a request aborted with a step in flight and added again under the same id;
+    # the step's output is looked up by id when it comes back and lands on the new request
+    # (placeholders below zero). A reducer fault: tokentape's reducer keeps the scheduled
+    # request itself, and its engine refuses an id used before.
+    "output_on_reused_id": "vllm#42492",
 }
 
-REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow"})
+REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow", "output_on_reused_id"})
