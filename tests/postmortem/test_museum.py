@@ -42,6 +42,7 @@ MUSEUM = {
     "admission_stalled_53130": "vllm#53130",
     "duplicated_token_395": "tenstorrent-vllm#395",
     "reused_id_42492": "vllm#42492",
+    "block_reused_45357": "vllm#45357",
 }
 
 

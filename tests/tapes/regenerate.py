@@ -404,6 +404,31 @@ def reused_id_42492(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def block_reused_45357(path: Path, clean: bool = False) -> None:
+    """vLLM #45357/#47728 (fault free_blocks_in_flight): request a is aborted while its step
+    that writes KV block 8 is in flight; the block goes back to the pool at once, and b,
+    admitted next, takes it as holding its first four positions (vLLM: KV its connector loads,
+    unordered with that step): the stale write of a's positions lands on b's KV. The oracle's
+    tokens do not depend on KV, so only the blocks show it."""
+    llm = _museum_llm(
+        path,
+        clean,
+        faults=("free_blocks_in_flight",),
+        depth=2,
+        num_kv_blocks=9,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    engine.add_request("keep", PROMPT[:9], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 2)
+    engine.abort_request("a")  # its step writing block 8 in flight
+    engine.add_request("b", list(range(60, 70)), SamplingParams(max_tokens=6, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -610,6 +635,10 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
             _finding("negative_count", ["late"], "vllm#42492"),  # num_output_placeholders
             _finding("negative_count", ["late"], "vllm#42492"),  # num_fresh_in_flight
         ],
+    ),
+    "block_reused_45357": (
+        block_reused_45357,
+        [_finding("block_reused_while_in_flight", ["a", "b"], "vllm#45357")],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),

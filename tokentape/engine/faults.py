@@ -223,6 +223,60 @@ class StaleOverlapInput(EngineHooks):
             batch.entries = entries
 
 
+class FreeBlocksInFlight(EngineHooks):
+    """vLLM #45357/#47728: a request aborted or preempted with a step in flight gives its KV
+    blocks back at once, although that step still writes them, and they are handed out
+    again. vLLM's ordered steps make that safe for a new owner that computes the block; not
+    for one whose KV a connector loads into it (its PD consumer), unordered with the step.
+    Here the request admitted next takes such blocks, at the front of its own, as holding its
+    loaded prefix: their tokens count as computed, and the stale write lands on them."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state, self.block_size = state, sched.config.block_size
+        self.fenced: dict[int, int] = {}  # block -> the step in flight that writes it
+
+    def _note(self, req: RequestState) -> None:
+        bs = self.block_size
+        for step, e in self.state.in_flight_entries(req.req_id):
+            if e.epoch != req.epoch:
+                continue
+            last = (e.num_computed_before + e.num_new_tokens - 1) // bs
+            for i in range(e.num_computed_before // bs, min(last + 1, len(req.block_ids))):
+                self.fenced[req.block_ids[i]] = step
+
+    def before_preempt(self, req: RequestState) -> None:
+        self._note(req)
+
+    def before_finish(self, req: RequestState, reason: str) -> None:
+        if reason == "abort":
+            self._note(req)
+
+    def after_frame(self, req_ids: list[str]) -> None:
+        in_flight = {s.step for s in self.state.in_flight_steps}
+        self.fenced = {b: s for b, s in self.fenced.items() if s in in_flight}
+
+    def after_waiting_admitted(self, plan: StepPlan) -> None:
+        bs, requests = self.block_size, self.state.requests
+        for req_id in plan.batch.new_requests:
+            entry = plan.entries.get(req_id)
+            if entry is None or entry.num_computed_before:
+                continue
+            k = 0
+            while k < len(entry.new_block_ids) and entry.new_block_ids[k] in self.fenced:
+                k += 1
+            loaded = min(k * bs, entry.num_new_tokens - 1, requests[req_id].num_tokens - 1)
+            loaded -= loaded % bs
+            if loaded <= 0:
+                continue
+            plan.entries[req_id] = msgspec.structs.replace(
+                entry, num_computed_before=loaded, num_new_tokens=entry.num_new_tokens - loaded
+            )
+            plan.budget += loaded
+            for b in entry.new_block_ids[: loaded // bs]:
+                del self.fenced[b]  # taken
+            return  # one request takes them
+
+
 def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
     # Only with speculative decoding: without draft slots there is nothing to keep.
     return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
@@ -235,6 +289,7 @@ _FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "crash_on_aborted_output": crash_on_aborted_output,
     "skipped_waiting_holds_seats": SkippedWaitingHoldsSeats,
     "stale_overlap_input": StaleOverlapInput,
+    "free_blocks_in_flight": FreeBlocksInFlight,
 }
 
 

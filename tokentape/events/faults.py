@@ -40,6 +40,10 @@ FAULTS: dict[str, str] = {
     # (placeholders below zero). A reducer fault: tokentape's reducer keeps the scheduled
     # request itself, and its engine refuses an id used before.
     "output_on_reused_id": "vllm#42492",
+    # vLLM #45357/#47728: blocks a request gives back while its step that writes them is in
+    # flight are handed out at once; the next request admitted takes them as holding its
+    # prefix (vLLM: KV a connector loads, unordered with that step), and the write lands there.
+    "free_blocks_in_flight": "vllm#45357",
 }
 
 REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow", "output_on_reused_id"})
