@@ -27,7 +27,8 @@ class AdmissionChecker(Checker):
         config = ctx.tape.config
         self.budget = config.max_num_batched_tokens
         self.max_seqs = config.max_num_seqs
-        self.num_blocks = config.num_kv_blocks
+        # vLLM's block pool keeps block 0 as its null block: one fewer to allocate from.
+        self.num_blocks = config.num_kv_blocks - (ctx.tape.header.source == "vllm")
         self.block_size = config.block_size
         self.delivers_stale = get_policy(ctx.state.discard_policy).delivers_stale
         self._pressure_step = -1  # the latest step that preempted for KV pressure
