@@ -262,6 +262,8 @@ class LLMEngine(WeightUpdates):
                     self._finished_since_last_batch,
                     [],
                 )
+                for hook in self.hooks:
+                    hook.before_submit(batch)
                 self.runner.submit(batch)
                 scheduled = True
         if in_flight and (len(in_flight) >= self.depth or not scheduled):

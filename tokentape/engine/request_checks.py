@@ -29,6 +29,7 @@ from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.runners.base import ChecksParams, ModelRunner
 from tokentape.engine.tokenizer import Tokenizer
+from tokentape.events.reducer import reusable_request_id
 from tokentape.events.schema import SamplingParams
 from tokentape.events.state import EngineState
 from tokentape.events.validation import check_int, check_str, shown
@@ -136,7 +137,9 @@ def check_request(
     if not request_id:
         raise ValueError("request_id must be a non-empty string, got ''")
     requests = engine.state.requests
-    if request_id in requests or engine.has_parent(request_id):
+    if (
+        request_id in requests and not reusable_request_id(engine.state, requests[request_id])
+    ) or engine.has_parent(request_id):
         raise ValueError(f"request id {request_id!r} is already in use on this engine")
     if not isinstance(params, SamplingParams):
         raise TypeError(

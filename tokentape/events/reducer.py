@@ -71,7 +71,7 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
 
 
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
-    if e.req_id in state.requests:
+    if e.req_id in state.requests and not reusable_request_id(state, state.requests[e.req_id]):
         raise ReducerError(f"request {e.req_id!r} added twice")
     req = state.requests[e.req_id] = RequestState(
         e.req_id, list(e.prompt_token_ids), e.params, e.step
@@ -80,6 +80,12 @@ def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
     req.stop_ids = frozenset((*e.params.stop_token_ids, *eos))
     req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - req.num_prompt_tokens)
     state.waiting.append(e.req_id)
+
+
+def reusable_request_id(state: EngineState, req: RequestState) -> bool:
+    """vLLM #42492, injected (fault output_on_reused_id): a finished request's id may be
+    added again, as vLLM's frontend allows; tokentape refuses a request id used before."""
+    return bool(state.faults) and "output_on_reused_id" in state.faults and req.is_finished
 
 
 def _on_aborted(state: EngineState, e: ev.RequestAborted) -> None:
@@ -240,7 +246,12 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     if partial:
         answers = iter(e.entries)
         frames = [None if x.req_id in partial else next(answers) for x in scheduled.entries]
-    for entry, req, frame in zip(scheduled.entries, scheduled.requests, frames):
+    requests: Sequence[RequestState] = scheduled.requests  # as scheduled: identity, not name
+    if state.faults and "output_on_reused_id" in state.faults:
+        # vLLM #42492, injected: output looked up by request id when it comes back, so an id
+        # added again while the step was in flight gets the old request's output.
+        requests = [state.requests[x.req_id] for x in scheduled.entries]
+    for entry, req, frame in zip(scheduled.entries, requests, frames):
         stale = entry.epoch != req.epoch
         if frame is None:  # a prefill chunk: nothing to apply
             if stale:

@@ -20,9 +20,11 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # matched stop string in RequestFinished; every new field is last, with a default, so a
 # version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
 # defaults: a version-2 tape reads unchanged). 4: prompt_logprobs in SamplingParams and
-# FrameEntry, the weight version in WeightsUpdated (each last, with a default: a version-3
-# tape reads unchanged, its updates named by the counter), and the chunked transfer's
-# WeightUpdateStarted and WeightChunkReceived, which an older reader cannot decode.
+# FrameEntry, the position each frame entry was sampled at (FrameEntry.position, default
+# -1: unknown), the weight version in WeightsUpdated (each last, with a default: a
+# version-3 tape reads unchanged, its updates named by the counter), and the chunked
+# transfer's WeightUpdateStarted and WeightChunkReceived, which an older reader cannot
+# decode.
 FORMAT_VERSION = 4
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
@@ -239,6 +241,10 @@ class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # and their logprobs (raw log-softmax, best first), beside the sampled token's above.
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Format 4: the sequence position (prompt + output index) of the first token, as the runner
+    # computed it; -1 where unknown (older tapes, vLLM's). Checks that no position is
+    # delivered twice (the postmortem's duplicated_token).
+    position: int = -1
     # Format 4: on the frame of the prefill chunk that finishes the prompt (and samples the
     # first token), the whole prompt's logprobs; earlier chunks' rows wait in the runner.
     prompt_logprobs: PromptLogprobs | None = None

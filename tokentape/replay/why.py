@@ -45,6 +45,9 @@ def trace_request(
                 + (f" (requests: {listed})" if known else " (it has no requests)")
             )
         tracer = RequestTracer(tape, req_id)
+        # Only the fault output_on_reused_id lets a tape add an id twice; then the latest
+        # request of the id is explained.
+        reused_ids = "output_on_reused_id" in tracer.state.faults
         extra: list[tuple[int, ev.Event]] = []
         looked_up: set[int] = set()
         for seq, event in merged(own.events(req_id, start), extra):
@@ -59,6 +62,8 @@ def trace_request(
                     found = own.frame_of(cut.step, seq)
                     if found is not None:
                         heapq.heappush(extra, found)  # type: ignore[arg-type]
+            if reused_ids:
+                continue  # the id may be added again later: read on (museum tapes only)
             if tracer.added is not None and (tracer.settled() or tracer.done_with(position)):
                 break
         tracer.events_read = own.rows_read

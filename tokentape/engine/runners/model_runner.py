@@ -390,6 +390,7 @@ class TorchModelRunner:
                 out.append(d)
             out.append(sampled[row + len(out)])
             seq.num_computed += len(out) - 1  # the accepted drafts' K/V are valid
+            position = len(seq.tokens)  # where its first token goes
             seq.tokens += out
             lp = (
                 logprobs[row : row + len(out)]
@@ -401,7 +402,9 @@ class TorchModelRunner:
                 top_ids = [tops[row + j][0] for j in range(len(out))]
                 top_lps = [tops[row + j][1] for j in range(len(out))]
             plp = self._prompt_lps.take(e.req_id)  # the prompt's, on its last chunk's frame
-            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp, top_ids, top_lps, plp)
+            frames[e.req_id] = FrameEntry(
+                e.req_id, out, drafts, lp, top_ids, top_lps, position, plp
+            )
             row += 1 + len(drafts)
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 

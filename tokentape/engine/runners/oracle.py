@@ -154,7 +154,7 @@ class OracleRunner:
             if req_id in batch.partial_prefills:
                 continue
             tokens = seq.tokens
-            pos = len(tokens)
+            pos = first = len(tokens)
             drafts = (
                 propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
                 if e.num_spec_tokens
@@ -168,7 +168,7 @@ class OracleRunner:
                 pos += 1
             out.append(self.token_at(seq.key, pos))
             tokens += out
-            frame.append(FrameEntry(req_id, out, drafts))
+            frame.append(FrameEntry(req_id, out, drafts, position=first))
         self._results[batch.step] = frame
 
     def collect(self, step: int) -> list[FrameEntry]:
