@@ -21,6 +21,7 @@ from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
+from tokentape.engine.rl_calls import PAUSE_MODES, RLCalls
 from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import ChecksParams, ModelRunner, UpdatesWeights
 from tokentape.engine.scheduler import Scheduler
@@ -33,17 +34,18 @@ from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
 from tokentape.events.validation import check_bool
 
-PAUSE_MODES = ("abort", "wait", "keep")
+__all__ = ["PAUSE_MODES", "LLMEngine"]
 
 
-class LLMEngine:
+class LLMEngine(RLCalls):
     """The engine loop, as vLLM's LLMEngine with its EngineCore inside: it owns the engine's
     state (the reducer's, changed only through `_emit`), the KV cache manager, the scheduler,
     the runner, the tape writer and the output processor. Commands (add, abort, pause,
     resume, reset, update_weights) and steps go on the tape before they take effect; `step`
     gives RequestOutputs, `step_core` the per-request deltas an engine core sends across the
     process boundary. The runner's optional capabilities (runners.base: ChecksParams,
-    UpdatesWeights) are read once, here, when it is built."""
+    UpdatesWeights) are read once, here, when it is built. Sleep mode and abort_all come
+    from RLCalls (rl_calls.py)."""
 
     def __init__(
         self,
@@ -353,6 +355,7 @@ class LLMEngine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
         check_bool("clear_cache", clear_cache)
+        self.check_awake("pause_generation")
         for hook in self.hooks:
             hook.before_pause()
         with self._recorded():
@@ -372,6 +375,7 @@ class LLMEngine:
     def resume_generation(self) -> None:
         if self.state.paused is None:
             return
+        self.check_awake("resume_generation")  # wake_up() resumes a sleeping engine
         with self._recorded():
             self._emit(ev.GenerationResumed(self.state.step))
 
@@ -413,6 +417,8 @@ class LLMEngine:
             raise RuntimeError(
                 f"update_weights: {len(self.state.in_flight_steps)} step(s) still in flight"
             )
+        if "weights" in self.state.sleeping_tags:
+            raise RuntimeError("update_weights: the weights sleep; wake_up(['weights']) first")
         if self.weights_updater is None:
             raise RuntimeError(
                 f"update_weights: model {self.runner.model_id!r} has no weights to update"

@@ -121,6 +121,13 @@ class UpdateWeightsRequest(msgspec.Struct):
     path: str  # a checkpoint folder on the server's machine
 
 
+class AbortRequest(msgspec.Struct):
+    """SGLang's /abort_request body (AbortReq): one request's id, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 

@@ -1,5 +1,7 @@
 """vLLM's RL endpoints, by vLLM's names: POST /pause, POST /resume, GET /is_paused, POST
-/reset_prefix_cache, POST /update_weights.
+/reset_prefix_cache, POST /update_weights; vLLM's sleep mode: POST /sleep?level=N&mode=M,
+POST /wake_up?tags=T (repeated; none: everything), GET /is_sleeping; and SGLang's POST
+/abort_request ({"rid": ID} or {"abort_all": true}), which vLLM has no endpoint for.
 
 They change what every client gets (a pause freezes every stream; new weights change every
 later token), so a server attaches them only when asked (`--enable-rl-endpoints`, or vLLM's
@@ -13,19 +15,30 @@ serves on with its old weights.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Request
 from starlette.responses import Response
 
 from tokentape.engine.async_llm import AsyncLLM
+from tokentape.engine.rl_calls import check_wake_tags
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.refusals import APIError
 from tokentape.entrypoints.request_body import decode_body
 from tokentape.errors import EngineDeadError
 
-RL_PATHS = ("/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/update_weights")
+RL_PATHS = (
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/reset_prefix_cache",
+    "/update_weights",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/abort_request",
+)
 DEV_MODE_ENV_VAR = "VLLM_SERVER_DEV_MODE"
 
 
@@ -61,6 +74,17 @@ def allowed_weights_path(path: str, allowed: Sequence[str]) -> str:
     return real
 
 
+async def refused_as_400(call: Awaitable[object], param: str) -> object:
+    """An engine call whose refusal (the engine serves on) is the client's 400; a dead engine
+    stays a 503."""
+    try:
+        return await call
+    except EngineDeadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the engine refused, it changed nothing
+        raise APIError(400, str(exc), param=param) from None
+
+
 def add_rl_endpoints(
     app: FastAPI,
     engine: AsyncLLM,
@@ -90,6 +114,39 @@ def add_rl_endpoints(
     async def reset_prefix_cache(reset_running_requests: bool = Query(False)) -> Response:
         ok = await engine.reset_prefix_cache(reset_running_requests)
         return json_response({"success": ok})
+
+    @app.post("/sleep")
+    async def sleep(
+        level: int = Query(1, ge=0, le=2), mode: Literal["abort", "wait", "keep"] = Query("abort")
+    ) -> Response:
+        # vLLM's answer: 200 with no body, once the engine is asleep (drained first); a
+        # sleep that broke the engine is a 503 (EngineDeadError), never a 200 (vLLM #45520).
+        await refused_as_400(engine.sleep(level, mode), "level")
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+        try:
+            checked = check_wake_tags(tags)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tags") from None
+        await refused_as_400(engine.wake_up(checked), "tags")
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return json_response({"is_sleeping": await engine.is_sleeping()})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        req = decode_body(await request.body(), p.AbortRequest)
+        if req.abort_all:
+            return json_response({"aborted": await engine.abort_all()})
+        if not req.rid:
+            raise APIError(400, "give a request id (rid) or abort_all: true", param="rid")
+        known = engine.is_streaming(req.rid)
+        await engine.abort(req.rid)
+        return json_response({"aborted": [req.rid] if known else []})
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> Response:

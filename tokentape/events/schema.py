@@ -19,12 +19,18 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # 2: the sampling options (SamplingParams from `n` on), top-k logprobs in FrameEntry and the
 # matched stop string in RequestFinished; every new field is last, with a default, so a
 # version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
-# defaults: a version-2 tape reads unchanged).
-FORMAT_VERSION = 3
+# defaults: a version-2 tape reads unchanged). 4: the sleep-mode events EngineSlept and
+# EngineWokeUp (a version-3 tape reads unchanged; a version-3 reader refuses a version 4).
+FORMAT_VERSION = 4
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
 FinishReason = Literal["stop", "length", "abort"]
+# vLLM's sleep mode: what a sleep at level >= 1 releases, and the tags wake_up takes
+# ("scheduling" wakes a level-0 sleep, which released nothing).
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+WAKE_TAGS: tuple[str, ...] = (*MEMORY_TAGS, "scheduling")
+SLEEP_LEVELS: tuple[int, ...] = (0, 1, 2)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -159,6 +165,26 @@ class WeightsUpdated(Event, frozen=True, tag="WeightsUpdated"):
     weights_id: str
 
 
+class EngineSlept(Event, frozen=True, tag="EngineSlept"):
+    """vLLM's sleep(level): recorded once the pause it starts with (a GenerationPaused, its
+    aborts, drained frames and cache reset) is done, when the memory is released: level 1
+    offloads the weights and drops the KV cache, level 2 drops both, level 0 releases nothing
+    (scheduling only). No step may be scheduled until the engine wakes up."""
+
+    level: int
+    in_flight: list[int]  # steps still in flight when the memory went: none in tokentape
+    kept: list[str]  # the unfinished requests, kept to be served after the wake-up
+
+
+class EngineWokeUp(Event, frozen=True, tag="EngineWokeUp"):
+    """vLLM's wake_up(tags): `tags` as called (None: everything). Once nothing sleeps, the
+    engine records the GenerationResumed that follows."""
+
+    tags: list[str] | None
+    # The weights' content hash when a level-2 sleep's weights were rebuilt (None otherwise).
+    weights_id: str | None = None
+
+
 # -- decisions of the scheduler -----------------------------------------------------------
 
 
@@ -242,6 +268,8 @@ AnyEvent = (
     | GenerationResumed
     | PrefixCacheReset
     | WeightsUpdated
+    | EngineSlept
+    | EngineWokeUp
     | StepScheduled
     | RequestPreempted
     | RequestFinished
@@ -264,6 +292,8 @@ COMMAND_KINDS = frozenset(
         "GenerationResumed",
         "PrefixCacheReset",
         "WeightsUpdated",
+        "EngineSlept",  # the release that ends a sleep call (its pause is recorded before it)
+        "EngineWokeUp",
     }
 )
 

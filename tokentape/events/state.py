@@ -133,6 +133,10 @@ class EngineState:
     pending_output: dict[str, None] = field(default_factory=dict)
     num_prefix_cache_resets: int = 0
     weights_id: str | None = None
+    # vLLM's sleep mode: the level slept at (None: awake; set by EngineSlept, cleared by the
+    # EngineWokeUp that wakes the last tag) and the memory still released (MEMORY_TAGS).
+    sleep_level: int | None = None
+    sleeping_tags: tuple[str, ...] = ()
     num_events: int = 0
     error: str | None = None
     recording_stopped: str | None = None  # why another engine's recorder stopped (its last event)

@@ -80,6 +80,12 @@ def describe_event(event: ev.Event) -> str:
             body = f"reset_running_requests={running} ok={ok}"
         case ev.WeightsUpdated(weights_id=w):
             body = f"weights_id={w}"
+        case ev.EngineSlept(level=level, in_flight=in_flight, kept=kept):
+            body = f"level={level} in_flight={in_flight} kept={len(kept)} requests"
+        case ev.EngineWokeUp(tags=tags, weights_id=w):
+            body = f"tags={'all' if tags is None else ','.join(tags)}" + (
+                f" weights_id={w}" if w is not None else ""
+            )
         case ev.StepScheduled(entries=entries):
             body = ", ".join(
                 f"{e.req_id}: +{e.num_new_tokens}@{e.num_computed_before} e{e.epoch}"

@@ -58,6 +58,10 @@ class EngineCore:
             "is_paused": self.engine.is_paused,
             "reset_prefix_cache": self.engine.reset_prefix_cache,
             "update_weights": lambda w: self.engine.update_weights(load_weights_arg(w)),
+            "sleep": self.engine.sleep,
+            "wake_up": self.engine.wake_up,
+            "is_sleeping": self.engine.is_sleeping,
+            "abort_all": self.engine.abort_all,
         }
 
     def info(self) -> CoreInfo:
@@ -81,6 +85,7 @@ class EngineCore:
             s.step,
             kv.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0,
             e.num_preemptions,
+            s.sleep_level is not None,
         )
 
     @property
