@@ -183,3 +183,32 @@ def test_bad_sleep_arguments_are_refused_before_they_are_sent(tmp_path: Any) -> 
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_a_sleep_that_breaks_the_engine_raises_and_is_never_answered_ok(tmp_path: Any) -> None:
+    """vLLM #45520's other half: the caller of a sleep whose release failed hears of it
+    (EngineDeadError, which the server answers with a 503), and every stream ends."""
+    tape = str(tmp_path / "broken.tape")
+    engine = AsyncLLM("tiny", tape=tape, multiprocess_mode=False, num_kv_blocks=64, block_size=16)
+
+    def fail(level: int) -> None:
+        raise RuntimeError("the device went away")
+
+    engine.engine_core.core.engine.runner.memory.sleep = fail  # type: ignore[attr-defined]
+
+    async def main() -> Stream:
+        stream = Stream(engine, [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "r")
+        await asyncio.wait_for(stream.started.wait(), 30)
+        with pytest.raises(EngineDeadError, match="the device went away"):
+            await engine.sleep(level=1, mode="keep")
+        await asyncio.wait([stream.task], timeout=30)
+        return stream
+
+    try:
+        stream = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert stream.task.done() and isinstance(stream.task.exception(), EngineDeadError)
+    kinds = [ev.kind_of(e) for e in tape_events(tape)]
+    assert kinds[-2:] == ["EngineSlept", "EngineError"]
+    assert verify(tape).ok

@@ -329,3 +329,30 @@ def test_a_sleepy_tape_replays_in_a_what_if() -> None:
     kinds = [ev.kind_of(e) for _, e in result.tape.events()]
     assert kinds.count("EngineSlept") == 1 and kinds.count("EngineWokeUp") == 2
     assert kinds.count("GenerationResumed") == 1
+
+
+def test_a_release_that_fails_ends_the_engine_on_the_tape() -> None:
+    """Never an answer over a broken engine (vLLM #45520): a runner that fails to release its
+    memory ends the engine, the failure is on the tape after EngineSlept, and every later call
+    raises EngineDeadError."""
+    from tokentape.errors import EngineDeadError
+
+    engine = tiny().engine
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.step()
+
+    def fail(level: int) -> None:
+        raise RuntimeError("pinned host memory exhausted")
+
+    engine.runner.memory.sleep = fail  # type: ignore[attr-defined,method-assign]
+    with pytest.raises(RuntimeError, match="pinned host memory exhausted"):
+        engine.sleep(level=1, mode="keep")
+    assert engine.dead_reason is not None
+    with pytest.raises(EngineDeadError):
+        engine.wake_up()
+    with pytest.raises(EngineDeadError):
+        engine.sleep()
+    tape = events(engine)
+    assert [ev.kind_of(e) for e in tape[-2:]] == ["EngineSlept", "EngineError"]
+    result = verify(engine.tape)
+    assert result.ok and result.ended_with_error is not None
