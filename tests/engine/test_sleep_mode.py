@@ -356,3 +356,15 @@ def test_a_release_that_fails_ends_the_engine_on_the_tape() -> None:
     assert [ev.kind_of(e) for e in tape[-2:]] == ["EngineSlept", "EngineError"]
     result = verify(engine.tape)
     assert result.ok and result.ended_with_error is not None
+
+
+def test_fall_asleep_alone_is_refused_unless_paused_and_drained() -> None:
+    engine = oracle(pipeline_depth=2).engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
+    engine.step()
+    n = engine.state.num_events
+    with pytest.raises(RuntimeError, match="only once paused and drained"):
+        engine.fall_asleep(1)
+    assert engine.state.num_events == n and engine.dead_reason is None
+    run_to_end(engine)
+    clean(engine)

@@ -34,8 +34,6 @@ from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
 from tokentape.events.validation import check_bool
 
-__all__ = ["PAUSE_MODES", "LLMEngine"]
-
 
 class LLMEngine(RLCalls):
     """The engine loop, as vLLM's LLMEngine with its EngineCore inside: it owns the engine's

@@ -97,6 +97,8 @@ class RLCalls:
         """The end of `sleep`, once paused and drained: release the memory and record it
         (verify replays EngineSlept with this call; its pause replays on its own)."""
         state = self.state
+        if state.paused is None or state.in_flight_steps or state.sleep_level is not None:
+            raise RuntimeError("fall_asleep: only once paused and drained, awake (sleep() does it)")
         with self._recorded():
             in_flight = [s.step for s in state.in_flight_steps]
             kept = [r.req_id for r in state.unfinished]
