@@ -19,7 +19,8 @@ from tokentape.replay import load_tape, verify
 
 ARGS: dict[str, Any] = dict(block_size=4, num_kv_blocks=1 << 14, pipeline_depth=2)
 ORACLE = OracleRunner()
-LONG = SamplingParams(max_tokens=3000, ignore_eos=True)
+# Long enough to be running when the call that follows its first token reaches the core.
+LONG = SamplingParams(max_tokens=8000, ignore_eos=True)
 
 
 def tape_events(path: str) -> list[ev.Event]:
@@ -97,7 +98,7 @@ def test_a_request_sent_with_the_sleep_is_never_parked(
     wake-up, or (sent before a sleep in mode "abort") aborted by it; it never waits for ever."""
     tape = str(tmp_path / "race.tape")
     engine = AsyncLLM("oracle", tape=tape, **ARGS)
-    params = SamplingParams(max_tokens=20)
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
 
     async def main() -> Stream:
         await engine.is_sleeping()  # the core is up and serving
@@ -113,8 +114,10 @@ def test_a_request_sent_with_the_sleep_is_never_parked(
         stream = asyncio.run(main())
     finally:
         engine.shutdown()
-    if request_first and mode == "abort":
-        assert stream.finish == "abort" and stream.tokens == stream.expected()[: len(stream.tokens)]
+    if request_first and mode == "abort" and stream.finish == "abort":
+        # Aborted by the sleep (unless it finished first: the core may step it to its end
+        # before the sleep's call arrives).
+        assert stream.tokens == stream.expected()[: len(stream.tokens)]
     else:
         assert stream.finish == "length" and stream.tokens == stream.expected()
     added = next(i for i, e in enumerate(tape_events(tape)) if isinstance(e, ev.RequestAdded))
@@ -129,7 +132,7 @@ def test_abort_all_returns_the_aborted_ids_and_ends_their_streams(tmp_path: Any)
 
     async def main() -> tuple[list[str], list[Stream], list[str]]:
         streams = [Stream(engine, [5, 6, 7], LONG, "a"), Stream(engine, [8, 9], LONG, "b")]
-        pair = Stream(engine, [3, 4], SamplingParams(max_tokens=3000, n=2, ignore_eos=True), "p")
+        pair = Stream(engine, [3, 4], SamplingParams(max_tokens=8000, n=2, ignore_eos=True), "p")
         await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in [*streams, pair])), 30)
         ids = await engine.abort_all()
         await asyncio.wait_for(asyncio.gather(*(s.task for s in [*streams, pair])), 30)
@@ -191,7 +194,7 @@ def test_a_sleep_that_breaks_the_engine_raises_and_is_never_answered_ok(tmp_path
     tape = str(tmp_path / "broken.tape")
     engine = AsyncLLM("tiny", tape=tape, multiprocess_mode=False, num_kv_blocks=64, block_size=16)
 
-    def fail(level: int) -> None:
+    def fail(runner: object, level: int) -> None:
         raise RuntimeError("the device went away")
 
     engine.engine_core.core.engine.runner.memory.sleep = fail  # type: ignore[attr-defined]

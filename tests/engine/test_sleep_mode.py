@@ -5,6 +5,8 @@ and the calls it refuses. Every tape verifies and has no postmortem finding."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tokentape import LLM, SamplingParams
@@ -19,18 +21,30 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 45))]
 
 
+_OPEN: list[LLM] = []  # closed after each test: their runners' threads and memory go
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def tiny(**kw: object) -> LLM:
     args: dict[str, object] = dict(
         model="tiny", tape=None, num_kv_blocks=128, block_size=16, pipeline_depth=2
     )
     args.update(kw)
-    return LLM(**args)  # type: ignore[arg-type]
+    _OPEN.append(LLM(**args))  # type: ignore[arg-type]
+    return _OPEN[-1]
 
 
 def oracle(**kw: object) -> LLM:
     args: dict[str, object] = dict(model="oracle", tape=None, block_size=4, num_kv_blocks=64)
     args.update(kw)
-    return LLM(**args)  # type: ignore[arg-type]
+    _OPEN.append(LLM(**args))  # type: ignore[arg-type]
+    return _OPEN[-1]
 
 
 def events(engine: LLMEngine) -> list[ev.Event]:
@@ -273,6 +287,7 @@ def test_a_wake_up_the_runner_cannot_do_leaves_the_engine_asleep(tmp_path) -> No
     folder = tmp_path / "ckpt"
     save_checkpoint(builtin_model("tiny", seed=2)[1], folder)
     llm = LLM(model=str(folder), tape=None, num_kv_blocks=64, block_size=16)
+    _OPEN.append(llm)
     engine = llm.engine
     engine.sleep(level=2)
     for f in folder.glob("*.safetensors"):
@@ -341,7 +356,7 @@ def test_a_release_that_fails_ends_the_engine_on_the_tape() -> None:
     engine.add_request("a", PROMPTS[0], GREEDY)
     engine.step()
 
-    def fail(level: int) -> None:
+    def fail(runner: object, level: int) -> None:
         raise RuntimeError("pinned host memory exhausted")
 
     engine.runner.memory.sleep = fail  # type: ignore[attr-defined,method-assign]

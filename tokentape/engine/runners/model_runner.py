@@ -163,7 +163,7 @@ class TorchModelRunner:
             // 8
         )
         self._flops_per_token = 2 * sum(p.numel() for p in self.model.parameters())
-        self.memory = RunnerMemory(self)  # sleep mode (sleep_memory.py)
+        self.memory = RunnerMemory()  # sleep mode (sleep_memory.py)
         self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
@@ -206,13 +206,13 @@ class TorchModelRunner:
     # -- sleep mode (runners.base.SleepsMemory; sleep_memory.py) --------------------------------
 
     def check_sleep(self, level: int) -> None:
-        self.memory.check_sleep(level)
+        self.memory.check_sleep(self, level)
 
     def sleep(self, level: int) -> None:
-        self.memory.sleep(level)
+        self.memory.sleep(self, level)
 
     def wake_up(self, tags: Sequence[str]) -> str | None:
-        return self.memory.wake_up(tags)
+        return self.memory.wake_up(self, tags)
 
     # -- weight updates ------------------------------------------------------------------------
 

@@ -48,24 +48,23 @@ class SleepingRunner(Protocol):
 
 
 class RunnerMemory:
-    """The sleep state of one TorchModelRunner: which tags sleep, and the weights' host copy."""
+    """The sleep state of one TorchModelRunner: which tags sleep, and the weights' host copy.
+    The runner is passed to each call, not kept: no cycle keeps a dropped runner's memory."""
 
-    def __init__(self, runner: SleepingRunner) -> None:
-        self.runner = runner
+    def __init__(self) -> None:
         self.level = 0
         self.asleep: set[str] = set()  # of "weights", "kv_cache"
         self.host_copy: dict[str, torch.Tensor] = {}  # level 1: the weights, by name
 
-    def check_sleep(self, level: int) -> None:
-        if level == 2 and not _has_source(self.runner.model_id):
+    def check_sleep(self, runner: SleepingRunner, level: int) -> None:
+        if level == 2 and not _has_source(runner.model_id):
             raise ValueError(
-                f"sleep(level=2) drops the weights, and model {self.runner.model_id!r} is "
+                f"sleep(level=2) drops the weights, and model {runner.model_id!r} is "
                 "neither a built-in model nor a checkpoint folder to rebuild them from: "
                 "sleep at level 1 (a host copy of the weights) instead"
             )
 
-    def sleep(self, level: int) -> None:
-        runner = self.runner
+    def sleep(self, runner: SleepingRunner, level: int) -> None:
         if runner.num_steps_outstanding:  # the engine drains first: this cannot happen
             raise RuntimeError("sleep: steps are still in flight in the runner")
         if level == 0 or self.asleep:
@@ -82,8 +81,7 @@ class RunnerMemory:
         self.level, self.asleep = level, {"weights", "kv_cache"}
         _release(runner.device)
 
-    def wake_up(self, tags: Sequence[str]) -> str | None:
-        runner = self.runner
+    def wake_up(self, runner: SleepingRunner, tags: Sequence[str]) -> str | None:
         waking = [t for t in ("weights", "kv_cache") if t in tags and t in self.asleep]
         weights_id = None
         if "weights" in waking:
