@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -37,31 +36,18 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def workload(
-    config: str, n: int, prompt_len: int | None, output_len: int | None, seed: int
-) -> tuple[list[list[int]], list[int]]:
-    """bench_generate's: tiny, 32-256 prompt tokens and 64-256 out; qwen3-0.6b, 128 and 128;
-    `prompt_len` / `output_len` fix either for every request (16 x 2,048 -> 128: long prompts)."""
-    rng = random.Random(seed)
-    vocab = 151_000 if config == "qwen3-0.6b" else 259
-    prompts, outputs = [], []
-    for _ in range(n):
-        length = prompt_len or (128 if config == "qwen3-0.6b" else rng.randint(32, 256))
-        prompts.append([rng.randrange(3, vocab) for _ in range(length)])
-        out = 128 if config == "qwen3-0.6b" else rng.randint(64, 256)
-        outputs.append(output_len or out)
-    return prompts, outputs
-
-
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant, one round, in this process (the child side)."""
     sys.path.insert(0, HERE)
     from baselines import procstat
+    from bench_generate import workload
 
     from tokentape import LLM, SamplingParams
+    from tokentape.engine.model.config import BUILTIN_CONFIGS
 
+    vocab = BUILTIN_CONFIGS[spec["config"]].vocab_size
     prompts, outputs = workload(
-        spec["config"], spec["n"], spec["prompt_len"], spec["output_len"], spec["seed"]
+        spec["config"], spec["n"], vocab, spec["seed"], spec["prompt_len"], spec["output_len"]
     )
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
     args = dict(spec["engine_args"])

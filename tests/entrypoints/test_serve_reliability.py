@@ -102,7 +102,7 @@ def test_update_weights_loads_only_under_the_allowed_folders(live: Live, tmp_pat
     assert len(messages) == 1  # the same answer whatever exists there
     assert "passwd" not in messages.pop()
     assert live.refused("/update_weights", {"path": "relative/dir"})["param"] == "path"
-    # Under the allowed folder: the engine's own refusal (the oracle has no weights), a 400.
+    # Under the allowed folder: the engine's own refusal (no weight files there), a 400.
     assert live.post("/pause", params={"mode": "keep"}).status_code == 200
     bad = live.weights / "bad"
     bad.mkdir()

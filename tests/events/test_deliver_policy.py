@@ -155,7 +155,7 @@ def test_tokentape_under_deliver_waits_for_stale_output_and_gives_the_oracle_str
     and dropped, and every stream is still the oracle's, with no finding."""
     result = run_storm(
         StormSpec(
-            seed=11,
+            seed=12,  # a storm whose stale frames meet both fates (the seeds draw COMMANDS)
             pipeline_depth=3,
             num_speculative_tokens=2,
             num_commands=300,

@@ -27,12 +27,13 @@ def apply(state: EngineState, *events: ev.Event) -> EngineState:
 
 
 def running() -> EngineState:
-    """Request r prefilled in step 0, its frame back, generation paused (keep)."""
+    """Request r prefilled in step 0, its frame back and its token delivered."""
     return apply(
         initial_state("epoch"),
         ev.RequestAdded(0, "r", [5, 6, 7], PARAMS),
         ev.StepScheduled(0, [ev.ScheduledEntry("r", 0, 0, 3, 0, [0])]),
         ev.FrameProduced(0, [ev.FrameEntry("r", [42])]),
+        ev.OutputsEmitted(1, [ev.EmittedOutput("r", [42], False)]),
     )
 
 
@@ -45,8 +46,9 @@ def test_no_step_while_asleep_and_a_wake_up_tag_by_tag() -> None:
         evolve(s, ev.GenerationResumed(1))
     apply(s, ev.EngineWokeUp(1, ["weights", "scheduling"]))
     assert s.sleep_level == 1 and s.sleeping_tags == ("kv_cache",)
-    apply(s, ev.EngineWokeUp(1, None, "sha256:new"))
+    apply(s, ev.EngineWokeUp(1, None, "sha256:new"))  # the weights rebuilt (level 2's way)
     assert s.sleep_level is None and s.sleeping_tags == () and s.weights_id == "sha256:new"
+    assert s.weight_version == "default"
     apply(s, ev.GenerationResumed(1), ev.StepScheduled(1, [ev.ScheduledEntry("r", 0, 3, 1, 0, [])]))
     assert s.step == 2
 
@@ -123,7 +125,7 @@ def sleepy_tape(path: Path) -> LLM:
 def test_the_events_round_trip_through_an_sqlite_tape_that_verifies(tmp_path: Path) -> None:
     llm = sleepy_tape(tmp_path / "sleepy.tape")
     tape = load_tape(tmp_path / "sleepy.tape")
-    assert tape.header.format_version == ev.FORMAT_VERSION == 4
+    assert tape.header.format_version == ev.FORMAT_VERSION >= 5  # format 5 added them
     recorded = [e for _, e in tape.events()]
     assert ev.EngineSlept(2, 2, [], ["a"]) in recorded
     woke = [e for e in recorded if isinstance(e, ev.EngineWokeUp)]

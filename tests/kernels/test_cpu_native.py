@@ -1,7 +1,7 @@
-"""The compiled CPU paged attention (decodes in C, prompts and chunks through the reference's
-matmuls) against its oracle, the torch reference: the same results to float32 rounding,
-bit-identical for a sequence whatever its batch and thread count, and clear errors for
-inputs that do not fit."""
+"""The compiled CPU paged attention (decodes in one C kernel, prompts and chunks in another,
+flash attention) against its oracle, the torch reference: the same results to float32
+rounding, bit-identical for a sequence whatever its batch, thread count and chunking, and
+clear errors for inputs that do not fit."""
 
 from __future__ import annotations
 
@@ -69,6 +69,44 @@ def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_coun
         assert torch.equal(out, results[1][cu[index] : cu[index + 1]]), index
 
 
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(4, 2, 64), (16, 8, 128), (8, 1, 64), (12, 4, 32), (4, 2, 48)],
+)
+def test_long_prompts_and_chunks_match_the_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Many key tiles and query tiles: whole prompts, a chunk after a long cached prefix,
+    groups of 1, 2, 3 and 8 query heads per kv head (3: tiles padded to whole row quads)."""
+    seqs = [(300, 300), (500, 200), (70, 1), (129, 129)]
+    case = make_case(
+        seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16
+    )
+    ours = cpu_native.paged_attention_cpu(
+        case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+    )
+    torch.testing.assert_close(ours.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_gets_the_same_bits_in_one_chunk_or_several() -> None:
+    """Key tiles start at fixed positions and a row reads no key past its own, so cutting a
+    prompt into prefill chunks changes nothing of its rows. (A chunk of one token is a
+    decode's shape, and goes to the decode kernel: equal to rounding only.)"""
+    whole = make_case([(200, 200)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    out = cpu_native.paged_attention_cpu(
+        whole.query, whole.k_cache, whole.v_cache, **whole.attention_kwargs()
+    )
+    for start, end in ((0, 77), (77, 200), (77, 150), (150, 152)):
+        chunk = whole.select(0)
+        chunk.query = whole.query[start:end].clone()
+        chunk.cu_seqlens_q = torch.tensor([0, end - start], dtype=torch.int32)
+        chunk.seq_lens = torch.tensor([end], dtype=torch.int32)
+        part = cpu_native.paged_attention_cpu(
+            chunk.query, chunk.k_cache, chunk.v_cache, **chunk.attention_kwargs()
+        )
+        assert torch.equal(part, out[start:end]), (start, end)
+
+
 def test_inputs_that_do_not_fit_are_refused_before_anything_is_read() -> None:
     case = make_case([(11, 1), (9, 3)], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
     kwargs = case.attention_kwargs()
@@ -81,6 +119,12 @@ def test_inputs_that_do_not_fit_are_refused_before_anything_is_read() -> None:
     bad_table = case.block_tables.clone()
     bad_table[0, 1] = case.k_cache.shape[0]  # one past the last block
     with pytest.raises(ValueError, match="sequence 0 has a block id outside the cache"):
+        cpu_native.paged_attention_cpu(
+            case.query, case.k_cache, case.v_cache, **{**kwargs, "block_tables": bad_table}
+        )
+    bad_table = case.block_tables.clone()
+    bad_table[1, 0] = -1  # in the prompt's table (sequence 1 has 3 new tokens)
+    with pytest.raises(ValueError, match="sequence 1 has a block id outside the cache"):
         cpu_native.paged_attention_cpu(
             case.query, case.k_cache, case.v_cache, **{**kwargs, "block_tables": bad_table}
         )

@@ -89,7 +89,7 @@ def test_both_are_on_the_tape_and_replay(tmp_path) -> None:  # type: ignore[no-u
     llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
     llm.close()
     tape = load_tape(str(path))
-    assert tape.header.format_version == ev.FORMAT_VERSION >= 3
+    assert tape.header.format_version == ev.FORMAT_VERSION >= 3  # format 3 added them
     added = [e for _, e in tape.events() if isinstance(e, ev.RequestAdded)]
     assert added[0].params.logit_bias == ((7, -1.0), (42, 3.0))
     assert added[1].params.min_p == 0.2

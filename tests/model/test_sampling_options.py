@@ -196,7 +196,7 @@ def test_a_tape_with_every_option_verifies(tmp_path) -> None:  # type: ignore[no
     llm.generate([PROMPT, PROMPT, [40, 41, 42], PROMPT], params, use_tqdm=False)
     llm.close()
     tape = load_tape(str(path))
-    assert tape.header.format_version == ev.FORMAT_VERSION >= 3
+    assert tape.header.format_version == ev.FORMAT_VERSION >= 3  # format 3 added them
     result = verify(tape)
     assert result.ok, result.first_divergence
     state = tape.fold()

@@ -143,4 +143,28 @@ def test_weights_updated_is_on_the_tape() -> None:
     llm.engine.pause_generation(mode="keep")
     wid = llm.engine.update_weights(builtin_model("tiny", seed=2)[1].state_dict())
     events = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.WeightsUpdated)]
-    assert events == [ev.WeightsUpdated(0, wid)]
+    assert events == [ev.WeightsUpdated(0, wid, "1")]  # numbered: no weight_version given
+
+
+def test_a_chunked_transfer_of_the_model_equals_a_whole_update(tmp_path: Path) -> None:
+    """vLLM's native transfer (RFC #31848) on the real model: the state dict in chunks of a
+    few tensors, a bad chunk refused by name in between, the same SHA-256 and tokens as the
+    whole update, and a tape that verifies without the weights."""
+    new = builtin_model("tiny", seed=1)[1].state_dict()
+    fresh = LLM(device="cpu", model="tiny", tape=None, seed=1)
+    expected = fresh.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
+    llm = LLM(device="cpu", model="tiny", tape=str(tmp_path / "chunks.tape"))
+    llm.engine.pause_generation(mode="keep")
+    llm.engine.start_weight_update()
+    names = list(new)
+    for i in range(0, len(names), 5):
+        llm.engine.update_weights({n: new[n] for n in names[i : i + 5]})
+        if i == 0:
+            with pytest.raises(ValueError, match="'model.norm.weight' has shape \\(3,\\)"):
+                llm.engine.update_weights({"model.norm.weight": torch.ones(3)})
+    assert llm.engine.finish_weight_update("v1") == fresh.engine.runner.weights_id
+    llm.engine.resume_generation()
+    out = llm.generate(["Hello"], GREEDY)[0].outputs[0]
+    assert out.token_ids == expected and out.weight_versions == ["v1"] * len(expected)
+    llm.close()
+    assert verify(tmp_path / "chunks.tape").ok

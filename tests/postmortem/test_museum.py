@@ -36,6 +36,14 @@ MUSEUM = {
     "abort_final_step": "vllm#26400",
     "double_free_33377": "vllm#33377",
     "crash_aborted_52969": "vllm#52969",
+    "prefix_cache_4018": "nemo-rl#4018",
+    # Issue 25's newer members of the family.
+    "spec_reset_46066": "vllm#46066",
+    "omni_discard_one_5183": "vllm-omni#5183",
+    "admission_stalled_53130": "vllm#53130",
+    "duplicated_token_395": "tenstorrent-vllm#395",
+    "reused_id_42492": "vllm#42492",
+    "block_reused_45357": "vllm#45357",
 }
 
 
@@ -85,7 +93,7 @@ def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> No
     llm.close()
     tape = load_tape(tmp_path / "f.tape")
     assert tape.config.faults == list(FAULTS)  # a replay installs them again
-    assert tape.initial_state().faults == {"chunk_placeholder_underflow"}
+    assert tape.initial_state().faults == {"chunk_placeholder_underflow", "output_on_reused_id"}
     assert verify(tape).ok
 
 
@@ -94,3 +102,15 @@ def test_a_fault_crash_verifies_as_the_recording_failed() -> None:
     assert (
         result.ok and result.ended_with_error is not None and "KeyError" in result.ended_with_error
     )
+
+
+def test_the_default_engine_refuses_a_request_id_used_before() -> None:
+    """What makes #42492 impossible by default: an id is never added twice (the reducer
+    keeps the request each step scheduled, whatever its id names later, besides)."""
+    llm = LLM(model="oracle", tape=None, pipeline_depth=2)
+    llm.engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
+    llm.engine.step()
+    llm.engine.abort_request("a")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
+    llm.close()

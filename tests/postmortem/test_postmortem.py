@@ -334,6 +334,8 @@ def test_stuck_request_is_found(tmp_path: Path) -> None:
     llm.close()
     report = postmortem(tmp_path / "run.tape")
     assert found(report) == [
+        # The engine-wide view of the same stall (postmortem/admission.py), an error.
+        ("admission_stalled", "error", ("x",), "vllm#53130"),
         ("replay_diverged", "error", ("long", "x"), None),
         ("request_stuck", "warning", ("x",), None),
         ("tape_truncated", "warning", ("x",), None),

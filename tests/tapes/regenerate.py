@@ -302,6 +302,153 @@ def crash_aborted_52969(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def prefix_cache_4018(path: Path, clean: bool = False) -> None:
+    """NeMo-RL #4018 (fault prefix_cache_kept_across_weight_update): each weight update comes
+    after pause_generation(keep, clear_cache=True), yet the prefix cache is never reset, so the
+    requests after the updates reuse KV blocks the first weights computed."""
+    from tokentape.engine.runners.oracle_weights import oracle_state_dict
+
+    llm = _museum_llm(path, clean, faults=("prefix_cache_kept_across_weight_update",), depth=2)
+    engine = llm.engine
+    delivered: Delivered = {}
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    for i, req_id in enumerate(("b", "c"), start=1):  # a trainer's steps, the same prompt
+        engine.pause_generation(mode="keep", clear_cache=True)
+        engine.update_weights(oracle_state_dict(i), weight_version=f"step-{i}")
+        engine.resume_generation()
+        engine.add_request(req_id, PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+        _run_until_idle(llm, delivered)
+    llm.close()
+
+
+# -- issue 25: the bug family's newest members ----------------------------------------------
+
+
+def spec_reset_46066(path: Path, clean: bool = False) -> None:
+    """vLLM #46066 (museum policy vllm-flag: vLLM 0.20-0.21 as released, in tokentape's own
+    engine): reset_prefix_cache(reset_running_requests=True) with a speculative step in
+    flight; the stale frame the flag drops still takes its rejected drafts off the computed
+    tokens and the placeholders of the request already scheduled again, which go below zero
+    silently; the positions taken back are computed and delivered again."""
+    llm = _museum_llm(path, clean, "vllm-flag", depth=2, k=2)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 4)
+    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def omni_discard_one_5183(path: Path, clean: bool = False) -> None:
+    """vllm-omni #5183 (museum policy omni-discard-one): the discard count is set to 1 whatever
+    is in flight. A reset with two steps in flight (pipeline depth 3) drops one stale frame
+    and applies the other; a pause(keep, clear_cache=True) that drained first still drops
+    one frame, the first fresh one after resume (#42043 again)."""
+    llm = _museum_llm(path, clean, "omni-discard-one", depth=3)
+    engine = llm.engine
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 6)
+    engine.reset_prefix_cache(reset_running_requests=True)  # two steps in flight
+    _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 12)
+    engine.pause_generation(mode="keep", clear_cache=True)  # drained: nothing in flight
+    _drive(llm, delivered)
+    engine.resume_generation()
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def admission_stalled_53130(path: Path, clean: bool = False) -> None:
+    """vLLM #53130 (fault skipped_waiting_holds_seats): three big requests cannot get their
+    KV blocks while two others run, are skipped and keep counting against max_num_seqs (3);
+    once the big running request finishes, the one left is served alone for 20 steps with
+    room for the queue's head, and admission never opens again. The client gives up and
+    aborts the three (a default engine serves them)."""
+    llm = _museum_llm(
+        path,
+        clean,
+        faults=("skipped_waiting_holds_seats",),
+        depth=2,
+        num_kv_blocks=16,
+        max_num_seqs=3,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    engine.add_request("run", list(range(40, 44)), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("big", list(range(50, 78)), SamplingParams(max_tokens=6, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("big", [])) >= 1)
+    for name, first in (("h1", 100), ("h2", 130), ("h3", 160)):  # 7 blocks each
+        prompt = list(range(first, first + 28))
+        engine.add_request(name, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    _until(llm, delivered, lambda: engine.state.requests["run"].is_finished)
+    for _ in range(10):  # the engine idles: nothing is admitted
+        _drive(llm, delivered)
+    for name in ("h1", "h2", "h3"):
+        engine.abort_request(name)  # a no-op for a request already served
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def duplicated_token_395(path: Path, clean: bool = False) -> None:
+    """tenstorrent/vllm #395 (fault stale_overlap_input): request b joins the batch while a
+    decodes with a step in flight; that step goes to the runner before a's previous token is
+    applied to its input, so it samples a's previous position again: the client gets that
+    token twice, and every later one a place late."""
+    llm = _museum_llm(path, clean, faults=("stale_overlap_input",), depth=2)
+    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 4)
+    llm.engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=8, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def reused_id_42492(path: Path, clean: bool = False) -> None:
+    """vLLM #42492 (reducer fault output_on_reused_id): request 'late' is aborted with a step
+    in flight and a new request is added under the same id; the old step's output is looked
+    up by id when it comes back and lands on the new request: a wrong first token, and its
+    placeholders below zero (vLLM asserted). The default engine refuses an id used before,
+    so its run adds the new request as 'late-2'."""
+    llm = _museum_llm(path, clean, faults=("output_on_reused_id",), depth=2)
+    engine = llm.engine
+    engine.add_request("keep", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("late", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("late", [])) >= 3)
+    engine.abort_request("late")  # its step in flight
+    again = "late-2" if clean else "late"
+    engine.add_request(again, PROMPT[5:], SamplingParams(max_tokens=8, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def block_reused_45357(path: Path, clean: bool = False) -> None:
+    """vLLM #45357/#47728 (fault free_blocks_in_flight): request a is aborted while its step
+    that writes KV block 8 is in flight; the block goes back to the pool at once, and b,
+    admitted next, takes it as holding its first four positions (vLLM: KV its connector loads,
+    unordered with that step): the stale write of a's positions lands on b's KV. The oracle's
+    tokens do not depend on KV, so only the blocks show it."""
+    llm = _museum_llm(
+        path,
+        clean,
+        faults=("free_blocks_in_flight",),
+        depth=2,
+        num_kv_blocks=9,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    engine.add_request("keep", PROMPT[:9], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 2)
+    engine.abort_request("a")  # its step writing block 8 in flight
+    engine.add_request("b", list(range(60, 70)), SamplingParams(max_tokens=6, ignore_eos=True))
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -464,6 +611,61 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         [
             _finding("engine_error", ["a"], "vllm#52969"),
         ],
+    ),
+    "prefix_cache_4018": (
+        prefix_cache_4018,
+        [
+            _finding("stale_prefix_hit_after_weight_update", ["b"], "nemo-rl#4018"),
+            _finding("stale_prefix_hit_after_weight_update", ["c"], "nemo-rl#4018"),
+        ],
+    ),
+    # Issue 25's newer members (each scenario also runs clean: test_museum.py).
+    "spec_reset_46066": (
+        spec_reset_46066,
+        [
+            _finding("negative_count", ["r"], "vllm#46066"),  # silently: no assert reached
+            # The rejected drafts also came off the computed tokens: those positions are
+            # computed and delivered again.
+            _finding("duplicated_token", ["r"], "vllm#46066"),
+            _finding("token_duplicated", ["r"], "vllm#46066"),
+            _finding("count_nonzero_at_finish", ["r"], "vllm#46066", severity="warning"),
+        ],
+    ),
+    "omni_discard_one_5183": (
+        omni_discard_one_5183,
+        [
+            # The reset: two stale frames in flight, a count of 1 drops one, applies the other.
+            _finding("stale_frame_applied", ["r"], "vllm-omni#5183"),
+            _finding("token_mismatch", ["r"], "vllm-omni#5183"),
+            _finding("negative_count", ["r"], "vllm-omni#5183"),
+            # The drained pause: nothing in flight, a count of 1 drops the first fresh frame.
+            _finding("post_resume_token_dropped", ["r"], "vllm-omni#5183"),
+            _finding("count_nonzero_at_finish", ["r"], "vllm-omni#5183", severity="warning"),
+        ],
+    ),
+    "admission_stalled_53130": (
+        admission_stalled_53130,
+        [_finding("admission_stalled", ["h1", "h2", "h3"], "vllm#53130")],
+    ),
+    "duplicated_token_395": (
+        duplicated_token_395,
+        [
+            _finding("duplicated_token", ["a"], "tenstorrent-vllm#395"),  # by the frame's position
+            _finding("token_duplicated", ["a"], "tenstorrent-vllm#395"),  # by the oracle's stream
+        ],
+    ),
+    "reused_id_42492": (
+        reused_id_42492,
+        [
+            _finding("stale_frame_applied", ["late"], "vllm#42492"),  # the old output lands
+            _finding("token_mismatch", ["late"], "vllm#42492"),  # on the new request's stream
+            _finding("negative_count", ["late"], "vllm#42492"),  # num_output_placeholders
+            _finding("negative_count", ["late"], "vllm#42492"),  # num_fresh_in_flight
+        ],
+    ),
+    "block_reused_45357": (
+        block_reused_45357,
+        [_finding("block_reused_while_in_flight", ["a", "b"], "vllm#45357")],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),

@@ -1,6 +1,7 @@
 """Seeded storms: a real engine driven through adds, pauses in every mode, resumes, prefix-cache
-resets with and without running requests, aborts (one, or all at once), sleeps at every level
-and wake-ups of every tag, and KV pressure, recording what its client received.
+resets with and without running requests, aborts (one, or all at once), KV pressure, weight
+updates (versioned, whole or chunked), sleeps at every level and wake-ups of every tag,
+recording what its client received.
 
     result = run_storm(StormSpec(seed=7, pipeline_depth=3, num_speculative_tokens=2))
     result.oracle_violations()          # {} under the epoch policy, always
@@ -35,6 +36,10 @@ from tokentape.events.store import TapeWriter
 PAUSES = tuple(
     f"pause_{mode}{clear}" for mode in ("keep", "wait", "abort") for clear in ("", "_clear")
 )
+# Weight updates, as an RL loop makes them: pause(keep, clear_cache=True), then a whole
+# versioned update, or vLLM's chunked transfer (a bad chunk refused in between, and a resume
+# refused while it is open). The engine stays paused until a later resume.
+WEIGHT_UPDATES = ("update_weights", "update_chunked")
 # vLLM's sleep mode: sleep<level>_<pause mode>, and wake-ups of every tag (wake: all).
 SLEEPS = ("sleep0_wait", "sleep1_keep", "sleep2_keep", "sleep1_abort")
 WAKES = ("wake", "wake_weights", "wake_kv_cache", "wake_scheduling")
@@ -47,6 +52,7 @@ COMMANDS = (
     "reset",
     "reset_running",
     *PAUSES,
+    *WEIGHT_UPDATES,
     *SLEEPS,
     *WAKES,
 )
@@ -61,6 +67,8 @@ _WEIGHTS = {
     "reset": 3,
     "reset_running": 4,
     **{p: (1 if p.startswith("pause_abort") else 3) for p in PAUSES},
+    "update_weights": 2,
+    "update_chunked": 2,
     # Aborting every request at once is rare, as pause_abort is: requests must live to finish.
     "abort_all": 0.5,
     **{c: (0.5 if c.endswith("abort") else 1) for c in SLEEPS},
@@ -90,9 +98,11 @@ class StormSpec:
     max_num_batched_tokens: int = 16
     max_num_seqs: int = 4
     initial_requests: int = 3
+    faults: tuple[str, ...] = ()  # upstream bugs injected (tokentape.events.faults)
 
     def engine_args(self) -> dict[str, object]:
         return {
+            "faults": list(self.faults),
             "pipeline_depth": self.pipeline_depth,
             "num_speculative_tokens": self.num_speculative_tokens,
             "discard_policy": self.discard_policy,
@@ -116,6 +126,7 @@ class StormResult:
     num_steps: int = 0
     num_preemptions: int = 0
     num_resets: int = 0  # prefix-cache resets that succeeded
+    num_weight_updates: int = 0  # whole or chunked, each after pause(keep, clear_cache=True)
 
     @property
     def tape_path(self) -> str | None:
@@ -207,6 +218,8 @@ class StormDriver:
         elif command in PAUSES:
             _, mode, *clear = command.split("_")
             self._unless_asleep(lambda: engine.pause_generation(mode, clear_cache=bool(clear)))
+        elif command in WEIGHT_UPDATES:
+            self.update_weights(chunked=command == "update_chunked")
         elif command in SLEEPS:
             level, mode = command.removeprefix("sleep").split("_")
             engine.sleep(int(level), mode)
@@ -229,6 +242,41 @@ class StormDriver:
                 raise StormError("a call refused while asleep recorded events") from None
         else:
             raise StormError("a call that needs an awake engine ran while it slept")
+
+    def update_weights(self, chunked: bool) -> None:
+        """New oracle weights (its tokens ignore them: every stream must stay the oracle's),
+        versioned by name or by number, whole or in a transfer of two chunks."""
+        from tokentape.engine.runners.oracle_weights import oracle_state_dict
+
+        engine, rng = self.engine, self.rng
+        if "weights" in engine.state.sleeping_tags:
+            engine.wake_up(["weights"])  # vLLM's RL order: the weights, new ones, the KV cache
+        if engine.state.sleep_level is None:  # asleep, it is paused and drained already
+            engine.pause_generation("keep", clear_cache=True)
+        weights = oracle_state_dict(rng.randrange(1 << 16))
+        version = f"step-{self.result.num_weight_updates}" if rng.random() < 0.5 else None
+        self.result.num_weight_updates += 1
+        if not chunked:
+            engine.update_weights(weights, weight_version=version)
+            return
+        engine.start_weight_update()
+        for name, tensor in weights.items():
+            engine.update_weights({name: tensor})
+            if rng.random() < 0.3:  # a chunk of the wrong shape: refused, nothing held
+                try:
+                    engine.update_weights({name: tensor[:1]})
+                except ValueError:
+                    pass
+                else:
+                    raise StormError(f"a chunk of the wrong shape for {name!r} was taken")
+        if rng.random() < 0.3:
+            try:
+                engine.resume_generation()
+            except RuntimeError:
+                pass
+            else:
+                raise StormError("resume_generation went through with a transfer open")
+        engine.finish_weight_update(weight_version=version)
 
     def drain(self, limit: int = DRAIN_LIMIT) -> None:
         """Wake up, resume and step until every request has finished and been delivered."""

@@ -46,6 +46,7 @@ from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
 from tokentape.engine.rl_calls import check_sleep_args, check_wake_tags
+from tokentape.engine.weight_updates import resolve_version
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams
 from tokentape.events.tape_path import TapeSpec, check_tape_path
@@ -300,9 +301,15 @@ class AsyncLLM:
         """vLLM's: asleep at any level, a pause included."""
         return bool(await self._call("is_sleeping"))
 
-    async def update_weights(self, weights: Mapping[str, Any] | str | os.PathLike[str]) -> str:
+    async def update_weights(
+        self,
+        weights: Mapping[str, Any] | str | os.PathLike[str],
+        weight_version: str | int | None = None,
+    ) -> str | None:
         """Load new weights (a state_dict or a checkpoint folder) while paused; returns their
-        content hash, which goes on the tape. Refused without any change on a bad update."""
+        content hash, which goes on the tape with `weight_version` (default: the update's
+        number). Inside a transfer (`start_weight_update`): one chunk, checked and held (None).
+        Refused without any change on a bad update (LLMEngine.update_weights)."""
         if isinstance(weights, (str, os.PathLike)):
             arg: Any = os.fspath(weights)
         elif isinstance(weights, Mapping):
@@ -313,7 +320,25 @@ class AsyncLLM:
             raise TypeError(
                 f"update_weights takes a state_dict or a checkpoint folder, got {shown(weights)}"
             )
-        return str(await self._call("update_weights", arg))
+        if weight_version is not None:  # checked here too: a bool would cross as an int
+            resolve_version(weight_version, 0)
+        weights_id = await self._call("update_weights", arg, weight_version)
+        return None if weights_id is None else str(weights_id)
+
+    async def start_weight_update(self) -> None:
+        """Open a chunked transfer (vLLM RFC #31848): `update_weights(chunk)` per chunk, then
+        `finish_weight_update`; `resume_generation` is refused until then."""
+        await self._call("start_weight_update")
+
+    async def finish_weight_update(self, weight_version: str | int | None = None) -> str:
+        """Load the transfer's chunks at once, publish `weight_version`; the SHA-256."""
+        if weight_version is not None:
+            resolve_version(weight_version, 0)
+        return str(await self._call("finish_weight_update", weight_version))
+
+    async def get_weight_version(self) -> str:
+        """The version of the weights serving now (vLLM #49040): "default" until an update."""
+        return str(await self._call("get_weight_version"))
 
     # -- lifetime -------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import msgspec.structs
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.hooks import EngineHooks
+from tokentape.engine.runners.base import ScheduledBatch
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
@@ -168,6 +169,124 @@ def crash_on_aborted_output(sched: Scheduler, state: EngineState) -> EngineHooks
     return _AbortedInFlight(lambda req: aborted.add(req.req_id), look_up)
 
 
+class PrefixCacheKeptAcrossWeightUpdate(EngineHooks):
+    """NeMo-RL #4018 (lmdeploy #4917, SGLang #26792): the prefix cache is never reset across
+    weight updates. The pause that precedes an update asks for clear_cache=True (on the tape),
+    drains, and resets nothing: no PrefixCacheReset, running requests keep their KV, and the
+    blocks the old weights computed stay cached for the requests after the update."""
+
+    def clears_cache_on_pause(self) -> bool:
+        return False
+
+
+class SkippedWaitingHoldsSeats(EngineHooks):
+    """vLLM #53130: a waiting request the admission loop cannot admit yet is skipped (vLLM's
+    skipped_waiting holds requests waiting on remote KV, a grammar or streaming input; here,
+    on KV blocks) and keeps counting against max_num_seqs while it waits. Once running plus
+    skipped requests reach max_num_seqs the loop admits nobody, the skipped ones included, so
+    admission stops for good while the running requests are served as usual."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state = state
+        self.skipped: dict[str, None] = {}  # in the order they were skipped
+
+    def after_running_scheduled(self, plan: StepPlan) -> None:
+        requests, waiting = self.state.requests, (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.skipped = {r: None for r in self.skipped if requests[r].status in waiting}
+        plan.held_seqs = len(self.skipped)
+        plan.skipped = []
+
+    def after_waiting_admitted(self, plan: StepPlan) -> None:
+        self.skipped.update(dict.fromkeys(plan.skipped or ()))
+
+
+class StaleOverlapInput(EngineHooks):
+    """tenstorrent/vllm #395: the overlap path submits step N+1 before step N's sampled tokens
+    are applied to the runner's input batch, so N+1 reads N's input again and samples N's
+    position a second time; the client gets that token twice and every later token one place
+    late. There the steady state broke in its DP path; here a step where a request joins the
+    batch (its shape changes) does it, to each decode with its previous step in flight. The
+    tape records the step as scheduled; the frame's `position` records what was sampled."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state = state
+
+    def before_submit(self, batch: ScheduledBatch) -> None:
+        if not batch.new_requests:
+            return
+        requests, stale = self.state.requests, False
+        entries = list(batch.entries)  # the recorded list stays as it is
+        for i, e in enumerate(entries):
+            req = requests[e.req_id]
+            c = e.num_computed_before - 1  # step N's input position
+            if (
+                e.req_id in batch.token_ids  # a prefill: its input is known, not sampled
+                or e.num_spec_tokens
+                or req.num_fresh_in_flight < 2  # step N's output is already applied
+                or not 0 <= c < req.num_tokens
+            ):
+                continue
+            entries[i] = msgspec.structs.replace(e, num_computed_before=c)
+            batch.token_ids[e.req_id] = req.token_ids_between(c, c + 1)
+            stale = True
+        if stale:
+            batch.entries = entries
+
+
+class FreeBlocksInFlight(EngineHooks):
+    """vLLM #45357/#47728: a request aborted or preempted with a step in flight gives its KV
+    blocks back at once, although that step still writes them, and they are handed out
+    again. vLLM's ordered steps make that safe for a new owner that computes the block; not
+    for one whose KV a connector loads into it (its PD consumer), unordered with the step.
+    Here the request admitted next takes such blocks, at the front of its own, as holding its
+    loaded prefix: their tokens count as computed, and the stale write lands on them."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state, self.block_size = state, sched.config.block_size
+        self.fenced: dict[int, int] = {}  # block -> the step in flight that writes it
+
+    def _note(self, req: RequestState) -> None:
+        bs = self.block_size
+        for step, e in self.state.in_flight_entries(req.req_id):
+            if e.epoch != req.epoch:
+                continue
+            last = (e.num_computed_before + e.num_new_tokens - 1) // bs
+            for i in range(e.num_computed_before // bs, min(last + 1, len(req.block_ids))):
+                self.fenced[req.block_ids[i]] = step
+
+    def before_preempt(self, req: RequestState) -> None:
+        self._note(req)
+
+    def before_finish(self, req: RequestState, reason: str) -> None:
+        if reason == "abort":
+            self._note(req)
+
+    def after_frame(self, req_ids: list[str]) -> None:
+        in_flight = {s.step for s in self.state.in_flight_steps}
+        self.fenced = {b: s for b, s in self.fenced.items() if s in in_flight}
+
+    def after_waiting_admitted(self, plan: StepPlan) -> None:
+        bs, requests = self.block_size, self.state.requests
+        for req_id in plan.batch.new_requests:
+            entry = plan.entries.get(req_id)
+            if entry is None or entry.num_computed_before:
+                continue
+            k = 0
+            while k < len(entry.new_block_ids) and entry.new_block_ids[k] in self.fenced:
+                k += 1
+            loaded = min(k * bs, entry.num_new_tokens - 1, requests[req_id].num_tokens - 1)
+            loaded -= loaded % bs
+            if loaded <= 0:
+                continue
+            plan.entries[req_id] = msgspec.structs.replace(
+                entry, num_computed_before=loaded, num_new_tokens=entry.num_new_tokens - loaded
+            )
+            plan.budget += loaded
+            for b in entry.new_block_ids[: loaded // bs]:
+                del self.fenced[b]  # taken
+            return  # one request takes them
+
+
 def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
     # Only with speculative decoding: without draft slots there is nothing to keep.
     return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
@@ -178,6 +297,12 @@ _FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "late_stop_after_drain": LateStopAfterDrain,
     "double_free_on_abort": double_free_on_abort,
     "crash_on_aborted_output": crash_on_aborted_output,
+    "prefix_cache_kept_across_weight_update": lambda sched, state: (
+        PrefixCacheKeptAcrossWeightUpdate()
+    ),
+    "skipped_waiting_holds_seats": SkippedWaitingHoldsSeats,
+    "stale_overlap_input": StaleOverlapInput,
+    "free_blocks_in_flight": FreeBlocksInFlight,
 }
 
 

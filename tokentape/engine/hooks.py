@@ -6,6 +6,7 @@ did) but request state still changes only through the reducer."""
 
 from __future__ import annotations
 
+from tokentape.engine.runners.base import ScheduledBatch
 from tokentape.engine.step_plan import StepPlan
 from tokentape.events.state import RequestState
 
@@ -28,5 +29,13 @@ class EngineHooks:
     def before_pause(self) -> None:
         """pause_generation was called (nothing drained or recorded yet)."""
 
+    def before_submit(self, batch: ScheduledBatch) -> None:
+        """The step is recorded and about to go to the runner (what the runner is handed may
+        be replaced; the recorded entries may not)."""
+
     def after_frame(self, req_ids: list[str]) -> None:
         """The oldest step's frame was applied; `req_ids`: the requests of that step."""
+
+    def clears_cache_on_pause(self) -> bool:
+        """Whether a pause with clear_cache resets the cache once drained (a fault may not)."""
+        return True

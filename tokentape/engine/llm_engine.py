@@ -27,6 +27,7 @@ from tokentape.engine.runners.base import ChecksParams, ModelRunner, UpdatesWeig
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.stop_strings import find_stop_string
 from tokentape.engine.tokenizer import SplitsSafely, Tokenizer
+from tokentape.engine.weight_updates import WeightUpdates
 from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
@@ -35,15 +36,15 @@ from tokentape.events.store import TapeWriter
 from tokentape.events.validation import check_bool
 
 
-class LLMEngine(RLCalls):
+class LLMEngine(WeightUpdates, RLCalls):
     """The engine loop, as vLLM's LLMEngine with its EngineCore inside: it owns the engine's
     state (the reducer's, changed only through `_emit`), the KV cache manager, the scheduler,
     the runner, the tape writer and the output processor. Commands (add, abort, pause,
-    resume, reset, update_weights) and steps go on the tape before they take effect; `step`
-    gives RequestOutputs, `step_core` the per-request deltas an engine core sends across the
+    resume, reset, the weight updates of weight_updates.py, the sleep mode and abort_all of
+    rl_calls.py) and steps go on the tape before they take effect; `step` gives
+    RequestOutputs, `step_core` the per-request deltas an engine core sends across the
     process boundary. The runner's optional capabilities (runners.base: ChecksParams,
-    UpdatesWeights) are read once, here, when it is built. Sleep mode and abort_all come
-    from RLCalls (rl_calls.py)."""
+    UpdatesWeights) are read once, here, when it is built."""
 
     def __init__(
         self,
@@ -261,6 +262,8 @@ class LLMEngine(RLCalls):
                     self._finished_since_last_batch,
                     [],
                 )
+                for hook in self.hooks:
+                    hook.before_submit(batch)
                 self.runner.submit(batch)
                 scheduled = True
         if in_flight and (len(in_flight) >= self.depth or not scheduled):
@@ -332,6 +335,8 @@ class LLMEngine(RLCalls):
                     None,
                     req.stop_str if reason is not None else None,
                     req.output_top_logprobs[sent:] if logprobs else None,
+                    req.prompt_logprobs if not sent else None,  # with the first tokens
+                    state.weight_version,  # computed them: weights change only when drained
                 )
             )
         self._emit(ev.OutputsEmitted(state.step, entries))
@@ -366,7 +371,7 @@ class LLMEngine(RLCalls):
                     self._step_once()
             while self.state.in_flight_steps:
                 self._apply_oldest_frame()
-            if clear_cache:
+            if clear_cache and all(hook.clears_cache_on_pause() for hook in self.hooks):
                 self._reset_prefix_cache(reset_running_requests=True)
         self.tape.flush()  # a paused engine's tape is complete in the file
 
@@ -374,6 +379,7 @@ class LLMEngine(RLCalls):
         if self.state.paused is None:
             return
         self.check_awake("resume_generation")  # wake_up() resumes a sleeping engine
+        self.check_no_open_transfer("resume_generation")
         with self._recorded():
             self._emit(ev.GenerationResumed(self.state.step))
 
@@ -395,38 +401,6 @@ class LLMEngine(RLCalls):
         if ok and not self.kv.reset_prefix_cache():
             raise RuntimeError("KV blocks still in use after every running request was preempted")
         return ok
-
-    def update_weights(self, weights: object) -> str:
-        """Load new weights (a state_dict or a checkpoint folder) into the runner, for RL loops.
-
-        Allowed only while generation is paused with nothing in flight (after
-        `pause_generation`); the runner validates every tensor before it changes anything, so a
-        refused update leaves the old weights serving. Recorded on the tape as WeightsUpdated
-        with the new weights' content hash, which it returns. K/V already cached were computed
-        with the old weights: pause with `clear_cache=True` to recompute them.
-        """
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
-        if self.state.paused is None:
-            raise RuntimeError(
-                "update_weights: pause generation first (pause_generation(mode='keep'))"
-            )
-        if self.state.in_flight_steps:
-            raise RuntimeError(
-                f"update_weights: {len(self.state.in_flight_steps)} step(s) still in flight"
-            )
-        if "weights" in self.state.sleeping_tags:
-            raise RuntimeError("update_weights: the weights sleep; wake_up(['weights']) first")
-        if self.weights_updater is None:
-            raise RuntimeError(
-                f"update_weights: model {self.runner.model_id!r} has no weights to update"
-            )
-        weights_id = self.weights_updater.update_weights(
-            weights
-        )  # raises before any change on bad input; the engine lives on
-        with self._recorded():
-            self._emit(ev.WeightsUpdated(self.state.step, weights_id))
-        return weights_id
 
     @property
     def dead_reason(self) -> str | None:

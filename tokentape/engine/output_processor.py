@@ -14,7 +14,9 @@ Per request it keeps every token, logprob and text piece delivered so far, and d
 - n > 1 fan-in: the children "{i}_{id}" gathered into their parent's outputs (each output
   holds the completions with something new; FINAL_ONLY one output with all n);
 - `stream_interval` N > 1 (vLLM's --stream-interval): a completion's first tokens go out at
-  once, then every N tokens, at its finish, or when `flush` says so.
+  once, then every N tokens, at its finish, or when `flush` says so;
+- prompt logprobs (SamplingParams.prompt_logprobs): in vLLM's shape, in the request's first
+  output only (later ones: [], as vLLM's pop_prompt_logprobs leaves them).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tokentape.engine.detokenizer import Detokenizer, detokenizer, no_text
 from tokentape.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from tokentape.engine.stop_strings import stop_text
 from tokentape.engine.tokenizer import Tokenizer
-from tokentape.events.schema import RequestOutputKind, SamplingParams
+from tokentape.events.schema import PromptLogprobs, RequestOutputKind, SamplingParams
 
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
@@ -49,14 +51,21 @@ class _Completion:
         "started",
         "finish_reason",
         "stop_reason",
+        "holdback",
+        "tokenizer",
+        "versions",
     )
 
-    def __init__(self, index: int, params: SamplingParams, detok: Detokenizer) -> None:
+    def __init__(
+        self, index: int, params: SamplingParams, tokenizer: Tokenizer | None, holdback: int
+    ) -> None:
         self.index = index
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top: list[dict[int, float]] | None = [] if params.logprobs else None
-        self.detok = detok
+        self.tokenizer = tokenizer
+        self.detok: Detokenizer = detokenizer(tokenizer)
+        self.holdback = holdback  # characters a running request holds back (stop strings)
         self.fed = 0  # tokens given to the detokenizer
         self.pieces: list[str] = []  # the detokenizer's text deltas (CUMULATIVE reads them)
         self.num_chars = 0
@@ -68,8 +77,13 @@ class _Completion:
         self.started = False  # an output was given (stream_interval releases the first at once)
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
+        self.versions: list[tuple[int, str]] = []  # where each weight version's tokens begin
 
     def append(self, out: EngineCoreOutput) -> None:
+        version = out.weight_version
+        if out.new_token_ids and version is not None:
+            if not self.versions or self.versions[-1][1] != version:
+                self.versions.append((len(self.tokens), version))
         self.tokens += out.new_token_ids
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs += out.new_logprobs
@@ -105,6 +119,17 @@ class _Completion:
         return "".join(self.pieces[:num_pieces])[: max(0, num_chars - hold)]
 
 
+def _cumulative_text(c: _Completion, end: int, finished: bool) -> str:
+    """A CUMULATIVE output's text (CompletionOutput's text_of): the first `end` tokens',
+    less the stop-string holdback while the completion runs."""
+    hold = 0 if finished else c.holdback
+    text = c.text_at(end, finished, hold)
+    if text is None:  # decoded past `end` already: decode the first `end` alone
+        text = detokenizer(c.tokenizer).add(c.tokens[:end], finished)
+        text = text[: max(0, len(text) - hold)]
+    return text
+
+
 class _Request:
     """One client request: its completions (n of them) and how its outputs are shaped."""
 
@@ -117,6 +142,8 @@ class _Request:
         "holdback",
         "completions",
         "num_unfinished",
+        "prompt_logprobs",
+        "prompt_logprobs_sent",
     )
 
     def __init__(
@@ -125,7 +152,7 @@ class _Request:
         prompt_token_ids: list[int],
         prompt: str | None,
         params: SamplingParams,
-        completions: list[_Completion],
+        tokenizer: Tokenizer | None,
     ) -> None:
         self.request_id, self.prompt_token_ids, self.prompt = request_id, prompt_token_ids, prompt
         self.params, self.kind = params, params.output_kind
@@ -133,8 +160,39 @@ class _Request:
         # A stop string may be completed by a later frame: its beginning must not go out yet.
         include = params.include_stop_str_in_output
         self.holdback = max(map(len, stops)) - 1 if stops and not include else 0
-        self.completions = completions
-        self.num_unfinished = len(completions)
+        self.completions = [
+            _Completion(i, params, tokenizer, self.holdback) for i in range(params.n)
+        ]
+        self.num_unfinished = params.n
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprobs_sent = False
+
+    def take_prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """For an output about to go out: the prompt logprobs the first time they can, [] after
+        (vLLM's), None while they have not come (or were not asked for)."""
+        if self.prompt_logprobs_sent:
+            return []
+        plp = self.prompt_logprobs
+        if plp is not None:
+            self.prompt_logprobs_sent, self.prompt_logprobs = True, None
+        return plp
+
+    def keep_prompt_logprobs(self, plp: PromptLogprobs) -> None:
+        """vLLM's list: None for the first prompt token, then per position the prompt token's
+        logprob first and the k most likely after it. The first to come is kept (each child
+        of n > 1 brings the same)."""
+        if self.prompt_logprobs is not None or self.prompt_logprobs_sent:
+            return
+        tokens = self.prompt_token_ids
+        if self.params.prompt_logprobs:
+            tops = zip(plp.top_token_ids, plp.top_logprobs, strict=True)
+            rows: list[dict[int, float] | None] = [
+                {tok: lp, **dict(zip(ids, lps))}
+                for tok, lp, (ids, lps) in zip(tokens[1:], plp.token_logprobs, tops)
+            ]
+        else:
+            rows = [{tok: lp} for tok, lp in zip(tokens[1:], plp.token_logprobs)]
+        self.prompt_logprobs = [None, *rows]
 
 
 class OutputProcessor:
@@ -157,10 +215,9 @@ class OutputProcessor:
     ) -> None:
         """Follow a request whose engine requests (itself, or its n children, in index order)
         are `engine_request_ids`."""
-        comps = [_Completion(i, params, detokenizer(self.tokenizer)) for i in range(params.n)]
-        req = _Request(request_id, prompt_token_ids, prompt, params, comps)
+        req = _Request(request_id, prompt_token_ids, prompt, params, self.tokenizer)
         self._requests[request_id] = req
-        for engine_id, comp in zip(engine_request_ids, comps, strict=True):
+        for engine_id, comp in zip(engine_request_ids, req.completions, strict=True):
             self._by_engine_id[engine_id] = (req, comp)
 
     def has_request(self, request_id: str) -> bool:
@@ -193,14 +250,16 @@ class OutputProcessor:
                 continue
             req, comp = entry
             comp.append(out)
+            if out.prompt_logprobs is not None:
+                req.keep_prompt_logprobs(out.prompt_logprobs)
             if out.finish_reason is not None:
                 req.num_unfinished -= 1
                 del by_engine_id[out.request_id]
             elif req.kind is _FINAL_ONLY:
                 continue  # nothing to give before the finish (LLM.generate's every step)
             comps = touched.get(req)
-            if comps is None:
-                touched[req] = [comp]
+            if comps is None:  # n = 1: its list of one, not a new one per step
+                touched[req] = req.completions if len(req.completions) == 1 else [comp]
             elif comp not in comps:
                 comps.append(comp)
         results = []
@@ -232,15 +291,22 @@ class OutputProcessor:
             if not finished:
                 return None
             completions = [self._final(req, c) for c in req.completions]
+        elif len(req.completions) == 1:  # the common case, without a comprehension's frame
+            out = self._streamed(req, comps[0], force)
+            if out is None:
+                return None
+            completions = [out]
         else:
-            if len(req.completions) > 1:
-                comps = sorted(comps, key=lambda c: c.index)
+            comps = sorted(comps, key=lambda c: c.index)
             completions = [out for c in comps if (out := self._streamed(req, c, force)) is not None]
             if not completions:
                 return None
-        return RequestOutput(
+        result = RequestOutput(
             req.request_id, req.prompt_token_ids, completions, finished, req.prompt
         )
+        if req.params.prompt_logprobs is not None:
+            result.prompt_logprobs = req.take_prompt_logprobs()
+        return result
 
     def _streamed(self, req: _Request, c: _Completion, force: bool) -> CompletionOutput | None:
         """A CUMULATIVE or DELTA completion for what `c` got since its last, or None while
@@ -251,47 +317,40 @@ class OutputProcessor:
         if interval > 1 and not (done or force) and c.started and end - c.sent_tokens < interval:
             return None
         final = self._cut_text(req, c) if done and c.stop_reason is not None else None
+        if req.kind is not _DELTA:  # CUMULATIVE: every token so far, the text when read
+            c.started, c.sent_tokens = True, end
+            text_of = final if final is not None else _cumulative_text
+            return CompletionOutput.of_span(
+                c.index, c, 0, end, text_of, c.finish_reason, c.stop_reason
+            )
+        # DELTA: the new tokens; the text as it comes, less the stop-string holdback
         hold = 0 if done else req.holdback
-        span = (c.tokens, c.logprobs, c.top, c.sent_tokens if req.kind == _DELTA else 0, end)
+        start = c.sent_tokens
         c.started, c.sent_tokens = True, end
-        if req.kind == _DELTA:
-            piece = c._feed()  # a delta's text is released as it comes (less the holdback)
-            if final is not None:
-                text, c.unsent = final[c.sent_chars :], ""
-            else:
-                unsent = c.unsent + piece
-                release = len(unsent) - hold
-                text, c.unsent = (
-                    (unsent[:release], unsent[release:]) if release > 0 else ("", unsent)
-                )
-            c.sent_chars += len(text)
-            return CompletionOutput.of_span(c.index, span, text, c.finish_reason, c.stop_reason)
+        piece = c._feed()
         if final is not None:
-            return CompletionOutput.of_span(c.index, span, final, c.finish_reason, c.stop_reason)
-
-        def cumulative_text() -> str:  # decoded up to `end` when first read
-            text = c.text_at(end, done, hold)
-            if text is None:  # decoded past `end` already: decode the first `end` alone
-                alone = detokenizer(self.tokenizer)
-                text = alone.add(c.tokens[:end], done)
-                text = text[: max(0, len(text) - hold)]
-            return text
-
+            text, c.unsent = final[c.sent_chars :], ""
+        else:
+            unsent = c.unsent + piece
+            release = len(unsent) - hold
+            text, c.unsent = (unsent[:release], unsent[release:]) if release > 0 else ("", unsent)
+        c.sent_chars += len(text)
         return CompletionOutput.of_span(
-            c.index, span, cumulative_text, c.finish_reason, c.stop_reason
+            c.index, c, start, end, text, c.finish_reason, c.stop_reason
         )
 
     def _final(self, req: _Request, c: _Completion) -> CompletionOutput:
         """A FINAL_ONLY completion: every token, the text decoded when it is first read."""
 
-        def final_text() -> str:
+        def final_text(c: _Completion, end: int, finished: bool) -> str:
             if c.stop_reason is not None:
                 return self._cut_text(req, c)
             c._feed()
             return "".join(c.pieces)
 
-        span = (c.tokens, c.logprobs, c.top, 0, len(c.tokens))
-        return CompletionOutput.of_span(c.index, span, final_text, c.finish_reason, c.stop_reason)
+        return CompletionOutput.of_span(
+            c.index, c, 0, len(c.tokens), final_text, c.finish_reason, c.stop_reason
+        )
 
     def _cut_text(self, req: _Request, c: _Completion) -> str:
         """The whole text cut at the stop string that finished the completion."""

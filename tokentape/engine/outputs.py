@@ -6,12 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 
-from tokentape.events.schema import RequestOutputKind
+from tokentape.events.schema import PromptLogprobs, RequestOutputKind
 
-__all__ = ["CompletionOutput", "EngineCoreOutput", "RequestOutput", "RequestOutputKind"]
+__all__ = [
+    "CompletionOutput",
+    "EngineCoreOutput",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SpanSource",
+]
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
@@ -31,18 +38,46 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     # With SamplingParams.logprobs = k > 0: per new token, the logprobs of the k most likely ids
     # and the sampled one.
     new_top_logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs: the prompt's, with the request's first tokens.
+    prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's weight_version (#49040) of the weights that computed the new tokens: the one in
+    # force when they were delivered (an update needs a drained engine, reducer.py checks it).
+    weight_version: str | None = None
 
 
-Span = tuple[list[int], list[float] | None, list[dict[int, float]] | None, int, int]
+class SpanSource(Protocol):
+    """Append-only lists a completion's tokens are read from (the output processor's)."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    top: list[dict[int, float]] | None
+    versions: list[tuple[int, str]]  # where each weight version's tokens begin, in order
+
+
+# The text of tokens[:end] of a source, the output finished or not, decoded when first read.
+TextOf = Callable[[Any, int, bool], str]
+
+
+def versions_between(spans: list[tuple[int, str]], start: int, end: int) -> list[str]:
+    """One weight version per token in [start, end) (spans as SpanSource.versions)."""
+    out: list[str] = []
+    for i, (begin, version) in enumerate(spans):
+        stop = spans[i + 1][0] if i + 1 < len(spans) else end
+        lo, hi = max(begin, start), min(stop, end)
+        if hi > lo:
+            out += [version] * (hi - lo)
+    return out
 
 
 class CompletionOutput:
     """One completion: its token ids, text, logprobs and finish.
 
-    The token ids (and logprobs) may be given as a span of lists that only ever grow at their
-    end (the output processor's): then they are copied out on first access, and the text may
-    be given as a function computing it on first access, so that a cumulative output costs a
-    step nothing until it is read.
+    The token ids (and logprobs) may be given as a span [start, end) of a source whose lists
+    only ever grow at their end (the output processor's): then they are copied out on first
+    access, and the text may be given as a function computing it on first access, so that a
+    cumulative output costs a step nothing until it is read. Such an output allocates no
+    tuple or closure of its own: a step builds one per running request, and every object it
+    keeps alive across the step is work for the garbage collector.
     """
 
     __slots__ = (
@@ -52,9 +87,12 @@ class CompletionOutput:
         "_token_ids",
         "_logprobs",
         "_top",
-        "_span",
+        "_source",
+        "_start",
+        "_end",
         "_text",
-        "_text_fn",
+        "_text_of",
+        "_versions",
     )
 
     def __init__(
@@ -66,6 +104,7 @@ class CompletionOutput:
         logprobs: list[float] | None = None,
         top_logprobs: list[dict[int, float]] | None = None,
         stop_reason: str | None = None,
+        weight_versions: list[str] | None = None,
     ) -> None:
         self.index = index
         self.finish_reason = finish_reason
@@ -74,84 +113,113 @@ class CompletionOutput:
         self._logprobs = logprobs
         # With logprobs=k > 0, vLLM's dict per position: the sampled token, then the top k.
         self._top = top_logprobs
-        self._span: Span | None = None
+        self._source: SpanSource | None = None
+        self._start = self._end = 0
         self._text: str | None = text
-        self._text_fn: Callable[[], str] | None = None
+        self._text_of: TextOf | None = None
+        self._versions = weight_versions if weight_versions is not None else []
 
     @classmethod
     def of_span(
         cls,
         index: int,
-        span: Span,
-        text: str | Callable[[], str],
+        source: SpanSource,
+        start: int,
+        end: int,
+        text: str | TextOf,
         finish_reason: str | None,
         stop_reason: str | None,
     ) -> CompletionOutput:
-        """tokens[start:end] (and logprobs[start:end]) of append-only lists, copied when read;
-        the text, or a function giving it when it is first read."""
-        out = cls(index, "", [], finish_reason, None, None, stop_reason)
-        out._token_ids, out._span = None, span
-        if not isinstance(text, str):
-            out._text, out._text_fn = None, text
+        """source's tokens[start:end] (and logprobs, and the weight versions that computed
+        them), copied when read; the text, or a function text(source, end, finished) giving
+        it when it is first read."""
+        out = cls.__new__(cls)
+        out.index, out.finish_reason, out.stop_reason = index, finish_reason, stop_reason
+        out._token_ids = out._logprobs = out._top = None
+        out._source, out._start, out._end = source, start, end
+        if isinstance(text, str):
+            out._text, out._text_of = text, None
         else:
-            out._text = text
+            out._text, out._text_of = None, text
         return out
 
     def _copy_span(self) -> None:
-        assert self._span is not None
-        tokens, logprobs, top, start, end = self._span
-        self._token_ids = tokens[start:end]
-        self._logprobs = logprobs[start:end] if logprobs is not None else None
-        self._top = top[start:end] if top is not None else None
-        self._span = None
+        source, start, end = self._source, self._start, self._end
+        assert source is not None
+        self._token_ids = source.tokens[start:end]
+        self._logprobs = source.logprobs[start:end] if source.logprobs is not None else None
+        self._top = source.top[start:end] if source.top is not None else None
+        self._versions = versions_between(source.versions, start, end)
+        if self._text_of is None:
+            self._source = None  # the text needs it no longer
 
     @property
     def token_ids(self) -> list[int]:
-        if self._span is not None:
+        if self._token_ids is None:
             self._copy_span()
         assert self._token_ids is not None
         return self._token_ids
 
     @token_ids.setter
     def token_ids(self, value: list[int]) -> None:
-        if self._span is not None:
+        if self._token_ids is None:
             self._copy_span()
         self._token_ids = value
 
     @property
     def logprobs(self) -> list[float] | None:
-        if self._span is not None:
+        if self._token_ids is None:
             self._copy_span()
         return self._logprobs
 
     @logprobs.setter
     def logprobs(self, value: list[float] | None) -> None:
-        if self._span is not None:
+        if self._token_ids is None:
             self._copy_span()
         self._logprobs = value
 
     @property
     def top_logprobs(self) -> list[dict[int, float]] | None:
-        if self._span is not None:
+        if self._token_ids is None:
             self._copy_span()
         return self._top
 
     @top_logprobs.setter
     def top_logprobs(self, value: list[dict[int, float]] | None) -> None:
-        if self._span is not None:
+        if self._token_ids is None:
             self._copy_span()
         self._top = value
 
     @property
+    def weight_versions(self) -> list[str]:
+        """Per token of `token_ids`, the weight version that computed it (vLLM #49040's
+        weight_version, token by token: a rollout that spans an update says which tokens
+        came from which weights)."""
+        if self._token_ids is None:
+            self._copy_span()
+        return self._versions
+
+    @property
+    def weight_version(self) -> str | None:
+        """vLLM's weight_version: the version that computed this output's first token (as
+        vLLM's RFC #54443 recommends for one label per output); None without tokens.
+        `weight_versions` has every token's."""
+        versions = self.weight_versions
+        return versions[0] if versions else None
+
+    @property
     def text(self) -> str:
         if self._text is None:
-            assert self._text_fn is not None
-            self._text, self._text_fn = self._text_fn(), None
+            assert self._text_of is not None
+            text = self._text_of(self._source, self._end, self.finish_reason is not None)
+            self._text, self._text_of = text, None
+            if self._token_ids is not None:
+                self._source = None
         return self._text
 
     @text.setter
     def text(self, value: str) -> None:
-        self._text, self._text_fn = value, None
+        self._text, self._text_of = value, None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -161,6 +229,7 @@ class CompletionOutput:
         gets one output with everything new)."""
         self.text += delta.text
         self.token_ids = self.token_ids + delta.token_ids
+        self._versions = self.weight_versions + delta.weight_versions
         if self.logprobs is not None:
             self.logprobs = self.logprobs + (delta.logprobs or [])
         if self.top_logprobs is not None:
@@ -204,6 +273,9 @@ class RequestOutput:
     finished: bool
     prompt: str | None = None
     metrics: dict[str, int] = field(default_factory=dict)
+    # vLLM's, with SamplingParams.prompt_logprobs: per prompt position, None for the first,
+    # then {prompt token: logprob, the top k...}; in the first output only (later: []).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, later: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one, as vLLM's
@@ -218,3 +290,5 @@ class RequestOutput:
                 by_index[c.index] = c
         self.outputs = [by_index[i] for i in sorted(by_index)]
         self.finished = later.finished
+        if not self.prompt_logprobs:  # delivered once: the first output that has them
+            self.prompt_logprobs = later.prompt_logprobs

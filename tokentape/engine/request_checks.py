@@ -8,8 +8,8 @@ is about (after `request 'ID': `), so a server can name the field in its error.
 
 The limits (README, "Serve"):
 
-- `logprobs` at most `max_logprobs` (an engine argument, 20 by default, as vLLM's; -1: no
-  cap but the vocabulary);
+- `logprobs` and `prompt_logprobs` at most `max_logprobs` (an engine argument, 20 by
+  default, as vLLM's; -1: no cap but the vocabulary);
 - `stop`: at most MAX_STOP_STRINGS strings of MAX_STOP_CHARS characters in all (the stop
   check after every frame looks for each of them in a window as long as the longest);
 - `bad_words`: at most MAX_BAD_WORDS words of MAX_BAD_WORDS_SIZE characters or token ids in
@@ -29,6 +29,7 @@ from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.runners.base import ChecksParams, ModelRunner
 from tokentape.engine.tokenizer import Tokenizer
+from tokentape.events.reducer import reusable_request_id
 from tokentape.events.schema import SamplingParams
 from tokentape.events.state import EngineState
 from tokentape.events.validation import check_int, check_str, shown
@@ -56,11 +57,13 @@ MAX_STOP_TOKEN_IDS = 1024
 def check_request_limits(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
     """Refuse a request whose per-step work exceeds the limits above: cheap counts only, so it
     runs before any string is encoded."""
-    if params.logprobs is not None:
+    for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if k is None:
+            continue
         cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
-        if params.logprobs > cap:
+        if k > cap:
             why = "the vocabulary size" if cap == vocab_size else "max_logprobs, the engine's limit"
-            raise ValueError(f"logprobs must be at most {cap} ({why}), got {params.logprobs}")
+            raise ValueError(f"{name} must be at most {cap} ({why}), got {k}")
     stop = params.stop
     if len(stop) > MAX_STOP_STRINGS:
         raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
@@ -134,7 +137,9 @@ def check_request(
     if not request_id:
         raise ValueError("request_id must be a non-empty string, got ''")
     requests = engine.state.requests
-    if request_id in requests or engine.has_parent(request_id):
+    if (
+        request_id in requests and not reusable_request_id(engine.state, requests[request_id])
+    ) or engine.has_parent(request_id):
         raise ValueError(f"request id {request_id!r} is already in use on this engine")
     if not isinstance(params, SamplingParams):
         raise TypeError(

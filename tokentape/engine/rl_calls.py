@@ -65,6 +65,7 @@ class RLCalls:
         def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None: ...
         def resume_generation(self) -> None: ...
         def abort_request(self, request_id: str) -> None: ...
+        def check_no_open_transfer(self, call: str) -> None: ...
 
     def is_sleeping(self) -> bool:
         """vLLM's: True while the engine sleeps at any level, a pause included (vLLM's sleep
@@ -109,9 +110,10 @@ class RLCalls:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's wake_up: restore what `tags` name (None: everything) and, once nothing
-        sleeps, resume generation. On an engine that is only paused it resumes it, as vLLM's;
-        on one that is neither it does nothing. The runner restores before anything is
-        recorded: a wake-up it refuses (a checkpoint folder gone) leaves the engine asleep."""
+        sleeps, resume generation (refused, as resume_generation is, while a chunked weight
+        transfer is open). On an engine that is only paused it resumes it, as vLLM's; on one
+        that is neither it does nothing. The runner restores before anything is recorded: a
+        wake-up it refuses (a checkpoint folder gone) leaves the engine asleep."""
         wanted = check_wake_tags(tags)
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
@@ -120,6 +122,8 @@ class RLCalls:
             self.resume_generation()
             return
         waking = [t for t in state.sleeping_tags if wanted is None or t in wanted]
+        if len(waking) == len(state.sleeping_tags):  # it resumes generation: as resume's rule
+            self.check_no_open_transfer("wake_up")
         weights_id = None
         if waking and isinstance(self.runner, SleepsMemory):
             weights_id = self.runner.wake_up(waking)

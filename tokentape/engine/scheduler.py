@@ -152,7 +152,7 @@ class Scheduler:
 
     def _admit_waiting(self, plan: StepPlan) -> None:
         state, kv = self.state, self.kv
-        num_running = len(state.running)
+        num_running = len(state.running) + plan.held_seqs
         # A policy that delivers stale output (vLLM since #48245) must let it drain first, or
         # the recompute would sample a position that output delivers too.
         delivers_stale = get_policy(state.discard_policy).delivers_stale
@@ -162,16 +162,26 @@ class Scheduler:
             req = state.requests[req_id]
             if delivers_stale and req.num_stale_in_flight and not req.drop_stale_output:
                 break  # first come, first served: it drains within the pipeline's depth
-            hits = kv.get_computed_blocks(req)
+            # As vLLM: a request asking for prompt logprobs computes every prompt position
+            # (cached blocks have no logits), so it takes no prefix-cache hits.
+            wants_prompt_lps = req.params.prompt_logprobs is not None
+            hits = kv.get_computed_blocks(req) if not wants_prompt_lps else []
             num_cached = len(hits) * kv.block_size
             num_new = min(req.num_tokens - num_cached, plan.budget)
             new_blocks = kv.allocate(0, num_cached + num_new, hits)
             if new_blocks is None:
-                break  # first come, first served: nobody behind it jumps the queue
+                if plan.skipped is None:
+                    break  # first come, first served: nobody behind it jumps the queue
+                plan.skipped.append(req_id)  # a fault's skipped_waiting (StepPlan)
+                continue
             kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
             entry = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
             # It (re)enters the batch: the runner gets its tokens from position 0.
-            plan.batch.new_requests[req_id] = NewRequest(req.prompt_token_ids, req.params)
+            plan.batch.new_requests[req_id] = NewRequest(
+                req.prompt_token_ids,
+                req.params,
+                wants_prompt_lps and req.prompt_logprobs is None,
+            )
             plan.add(
                 entry,
                 req.token_ids_between(0, num_cached + num_new),

@@ -17,6 +17,11 @@ class StepPlan:
     budget: int
     entries: dict[str, ev.ScheduledEntry] = field(default_factory=dict)
     preempted: bool = False
+    # Sequence slots held by requests outside `running`, and where a waiting request whose KV
+    # blocks fall short goes instead of stopping admission (a list): vLLM's skipped_waiting.
+    # The engine has neither; only a fault sets them (faults.py, vLLM #53130).
+    held_seqs: int = 0
+    skipped: list[str] | None = None
 
     def add(self, entry: ev.ScheduledEntry, token_ids: list[int] | None, partial: bool) -> None:
         self.entries[entry.req_id] = entry

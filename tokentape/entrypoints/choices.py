@@ -15,7 +15,9 @@ Decode = Callable[[list[int]], str]
 class CompletionLogprobsFormatter:
     """The completions API's shape for one choice, its DELTA completions in order: per token
     its text, logprob, text offset and, with logprobs=k, the top k and the sampled token by
-    their text (k = 0: the sampled one)."""
+    their text (k = 0: the sampled one). With echo, the prompt's tokens come first (vLLM's
+    OpenAIServingCompletion): the first has no logprob (null), the others the prompt
+    logprobs' dicts."""
 
     __slots__ = ("decode", "pieces_len")
 
@@ -23,18 +25,56 @@ class CompletionLogprobsFormatter:
         self.decode = decode
         self.pieces_len = 0  # characters of the tokens' pieces so far (text_offset)
 
-    def add(self, c: CompletionOutput) -> p.CompletionLogprobs:
+    def add(
+        self, c: CompletionOutput, before: p.CompletionLogprobs | None = None
+    ) -> p.CompletionLogprobs:
+        """The logprobs of a completion's new tokens (after `before`'s, the echoed prompt)."""
         decode = self.decode
         pieces = [decode([t]) for t in c.token_ids]
+        lps: list[float | None] = list(c.logprobs or ())
+        top: list[dict[str, float] | None]
+        if c.top_logprobs is not None:
+            top = [{decode([t]): lp for t, lp in pos.items()} for pos in c.top_logprobs]
+        else:  # logprobs=0: the sampled token alone, as vLLM's (OpenAI's top k + 1)
+            top = [{piece: lp} for piece, lp in zip(pieces, c.logprobs or ())]
+        out = self._shaped(pieces, lps, top)
+        if before is None:
+            return out
+        return p.CompletionLogprobs(
+            before.tokens + out.tokens,
+            before.token_logprobs + out.token_logprobs,
+            before.text_offset + out.text_offset,
+            (before.top_logprobs or []) + (out.top_logprobs or []),
+        )
+
+    def add_prompt(
+        self, token_ids: list[int], prompt_logprobs: list[dict[int, float] | None] | None
+    ) -> p.CompletionLogprobs:
+        """The echoed prompt's tokens: a position without logprobs (the first) has null for
+        its logprob and its top logprobs, as vLLM's; a logprob is clamped at -9999.0 (vLLM's
+        stand-in for -inf, which JSON cannot hold)."""
+        decode = self.decode
+        pieces = [decode([t]) for t in token_ids]
+        rows = prompt_logprobs or []
+        lps: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        for i, t in enumerate(token_ids):
+            row = rows[i] if i < len(rows) else None
+            if row is None:
+                lps.append(None)
+                top.append(None)
+                continue
+            lps.append(max(row[t], -9999.0))
+            top.append({decode([alt]): max(lp, -9999.0) for alt, lp in row.items()})
+        return self._shaped(pieces, lps, top)
+
+    def _shaped(
+        self, pieces: list[str], lps: list[float | None], top: list[dict[str, float] | None]
+    ) -> p.CompletionLogprobs:
         offsets = []
         for piece in pieces:
             offsets.append(self.pieces_len)
             self.pieces_len += len(piece)
-        lps = list(c.logprobs or ())
-        if c.top_logprobs is not None:
-            top = [{decode([t]): lp for t, lp in pos.items()} for pos in c.top_logprobs]
-        else:  # logprobs=0: the sampled token alone, as vLLM's (OpenAI's top k + 1)
-            top = [{piece: lp} for piece, lp in zip(pieces, lps)]
         return p.CompletionLogprobs(pieces, lps, offsets, top)
 
 

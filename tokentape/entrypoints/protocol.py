@@ -89,6 +89,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, TemplateValue] | None = None
     add_special_tokens: bool = False  # vLLM's chat default: the template adds what it needs
+    echo: bool = False  # vLLM's: the last message's content before the reply, roles matching
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
@@ -118,7 +119,12 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class UpdateWeightsRequest(msgspec.Struct):
-    path: str  # a checkpoint folder on the server's machine
+    path: str  # a checkpoint folder on the server's machine (inside a transfer: one chunk)
+    weight_version: str | None = None  # vLLM #49040's label; default: the update's number
+
+
+class FinishWeightUpdateRequest(msgspec.Struct):
+    weight_version: str | None = None  # as vLLM's finish_weight_update takes it
 
 
 class AbortRequest(msgspec.Struct):
@@ -139,9 +145,9 @@ class UsageInfo(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token (vLLM's)
     text_offset: list[int]
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
 
 
 class CompletionChoice(msgspec.Struct, omit_defaults=True):

@@ -1,7 +1,10 @@
 """vLLM's RL endpoints, by vLLM's names: POST /pause, POST /resume, GET /is_paused, POST
-/reset_prefix_cache, POST /update_weights; vLLM's sleep mode: POST /sleep?level=N&mode=M,
-POST /wake_up?tags=T (repeated; none: everything), GET /is_sleeping; and SGLang's POST
-/abort_request ({"rid": ID} or {"abort_all": true}), which vLLM has no endpoint for.
+/reset_prefix_cache, POST /update_weights; the chunked transfer POST /start_weight_update,
+then /update_weights per chunk, then POST /finish_weight_update (vLLM #39212, its
+`weight_version` in the body: #49040), and GET /weight_info (the version serving now);
+vLLM's sleep mode: POST /sleep?level=N&mode=M, POST /wake_up?tags=T (repeated; none:
+everything), GET /is_sleeping; and SGLang's POST /abort_request ({"rid": ID} or
+{"abort_all": true}), which vLLM has no endpoint for.
 
 They change what every client gets (a pause freezes every stream; new weights change every
 later token), so a server attaches them only when asked (`--enable-rl-endpoints`, or vLLM's
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from starlette.responses import Response
@@ -34,12 +37,16 @@ RL_PATHS = (
     "/is_paused",
     "/reset_prefix_cache",
     "/update_weights",
+    "/start_weight_update",
+    "/finish_weight_update",
+    "/weight_info",
     "/sleep",
     "/wake_up",
     "/is_sleeping",
     "/abort_request",
 )
 DEV_MODE_ENV_VAR = "VLLM_SERVER_DEV_MODE"
+T = TypeVar("T")
 
 
 def dev_mode(environ: dict[str, str] | None = None) -> bool:
@@ -74,17 +81,6 @@ def allowed_weights_path(path: str, allowed: Sequence[str]) -> str:
     return real
 
 
-async def refused_as_400(call: Awaitable[object], param: str) -> object:
-    """An engine call whose refusal (the engine serves on) is the client's 400; a dead engine
-    stays a 503."""
-    try:
-        return await call
-    except EngineDeadError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever the engine refused, it changed nothing
-        raise APIError(400, str(exc), param=param) from None
-
-
 def add_rl_endpoints(
     app: FastAPI,
     engine: AsyncLLM,
@@ -103,7 +99,7 @@ def add_rl_endpoints(
 
     @app.post("/resume")
     async def resume() -> Response:
-        await engine.resume_generation()
+        await _refused_as_400(engine.resume_generation(), None)  # a transfer still open
         return json_response({"status": "resumed"})
 
     @app.get("/is_paused")
@@ -121,7 +117,7 @@ def add_rl_endpoints(
     ) -> Response:
         # vLLM's answer: 200 with no body, once the engine is asleep (drained first); a
         # sleep that broke the engine is a 503 (EngineDeadError), never a 200 (vLLM #45520).
-        await refused_as_400(engine.sleep(level, mode), "level")
+        await _refused_as_400(engine.sleep(level, mode), "level")
         return Response(status_code=200)
 
     @app.post("/wake_up")
@@ -130,7 +126,7 @@ def add_rl_endpoints(
             checked = check_wake_tags(tags)
         except ValueError as exc:
             raise APIError(400, str(exc), param="tags") from None
-        await refused_as_400(engine.wake_up(checked), "tags")
+        await _refused_as_400(engine.wake_up(checked), "tags")
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
@@ -152,10 +148,52 @@ def add_rl_endpoints(
     async def update_weights(request: Request) -> Response:
         req = decode_body(await request.body(), p.UpdateWeightsRequest)
         folder = allowed_weights_path(req.path, allowed)
-        try:
-            weights_id = await engine.update_weights(folder)
-        except EngineDeadError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the update raised, it was refused
-            raise APIError(400, str(exc), param="path") from None
-        return json_response({"status": "ok", "weights_id": weights_id})
+        weights_id = await _refused_as_400(
+            engine.update_weights(folder, req.weight_version), "path"
+        )
+        if weights_id is None:  # a chunk of a transfer: held until /finish_weight_update
+            return json_response({"status": "ok"})
+        return json_response(
+            {
+                "status": "ok",
+                "weights_id": weights_id,
+                "weight_version": await engine.get_weight_version(),
+            }
+        )
+
+    @app.post("/start_weight_update")
+    async def start_weight_update() -> Response:
+        await _refused_as_400(engine.start_weight_update(), None)
+        return json_response({"status": "ok"})
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> Response:
+        body = await request.body()
+        req = decode_body(body, p.FinishWeightUpdateRequest) if body.strip() else None
+        version = req.weight_version if req is not None else None
+        weights_id = await _refused_as_400(
+            engine.finish_weight_update(version), "weight_version" if version else None
+        )
+        return json_response(
+            {
+                "status": "ok",
+                "weights_id": weights_id,
+                "weight_version": await engine.get_weight_version(),
+            }
+        )
+
+    @app.get("/weight_info")
+    async def weight_info() -> Response:
+        return json_response({"weight_version": await engine.get_weight_version()})
+
+
+async def _refused_as_400(call: Awaitable[T], param: str | None) -> T:
+    """The engine's refusal of a call (a weight call not paused, a bad chunk, no transfer open;
+    a resume with a transfer open or asleep; a sleep or wake-up it cannot do) as a 400 with
+    its message; the engine serves on as it was. A dead engine stays a 503."""
+    try:
+        return await call
+    except EngineDeadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the call raised, it was refused
+        raise APIError(400, str(exc), param=param) from None

@@ -67,15 +67,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "and, with --enable-rl-endpoints (or VLLM_SERVER_DEV_MODE=1), vLLM's RL endpoints:\n"
             "POST /pause?mode=abort|wait|keep&clear_cache=true|false, POST /resume, GET\n"
             '/is_paused, POST /reset_prefix_cache, POST /update_weights (JSON {"path": FOLDER},\n'
-            "a folder under --allowed-weight-dirs), sleep mode's POST /sleep?level=0|1|2&mode=M,\n"
-            "POST /wake_up[?tags=weights&tags=kv_cache], GET /is_sleeping, and SGLang's POST\n"
-            '/abort_request (JSON {"rid": ID} or {"abort_all": true}). With an API key\n'
-            "(--api-key, or the TOKENTAPE_API_KEY or VLLM_API_KEY environment variable) every\n"
-            "/v1 route and RL endpoint needs 'Authorization: Bearer KEY'. The engine core runs\n"
-            "in a background process and records every request, abort, pause and sleep on the\n"
-            "tape. Prints 'serving on http://HOST:PORT' on stderr once listening. SIGTERM or\n"
-            "Ctrl-C: stop taking requests, let those in flight finish for --drain-timeout\n"
-            "seconds, abort the rest (on the tape), close the tape.\n"
+            'a folder under --allowed-weight-dirs; optional "weight_version"), the chunked\n'
+            "transfer POST /start_weight_update, /update_weights per chunk, POST\n"
+            "/finish_weight_update, and GET /weight_info; sleep mode's POST\n"
+            "/sleep?level=0|1|2&mode=M, POST /wake_up[?tags=weights&tags=kv_cache], GET\n"
+            '/is_sleeping; and SGLang\'s POST /abort_request (JSON {"rid": ID} or\n'
+            '{"abort_all": true}). With an API key (--api-key, or the TOKENTAPE_API_KEY or\n'
+            "VLLM_API_KEY environment variable) every /v1 route and RL endpoint needs\n"
+            "'Authorization: Bearer KEY'. The engine core runs in a background process and\n"
+            "records every request, abort, pause and sleep on the tape. Prints 'serving on\n"
+            "http://HOST:PORT' on stderr once listening. SIGTERM or Ctrl-C: stop taking\n"
+            "requests, let those in flight finish for --drain-timeout seconds, abort the rest\n"
+            "(on the tape), close the tape.\n"
             "\n"
             "exit status: 0 when stopped by SIGTERM (the tape closed), 1 when the engine core\n"
             "failed while serving (open streams end with an error event; the server drains and\n"
@@ -143,8 +146,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--enable-rl-endpoints",
         action="store_true",
         help="serve vLLM's RL endpoints (/pause, /resume, /is_paused, "
-        "/reset_prefix_cache, /update_weights, /sleep, /wake_up, /is_sleeping, and SGLang's "
-        "/abort_request), which change what every client gets; "
+        "/reset_prefix_cache, /update_weights, /start_weight_update, /finish_weight_update, "
+        "/weight_info, /sleep, /wake_up, /is_sleeping, and SGLang's /abort_request), which "
+        "change what every client gets; "
         "also on with VLLM_SERVER_DEV_MODE=1 (default: off)",
     )
     srv.add_argument(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 from uuid import uuid4
 
@@ -140,6 +140,7 @@ class OpenAIServing:
         num_prompt_tokens: int,
         logprobs: int | None,
         aliases: Mapping[str, str],
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams; a refused value is a 400 naming its field (as the
         endpoint calls it: `aliases`). As vLLM's: a prompt past the context is refused in
@@ -185,6 +186,7 @@ class OpenAIServing:
                 bad_words=tuple(req.bad_words or ()),
                 min_p=req.min_p or 0.0,
                 logit_bias=logit_bias_ids(req.logit_bias),
+                prompt_logprobs=prompt_logprobs,
             )
         except (ValueError, TypeError) as exc:
             raise refusal(exc, aliases) from None
@@ -197,13 +199,15 @@ class OpenAIServing:
         self,
         request: Request,
         prompts: list[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | Sequence[SamplingParams],
         request_id: str,
         aliases: Mapping[str, str],
     ) -> list[PromptStream]:
-        """Start every prompt's stream and take its first output: a refusal by the engine
-        (nothing recorded) is a 400 naming its field, a dead engine a 503. Every prompt is
-        checked first, so a request of several is refused whole, none of it recorded."""
+        """Start every prompt's stream (with its own params, when a list is given) and take
+        its first output: a refusal by the engine (nothing recorded) is a 400 naming its
+        field, a dead engine a 503. Every prompt is checked first, so a request of several is
+        refused whole, none of it recorded."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         for tokens in prompts:
             try:
                 self.engine.check_prompt(tokens)
@@ -211,11 +215,11 @@ class OpenAIServing:
                 raise refusal(exc, aliases) from None
         streams = [
             PromptStream(
-                self.engine.generate(tokens, params, f"{request_id}-{i}"),
+                self.engine.generate(tokens, prompt_params, f"{request_id}-{i}"),
                 tokens,
                 RequestTimer(self.metrics),
             )
-            for i, tokens in enumerate(prompts)
+            for i, (tokens, prompt_params) in enumerate(zip(prompts, each, strict=True))
         ]
 
         async def start_all() -> None:

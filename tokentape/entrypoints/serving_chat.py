@@ -41,6 +41,23 @@ def content_of(message: p.ChatMessage) -> str | list[dict[str, object]] | None:
     return message.content
 
 
+def generation_prompt(req: p.ChatCompletionRequest | p.TokenizeChatRequest) -> bool:
+    """add_generation_prompt as given, else on unless continue_final_message."""
+    if req.add_generation_prompt is None:
+        return not req.continue_final_message
+    return req.add_generation_prompt
+
+
+def echoed_content(req: p.ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, when its role is the response's (the
+    assistant's with a generation prompt, else the last message's own); else nothing."""
+    last = req.messages[-1]
+    role = "assistant" if generation_prompt(req) else last.role
+    if not req.echo or last.role != role:
+        return ""
+    return message_text(last.role, content_of(last))["content"]
+
+
 def chat_prompt(
     serving: OpenAIServing, req: p.ChatCompletionRequest | p.TokenizeChatRequest
 ) -> list[int]:
@@ -71,11 +88,7 @@ def chat_prompt(
                     f"messages[{i}].{field} is not supported: tool calling is not implemented",
                     param="messages",
                 )
-    add_generation_prompt = (
-        not req.continue_final_message
-        if req.add_generation_prompt is None
-        else req.add_generation_prompt
-    )
+    add_generation_prompt = generation_prompt(req)
     try:
         messages = [message_text(m.role, content_of(m), m.name) for m in req.messages]
         text = serving.chat_template.render(
@@ -113,6 +126,7 @@ async def create_chat_completion(
     streams = await serving.start(request, [tokens], params, request_id, aliases)
     created, fp = int(time.time()), serving.system_fingerprint
     tokenizer, n, k = serving.engine.tokenizer, params.n, req.top_logprobs or 0
+    head = echoed_content(req)  # before each choice's content (echo)
 
     def choice_logprobs(c: CompletionOutput) -> p.ChatChoiceLogprobs | None:
         if not req.logprobs or c.logprobs is None:
@@ -146,6 +160,9 @@ async def create_chat_completion(
             role = p.ChatDelta("assistant", "")
             for j in range(n):
                 yield chunk(p.ChatStreamChoice(j, role, None))
+            if head:  # vLLM's echo: a chunk of its own per choice, after the role's
+                for j in range(n):
+                    yield chunk(p.ChatStreamChoice(j, p.ChatDelta(content=head), None))
             generated = 0
             async for _, out in merge_streams(streams):
                 for c in out.outputs:  # n > 1: the choices with something new
@@ -188,7 +205,7 @@ async def create_chat_completion(
         choices = [
             p.ChatChoice(
                 m.index,
-                p.ChatResponseMessage("assistant", m.text),
+                p.ChatResponseMessage("assistant", head + m.text),
                 m.finish_reason,
                 choice_logprobs(m) if req.logprobs else None,
                 m.token_ids if req.return_token_ids else None,

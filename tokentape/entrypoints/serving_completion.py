@@ -23,6 +23,7 @@ from tokentape.entrypoints.serving import (
     sse_bytes,
     usage_of,
 )
+from tokentape.events.schema import SamplingParams
 
 # The engine's names of a refused field, as a completion request calls them.
 PARAM_ALIASES = {"prompt_token_ids": "prompt"}
@@ -62,38 +63,81 @@ def completion_prompts(
     )
 
 
+def prompt_texts(prompt: str | list[Any]) -> list[str | None]:
+    """Each prompt's text as the client gave it (None for token ids), for echo."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(type(t) is int for t in prompt):
+        return [None]
+    return [x if isinstance(x, str) else None for x in prompt]
+
+
+def completion_params(
+    serving: OpenAIServing, req: p.CompletionRequest, num_prompt_tokens: int, score_only: bool
+) -> SamplingParams:
+    """One prompt's SamplingParams, as vLLM's: max_tokens unset (or null) is 16 cut to the
+    context this prompt leaves; echo asks for the prompt's logprobs with `logprobs`; echo with
+    max_tokens=0 (scoring) generates one token, which the choice leaves out."""
+    max_tokens = req.max_tokens
+    if score_only:
+        max_tokens = 1  # vLLM's echo_without_generation
+    elif max_tokens is msgspec.UNSET or max_tokens is None:
+        left = serving.engine.max_model_len - num_prompt_tokens
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, left))
+    prompt_logprobs = req.logprobs if req.echo else None
+    return serving.sampling_params(
+        req, max_tokens, num_prompt_tokens, req.logprobs, PARAM_ALIASES, prompt_logprobs
+    )
+
+
 async def create_completion(
     serving: OpenAIServing, req: p.CompletionRequest, request: Request
 ) -> Response:
     """POST /v1/completions: n choices per prompt (index prompt * n + j, as vLLM's), streamed
-    as SSE or in one body."""
+    as SSE or in one body; with echo, each choice's first chunk begins with its prompt."""
     serving.check_model(req.model)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
     prompts = completion_prompts(serving, req.prompt, req.add_special_tokens)
-    longest = max(map(len, prompts))
-    max_tokens = req.max_tokens
-    if max_tokens is msgspec.UNSET:  # vLLM's default: 16, cut to the context that is left
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, serving.engine.max_model_len - longest))
-    params = serving.sampling_params(req, max_tokens, longest, req.logprobs, PARAM_ALIASES)
+    score_only = req.echo and req.max_tokens == 0
+    # Each prompt's own: its default max_tokens and its context checks, in order.
+    params = [completion_params(serving, req, len(tokens), score_only) for tokens in prompts]
     request_id = serving.request_id(request, req, "cmpl")
     streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES)
     created, fp = int(time.time()), serving.system_fingerprint
-    tokenizer, n = serving.engine.tokenizer, params.n
+    tokenizer, n = serving.engine.tokenizer, params[0].n
     # By choice index (prompt i's completion j is i * n + j): its logprobs' text offsets.
     texts: dict[int, CompletionLogprobsFormatter] = {}
+    given = prompt_texts(req.prompt) if req.echo else []
+    # Each prompt's prompt logprobs (echo with logprobs), from its first output that has them.
+    prompt_lps: list[list[dict[int, float] | None] | None] = [None] * len(prompts)
+
+    def echoed(i: int) -> str:
+        """The text echo puts before prompt i's choices: as given, or its tokens decoded;
+        none with return_token_ids (vLLM's: the ids say it)."""
+        if req.return_token_ids:
+            return ""
+        text = given[i]
+        return text if text is not None else tokenizer.decode(prompts[i])
 
     def choice(i: int, c: CompletionOutput) -> p.CompletionChoice:
         """A choice for a DELTA completion (the text is the processor's, held back and cut
-        at a stop string)."""
+        at a stop string), after the prompt with echo on its first."""
         index = i * n + c.index
         fmt = texts.get(index)
+        first = fmt is None
         if fmt is None:
             fmt = texts[index] = CompletionLogprobsFormatter(tokenizer.decode)
-        lps = fmt.add(c) if req.logprobs is not None and c.logprobs is not None else None
+        want = req.logprobs is not None
+        text, lps = c.text, None
+        if req.echo and first:
+            lps = fmt.add_prompt(prompts[i], prompt_lps[i]) if want else None
+            text = echoed(i) if score_only else echoed(i) + c.text
+            if want and not score_only and c.logprobs is not None:
+                lps = fmt.add(c, lps)
+        elif want and c.logprobs is not None:
+            lps = fmt.add(c)
         return p.CompletionChoice(
             index,
-            c.text,
+            text,
             c.finish_reason,
             lps,
             token_ids=c.token_ids if req.return_token_ids else None,  # a copy already
@@ -115,6 +159,8 @@ async def create_completion(
                 )
             )
             async for i, out in merge_streams(streams):
+                if out.prompt_logprobs:
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:  # n > 1: the completions with something new
                     first = i * n + c.index not in texts
                     ch = choice(i, c)
@@ -161,6 +207,7 @@ async def create_completion(
                 else:
                     merged.add(out, aggregate=True)
             assert merged is not None  # a stream ends with its finished output
+            prompt_lps[i] = merged.prompt_logprobs
             for m in merged.outputs:
                 generated += len(m.token_ids)
                 ch = choice(i, m)

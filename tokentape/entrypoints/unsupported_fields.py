@@ -33,7 +33,10 @@ _COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((None, False), "beam search is not implemented"),
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search only"),
     "allowed_token_ids": (_NOTHING, "allowed_token_ids is not implemented (use logit_bias)"),
-    "prompt_logprobs": (_NOTHING, "prompt logprobs are not implemented"),
+    "prompt_logprobs": (
+        _NOTHING,
+        "the prompt_logprobs field is not implemented (echo with logprobs gives the prompt's)",
+    ),
     "logprob_token_ids": (_NOTHING, "logprobs of chosen token ids are not implemented"),
     "truncate_prompt_tokens": (_NOTHING, "prompt truncation is not implemented"),
     "truncation_side": (_NOTHING, "prompt truncation is not implemented"),
@@ -79,7 +82,6 @@ CHAT: Mapping[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": ((None, "none"), "tool calling is not implemented"),
     "functions": ((None, []), "function calling is not implemented"),
     "function_call": ((None, "none"), "function calling is not implemented"),
-    "echo": ((None, False), "echo of the last message is not implemented"),
     "documents": (_NOTHING, "documents for the chat template are not implemented"),
     "chat_template": (
         _NOTHING,

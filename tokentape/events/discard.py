@@ -40,6 +40,11 @@ tests only: selectable by name, never a default, not offered by the CLI.
   tokens, 1 + k per frame in flight, and a stale frame takes back the tokens it returned
   (1 + accepted drafts): after rejected drafts the budget outlives the stale frames and
   drops fresh ones. (The issue gives the budget's unit; how it drained is modelled.)
+- `omni-discard-one`: vllm-omni before its PR #5183, a downstream copy of #42043's bug. A
+  stop of the request's output sets the discard count to 1 and zeroes the placeholders,
+  whatever is in flight: with nothing in flight (a drain came first) the first fresh frame
+  is dropped; with two or more steps in flight the second stale frame is applied. Modelled
+  at every preemption, tokentape's stop of a running request's output.
 """
 
 from __future__ import annotations
@@ -312,6 +317,19 @@ class CounterSpecBudgetPolicy(CounterPolicy):
         return False
 
 
+class OmniDiscardOnePolicy(CounterPolicy):
+    name = "omni-discard-one"
+
+    def on_preempt(self, req: RequestState, reason: str) -> None:
+        req.async_tokens_to_discard = 1  # vllm-omni #5183: 1, whatever is in flight
+
+    def fresh_drop_bug(self, spec_in_flight: bool, counter_left: int) -> str | None:
+        return "vllm-omni#5183"
+
+    def stale_bug(self, reason: str, counter_left: int) -> str | None:
+        return "vllm-omni#5183"
+
+
 DISCARD_POLICIES: dict[str, DiscardPolicy] = {
     p.name: p for p in (EpochPolicy(), CounterPolicy(), FlagPolicy(), DeliverPolicy())
 }
@@ -326,6 +344,7 @@ MUSEUM_POLICIES: dict[str, DiscardPolicy] = {
         VllmFlagPolicy(),
         VllmCounterPolicy(),
         VllmCounterGuardedPolicy(),
+        OmniDiscardOnePolicy(),
     )
 }
 ALL_POLICIES: dict[str, DiscardPolicy] = {**DISCARD_POLICIES, **MUSEUM_POLICIES}

@@ -27,6 +27,27 @@ FAULTS: dict[str, str] = {
     # vLLM #52969: output that comes back for a request aborted while its step was in flight
     # is looked up among the live requests, and the engine crashes.
     "crash_on_aborted_output": "vllm#52969",
+    # NeMo-RL #4018 (lmdeploy #4917, SGLang #26792): the prefix cache is never reset across
+    # weight updates. Here: pause_generation(clear_cache=True) drains but resets nothing, so
+    # the KV of the old weights stays cached (and running requests keep theirs).
+    "prefix_cache_kept_across_weight_update": "nemo-rl#4018",
+    # vLLM #53130: requests the admission loop skips (vLLM: waiting on remote KV, a grammar or
+    # streaming input; here: on KV blocks) keep counting against max_num_seqs, so admission
+    # stops for good once running plus skipped reach it, while the engine stays healthy.
+    "skipped_waiting_holds_seats": "vllm#53130",
+    # tenstorrent/vllm #395: the overlap path submits step N+1 before applying step N's tokens
+    # to the input batch, so N's position is sampled again and the client gets it twice
+    # (here: in a step where a request joins the batch).
+    "stale_overlap_input": "tenstorrent-vllm#395",
+    # vLLM #42492: a request aborted with a step in flight and added again under the same id;
+    # the step's output is looked up by id when it comes back and lands on the new request
+    # (placeholders below zero). A reducer fault: tokentape's reducer keeps the scheduled
+    # request itself, and its engine refuses an id used before.
+    "output_on_reused_id": "vllm#42492",
+    # vLLM #45357/#47728: blocks a request gives back while its step that writes them is in
+    # flight are handed out at once; the next request admitted takes them as holding its
+    # prefix (vLLM: KV a connector loads, unordered with that step), and the write lands there.
+    "free_blocks_in_flight": "vllm#45357",
 }
 
-REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow"})
+REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow", "output_on_reused_id"})

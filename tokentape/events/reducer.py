@@ -71,7 +71,7 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
 
 
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
-    if e.req_id in state.requests:
+    if e.req_id in state.requests and not reusable_request_id(state, state.requests[e.req_id]):
         raise ReducerError(f"request {e.req_id!r} added twice")
     req = state.requests[e.req_id] = RequestState(
         e.req_id, list(e.prompt_token_ids), e.params, e.step
@@ -80,6 +80,12 @@ def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
     req.stop_ids = frozenset((*e.params.stop_token_ids, *eos))
     req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - req.num_prompt_tokens)
     state.waiting.append(e.req_id)
+
+
+def reusable_request_id(state: EngineState, req: RequestState) -> bool:
+    """vLLM #42492, injected (fault output_on_reused_id): a finished request's id may be
+    added again, as vLLM's frontend allows; tokentape refuses a request id used before."""
+    return bool(state.faults) and "output_on_reused_id" in state.faults and req.is_finished
 
 
 def _on_aborted(state: EngineState, e: ev.RequestAborted) -> None:
@@ -114,8 +120,40 @@ def _on_prefix_cache_reset(state: EngineState, e: ev.PrefixCacheReset) -> None:
     state.num_prefix_cache_resets += e.ok
 
 
+def _check_drained(state: EngineState, e: ev.Event, what: str) -> None:
+    # The version of a delivered token is the one in force at its OutputsEmitted: true only if
+    # weights change with nothing in flight and nothing undelivered (the engine's own rule).
+    if state.in_flight_steps or state.pending_output:
+        raise ReducerError(
+            f"{what} in step {e.step} with {len(state.in_flight_steps)} step(s) in flight and "
+            f"{len(state.pending_output)} request(s) with undelivered output"
+        )
+
+
 def _on_weights_updated(state: EngineState, e: ev.WeightsUpdated) -> None:
+    _check_drained(state, e, "weights updated")
     state.weights_id = e.weights_id
+    state.num_weight_updates += 1
+    state.weight_version = e.weight_version or str(state.num_weight_updates)
+    state.weight_update_chunks = None  # the finish of a chunked transfer, if one was open
+
+
+def _on_weight_update_started(state: EngineState, e: ev.WeightUpdateStarted) -> None:
+    if state.weight_update_chunks is not None:
+        raise ReducerError(f"weight update started in step {e.step} while one was open")
+    _check_drained(state, e, "weight update started")
+    state.weight_update_chunks = 0
+
+
+def _on_weight_chunk(state: EngineState, e: ev.WeightChunkReceived) -> None:
+    if state.weight_update_chunks is None:
+        raise ReducerError(f"weight chunk received in step {e.step} with no update started")
+    if not len(e.names) == len(e.shapes) == len(e.hashes):
+        raise ReducerError(
+            f"weight chunk of step {e.step} has {len(e.names)} names, {len(e.shapes)} shapes "
+            f"and {len(e.hashes)} hashes"
+        )
+    state.weight_update_chunks += 1
 
 
 def _on_slept(state: EngineState, e: ev.EngineSlept) -> None:
@@ -146,8 +184,10 @@ def _on_woke_up(state: EngineState, e: ev.EngineWokeUp) -> None:
         if unknown:
             raise ReducerError(f"wake-up in step {e.step} names unknown tags {unknown}")
         state.sleeping_tags = tuple(t for t in state.sleeping_tags if t not in e.tags)
-    if e.weights_id is not None:
+    if e.weights_id is not None:  # rebuilt after level 2: the model's own weights again
+        _check_drained(state, e, "weights rebuilt")
         state.weights_id = e.weights_id
+        state.weight_version = "default"
     if not state.sleeping_tags:
         state.sleep_level = None
 
@@ -254,7 +294,12 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     if partial:
         answers = iter(e.entries)
         frames = [None if x.req_id in partial else next(answers) for x in scheduled.entries]
-    for entry, req, frame in zip(scheduled.entries, scheduled.requests, frames):
+    requests: Sequence[RequestState] = scheduled.requests  # as scheduled: identity, not name
+    if state.faults and "output_on_reused_id" in state.faults:
+        # vLLM #42492, injected: output looked up by request id when it comes back, so an id
+        # added again while the step was in flight gets the old request's output.
+        requests = [state.requests[x.req_id] for x in scheduled.entries]
+    for entry, req, frame in zip(scheduled.entries, requests, frames):
         stale = entry.epoch != req.epoch
         if frame is None:  # a prefill chunk: nothing to apply
             if stale:
@@ -298,6 +343,8 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
             if len(output) >= req.max_output_tokens:
                 req.stop_reason = "length"
                 break
+        if frame.prompt_logprobs is not None and req.prompt_logprobs is None:
+            _keep_prompt_logprobs(req, frame.prompt_logprobs, e.step)
         if frame.logprobs is not None:
             req.output_logprobs += frame.logprobs[: len(output) - num_before]
         if (
@@ -312,6 +359,22 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
                     output[num_before:], frame.logprobs, frame.top_token_ids, frame.top_logprobs
                 )
             ]
+
+
+def _keep_prompt_logprobs(req: RequestState, plp: ev.PromptLogprobs, step: int) -> None:
+    """A frame's prompt logprobs: one per prompt token after the first, or the tape lies."""
+    num = req.num_prompt_tokens - 1
+    k = req.params.prompt_logprobs
+    if (
+        k is None
+        or len(plp.token_logprobs) != num
+        or (k > 0 and (len(plp.top_token_ids) != num or len(plp.top_logprobs) != num))
+    ):
+        raise ReducerError(
+            f"frame of step {step} has prompt logprobs for request {req.req_id!r} that do not "
+            f"match its prompt of {req.num_prompt_tokens} tokens (prompt_logprobs={k})"
+        )
+    req.prompt_logprobs = plp
 
 
 def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:
@@ -335,6 +398,8 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.GenerationResumed: _on_resumed,
     ev.PrefixCacheReset: _on_prefix_cache_reset,
     ev.WeightsUpdated: _on_weights_updated,
+    ev.WeightUpdateStarted: _on_weight_update_started,
+    ev.WeightChunkReceived: _on_weight_chunk,
     ev.EngineSlept: _on_slept,
     ev.EngineWokeUp: _on_woke_up,
     ev.StepScheduled: _on_scheduled,

@@ -19,9 +19,14 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # 2: the sampling options (SamplingParams from `n` on), top-k logprobs in FrameEntry and the
 # matched stop string in RequestFinished; every new field is last, with a default, so a
 # version-1 tape reads unchanged. 3: min_p and logit_bias in SamplingParams (last, with
-# defaults: a version-2 tape reads unchanged). 4: the sleep-mode events EngineSlept and
-# EngineWokeUp (a version-3 tape reads unchanged; a version-3 reader refuses a version 4).
-FORMAT_VERSION = 4
+# defaults: a version-2 tape reads unchanged). 4: prompt_logprobs in SamplingParams and
+# FrameEntry, the position each frame entry was sampled at (FrameEntry.position, default
+# -1: unknown), the weight version in WeightsUpdated (each last, with a default: a
+# version-3 tape reads unchanged, its updates named by the counter), and the chunked
+# transfer's WeightUpdateStarted and WeightChunkReceived, which an older reader cannot
+# decode. 5: the sleep-mode events EngineSlept and EngineWokeUp (a version-4 tape reads
+# unchanged; a version-4 reader refuses a version 5).
+FORMAT_VERSION = 5
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -69,6 +74,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # is accepted, as vLLM's dict, and normalised, so a params object equals its decoded copy).
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Format 4: vLLM's prompt_logprobs (k): the logprob of every prompt token after the first,
+    # with the k most likely tokens there. Such a request takes no prefix-cache hits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Every field must survive the tape's round trip (msgspec decodes strictly: a bool is
@@ -88,6 +96,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
             check_int(f"stop_token_ids[{i}]", token, 0)
         check_bool("ignore_eos", self.ignore_eos)
         check_int("logprobs", self.logprobs, 0, optional=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
         kind = self.output_kind
         if type(kind) is not RequestOutputKind:
             check_int("output_kind", kind)
@@ -162,7 +171,27 @@ class PrefixCacheReset(Event, frozen=True, tag="PrefixCacheReset"):
 
 
 class WeightsUpdated(Event, frozen=True, tag="WeightsUpdated"):
+    """New weights serve from here on: a whole update, or the finish of a chunked transfer
+    (`finish_weight_update`, when a WeightUpdateStarted is open). `weights_id` is the SHA-256
+    of every parameter once loaded."""
+
     weights_id: str
+    # Format 4: vLLM's weight_version, as given or the update's number ("1", "2", ...); ""
+    # (a version-3 tape) reads as that number too.
+    weight_version: str = ""
+
+
+class WeightUpdateStarted(Event, frozen=True, tag="WeightUpdateStarted"):
+    """`start_weight_update()` (vLLM RFC #31848): chunks follow, then WeightsUpdated."""
+
+
+class WeightChunkReceived(Event, frozen=True, tag="WeightChunkReceived"):
+    """One `update_weights(chunk)` of an open transfer, checked against the model and held
+    until the finish: per tensor its name, shape and SHA-256 (the tensors are not taped)."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    hashes: list[str]
 
 
 class EngineSlept(Event, frozen=True, tag="EngineSlept"):
@@ -218,6 +247,17 @@ class RequestFinished(Event, frozen=True, tag="RequestFinished"):
 # -- facts from the runner and what the client saw ----------------------------------------
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Format 4: the prompt's logprobs (SamplingParams.prompt_logprobs = k), for prompt
+    positions 1 .. P-1 (the first token has none, as in vLLM): each prompt token's raw
+    log-softmax given the tokens before it, and with k > 0 the k most likely ids there and
+    their logprobs (best first, ties: lower id first)."""
+
+    token_logprobs: list[float]
+    top_token_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+
 class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     req_id: str
     token_ids: list[int]  # accepted draft tokens followed by one sampled token
@@ -227,6 +267,13 @@ class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # and their logprobs (raw log-softmax, best first), beside the sampled token's above.
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Format 4: the sequence position (prompt + output index) of the first token, as the runner
+    # computed it; -1 where unknown (older tapes, vLLM's). Checks that no position is
+    # delivered twice (the postmortem's duplicated_token).
+    position: int = -1
+    # Format 4: on the frame of the prefill chunk that finishes the prompt (and samples the
+    # first token), the whole prompt's logprobs; earlier chunks' rows wait in the runner.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -268,6 +315,8 @@ AnyEvent = (
     | GenerationResumed
     | PrefixCacheReset
     | WeightsUpdated
+    | WeightUpdateStarted
+    | WeightChunkReceived
     | EngineSlept
     | EngineWokeUp
     | StepScheduled
@@ -292,6 +341,8 @@ COMMAND_KINDS = frozenset(
         "GenerationResumed",
         "PrefixCacheReset",
         "WeightsUpdated",
+        "WeightUpdateStarted",
+        "WeightChunkReceived",
         "EngineSlept",  # the release that ends a sleep call (its pause is recorded before it)
         "EngineWokeUp",
     }

@@ -10,7 +10,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tokentape.events.schema import FinishReason, PauseMode, SamplingParams, ScheduledEntry
+from tokentape.events.schema import (
+    FinishReason,
+    PauseMode,
+    PromptLogprobs,
+    SamplingParams,
+    ScheduledEntry,
+)
 
 
 # Not StrEnum: str() of a member would change (the value, not "RequestStatus.X"), and the
@@ -55,6 +61,9 @@ class RequestState:
     output_logprobs: list[float] = field(default_factory=list)  # per output token, when asked
     # Per output token, with logprobs=k > 0: the k most likely token ids -> logprobs.
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With prompt_logprobs: those of the first frame applied that carried them (later ones,
+    # from a recompute, are the same facts again).
+    prompt_logprobs: PromptLogprobs | None = None
     num_computed_tokens: int = 0
     # vLLM's counter of output positions scheduled but not yet returned. Under the
     # historical policies it can drift from the truth; the in-flight counts are the truth.
@@ -132,7 +141,15 @@ class EngineState:
     # Requests with tokens or a finish the client has not been given yet, in order.
     pending_output: dict[str, None] = field(default_factory=dict)
     num_prefix_cache_resets: int = 0
-    weights_id: str | None = None
+    weights_id: str | None = None  # the SHA-256 of the latest update; None: the initial weights
+    # vLLM's weight_version (#49040): "default" until an update names one; an update without
+    # a name is its number ("1", "2", ...). Every token delivered was computed under the
+    # version in force when its OutputsEmitted was recorded (an update needs a drained engine).
+    weight_version: str = "default"
+    num_weight_updates: int = 0
+    # A chunked transfer (start_weight_update) not finished yet: the chunks it received so far.
+    # None when no transfer is open; resume_generation refuses while one is.
+    weight_update_chunks: int | None = None
     # vLLM's sleep mode: the level slept at (None: awake; set by EngineSlept, cleared by the
     # EngineWokeUp that wakes the last tag) and the memory still released (MEMORY_TAGS).
     sleep_level: int | None = None

@@ -1,6 +1,6 @@
-"""The compiled CPU kernels (`cpu/*.c`: the paged attention of decodes, the KV write, the layers'
-row operations; `cpu/vec.h`: their vectors, as wide as the CPU's registers): built at first
-use, called through ctypes.
+"""The compiled CPU kernels (`cpu/*.c`: the paged attention of decodes and of prompts (flash
+attention), the KV write, the layers' row operations; `cpu/vec.h`: their vectors, as wide as
+the CPU's registers): built at first use, called through ctypes.
 
 The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for
 this CPU (`-march=native`) and cached under `$TOKENTAPE_CACHE_DIR`, else
@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,7 +33,8 @@ from tokentape.kernels.shapes import check_kv_write_shapes
 # Compiled into one library: the attention and KV write (here), the layers' row operations
 # (cpu_layers.py).
 SOURCES = tuple(
-    Path(__file__).with_name("cpu") / name for name in ("paged_attention.c", "layers.c")
+    Path(__file__).with_name("cpu") / name
+    for name in ("paged_attention.c", "prefill_attention.c", "layers.c")
 )
 HEADERS = (Path(__file__).with_name("cpu") / "vec.h",)  # their shared vector helpers
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
@@ -44,6 +46,7 @@ _ERRORS = {
     3: "has a block id outside the cache",
 }
 _NO_MEMORY = 4
+_UNSUPPORTED = 5  # the prefill kernel's: head_dim not a multiple of the CPU's vector width
 
 
 def cache_dir() -> Path:
@@ -103,6 +106,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.POINTER(i64)]
     fn.restype = ctypes.c_int
+    lib.tt_paged_prefill_f32.argtypes = fn.argtypes
+    lib.tt_paged_prefill_f32.restype = ctypes.c_int
     write = lib.tt_write_kv_f32
     write.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.POINTER(i64)]
     write.restype = ctypes.c_int
@@ -145,9 +150,10 @@ def paged_attention_cpu(
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """paged_attention_ref's contract: the decodes computed by the compiled kernel on
-    `torch.get_num_threads()` threads (the calling thread's count), whole prompts and prefill
-    chunks by the reference's matmuls (`prefill_attention_ref`), which are faster for them."""
+    """paged_attention_ref's contract, computed by the compiled kernels on
+    `torch.get_num_threads()` threads (the calling thread's count): the decodes by one, whole
+    prompts and prefill chunks by the other (flash attention); where the CPU's vectors do
+    not divide head_dim, the prompts by the reference's matmuls (`prefill_attention_ref`)."""
     lib = load()
     assert lib is not None, load_error()
     query = query.contiguous()
@@ -157,9 +163,7 @@ def paged_attention_cpu(
     tables = block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(query)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    prefills = query.shape[0] > lens.shape[0]  # some sequence has more than one new token
-    bad = ctypes.c_int64(-1)
-    code = lib.tt_paged_decode_f32(
+    args = (
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -176,24 +180,32 @@ def paged_attention_cpu(
         block_size,
         scale,
         torch.get_num_threads(),
-        ctypes.byref(bad),
     )
+    _check(lib.tt_paged_decode_f32, args)
+    if query.shape[0] > lens.shape[0]:  # some sequence has more than one new token
+        if _check(lib.tt_paged_prefill_f32, args) == _UNSUPPORTED:
+            prefill_attention_ref(
+                query,
+                k_cache,
+                v_cache,
+                out,
+                cu_seqlens_q=cu,
+                seq_lens=lens,
+                block_tables=tables,
+                scale=scale,
+            )
+    return out
+
+
+def _check(kernel: Any, args: tuple[Any, ...]) -> int:
+    """Run an attention kernel; its return code, once it is 0 or _UNSUPPORTED."""
+    bad = ctypes.c_int64(-1)
+    code: int = kernel(*args, ctypes.byref(bad))
     if code == _NO_MEMORY:
         raise MemoryError("paged attention: no working memory for the score buffers")
-    if code:
+    if code and code != _UNSUPPORTED:
         raise ValueError(f"paged attention: sequence {bad.value} {_ERRORS[code]}")
-    if prefills:
-        prefill_attention_ref(
-            query,
-            k_cache,
-            v_cache,
-            out,
-            cu_seqlens_q=cu,
-            seq_lens=lens,
-            block_tables=tables,
-            scale=scale,
-        )
-    return out
+    return code
 
 
 def write_kv_cache_cpu(

@@ -12,21 +12,24 @@ A tape of a newer format version is refused (TapeFormatError).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tokentape.engine.model_registry import ORACLE_MODELS
 from tokentape.events import schema as ev
 from tokentape.events.errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
+from tokentape.postmortem.admission import AdmissionChecker
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context, Item
-from tokentape.postmortem.findings import Report, Summary
+from tokentape.postmortem.findings import Finding, Report, Summary
 from tokentape.postmortem.frames import CountChecker, FrameChecker, HistoryChecker
 from tokentape.postmortem.kv import KVChecker
 from tokentape.postmortem.outputs import OutputChecker, ReferenceChecker
+from tokentape.postmortem.positions import PositionChecker
 from tokentape.postmortem.schedule import ScheduleChecker
 from tokentape.postmortem.stuck import StuckChecker
+from tokentape.postmortem.weights import WeightsChecker
 from tokentape.replay.render import describe_event, event_requests
 from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.verify import verify
@@ -122,9 +125,12 @@ def postmortem(
         HistoryChecker(ctx),
         FrameChecker(ctx),
         CountChecker(ctx),
+        PositionChecker(ctx),
         KVChecker(ctx),
+        WeightsChecker(ctx),
         ScheduleChecker(ctx),
         StuckChecker(ctx),
+        AdmissionChecker(ctx),
         OutputChecker(ctx),
         EngineErrorChecker(ctx),
     ]
@@ -166,6 +172,18 @@ def postmortem(
         read_to_end=complete,
     )
     return Report(findings, summary)
+
+
+def run_checkers(source: TapeSource, kinds: Sequence[type[Checker]]) -> list[Finding]:
+    """The findings of the given checkers alone, in one pass (with the history they cite),
+    without the rest of the postmortem or its replay: one question asked of many tapes."""
+    tape = load_tape(source)
+    ctx = Context(tape, tape.initial_state())
+    checkers: list[Checker] = [HistoryChecker(ctx), *(kind(ctx) for kind in kinds)]
+    _run(tape, ctx, checkers, None)
+    for checker in checkers:
+        checker.finish()
+    return ctx.findings()
 
 
 def _run(

@@ -57,6 +57,8 @@ class Context:
     preemptions: dict[str, Preemption] = field(default_factory=dict)
     last_resume: Item | None = None
     chunked: set[str] = field(default_factory=set)  # requests whose prefill took several chunks
+    # Request ids added again that got output of a step scheduled for the earlier request.
+    reused: set[str] = field(default_factory=set)
     tokens: Counter[str] = field(default_factory=Counter)
     _drafts: dict[tuple[str, tuple[str, ...], str], _Draft] = field(default_factory=dict)
     _bug_classes: dict[str, str] = field(default_factory=dict)  # request -> its first bug class

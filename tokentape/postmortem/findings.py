@@ -42,6 +42,19 @@ BUG_CLASSES: dict[str, str] = {
     "twice (async scheduling + abort)",
     "vllm#52969": "vLLM #52969: the engine crashes on output for a request aborted while its step "
     "was in flight",
+    "nemo-rl#4018": "NeMo-RL #4018 (the class of lmdeploy #4917 and SGLang #26792): the prefix "
+    "cache is not reset across a weight update, so new requests reuse KV computed by old weights",
+    # Issue 25's newer members of the family.
+    "vllm#42492": "vLLM #42492: after an abort and a re-add of the same request id with a step "
+    "in flight, the old step's output lands on the new request (placeholders below zero)",
+    "vllm#45357": "vLLM #45357/#47728: KV blocks freed while a step that writes them is in "
+    "flight are reallocated, and the stale write corrupts the new owner's KV",
+    "tenstorrent-vllm#395": "tenstorrent/vllm #395: the overlap path submits step N+1 before "
+    "step N's tokens are applied, so a position is sampled again and delivered twice",
+    "vllm#53130": "vLLM #53130: admission stops once running plus skipped-waiting requests reach "
+    "max_num_seqs, while the engine stays healthy",
+    "vllm-omni#5183": "vllm-omni #5183: a downstream copy of #42043 sets the discard count to 1 "
+    "whatever is in flight, dropping a fresh frame or applying a stale one",
 }
 
 

@@ -62,15 +62,23 @@ class FrameChecker(Checker):
         # stopped, scheduled again: an entry of a later epoch is in flight behind it).
         self._before: list[tuple[RequestState, bool, int, int, bool, bool]] = []
         self._step: InFlightStep | None = None
+        # Per sampling entry: the request its id names now, when that is another (an id added
+        # again while the step was in flight), and the tokens it had.
+        self._renamed: list[tuple[RequestState, int] | None] = []
+        self._readded: dict[str, tuple[int, ev.Event]] = {}  # the latest re-add of an id
         # `deliver` (vLLM since #48245) delivers stale output by design; it is wrong only
         # once the request was scheduled again before it drained (its position recomputed).
         self._delivers_stale = get_policy(ctx.state.discard_policy).delivers_stale
 
     def before(self) -> dict[type, Hook]:
-        return {ev.FrameProduced: self._frame_before}
+        return {ev.FrameProduced: self._frame_before, ev.RequestAdded: self._added}
 
     def after(self) -> dict[type, Hook]:
         return {ev.FrameProduced: self._frame_after}
+
+    def _added(self, seq: int, e: ev.RequestAdded) -> None:
+        if e.req_id in self.state.requests:  # an id added again (the reducer decides if it may)
+            self._readded[e.req_id] = (seq, e)
 
     def _frame_before(self, seq: int, e: ev.FrameProduced) -> None:
         flight = self.state.in_flight_steps
@@ -90,6 +98,12 @@ class FrameChecker(Checker):
             for entry, req in zip(self._step.entries, self._step.requests)
             if entry.req_id not in partial
         ]
+        requests = self.state.requests
+        self._renamed = [
+            None if (now := requests[entry.req_id]) is req else (now, len(now.output_token_ids))
+            for entry, req in zip(self._step.entries, self._step.requests)
+            if entry.req_id not in partial
+        ]
 
     def _scheduled_again(self, entry: ev.ScheduledEntry) -> bool:
         """Whether a later epoch of the stale entry's request is in flight behind it."""
@@ -102,6 +116,9 @@ class FrameChecker(Checker):
             return
         ctx, tokens = self.ctx, self.ctx.tokens
         scheduled = ctx.scheduled.get(e.step)
+        for renamed in self._renamed:
+            if renamed is not None and len(renamed[0].output_token_ids) > renamed[1]:
+                self._landed_on_reused_id(seq, e, renamed[0], scheduled)
         for (req, stale, n_out, n_dropped, stopped, again), frame in zip(self._before, e.entries):
             produced = len(frame.token_ids)
             tokens["produced"] += produced
@@ -176,6 +193,29 @@ class FrameChecker(Checker):
             f"was dropped by {why}; its tokens are lost and later tokens move up",
             excerpt,
             bug,
+            seq,
+        )
+
+    def _landed_on_reused_id(
+        self,
+        seq: int,
+        e: ev.FrameProduced,
+        req: RequestState,
+        scheduled: tuple[int, ev.Event] | None,
+    ) -> None:
+        """The step was scheduled for an earlier request of this id (finished since, the id
+        added again), and its output was applied to the new one (vLLM #42492)."""
+        self.ctx.reused.add(req.req_id)
+        self.ctx.report(
+            "stale_frame_applied",
+            "error",
+            [req.req_id],
+            e.step,
+            f"the frame of step {e.step}, scheduled for an earlier request {req.req_id!r} that "
+            "finished while it was in flight, was applied to the request added again under "
+            "that id: the old request's tokens land on the new one",
+            [scheduled, self._readded.get(req.req_id), (seq, e)],
+            "vllm#42492",
             seq,
         )
 
@@ -296,6 +336,8 @@ class CountChecker(Checker):
             )
         elif name == "num_output_placeholders" and req.req_id in self.ctx.chunked:
             bug = "vllm#57562"  # no preemption: a prefill chunk's placeholder went missing
+        if bug is None and req.req_id in self.ctx.reused:
+            bug = "vllm#42492"  # an earlier request's output took its counts down
         self.ctx.report(
             "negative_count",
             "error",

@@ -8,13 +8,18 @@ block of the request back. Findings:
   lies outside the pool;
 - `kv_block_leaked`: a KV-pressure preemption while so many blocks were free by the tape that
   no allocation of that step could have failed: the engine's pool lost blocks;
-- `prefix_cache_reset_in_use`: a prefix-cache reset succeeded while requests held blocks.
+- `prefix_cache_reset_in_use`: a prefix-cache reset succeeded while requests held blocks;
+- `block_reused_while_in_flight`: a request admitted took a block as already holding its
+  prefix (a prefix-cache hit, or KV loaded into it) while a step still in flight writes other
+  tokens into it, for the request that gave it back: that write lands on what the new owner
+  reads (vLLM #45357/#47728). The runner runs steps in order, so a block written only by its
+  new owner's own steps is safe however soon it was handed out; one it trusts is not.
 """
 
 from __future__ import annotations
 
 from tokentape.events import schema as ev
-from tokentape.events.state import RequestStatus
+from tokentape.events.state import RequestState, RequestStatus
 from tokentape.postmortem.base import Checker, Hook
 from tokentape.postmortem.context import Context
 
@@ -33,6 +38,90 @@ class KVChecker(Checker):
             None  # a reset whose preemptions follow
         )
         self.abort_freed: set[int] = set()  # blocks given back by an abort with a step in flight
+        # Block -> (step, request, its block index, slots not written again since) of the
+        # in-flight steps that write it: a later step's write of a slot lands after theirs.
+        self.writes: dict[int, list[tuple[int, RequestState, int, set[int]]]] = {}
+        self.step_writes: dict[int, list[int]] = {}  # in-flight step -> the blocks it writes
+
+    def after(self) -> dict[type, Hook]:
+        return {ev.FrameProduced: self._frame}
+
+    def _frame(self, seq: int, e: ev.FrameProduced) -> None:
+        """The step came back: its writes are done."""
+        for b in self.step_writes.pop(e.step, ()):
+            left = [w for w in self.writes.get(b, ()) if w[0] != e.step]
+            if left:
+                self.writes[b] = left
+            else:
+                self.writes.pop(b, None)
+
+    def _track_writes(self, seq: int, e: ev.StepScheduled) -> None:
+        """Check the blocks each admitted request trusts against the writes in flight, then
+        note the blocks this step writes (before the reducer applies it)."""
+        requests, bs, writes = self.state.requests, self.block_size, self.writes
+        mine: list[int] = []
+        for entry in e.entries:
+            req = requests.get(entry.req_id)
+            if req is None or req.finish_reason is not None:
+                continue  # the reducer refuses it
+            running = req.status is RequestStatus.RUNNING
+            if not running and writes:
+                trusted = entry.new_block_ids[: entry.num_computed_before // bs]
+                for j, b in enumerate(trusted):
+                    for step, writer, i, slots in writes.get(b, ()):
+                        if not self._same_content(writer, i, req, j):
+                            self._reused_in_flight(seq, e, req, b, j, (step, writer, i, slots))
+            blocks = (req.block_ids if running else []) + entry.new_block_ids
+            start = entry.num_computed_before
+            end = start + entry.num_new_tokens
+            for i in range(start // bs, min((end - 1) // bs + 1, len(blocks))):
+                b = blocks[i]
+                slots = set(range(max(start, i * bs) - i * bs, min(end, (i + 1) * bs) - i * bs))
+                earlier = writes.get(b, [])
+                for w in earlier:  # this write lands after theirs: the slots it covers are safe
+                    w[3].difference_update(slots)
+                writes[b] = [*(w for w in earlier if w[3]), (e.step, req, i, slots)]
+                mine.append(b)
+        if mine:
+            self.step_writes[e.step] = mine
+
+    def _same_content(self, writer: RequestState, i: int, reader: RequestState, j: int) -> bool:
+        """Whether the writer's block i holds what the reader's block j stands for: the same
+        place in the same prefix (the request's own recompute, or a prefix shared by hash)."""
+        end = (i + 1) * self.block_size
+        return (
+            i == j
+            and writer.num_tokens >= end
+            and reader.num_tokens >= end
+            and writer.token_ids_between(0, end) == reader.token_ids_between(0, end)
+        )
+
+    def _reused_in_flight(
+        self,
+        seq: int,
+        e: ev.StepScheduled,
+        req: RequestState,
+        b: int,
+        j: int,
+        write: tuple[int, RequestState, int, set[int]],
+    ) -> None:
+        step, writer, i, slots = write
+        bs = self.block_size
+        written = ", ".join(str(i * bs + s) for s in sorted(slots))
+        self.ctx.report(
+            "block_reused_while_in_flight",
+            "error",
+            sorted({req.req_id, writer.req_id}),
+            e.step,
+            f"request {req.req_id!r} was admitted in step {e.step} trusting KV block {b} to "
+            f"hold its positions {j * bs}-{(j + 1) * bs - 1}, while step {step}, still in "
+            f"flight, writes request {writer.req_id!r}'s position(s) {written} into it (it "
+            "gave the block back with that step in flight): the stale write "
+            "lands on the KV the new owner reads",
+            [self.ctx.scheduled.get(step), (seq, e)],
+            "vllm#45357",
+            seq,
+        )
 
     def before(self) -> dict[type, Hook]:
         return {
@@ -45,6 +134,7 @@ class KVChecker(Checker):
 
     def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
         self._settle_reset()
+        self._track_writes(seq, e)
         requests, refs, holder, bs = self.state.requests, self.refs, self.holder, self.block_size
         for entry in e.entries:
             if not entry.new_block_ids:

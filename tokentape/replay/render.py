@@ -78,8 +78,12 @@ def describe_event(event: ev.Event) -> str:
             body = f"mode={mode} clear_cache={clear}"
         case ev.PrefixCacheReset(reset_running_requests=running, ok=ok):
             body = f"reset_running_requests={running} ok={ok}"
-        case ev.WeightsUpdated(weights_id=w):
-            body = f"weights_id={w}"
+        case ev.WeightsUpdated(weights_id=w, weight_version=version):
+            body = f"weights_id={w}" + (f" weight_version={version}" if version else "")
+        case ev.WeightChunkReceived(names=names):
+            body = f"{len(names)} tensor(s): {', '.join(names[:4])}" + (
+                ", ..." if len(names) > 4 else ""
+            )
         case ev.EngineSlept(level=level, in_flight=in_flight, kept=kept):
             body = f"level={level} in_flight={in_flight} kept={len(kept)} requests"
         case ev.EngineWokeUp(tags=tags, weights_id=w):

@@ -198,8 +198,9 @@ class _Builder:
                 self.markers.append(Marker("pause", seq, step, None, detail))
             case ev.GenerationResumed():
                 self.markers.append(Marker("resume", seq, step))
-            case ev.WeightsUpdated(weights_id=w):
-                self.markers.append(Marker("weights", seq, step, None, w))
+            case ev.WeightsUpdated(weights_id=w, weight_version=version):
+                detail = f"{w}, version {version}" if version else w
+                self.markers.append(Marker("weights", seq, step, None, detail))
             case ev.EngineSlept(level=level):
                 self.markers.append(Marker("sleep", seq, step, None, f"level={level}"))
             case ev.EngineWokeUp(tags=tags):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from tokentape.engine.llm_engine import LLMEngine
-from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.runners.base import ScheduledBatch, WeightChunk
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape, TapeError
@@ -26,6 +27,8 @@ from tokentape.replay.divergence import (
 )
 from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.verify_recorded import verify_recorded
+
+_E = TypeVar("_E", bound=ev.Event)
 
 __all__ = [
     "Divergence",
@@ -86,8 +89,22 @@ class _StreamReplayRunner:
             raise self.stream.diverged(f"the replay applies the frame of step {step} here", None)
         return nxt[1].entries
 
-    def update_weights(self, weights_id: str) -> str:
-        return weights_id  # no weights here: the recorded content hash stands for them
+    def update_weights(self, weights_id: object) -> str:
+        return self._recorded(ev.WeightsUpdated).weights_id
+
+    def stage_weights(self, weights: object) -> WeightChunk:
+        chunk = self._recorded(ev.WeightChunkReceived)
+        return WeightChunk(chunk.names, chunk.shapes, chunk.hashes)
+
+    def load_staged_weights(self) -> str:
+        return self._recorded(ev.WeightsUpdated).weights_id
+
+    def _recorded(self, kind: type[_E]) -> _E:
+        """No weights here: the recorded hashes stand for them (the command is next)."""
+        nxt = self.stream.peek()
+        if nxt is None or not isinstance(nxt[1], kind):
+            raise self.stream.diverged(f"the replay loads weights here ({kind.__name__})", None)
+        return nxt[1]
 
     # Sleep mode (runners.base.SleepsMemory): no memory here; a wake-up that rebuilt the
     # weights gives back the hash the recording has.
@@ -151,8 +168,15 @@ def issue_command(engine: LLMEngine, event: ev.Event) -> None:
             engine.resume_generation()
         case ev.PrefixCacheReset(reset_running_requests=reset_running):
             engine.reset_prefix_cache(reset_running)
-        case ev.WeightsUpdated(weights_id=weights_id):
-            engine.update_weights(weights_id)
+        case ev.WeightsUpdated(weights_id=weights_id, weight_version=version):
+            if engine.state.weight_update_chunks is not None:  # the finish of a transfer
+                engine.finish_weight_update(version)
+            else:
+                engine.update_weights(weights_id, version)
+        case ev.WeightUpdateStarted():
+            engine.start_weight_update()
+        case ev.WeightChunkReceived():
+            engine.update_weights(event)  # the replay runner reads the chunk's record
         case ev.EngineSlept(level=level):
             engine.fall_asleep(level)  # its pause is a command of its own, replayed before it
         case ev.EngineWokeUp(tags=tags):

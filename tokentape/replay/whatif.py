@@ -128,16 +128,17 @@ def _advance_to(engine: LLMEngine, step: int, limit: int, goal: str | None = Non
 
 
 def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) -> None:
-    if isinstance(event, ev.WeightsUpdated):
-        # The tape names the weights (an id) but does not hold them.
+    if isinstance(event, (ev.WeightsUpdated, ev.WeightUpdateStarted, ev.WeightChunkReceived)):
+        # The tape names the weights (hashes) but does not hold them.
         if runner == "oracle":
-            notes.append(
-                f"weight update to {event.weights_id!r} at step {event.step} skipped: "
-                "the oracle's tokens do not depend on weights"
-            )
+            if isinstance(event, ev.WeightsUpdated):  # a transfer's start and chunks: silently
+                notes.append(
+                    f"weight update to {event.weights_id!r} at step {event.step} skipped: "
+                    "the oracle's tokens do not depend on weights"
+                )
             return
         raise WhatIfError(
-            f"the tape updates the weights to {event.weights_id!r} at step {event.step}; the "
+            f"the tape updates the weights at step {event.step} ({ev.kind_of(event)}); the "
             "weights are not on the tape, so a run with the model cannot repeat the update "
             "(use --runner oracle)"
         )

@@ -11,7 +11,9 @@ came, why not.
 The request is folded alone: its own events (tokentape/replay/why_source.py finds them by
 seeks) go through the reducer into a state that holds only this request, with every step and
 frame cut to its entry. The reducer changes a request only for events that name it, so the
-projected request equals the one a full fold derives (tests/replay/test_why.py checks it).
+projected request equals the one a full fold derives (tests/replay/test_why.py checks it). On
+a tape with weight updates, why_weights.py adds the weights that computed the token and any
+prefix it reused from KV of older weights.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.why_explain import WhyError, WhyResult, explain
 from tokentape.replay.why_source import WhySource, merged
 from tokentape.replay.why_trace import RequestTracer, project
+from tokentape.replay.why_weights import add_weights
 
 
 def trace_request(
@@ -42,6 +45,9 @@ def trace_request(
                 + (f" (requests: {listed})" if known else " (it has no requests)")
             )
         tracer = RequestTracer(tape, req_id)
+        # Only the fault output_on_reused_id lets a tape add an id twice; then the latest
+        # request of the id is explained.
+        reused_ids = "output_on_reused_id" in tracer.state.faults
         extra: list[tuple[int, ev.Event]] = []
         looked_up: set[int] = set()
         for seq, event in merged(own.events(req_id, start), extra):
@@ -56,6 +62,8 @@ def trace_request(
                     found = own.frame_of(cut.step, seq)
                     if found is not None:
                         heapq.heappush(extra, found)  # type: ignore[arg-type]
+            if reused_ids:
+                continue  # the id may be added again later: read on (museum tapes only)
             if tracer.added is not None and (tracer.settled() or tracer.done_with(position)):
                 break
         tracer.events_read = own.rows_read
@@ -74,6 +82,7 @@ def why(source: str | Any, req_id: str, position: int) -> WhyResult:
     tape = load_tape(source)
     tracer = trace_request(tape, req_id, position=position)
     result = explain(tracer, position)
+    add_weights(tape, tracer, result)
     result.tape = tape.path
     result.discard_policy = tape.header.discard_policy
     return result

@@ -21,7 +21,9 @@ class Link:
     seq: int
     step: int
     kind: str  # the event's kind
-    role: str  # added, scheduled, produced, dropped, ignored, preempted, finished, delivered
+    # added, scheduled, produced, dropped, ignored, preempted, finished, delivered; with
+    # weight updates (why_weights.py): paused, weights, cache hit
+    role: str
     detail: str
 
 
@@ -39,6 +41,7 @@ class WhyResult:
     epoch: int | None = None
     scheduled_for: int | None = None  # the output position that step computed it for
     delivered_seq: int | None = None
+    weight_version: str | None = None  # the weights that computed it (a tape with updates)
     verdict: str = ""
     chain: list[Link] = field(default_factory=list)
     events_read: int = 0
@@ -143,15 +146,18 @@ def explain(tracer: RequestTracer, p: int) -> WhyResult:
     for f in touching:
         last = f.first + f.span - 1 if f.first is not None else None
         where = f"position {f.first}" if last == f.first else f"positions {f.first}..{last}"
-        chain.append(
-            Link(
-                f.sched_seq,
-                f.step,
-                "StepScheduled",
-                "scheduled",
-                f"computes {where} in epoch {f.epoch}",
+        detail = f"computes {where} in epoch {f.epoch}"
+        if f.trusted:
+            detail += (
+                f", taking its first {len(f.trusted) * tracer.block_size} tokens as computed: "
+                f"KV block(s) {f.trusted} it did not compute (a prefix-cache hit, or loaded KV)"
             )
-        )
+        if f.earlier is not None:
+            detail += (
+                f", for the earlier request {rid!r} (added at event {f.earlier}), which "
+                "finished while it was in flight"
+            )
+        chain.append(Link(f.sched_seq, f.step, "StepScheduled", "scheduled", detail))
         link = _frame_link(f, p, out, policy)
         if link is not None:
             chain.append(link)
@@ -220,10 +226,44 @@ def explain(tracer: RequestTracer, p: int) -> WhyResult:
         res.epoch = producer.epoch
         assert producer.first is not None and producer.landed is not None
         res.scheduled_for = producer.first + (p - producer.landed[0])
+        if producer.sampled_at is not None:  # what the runner computed, from its frame
+            res.scheduled_for = producer.sampled_at + (p - producer.landed[0])
+        if producer.earlier is not None:  # a position of another request
+            res.scheduled_for = None
     res.delivered = delivery is not None
     res.delivered_seq = delivery[0] if delivery else None
-    res.verdict = _verdict(res, tracer, p, fresh_drops)
+    res.verdict = _verdict(res, tracer, p, fresh_drops) + _museum_notes(tracer, producer, p)
     return res
+
+
+def _museum_notes(tracer: RequestTracer, producer: TracedFrame | None, p: int) -> str:
+    """What the bug family's newer members leave at a position (docs/postmortem.md)."""
+    notes = []
+    if producer is not None and producer.earlier is not None:
+        notes.append(
+            f"Step {producer.step} was scheduled for the earlier request {tracer.req_id!r} "
+            f"(added at event {producer.earlier}), which finished while the step was in "
+            f"flight; the id was added again at event {tracer.readded}, and the old step's "
+            "output landed on the new request (a stale output on a reused request id: "
+            "vLLM #42492)."
+        )
+    first = min(tracer.frames.values(), key=lambda f: f.step, default=None)
+    if first is not None and first.trusted:
+        notes.append(
+            f"Its first step took KV block(s) {first.trusted} as already holding its first "
+            f"{len(first.trusted) * tracer.block_size} tokens; `tokentape postmortem` says "
+            "whether a step still in flight wrote other tokens into them "
+            "(block_reused_while_in_flight, vLLM #45357)."
+        )
+    if not tracer.frames and tracer.added is not None:
+        end = tracer.finish[1].step if tracer.finish is not None else None
+        until = f"until step {end}" if end is not None else "to the end of the tape"
+        notes.append(
+            f"It was never scheduled: it waited from step {tracer.added[1].step} {until} "
+            "(`tokentape postmortem` names a stalled admission: admission_stalled, "
+            "vLLM #53130)."
+        )
+    return "".join(" " + n for n in notes)
 
 
 def _verdict(res: WhyResult, tracer: RequestTracer, p: int, fresh_drops: list[TracedFrame]) -> str:
@@ -239,7 +279,15 @@ def _verdict(res: WhyResult, tracer: RequestTracer, p: int, fresh_drops: list[Tr
             if res.delivered
             else ", never delivered: the tape ends first."
         )
-        if res.scheduled_for is not None and res.scheduled_for != p:
+        if res.scheduled_for is not None and res.scheduled_for < p:
+            text += (
+                f" Step {res.step} computed it for position {res.scheduled_for}, which the "
+                f"request already had: position {res.scheduled_for} was delivered twice and "
+                f"this token comes {p - res.scheduled_for} place(s) late (duplicated_token: "
+                "a step that sampled a delivered position again, as tenstorrent/vllm #395's "
+                "stale input does)."
+            )
+        elif res.scheduled_for is not None and res.scheduled_for != p:
             text += (
                 f" Step {res.step} computed it for position {res.scheduled_for}: "
                 f"{len(fresh_drops)} fresh frame(s) dropped before it moved it up "

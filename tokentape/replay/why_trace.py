@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve
-from tokentape.events.state import EngineState, RequestState
+from tokentape.events.state import EngineState, RequestState, RequestStatus
 from tokentape.replay.tape import Tape
 
 
@@ -26,6 +26,9 @@ class TracedFrame:
     fate: str = "in flight"  # applied, dropped, ignored, prefill, in flight
     landed: tuple[int, int] | None = None  # output positions its tokens took [a, b)
     would: tuple[int, int] | None = None  # where a dropped frame's tokens would have gone
+    sampled_at: int | None = None  # the output position its frame says it was sampled at
+    trusted: list[int] | None = None  # blocks an admitted entry took as computed, not computing
+    earlier: int | None = None  # scheduled for an earlier request of this id (its RequestAdded)
 
 
 def project(event: ev.Event, req_id: str) -> ev.Event | None:
@@ -59,6 +62,8 @@ class RequestTracer:
         self.finish: tuple[int, ev.Event] | None = None
         self.num_delivered = 0
         self.events_read = 0
+        self.block_size = tape.config.block_size
+        self.readded: int | None = None  # the id was added again here (a museum fault only)
 
     @property
     def req(self) -> RequestState:
@@ -84,12 +89,15 @@ class RequestTracer:
     def apply(self, seq: int, event: ev.Event) -> None:
         state, kind = self.state, type(event)
         if kind is ev.RequestAdded:
+            if self.added is not None:
+                self._added_again(seq)
             self.added = (seq, event)  # type: ignore[assignment]
             evolve(state, event)
         elif kind is ev.StepScheduled:
             state.step = event.step  # only this request's steps are folded
-            evolve(state, event)
             entry = event.entries[0]  # type: ignore[attr-defined]
+            admitted = self.req.status is not RequestStatus.RUNNING
+            evolve(state, event)
             req = self.req
             partial = self.req_id in state.in_flight_steps[-1].partial
             first = (
@@ -110,6 +118,9 @@ class RequestTracer:
                 1 + entry.num_spec_tokens,
                 fate="prefill" if partial else "in flight",
             )
+            if admitted and entry.num_computed_before:
+                n = entry.num_computed_before // self.block_size
+                self.frames[event.step].trusted = entry.new_block_ids[:n]
         elif kind is ev.FrameProduced:
             if not state.in_flight_steps or state.in_flight_steps[0].step != event.step:
                 return  # a step this request was not in
@@ -126,6 +137,18 @@ class RequestTracer:
             if self.req.finish_reason is None:
                 self.finish = (seq, event)
             evolve(state, event)
+
+    def _added_again(self, seq: int) -> None:
+        """The id is added again (a finished request's, as vLLM allows; tokentape's engine only
+        under the fault output_on_reused_id): explain the new request, keeping the earlier
+        one's steps still in flight, whose output the fault gives to the new one."""
+        assert self.added is not None
+        first = self.added[0]
+        self.frames = {s: f for s, f in self.frames.items() if f.fate in ("in flight", "prefill")}
+        for f in self.frames.values():
+            f.earlier = first
+        self.preemptions, self.emitted, self.finish = [], [], None
+        self.num_delivered, self.readded = 0, seq
 
     def _frame(self, seq: int, event: ev.FrameProduced) -> None:
         req, f = self.req, self.frames[event.step]
@@ -144,5 +167,8 @@ class RequestTracer:
             f.would = (before, before + len(event.entries[0].token_ids))
         elif after > before:
             f.fate, f.landed = "applied", (before, after)
+            position = event.entries[0].position
+            if position >= 0:
+                f.sampled_at = position - req.num_prompt_tokens
         else:
             f.fate = "ignored" if stopped is not None else "applied"

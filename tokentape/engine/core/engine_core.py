@@ -57,7 +57,12 @@ class EngineCore:
             "resume_generation": self.engine.resume_generation,
             "is_paused": self.engine.is_paused,
             "reset_prefix_cache": self.engine.reset_prefix_cache,
-            "update_weights": lambda w: self.engine.update_weights(load_weights_arg(w)),
+            "update_weights": lambda w, version=None: self.engine.update_weights(
+                load_weights_arg(w), version
+            ),
+            "start_weight_update": self.engine.start_weight_update,
+            "finish_weight_update": self.engine.finish_weight_update,
+            "get_weight_version": self.engine.get_weight_version,
             "sleep": self.engine.sleep,
             "wake_up": self.engine.wake_up,
             "is_sleeping": self.engine.is_sleeping,

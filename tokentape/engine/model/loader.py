@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -114,9 +115,16 @@ def read_checkpoint(
     path: str | os.PathLike[str],
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
     """config.json and every tensor of the folder's *.safetensors, with the file of each."""
+    config = config_from_hf(path)
+    return (config, *read_weight_files(path))
+
+
+def read_weight_files(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of the folder's *.safetensors, with the file of each."""
     from safetensors import safe_open
 
-    config = config_from_hf(path)
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file in weight_files(path):
@@ -131,7 +139,7 @@ def read_checkpoint(
             raise
         except Exception as exc:  # noqa: BLE001 (safetensors has its own error types)
             raise CheckpointError(f"{file}: cannot read the safetensors file ({exc})") from None
-    return config, tensors, origin
+    return tensors, origin
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, CausalLM]:
@@ -236,9 +244,18 @@ def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.T
             "update_weights takes a state_dict or a checkpoint folder, "
             f"got {type(weights).__name__}"
         )
-    params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    return checked_update(dict(model.named_parameters()), tensors, origin)
+
+
+def checked_update(
+    params: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Any],
+    origin: Mapping[str, str],
+) -> dict[str, torch.Tensor]:
+    """`tensors` checked against the parameters they replace (`origin`: the file of each, for
+    the message) and cast to their dtype and device; ValueError naming the first bad one."""
     if not tensors:
         raise ValueError("update_weights: the update holds no tensors")
     out = {}
@@ -276,6 +293,26 @@ def apply_update(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, t in tensors.items():
             params[name].copy_(t)
+
+
+def tensor_sha256(name: str, t: torch.Tensor) -> str:
+    """sha256 over one tensor's name, dtype, shape and bytes (a chunk's record on the tape)."""
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+def chunk_record(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[list[str], list[list[int]], list[str]]:
+    """A checked chunk as the tape records it: names, shapes and SHA-256s, in name order."""
+    names = sorted(tensors)
+    return (
+        names,
+        [list(tensors[n].shape) for n in names],
+        [tensor_sha256(n, tensors[n]) for n in names],
+    )
 
 
 def weights_hash(model: CausalLM) -> str:

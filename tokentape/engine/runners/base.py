@@ -24,6 +24,9 @@ def prompt_seed(seed: int, prompt_token_ids: Sequence[int]) -> int:
 class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Compute the prompt's logprobs as it is prefilled: it asks (prompt_logprobs) and has
+    # none on the tape yet (a request re-entering after a preemption usually has them).
+    prompt_logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -71,12 +74,31 @@ class ChecksParams(Protocol):
         recorded."""
 
 
+@dataclass(frozen=True, slots=True)
+class WeightChunk:
+    """What a chunk of a weight transfer held, as the tape records it: per tensor its name,
+    shape and SHA-256 (of its name, dtype, shape and bytes, once cast to the model's dtype)."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    hashes: list[str]
+
+
 @runtime_checkable
 class UpdatesWeights(Protocol):
-    """A runner with weights (the real model), which an RL loop may replace while paused."""
+    """A runner with weights (the real model; the oracle's, which its tokens ignore), which
+    an RL loop may replace while paused: whole, or in chunks (vLLM RFC #31848)."""
 
     def update_weights(self, weights: object) -> str:
         """Validate every tensor, then load them; the new weights' content hash."""
+
+    def stage_weights(self, weights: object) -> WeightChunk:
+        """Validate a chunk (names and shapes against the model) and hold it, loading
+        nothing; a refused chunk raises and leaves the held ones as they were."""
+
+    def load_staged_weights(self) -> str:
+        """Load every chunk held (a later chunk's tensor replaces an earlier one of the same
+        name), forget them; the new weights' content hash."""
 
 
 @runtime_checkable

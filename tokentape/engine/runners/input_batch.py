@@ -9,7 +9,7 @@ sequences (data parallelism over the batch; see `split_over_lanes`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +67,9 @@ class EntryInputs:
     drafts: list[int]  # n-gram draft tokens at the end of inputs
     samples: bool  # False for a prefill chunk short of the sequence's end
     entering: bool = False  # it (re)enters the batch: its cached prefix may be shared blocks
+    # With prompt logprobs: the prompt tokens its first inputs' logits score (token p + 1 at
+    # position p; runners/prompt_logprobs.py).
+    prompt_targets: list[int] = field(default_factory=list)
 
     @property
     def num_sample_rows(self) -> int:

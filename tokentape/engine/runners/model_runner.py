@@ -24,7 +24,13 @@ from tokentape.engine.kv_cache_size import kv_bytes_per_token, num_blocks_for, u
 from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
-from tokentape.engine.model.loader import WeightsSource, apply_update, prepare_update, weights_hash
+from tokentape.engine.model.loader import (
+    WeightsSource,
+    apply_update,
+    chunk_record,
+    prepare_update,
+    weights_hash,
+)
 from tokentape.engine.model.logits_processors import (
     RowContext,
     apply_logits_processors,
@@ -34,7 +40,7 @@ from tokentape.engine.model.logits_processors import (
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
+from tokentape.engine.runners.base import ScheduledBatch, WeightChunk, prompt_seed
 from tokentape.engine.runners.devices import cpus_available, resolve_device
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
@@ -43,6 +49,11 @@ from tokentape.engine.runners.input_batch import (
     build_forward_batch,
     choose_lanes,
     split_over_lanes,
+)
+from tokentape.engine.runners.prompt_logprobs import (
+    PromptLogprobsTracker,
+    ScoredRows,
+    score_prompts,
 )
 from tokentape.engine.runners.sleep_memory import RunnerMemory
 from tokentape.engine.runners.worker import ModelWorker
@@ -151,7 +162,9 @@ class TorchModelRunner:
         # No position is past the model's context length (a longer max_model_len is refused).
         self.model.rope.extend(min(num_kv_blocks * block_size, self.config.derived_max_model_len))
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
+        self._staged: dict[str, torch.Tensor] = {}  # chunks of an open weight transfer
         self._seqs: dict[str, SeqState] = {}
+        self._prompt_lps = PromptLogprobsTracker()  # prompt logprobs of chunked prefills
         cfg = self.config
         # Per token of context, in bytes: K and V of every layer (for balancing the lanes).
         self._kv_bytes_per_token = (
@@ -189,6 +202,7 @@ class TorchModelRunner:
         for lane in self._lanes:
             lane.close()
         self._seqs.clear()
+        self._prompt_lps.clear()
 
     @property
     def num_steps_outstanding(self) -> int:
@@ -219,9 +233,22 @@ class TorchModelRunner:
     def update_weights(self, weights: WeightsSource) -> str:
         """Validate everything first, then load; returns the new weights' content hash.
         The caller guarantees that no step is in flight."""
+        return self._load(prepare_update(self.model, weights))
+
+    def stage_weights(self, weights: WeightsSource) -> WeightChunk:
+        """A chunk of a transfer, checked as a whole update is and held (copied: a trainer
+        may reuse its buffers for the next chunk) until `load_staged_weights`."""
+        tensors = {n: t.clone() for n, t in prepare_update(self.model, weights).items()}
+        self._staged.update(tensors)
+        return WeightChunk(*chunk_record(tensors))
+
+    def load_staged_weights(self) -> str:
+        staged, self._staged = self._staged, {}
+        return self._load(staged)
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> str:
         if self._worker.num_outstanding:
             raise RuntimeError("update_weights: steps are still in flight in the runner")
-        tensors = prepare_update(self.model, weights)
         apply_update(self.model, tensors)
         if self.device.type == "cuda":  # the worker's stream must see the copies
             torch.cuda.synchronize(self.device)
@@ -249,8 +276,10 @@ class TorchModelRunner:
 
     def _plan(self, batch: ScheduledBatch) -> list[EntryInputs]:
         """What each entry computes; advances the runner's copies of the sequences."""
+        prompt_lps = self._prompt_lps
         for req_id in batch.finished_req_ids:
             self._seqs.pop(req_id, None)
+            prompt_lps.drop(req_id)
         plan = []
         for e in batch.entries:
             req_id = e.req_id
@@ -265,6 +294,7 @@ class TorchModelRunner:
                     e.num_computed_before,
                     len(new.prompt_token_ids),
                 )
+                prompt_lps.enter(req_id, new)
             else:
                 seq = self._seqs[req_id]
                 seq.block_ids += e.new_block_ids
@@ -293,6 +323,7 @@ class TorchModelRunner:
                     drafts,
                     samples=req_id not in batch.partial_prefills,
                     entering=new is not None,
+                    prompt_targets=prompt_lps.targets(req_id, start, len(inputs)),
                 )
             )
             # K/V are now cached up to the inputs before the drafts; accepted drafts add to it.
@@ -300,14 +331,18 @@ class TorchModelRunner:
         return plan
 
     @torch.inference_mode()
-    def _logits(self, entries: list[EntryInputs]) -> torch.Tensor:
-        """One forward pass over `entries`: float32 logits of their sample rows, in order."""
+    def _logits(
+        self, entries: list[EntryInputs]
+    ) -> tuple[torch.Tensor, list[tuple[str, ScoredRows]]]:
+        """One forward pass over `entries`: float32 logits of their sample rows, in order,
+        and the scored rows of those computing prompt logprobs."""
         batch = build_forward_batch(entries, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        scored = score_prompts(entries, hidden, self.model.compute_logits)
         if not batch.sample_rows.numel():  # prefill chunks short of the end sample nothing
-            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scored
         # float32 once here: the sampler and the logprobs both read it.
-        return self.model.compute_logits(hidden[batch.sample_rows]).float()
+        return self.model.compute_logits(hidden[batch.sample_rows]).float(), scored
 
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> list[FrameEntry]:
@@ -322,11 +357,15 @@ class TorchModelRunner:
         )
         for lane, share in zip(self._lanes, shares[1:]):
             lane.submit(functools.partial(self._logits, share))
-        parts = [self._logits(shares[0])]
-        parts += [lane.result() for lane in self._lanes[: len(shares) - 1]]
+        outs = [self._logits(shares[0])]
+        outs += [lane.result() for lane in self._lanes[: len(shares) - 1]]
+        for _, scored in outs:
+            for req_id, rows in scored:
+                self._prompt_lps.add(req_id, rows)
         samplers = [e for share in shares for e in share if e.samples]
         if not samplers:
             return []
+        parts = [part for part, _ in outs]
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         rows = SamplingRows([], [], [], [])
         contexts: list[RowContext | None] = []
@@ -375,6 +414,7 @@ class TorchModelRunner:
                 out.append(d)
             out.append(sampled[row + len(out)])
             seq.num_computed += len(out) - 1  # the accepted drafts' K/V are valid
+            position = len(seq.tokens)  # where its first token goes
             seq.tokens += out
             lp = (
                 logprobs[row : row + len(out)]
@@ -385,7 +425,10 @@ class TorchModelRunner:
             if tops is not None and seq.params.logprobs:
                 top_ids = [tops[row + j][0] for j in range(len(out))]
                 top_lps = [tops[row + j][1] for j in range(len(out))]
-            frames[e.req_id] = FrameEntry(e.req_id, out, drafts, lp, top_ids, top_lps)
+            plp = self._prompt_lps.take(e.req_id)  # the prompt's, on its last chunk's frame
+            frames[e.req_id] = FrameEntry(
+                e.req_id, out, drafts, lp, top_ids, top_lps, position, plp
+            )
             row += 1 + len(drafts)
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
 

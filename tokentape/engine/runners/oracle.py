@@ -8,10 +8,13 @@ exactly `OracleRunner.expected_stream(...)` for every request; the tests compare
 deviations, so n-gram drafts are sometimes accepted and sometimes rejected.
 `model="oracle-random"` draws every token independently (drafts almost never match).
 
+Its weights (oracle_weights.py) are a small parameter set that weight updates replace and
+hash, as a real model's, while its tokens ignore them.
+
 The oracle has no logits, so the sampling options that act on them (the penalties, min_tokens,
-bad_words, logit_bias, min_p) cannot be honoured: `check_params` refuses such a request before
-anything is recorded. Ignoring them would give a stream no model could produce, and a what-if
-replay with the oracle would then report a difference that is not there.
+bad_words, logit_bias, min_p) and prompt_logprobs cannot be honoured: `check_params` refuses
+such a request before anything is recorded. Ignoring them would give a stream no model could
+produce, and a what-if replay with the oracle would then report a difference that is not there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
+from tokentape.engine.runners.base import ScheduledBatch, WeightChunk, prompt_seed
+from tokentape.engine.runners.oracle_weights import OracleWeights
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 
@@ -64,6 +68,7 @@ class OracleRunner:
         self.lookup = (prompt_lookup_max, prompt_lookup_min)
         self._seqs: dict[str, _DeviceSeq] = {}
         self._results: dict[int, list[FrameEntry]] = {}
+        self.weights = OracleWeights(seed)  # replaced by updates, ignored by the tokens
 
     # -- the pure function ---------------------------------------------------------------------
 
@@ -106,6 +111,7 @@ class OracleRunner:
                 ("bad_words", bool(params.bad_words)),
                 ("min_p", params.min_p > 0),
                 ("logit_bias", bool(params.logit_bias)),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
             )
             if on
         ]
@@ -114,6 +120,17 @@ class OracleRunner:
                 f"the oracle runner ({self.model_id}) has no logits and cannot honour "
                 f"{', '.join(used)}; use a model (e.g. model='tiny') for such a request"
             )
+
+    # -- weight updates (runners.base.UpdatesWeights; oracle_weights.py) -----------------------
+
+    def update_weights(self, weights: object) -> str:
+        return self.weights.update_weights(weights)
+
+    def stage_weights(self, weights: object) -> WeightChunk:
+        return self.weights.stage_weights(weights)
+
+    def load_staged_weights(self) -> str:
+        return self.weights.load_staged_weights()
 
     # -- the runner protocol -------------------------------------------------------------------
 
@@ -137,7 +154,7 @@ class OracleRunner:
             if req_id in batch.partial_prefills:
                 continue
             tokens = seq.tokens
-            pos = len(tokens)
+            pos = first = len(tokens)
             drafts = (
                 propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
                 if e.num_spec_tokens
@@ -151,7 +168,7 @@ class OracleRunner:
                 pos += 1
             out.append(self.token_at(seq.key, pos))
             tokens += out
-            frame.append(FrameEntry(req_id, out, drafts))
+            frame.append(FrameEntry(req_id, out, drafts, position=first))
         self._results[batch.step] = frame
 
     def collect(self, step: int) -> list[FrameEntry]:

@@ -1,0 +1,89 @@
+"""How close a generate run comes to the machine's float32 matmul peak (issue 26's figure).
+
+The run's FLOPs are counted from the model's shapes: every token fed to the model (each
+prompt token, each generated token but the last) goes through every layer's weight GEMMs
+(q/k/v, o, gate/up, down: 2 FLOPs per multiply-add), and every sampled token through the LM
+head. The peak is what `torch.mm` reaches at those same GEMM shapes on the engine's thread
+count, measured in this process: at the prefill's row count (the tokens of one step) for
+the prompt tokens' FLOPs, at the decode's (the batch) for the rest. The fraction is the time
+these FLOPs would take at that peak over the run's wall time; attention, sampling and the
+engine's own work count against it, as they are part of the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokentape.engine.model.config import ModelConfig
+
+
+@dataclass
+class PeakFigure:
+    gemm_gflop: float  # the run's weight-GEMM and LM-head FLOPs, in GFLOP
+    peak_gflop_s: float  # torch.mm at the run's shapes, FLOP-weighted
+    seconds_at_peak: float
+
+    def fraction(self, wall_s: float) -> float:
+        return self.seconds_at_peak / wall_s
+
+    def describe(self, wall_s: float) -> str:
+        return (
+            f"{self.gemm_gflop:,.0f} GFLOP of weight GEMMs in {wall_s:.1f} s = "
+            f"{self.gemm_gflop / wall_s:.0f} GFLOP/s, against torch.mm's "
+            f"{self.peak_gflop_s:.0f} GFLOP/s at the model's shapes: "
+            f"{100 * self.fraction(wall_s):.0f}% of the peak"
+        )
+
+
+def layer_gemms(config: ModelConfig) -> list[tuple[int, int]]:
+    """(K, N) of each weight GEMM of one decoder layer."""
+    d, h = config.head_dim, config.hidden_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    inter = config.intermediate_size
+    return [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
+
+
+def mm_gflop_s(rows: int, k: int, n: int, threads: int, min_seconds: float = 0.3) -> float:
+    """torch.mm of [rows, k] x [k, n] in float32 on `threads` threads, best of its repeats."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(rows, k), torch.randn(k, n)
+        torch.mm(a, b)
+        best, spent = float("inf"), 0.0
+        while spent < min_seconds:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            elapsed = time.perf_counter() - t0
+            best, spent = min(best, elapsed), spent + elapsed
+        return 2 * rows * k * n / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def peak_figure(
+    config: ModelConfig,
+    prompts: list[list[int]],
+    outputs: list[int],
+    prefill_rows: int,
+    threads: int,
+) -> PeakFigure:
+    """The run's GEMM FLOPs and the seconds they take at torch.mm's rate (see the module doc)."""
+    prompt_tokens = sum(map(len, prompts))
+    decode_tokens = sum(max(0, o - 1) for o in outputs)
+    decode_rows = len(prompts)
+    layers = config.num_hidden_layers
+    flop, seconds = 0.0, 0.0
+    for k, n in layer_gemms(config):
+        for tokens, rows in ((prompt_tokens, prefill_rows), (decode_tokens, decode_rows)):
+            f = 2.0 * tokens * k * n * layers
+            flop += f
+            seconds += f / (mm_gflop_s(rows, k, n, threads) * 1e9)
+    head = 2.0 * sum(outputs) * config.hidden_size * config.vocab_size
+    flop += head
+    head_rate = mm_gflop_s(decode_rows, config.hidden_size, config.vocab_size, threads)
+    seconds += head / (head_rate * 1e9)
+    return PeakFigure(flop / 1e9, flop / seconds / 1e9, seconds)

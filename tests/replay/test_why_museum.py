@@ -1,0 +1,37 @@
+"""`tokentape why` on the museum tapes of issue 25: each names what its bug left at the
+position (tests/tapes/regenerate.py records them; docs/postmortem.md, The museum)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokentape.replay.why import why
+
+TAPES = Path(__file__).resolve().parents[1] / "tapes"
+
+CASES = [
+    # tape, request, output position, what the verdict must say
+    ("reused_id_42492", "late", 0, "a stale output on a reused request id: vLLM #42492"),
+    ("duplicated_token_395", "a", 5, "position 4 was delivered twice"),
+    ("spec_reset_46066", "r", 5, "position 4 was delivered twice"),
+    ("block_reused_45357", "b", 0, "KV block(s) [8] as already holding its first 4 tokens"),
+    ("admission_stalled_53130", "h1", 0, "It was never scheduled: it waited from step 2"),
+    ("omni_discard_one_5183", "r", 15, "1 fresh frame(s) dropped before it"),
+]
+
+
+@pytest.mark.parametrize(("name", "req", "position", "says"), CASES, ids=[c[0] for c in CASES])
+def test_why_explains_the_museum_bug(name: str, req: str, position: int, says: str) -> None:
+    result = why(TAPES / f"{name}.tape", req, position)
+    assert says in result.format()
+
+
+def test_why_on_a_reused_id_explains_the_new_request() -> None:
+    result = why(TAPES / "reused_id_42492.tape", "late", 0)
+    # The token at 0 is the old request's step's output, not the new request's own.
+    assert result.step is not None and result.scheduled_for is None
+    roles = [(x.role, x.kind) for x in result.chain]
+    assert ("added", "RequestAdded") in roles
+    assert any("for the earlier request 'late'" in x.detail for x in result.chain)
