@@ -175,17 +175,19 @@ def running(live: Live) -> float:
 
 def test_abort_request_aborts_one_or_all(live: Live) -> None:
     threads = [in_thread(live.complete, [5, i], 200_000, f"long{i}") for i in range(3)]
-    for _ in range(600):
-        if running(live) == 3:
+    for _ in range(1200):  # until the three run (a busy machine admits them slowly)
+        if running(live) >= 3:
             break
         threading.Event().wait(0.05)
+    assert running(live) >= 3, live.http.get("/metrics").text
     assert live.http.post("/abort_request", json={"rid": "nobody"}).json() == {"aborted": []}
     first = live.http.post("/abort_request", json={"rid": "long0-0"}).json()
     rest = live.http.post("/abort_request", json={"abort_all": True}).json()
     for thread, _ in threads:
         thread.join(30)
     assert first == {"aborted": ["long0-0"]}
-    assert sorted(rest["aborted"]) == ["long1-0", "long2-0"]
+    # The abort of long0 reached the engine core before the abort-all (messages keep order).
+    assert {"long1-0", "long2-0"} <= set(rest["aborted"]) and "long0-0" not in rest["aborted"]
     for i, (_, got) in enumerate(threads):
         choice = got["out"]["choices"][0]
         assert choice["finish_reason"] == "abort"

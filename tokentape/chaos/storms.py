@@ -71,7 +71,7 @@ _WEIGHTS = {
     "update_chunked": 2,
     # Aborting every request at once is rare, as pause_abort is: requests must live to finish.
     "abort_all": 0.5,
-    **{c: (0.5 if c.endswith("abort") else 1) for c in SLEEPS},
+    **{c: 0.5 for c in SLEEPS},
     "wake": 6,  # wake-ups outnumber sleeps, so the engine is asleep now and then, not mostly
     **{c: 1 for c in WAKES[1:]},
 }
@@ -249,10 +249,8 @@ class StormDriver:
         from tokentape.engine.runners.oracle_weights import oracle_state_dict
 
         engine, rng = self.engine, self.rng
-        if "weights" in engine.state.sleeping_tags:
-            engine.wake_up(["weights"])  # vLLM's RL order: the weights, new ones, the KV cache
-        if engine.state.sleep_level is None:  # asleep, it is paused and drained already
-            engine.pause_generation("keep", clear_cache=True)
+        engine.wake_up()  # asleep, it wakes first (the RL order around a sleep: tests/engine)
+        engine.pause_generation("keep", clear_cache=True)
         weights = oracle_state_dict(rng.randrange(1 << 16))
         version = f"step-{self.result.num_weight_updates}" if rng.random() < 0.5 else None
         self.result.num_weight_updates += 1
