@@ -96,6 +96,36 @@ def test_a_storm_issues_every_kind_of_disturbance() -> None:
     finishes = {r for r in result.finish_reasons.values()}
     assert finishes == {"stop", "length", "abort"}
     assert result.num_preemptions == sum(reasons.values())
+    assert {e.level for e in events if isinstance(e, ev.EngineSlept)} == {0, 1, 2}
+    woken = {
+        None if e.tags is None else e.tags[0] for e in events if isinstance(e, ev.EngineWokeUp)
+    }
+    assert woken == {None, "weights", "kv_cache", "scheduling"}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_sleep_and_abort_all_storms_are_clean(depth: int) -> None:
+    """Sleeps at every level and mode, wake-ups tag by tag, abort-all, with steps in flight
+    and requests arriving asleep: every stream is the oracle's, no finding, the tape verifies."""
+    sleepy = ["step", "add", "step", "step", "add", "step"]
+    calls = ["sleep1_keep", "add", "step", "wake_weights", "step", "wake_kv_cache", "step"]
+    calls += ["sleep2_keep", "resume", "pause_keep", "wake", "step", "step", "abort_all"]
+    calls += [
+        "add",
+        "step",
+        "sleep0_wait",
+        "add",
+        "wake_scheduling",
+        "step",
+        "sleep1_abort",
+        "wake",
+    ]
+    spec = replace(SHORT, seed=7, pipeline_depth=depth, num_speculative_tokens=1)
+    result = run_storm(spec, (sleepy + calls) * 6)
+    assert result.oracle_violations() == {}
+    assert postmortem(result.tape).findings == [] and verify(result.tape).ok
+    kinds = collections.Counter(ev.kind_of(e) for _, e in load_tape(result.tape).events())
+    assert kinds["EngineSlept"] == 4 * 6 and kinds["EngineWokeUp"] >= 4 * 6
 
 
 def test_a_storm_is_a_pure_function_of_its_spec_and_commands(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -106,7 +106,7 @@ def test_no_false_positive_over_800_clean_storms_and_the_fault_is_caught() -> No
         updates += len(tracker.updates)
     assert hits > 500 and updates > 1000  # the checker had work to do
     caught = 0
-    for seed in range(100):
+    for seed in range(200):  # 13 caught since the storms also sleep and abort all (5 of 100)
         spec = replace(base, seed=seed, faults=("prefix_cache_kept_across_weight_update",))
         caught += bool(track(load_tape(run_storm(spec).tape)).hits)
     assert caught >= 5

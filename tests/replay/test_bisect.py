@@ -63,10 +63,12 @@ def storms():
         StormSpec(
             seed=s, pipeline_depth=d, num_speculative_tokens=k, discard_policy=p, num_commands=150
         )
+        # Seed 3's storm breaks streams under flag (seed 1's stopped doing so when the storms
+        # gained sleeps and abort-all).
         for s, d, k, p in [
-            (1, 2, 0, "epoch"),
-            (1, 2, 0, "flag"),
-            (1, 3, 0, "epoch"),
+            (3, 2, 0, "epoch"),
+            (3, 2, 0, "flag"),
+            (3, 3, 0, "epoch"),
             (2, 2, 1, "counter"),
             (2, 2, 1, "epoch"),
         ]

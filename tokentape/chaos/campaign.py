@@ -8,8 +8,9 @@ postmortem report of every run with a finding are kept.
 What a seed perturbs (`chaos_spec`): the pipeline depth (1-4), the speculative tokens (0-3),
 preemption pressure (a KV cache of 12 to 32 blocks of 4 tokens, 2 to 8 running requests,
 a token budget of 8 to 32), and the storm itself: adds, aborts, prefix-cache resets with and
-without running requests, pauses in every mode, resumes. A finding is a request whose stream
-is not the oracle's, a postmortem finding, or a storm that hangs or fails. Under the exact
+without running requests, pauses in every mode, resumes, sleeps and wake-ups, abort-all. A
+finding is a request whose stream is not the oracle's, a postmortem finding, or a storm that
+hangs or fails. Under the exact
 policies (`epoch`, `deliver`) a finding is a bug; under `flag` and `counter` it is expected.
 """
 

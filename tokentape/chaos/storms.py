@@ -1,6 +1,7 @@
 """Seeded storms: a real engine driven through adds, pauses in every mode, resumes, prefix-cache
-resets with and without running requests, aborts, KV pressure and weight updates (versioned,
-whole or chunked), recording what its client received.
+resets with and without running requests, aborts (one, or all at once), KV pressure, weight
+updates (versioned, whole or chunked), sleeps at every level and wake-ups of every tag,
+recording what its client received.
 
     result = run_storm(StormSpec(seed=7, pipeline_depth=3, num_speculative_tokens=2))
     result.oracle_violations()          # {} under the epoch policy, always
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
@@ -39,7 +40,22 @@ PAUSES = tuple(
 # versioned update, or vLLM's chunked transfer (a bad chunk refused in between, and a resume
 # refused while it is open). The engine stays paused until a later resume.
 WEIGHT_UPDATES = ("update_weights", "update_chunked")
-COMMANDS = ("step", "add", "abort", "resume", "reset", "reset_running", *PAUSES, *WEIGHT_UPDATES)
+# vLLM's sleep mode: sleep<level>_<pause mode>, and wake-ups of every tag (wake: all).
+SLEEPS = ("sleep0_wait", "sleep1_keep", "sleep2_keep", "sleep1_abort")
+WAKES = ("wake", "wake_weights", "wake_kv_cache", "wake_scheduling")
+COMMANDS = (
+    "step",
+    "add",
+    "abort",
+    "abort_all",
+    "resume",
+    "reset",
+    "reset_running",
+    *PAUSES,
+    *WEIGHT_UPDATES,
+    *SLEEPS,
+    *WAKES,
+)
 # How often a seeded storm draws each command: steps and adds dominate, so that requests
 # progress between the disturbances while the queue stays long (KV pressure, and requests
 # queued behind a head that does not fit, are the common case, not the exception).
@@ -53,6 +69,11 @@ _WEIGHTS = {
     **{p: (1 if p.startswith("pause_abort") else 3) for p in PAUSES},
     "update_weights": 2,
     "update_chunked": 2,
+    # Aborting every request at once is rare, as pause_abort is: requests must live to finish.
+    "abort_all": 0.5,
+    **{c: 0.5 for c in SLEEPS},
+    "wake": 6,  # wake-ups outnumber sleeps, so the engine is asleep now and then, not mostly
+    **{c: 1 for c in WAKES[1:]},
 }
 DRAIN_LIMIT = 20_000  # steps allowed to finish every request once the storm is over
 
@@ -188,17 +209,39 @@ class StormDriver:
             unfinished = engine.state.unfinished
             if unfinished:
                 engine.abort_request(self.rng.choice(unfinished).req_id)
+        elif command == "abort_all":
+            engine.abort_all()
         elif command == "resume":
-            engine.resume_generation()
+            self._unless_asleep(engine.resume_generation)
         elif command in ("reset", "reset_running"):
             engine.reset_prefix_cache(reset_running_requests=command == "reset_running")
         elif command in PAUSES:
             _, mode, *clear = command.split("_")
-            engine.pause_generation(mode, clear_cache=bool(clear))
+            self._unless_asleep(lambda: engine.pause_generation(mode, clear_cache=bool(clear)))
         elif command in WEIGHT_UPDATES:
             self.update_weights(chunked=command == "update_chunked")
+        elif command in SLEEPS:
+            level, mode = command.removeprefix("sleep").split("_")
+            engine.sleep(int(level), mode)
+        elif command in WAKES:
+            engine.wake_up(None if command == "wake" else [command.removeprefix("wake_")])
         else:
             raise StormError(f"unknown storm command {command!r} (commands: {', '.join(COMMANDS)})")
+
+    def _unless_asleep(self, call: Callable[[], None]) -> None:
+        """A call the engine refuses while it sleeps: refused then, with nothing recorded."""
+        state = self.engine.state
+        if state.sleep_level is None:
+            call()
+            return
+        before = state.num_events
+        try:
+            call()
+        except RuntimeError:
+            if state.num_events != before:
+                raise StormError("a call refused while asleep recorded events") from None
+        else:
+            raise StormError("a call that needs an awake engine ran while it slept")
 
     def update_weights(self, chunked: bool) -> None:
         """New oracle weights (its tokens ignore them: every stream must stay the oracle's),
@@ -206,6 +249,7 @@ class StormDriver:
         from tokentape.engine.runners.oracle_weights import oracle_state_dict
 
         engine, rng = self.engine, self.rng
+        engine.wake_up()  # asleep, it wakes first (the RL order around a sleep: tests/engine)
         engine.pause_generation("keep", clear_cache=True)
         weights = oracle_state_dict(rng.randrange(1 << 16))
         version = f"step-{self.result.num_weight_updates}" if rng.random() < 0.5 else None
@@ -233,7 +277,8 @@ class StormDriver:
         engine.finish_weight_update(weight_version=version)
 
     def drain(self, limit: int = DRAIN_LIMIT) -> None:
-        """Resume and step until every request has finished and been delivered."""
+        """Wake up, resume and step until every request has finished and been delivered."""
+        self.engine.wake_up()
         self.engine.resume_generation()
         for _ in range(limit):
             if not self.engine.has_unfinished_requests():

@@ -45,6 +45,7 @@ from tokentape.engine.output_collector import RequestOutputCollector
 from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
+from tokentape.engine.rl_calls import check_sleep_args, check_wake_tags
 from tokentape.engine.weight_updates import resolve_version
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams
@@ -230,6 +231,10 @@ class AsyncLLM:
                 except EngineDeadError as exc:
                     self._core_failed(str(exc))
 
+    def is_streaming(self, request_id: str) -> bool:
+        """Whether a request of that id is being streamed (not finished, not aborted)."""
+        return request_id in self._streams
+
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Refuse a prompt the core would refuse (ids outside the vocabulary or past 64 bits,
         empty, too long), here, before anything is sent (ValueError, TypeError)."""
@@ -248,11 +253,13 @@ class AsyncLLM:
             [c for i in ids for c in (self._streams[i][1] if i in self._streams else [i])]
         )
 
-    async def abort_all(self) -> None:
-        """Abort every request this frontend is streaming (a server's drain ran out); their
-        streams end with finish_reason 'abort'. Nothing to do on a dead engine."""
-        if self._dead is None and self._streams:
-            await self.abort(list(self._streams))
+    async def abort_all(self) -> list[str]:
+        """Abort every unfinished request (LLMEngine.abort_all, on the tape); their streams
+        end with finish_reason 'abort'. Returns the ids aborted; [] on a dead engine (a
+        server's drain that ran out calls it whatever the engine's state)."""
+        if self._dead is not None:
+            return []
+        return list(await self._call("abort_all"))
 
     # -- engine calls ---------------------------------------------------------------------------
 
@@ -276,6 +283,23 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return bool(await self._call("reset_prefix_cache", bool(reset_running_requests)))
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep (LLMEngine.sleep): pause in `mode`, drain, release the memory (level
+        1: weights to the host, KV cache dropped; 2: both dropped; 0: nothing). Returns once
+        asleep, with the drained tokens already handed to their streams. Requests that
+        arrive while it sleeps wait, and are served after the wake-up."""
+        check_sleep_args(level, mode)
+        await self._call("sleep", level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: restore what `tags` name ("weights", "kv_cache"; None: all);
+        generation resumes once nothing sleeps."""
+        await self._call("wake_up", check_wake_tags(tags))
+
+    async def is_sleeping(self) -> bool:
+        """vLLM's: asleep at any level, a pause included."""
+        return bool(await self._call("is_sleeping"))
 
     async def update_weights(
         self,

@@ -58,6 +58,7 @@ class LLM:
         `scenario`: engine calls (pause and resume, prefix-cache resets, aborts) made at given
         steps of the run (tokentape.engine.scenario); the request ids are "0", "1", ... in
         the order of the prompts on a fresh LLM."""
+        self.engine.check_awake("generate")  # it would wait for ever
         if self.engine.is_paused():
             raise RuntimeError("generate: the engine is paused; call resume_generation() first")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -147,6 +148,14 @@ class LLM:
         if missing:  # cannot happen: a request leaves the engine only finished
             raise RuntimeError(f"generate: requests {missing} ended without a final output")
         return [finals[i] for i in ids]
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's LLM.sleep (LLMEngine.sleep): pause, drain and release the memory."""
+        self.engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up (LLMEngine.wake_up): restore what `tags` name (None: all)."""
+        self.engine.wake_up(tags)
 
     def close(self) -> None:
         self.engine.close()

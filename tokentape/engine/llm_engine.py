@@ -21,6 +21,7 @@ from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
+from tokentape.engine.rl_calls import PAUSE_MODES, RLCalls
 from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import ChecksParams, ModelRunner, UpdatesWeights
 from tokentape.engine.scheduler import Scheduler
@@ -34,17 +35,16 @@ from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
 from tokentape.events.validation import check_bool
 
-PAUSE_MODES = ("abort", "wait", "keep")
 
-
-class LLMEngine(WeightUpdates):
+class LLMEngine(WeightUpdates, RLCalls):
     """The engine loop, as vLLM's LLMEngine with its EngineCore inside: it owns the engine's
     state (the reducer's, changed only through `_emit`), the KV cache manager, the scheduler,
     the runner, the tape writer and the output processor. Commands (add, abort, pause,
-    resume, reset, the weight updates of weight_updates.py) and steps go on the tape before
-    they take effect; `step` gives RequestOutputs, `step_core` the per-request deltas an
-    engine core sends across the process boundary. The runner's optional capabilities
-    (runners.base: ChecksParams, UpdatesWeights) are read once, here, when it is built."""
+    resume, reset, the weight updates of weight_updates.py, the sleep mode and abort_all of
+    rl_calls.py) and steps go on the tape before they take effect; `step` gives
+    RequestOutputs, `step_core` the per-request deltas an engine core sends across the
+    process boundary. The runner's optional capabilities (runners.base: ChecksParams,
+    UpdatesWeights) are read once, here, when it is built."""
 
     def __init__(
         self,
@@ -358,6 +358,7 @@ class LLMEngine(WeightUpdates):
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
         check_bool("clear_cache", clear_cache)
+        self.check_awake("pause_generation")
         for hook in self.hooks:
             hook.before_pause()
         with self._recorded():
@@ -377,6 +378,7 @@ class LLMEngine(WeightUpdates):
     def resume_generation(self) -> None:
         if self.state.paused is None:
             return
+        self.check_awake("resume_generation")  # wake_up() resumes a sleeping engine
         self.check_no_open_transfer("resume_generation")
         with self._recorded():
             self._emit(ev.GenerationResumed(self.state.step))

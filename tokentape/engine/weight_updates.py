@@ -144,6 +144,8 @@ class WeightUpdates:
             raise RuntimeError(f"{call}: pause generation first (pause_generation(mode='keep'))")
         if self.state.in_flight_steps:
             raise RuntimeError(f"{call}: {len(self.state.in_flight_steps)} step(s) still in flight")
+        if "weights" in self.state.sleeping_tags:  # offloaded or dropped (rl_calls.sleep)
+            raise RuntimeError(f"{call}: the weights sleep; call wake_up(['weights']) first")
         if self.weights_updater is None:
             raise RuntimeError(f"{call}: model {self.runner.model_id!r} has no weights to update")
         return self.weights_updater

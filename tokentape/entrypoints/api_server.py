@@ -57,8 +57,9 @@ async def read_body(request: Request, body_type: type[T]) -> T:
 class ServerOptions:
     """Who may call what (README, "Serve": the threat model). `api_keys`: a Bearer token
     one of them for every /v1 route and RL endpoint (none: no key asked for);
-    `enable_rl_endpoints`: serve /pause, /resume, /is_paused, /reset_prefix_cache and
-    /update_weights; `allowed_weight_dirs`: the folders /update_weights may load from."""
+    `enable_rl_endpoints`: serve the RL endpoints (rl_endpoints.RL_PATHS: pause, resume,
+    reset, weights, sleep mode, abort); `allowed_weight_dirs`: the folders /update_weights may
+    load from."""
 
     api_keys: tuple[str, ...] = ()
     enable_rl_endpoints: bool = False

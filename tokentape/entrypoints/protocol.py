@@ -127,6 +127,13 @@ class FinishWeightUpdateRequest(msgspec.Struct):
     weight_version: str | None = None  # as vLLM's finish_weight_update takes it
 
 
+class AbortRequest(msgspec.Struct):
+    """SGLang's /abort_request body (AbortReq): one request's id, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 

@@ -1,7 +1,10 @@
 """vLLM's RL endpoints, by vLLM's names: POST /pause, POST /resume, GET /is_paused, POST
 /reset_prefix_cache, POST /update_weights; the chunked transfer POST /start_weight_update,
 then /update_weights per chunk, then POST /finish_weight_update (vLLM #39212, its
-`weight_version` in the body: #49040), and GET /weight_info (the version serving now).
+`weight_version` in the body: #49040), and GET /weight_info (the version serving now);
+vLLM's sleep mode: POST /sleep?level=N&mode=M, POST /wake_up?tags=T (repeated; none:
+everything), GET /is_sleeping; and SGLang's POST /abort_request ({"rid": ID} or
+{"abort_all": true}), which vLLM has no endpoint for.
 
 They change what every client gets (a pause freezes every stream; new weights change every
 later token), so a server attaches them only when asked (`--enable-rl-endpoints`, or vLLM's
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from starlette.responses import Response
 
 from tokentape.engine.async_llm import AsyncLLM
+from tokentape.engine.rl_calls import check_wake_tags
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.refusals import APIError
 from tokentape.entrypoints.request_body import decode_body
@@ -36,6 +40,10 @@ RL_PATHS = (
     "/start_weight_update",
     "/finish_weight_update",
     "/weight_info",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/abort_request",
 )
 DEV_MODE_ENV_VAR = "VLLM_SERVER_DEV_MODE"
 T = TypeVar("T")
@@ -103,6 +111,39 @@ def add_rl_endpoints(
         ok = await engine.reset_prefix_cache(reset_running_requests)
         return json_response({"success": ok})
 
+    @app.post("/sleep")
+    async def sleep(
+        level: int = Query(1, ge=0, le=2), mode: Literal["abort", "wait", "keep"] = Query("abort")
+    ) -> Response:
+        # vLLM's answer: 200 with no body, once the engine is asleep (drained first); a
+        # sleep that broke the engine is a 503 (EngineDeadError), never a 200 (vLLM #45520).
+        await _refused_as_400(engine.sleep(level, mode), "level")
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+        try:
+            checked = check_wake_tags(tags)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tags") from None
+        await _refused_as_400(engine.wake_up(checked), "tags")
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return json_response({"is_sleeping": await engine.is_sleeping()})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        req = decode_body(await request.body(), p.AbortRequest)
+        if req.abort_all:
+            return json_response({"aborted": await engine.abort_all()})
+        if not req.rid:
+            raise APIError(400, "give a request id (rid) or abort_all: true", param="rid")
+        known = engine.is_streaming(req.rid)
+        await engine.abort(req.rid)
+        return json_response({"aborted": [req.rid] if known else []})
+
     @app.post("/update_weights")
     async def update_weights(request: Request) -> Response:
         req = decode_body(await request.body(), p.UpdateWeightsRequest)
@@ -147,9 +188,9 @@ def add_rl_endpoints(
 
 
 async def _refused_as_400(call: Awaitable[T], param: str | None) -> T:
-    """The engine's refusal of a weight call (not paused, a bad chunk, no transfer open; a
-    resume with a transfer open) as a 400 with its message; the engine serves on with its
-    old weights."""
+    """The engine's refusal of a call (a weight call not paused, a bad chunk, no transfer open;
+    a resume with a transfer open or asleep; a sleep or wake-up it cannot do) as a 400 with
+    its message; the engine serves on as it was. A dead engine stays a 503."""
     try:
         return await call
     except EngineDeadError:

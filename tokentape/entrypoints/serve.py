@@ -69,10 +69,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             '/is_paused, POST /reset_prefix_cache, POST /update_weights (JSON {"path": FOLDER},\n'
             'a folder under --allowed-weight-dirs; optional "weight_version"), the chunked\n'
             "transfer POST /start_weight_update, /update_weights per chunk, POST\n"
-            "/finish_weight_update, and GET /weight_info. With an API key (--api-key, or the\n"
-            "TOKENTAPE_API_KEY or VLLM_API_KEY environment variable) every /v1 route and RL\n"
-            "endpoint needs 'Authorization: Bearer KEY'. The engine core runs in a background\n"
-            "process and records every request, abort and pause on the tape. Prints 'serving on\n"
+            "/finish_weight_update, and GET /weight_info; sleep mode's POST\n"
+            "/sleep?level=0|1|2&mode=M, POST /wake_up[?tags=weights&tags=kv_cache], GET\n"
+            '/is_sleeping; and SGLang\'s POST /abort_request (JSON {"rid": ID} or\n'
+            '{"abort_all": true}). With an API key (--api-key, or the TOKENTAPE_API_KEY or\n'
+            "VLLM_API_KEY environment variable) every /v1 route and RL endpoint needs\n"
+            "'Authorization: Bearer KEY'. The engine core runs in a background process and\n"
+            "records every request, abort, pause and sleep on the tape. Prints 'serving on\n"
             "http://HOST:PORT' on stderr once listening. SIGTERM or Ctrl-C: stop taking\n"
             "requests, let those in flight finish for --drain-timeout seconds, abort the rest\n"
             "(on the tape), close the tape.\n"
@@ -144,7 +147,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="serve vLLM's RL endpoints (/pause, /resume, /is_paused, "
         "/reset_prefix_cache, /update_weights, /start_weight_update, /finish_weight_update, "
-        "/weight_info), which change what every client gets; "
+        "/weight_info, /sleep, /wake_up, /is_sleeping, and SGLang's /abort_request), which "
+        "change what every client gets; "
         "also on with VLLM_SERVER_DEV_MODE=1 (default: off)",
     )
     srv.add_argument(

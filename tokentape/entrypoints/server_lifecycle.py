@@ -76,7 +76,7 @@ def sigterm_stops_startup() -> Iterator[None]:
 def make_server(
     config: Any,
     drain_timeout_s: float,
-    abort_all: Callable[[], Awaitable[None]],
+    abort_all: Callable[[], Awaitable[object]],
     on_shutdown: Callable[[], None],
 ) -> Any:
     """uvicorn's Server, announcing the bound address (a --port 0 server's real port); on

@@ -111,6 +111,8 @@ def _on_paused(state: EngineState, e: ev.GenerationPaused) -> None:
 
 
 def _on_resumed(state: EngineState, e: ev.GenerationResumed) -> None:
+    if state.sleep_level is not None:
+        raise ReducerError(f"generation resumed in step {e.step} while the engine sleeps")
     state.paused = None
 
 
@@ -154,9 +156,50 @@ def _on_weight_chunk(state: EngineState, e: ev.WeightChunkReceived) -> None:
     state.weight_update_chunks += 1
 
 
+def _on_slept(state: EngineState, e: ev.EngineSlept) -> None:
+    if state.sleep_level is not None:
+        raise ReducerError(f"the engine fell asleep in step {e.step} while asleep already")
+    if e.level not in ev.SLEEP_LEVELS:
+        raise ReducerError(f"sleep level {e.level} in step {e.step} is not one of 0, 1, 2")
+    if state.paused is None:
+        raise ReducerError(f"the engine fell asleep in step {e.step} without pausing first")
+    in_flight = [s.step for s in state.in_flight_steps]
+    kept = [r.req_id for r in state.unfinished]
+    if e.in_flight != in_flight or e.kept != kept:
+        raise ReducerError(
+            f"EngineSlept of step {e.step} lists steps {e.in_flight} in flight and requests "
+            f"{e.kept} kept; the tape has {in_flight} and {kept}"
+        )
+    state.sleep_level = e.level
+    state.sleeping_tags = ev.MEMORY_TAGS if e.level else ()
+
+
+def _on_woke_up(state: EngineState, e: ev.EngineWokeUp) -> None:
+    if state.sleep_level is None:
+        raise ReducerError(f"the engine woke up in step {e.step} while awake")
+    if e.tags is None:
+        state.sleeping_tags = ()
+    else:
+        unknown = [t for t in e.tags if t not in ev.WAKE_TAGS]
+        if unknown:
+            raise ReducerError(f"wake-up in step {e.step} names unknown tags {unknown}")
+        state.sleeping_tags = tuple(t for t in state.sleeping_tags if t not in e.tags)
+    if e.weights_id is not None:  # rebuilt after level 2: the model's own weights again
+        _check_drained(state, e, "weights rebuilt")
+        state.weights_id = e.weights_id
+        state.weight_version = "default"
+    if not state.sleeping_tags:
+        state.sleep_level = None
+
+
 def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
     if e.step != state.step:
         raise ReducerError(f"step {e.step} scheduled when step {state.step} was expected")
+    if state.sleep_level is not None:
+        raise ReducerError(
+            f"step {e.step} scheduled while the engine sleeps (level {state.sleep_level}): "
+            "no step may run until it wakes up"
+        )
     get_request, running = state.requests.get, RequestStatus.RUNNING  # locals: a hot loop
     # vLLM #57562, injected: final prefill chunks that followed earlier chunks, in a shared step.
     chunks = _later_chunks(state, e) if state.faults else None
@@ -232,6 +275,11 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     if not state.in_flight_steps or state.in_flight_steps[0].step != e.step:
         expected = state.in_flight_steps[0].step if state.in_flight_steps else None
         raise ReducerError(f"frame for step {e.step} arrived when step {expected} was next")
+    if state.sleeping_tags:
+        raise ReducerError(
+            f"frame of step {e.step} applied after the engine released its memory (sleep "
+            f"level {state.sleep_level}): the step was in flight when it fell asleep (vLLM #45520)"
+        )
     scheduled = state.in_flight_steps.popleft()
     pending, partial = state.pending_output, scheduled.partial
     policy = get_policy(state.discard_policy)
@@ -352,6 +400,8 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.WeightsUpdated: _on_weights_updated,
     ev.WeightUpdateStarted: _on_weight_update_started,
     ev.WeightChunkReceived: _on_weight_chunk,
+    ev.EngineSlept: _on_slept,
+    ev.EngineWokeUp: _on_woke_up,
     ev.StepScheduled: _on_scheduled,
     ev.RequestPreempted: _on_preempted,
     ev.FrameProduced: _on_frame,

@@ -24,12 +24,18 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # -1: unknown), the weight version in WeightsUpdated (each last, with a default: a
 # version-3 tape reads unchanged, its updates named by the counter), and the chunked
 # transfer's WeightUpdateStarted and WeightChunkReceived, which an older reader cannot
-# decode.
-FORMAT_VERSION = 4
+# decode. 5: the sleep-mode events EngineSlept and EngineWokeUp (a version-4 tape reads
+# unchanged; a version-4 reader refuses a version 5).
+FORMAT_VERSION = 5
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
 FinishReason = Literal["stop", "length", "abort"]
+# vLLM's sleep mode: what a sleep at level >= 1 releases, and the tags wake_up takes
+# ("scheduling" wakes a level-0 sleep, which released nothing).
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+WAKE_TAGS: tuple[str, ...] = (*MEMORY_TAGS, "scheduling")
+SLEEP_LEVELS: tuple[int, ...] = (0, 1, 2)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -188,6 +194,26 @@ class WeightChunkReceived(Event, frozen=True, tag="WeightChunkReceived"):
     hashes: list[str]
 
 
+class EngineSlept(Event, frozen=True, tag="EngineSlept"):
+    """vLLM's sleep(level): recorded once the pause it starts with (a GenerationPaused, its
+    aborts, drained frames and cache reset) is done, when the memory is released: level 1
+    offloads the weights and drops the KV cache, level 2 drops both, level 0 releases nothing
+    (scheduling only). No step may be scheduled until the engine wakes up."""
+
+    level: int
+    in_flight: list[int]  # steps still in flight when the memory went: none in tokentape
+    kept: list[str]  # the unfinished requests, kept to be served after the wake-up
+
+
+class EngineWokeUp(Event, frozen=True, tag="EngineWokeUp"):
+    """vLLM's wake_up(tags): `tags` as called (None: everything). Once nothing sleeps, the
+    engine records the GenerationResumed that follows."""
+
+    tags: list[str] | None
+    # The weights' content hash when a level-2 sleep's weights were rebuilt (None otherwise).
+    weights_id: str | None = None
+
+
 # -- decisions of the scheduler -----------------------------------------------------------
 
 
@@ -291,6 +317,8 @@ AnyEvent = (
     | WeightsUpdated
     | WeightUpdateStarted
     | WeightChunkReceived
+    | EngineSlept
+    | EngineWokeUp
     | StepScheduled
     | RequestPreempted
     | RequestFinished
@@ -315,6 +343,8 @@ COMMAND_KINDS = frozenset(
         "WeightsUpdated",
         "WeightUpdateStarted",
         "WeightChunkReceived",
+        "EngineSlept",  # the release that ends a sleep call (its pause is recorded before it)
+        "EngineWokeUp",
     }
 )
 

@@ -150,6 +150,10 @@ class EngineState:
     # A chunked transfer (start_weight_update) not finished yet: the chunks it received so far.
     # None when no transfer is open; resume_generation refuses while one is.
     weight_update_chunks: int | None = None
+    # vLLM's sleep mode: the level slept at (None: awake; set by EngineSlept, cleared by the
+    # EngineWokeUp that wakes the last tag) and the memory still released (MEMORY_TAGS).
+    sleep_level: int | None = None
+    sleeping_tags: tuple[str, ...] = ()
     num_events: int = 0
     error: str | None = None
     recording_stopped: str | None = None  # why another engine's recorder stopped (its last event)

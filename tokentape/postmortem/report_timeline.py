@@ -28,6 +28,8 @@ _ENGINE_MARKERS = {
     "pause": "#7050b0",
     "resume": "#2f8f4f",
     "weights": "#505050",
+    "sleep": "#3060a0",
+    "wake": "#30a0a0",
     "error": "#000000",
     "stopped": "#909090",
 }

@@ -84,6 +84,12 @@ def describe_event(event: ev.Event) -> str:
             body = f"{len(names)} tensor(s): {', '.join(names[:4])}" + (
                 ", ..." if len(names) > 4 else ""
             )
+        case ev.EngineSlept(level=level, in_flight=in_flight, kept=kept):
+            body = f"level={level} in_flight={in_flight} kept={len(kept)} requests"
+        case ev.EngineWokeUp(tags=tags, weights_id=w):
+            body = f"tags={'all' if tags is None else ','.join(tags)}" + (
+                f" weights_id={w}" if w is not None else ""
+            )
         case ev.StepScheduled(entries=entries):
             body = ", ".join(
                 f"{e.req_id}: +{e.num_new_tokens}@{e.num_computed_before} e{e.epoch}"

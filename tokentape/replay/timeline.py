@@ -23,7 +23,8 @@ A finished request has no span after its finish; a span still open at the end of
 ends at `Timeline.num_events` with `open=True`.
 
 Markers (`Marker.kind`): `reset` (PrefixCacheReset, engine-wide), `pause`, `resume`,
-`weights` (WeightsUpdated), `error` (EngineError), `stopped` (RecordingStopped: another engine's
+`weights` (WeightsUpdated), `sleep` (EngineSlept, detail: the level), `wake` (EngineWokeUp,
+detail: the tags), `error` (EngineError), `stopped` (RecordingStopped: another engine's
 recorder stopped there), all engine-wide (`req_id` None); and per
 request: `preempt` (detail: the reason), `discarded` (a frame thrown away by the discard
 policy; detail `stale`, or `fresh` when a valid frame was lost: the #42043 signature),
@@ -44,12 +45,22 @@ from tokentape.events.store import MemoryTape
 
 Phase = Literal["waiting", "prefill", "decode", "preempted", "paused"]
 MarkerKind = Literal[
-    "reset", "pause", "resume", "weights", "error", "stopped", "preempt", "discarded", "finish"
+    "reset",
+    "pause",
+    "resume",
+    "weights",
+    "sleep",
+    "wake",
+    "error",
+    "stopped",
+    "preempt",
+    "discarded",
+    "finish",
 ]
 
 PHASES: tuple[Phase, ...] = ("waiting", "prefill", "decode", "preempted", "paused")
 ENGINE_MARKERS: frozenset[str] = frozenset(
-    {"reset", "pause", "resume", "weights", "error", "stopped"}
+    {"reset", "pause", "resume", "weights", "sleep", "wake", "error", "stopped"}
 )
 
 
@@ -190,6 +201,11 @@ class _Builder:
             case ev.WeightsUpdated(weights_id=w, weight_version=version):
                 detail = f"{w}, version {version}" if version else w
                 self.markers.append(Marker("weights", seq, step, None, detail))
+            case ev.EngineSlept(level=level):
+                self.markers.append(Marker("sleep", seq, step, None, f"level={level}"))
+            case ev.EngineWokeUp(tags=tags):
+                detail = "all" if tags is None else ",".join(tags)
+                self.markers.append(Marker("wake", seq, step, None, detail))
             case ev.EngineError(error_type=t, message=m):
                 self.markers.append(Marker("error", seq, step, None, f"{t}: {m}"))
             case ev.RecordingStopped(reason=reason):

@@ -1,15 +1,16 @@
 """verify: re-run the scheduler against a tape's recorded frames and check every event.
 
-Like Temporal's replayer: the recorded commands (adds, aborts, pauses, resumes, resets) are
-issued again at the same points, a replay runner hands back the recorded frames instead of
-running a model, and every event the engine emits must equal the next recorded one. The
-first mismatch is reported with the recorded events around it.
+Like Temporal's replayer: the recorded commands (adds, aborts, pauses, resumes, resets,
+weight updates, sleeps and wake-ups) are issued again at the same points, a replay runner
+hands back the recorded frames instead of running a model, and every event the engine emits
+must equal the next recorded one. The first mismatch is reported with the recorded events
+around it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from tokentape.engine.llm_engine import LLMEngine
@@ -105,6 +106,20 @@ class _StreamReplayRunner:
             raise self.stream.diverged(f"the replay loads weights here ({kind.__name__})", None)
         return nxt[1]
 
+    # Sleep mode (runners.base.SleepsMemory): no memory here; a wake-up that rebuilt the
+    # weights gives back the hash the recording has.
+    def check_sleep(self, level: int) -> None:
+        pass
+
+    def sleep(self, level: int) -> None:
+        pass
+
+    def wake_up(self, tags: Sequence[str]) -> str | None:
+        nxt = self.stream.peek()
+        if nxt is None or not isinstance(nxt[1], ev.EngineWokeUp):
+            raise self.stream.diverged("the replay wakes the engine up here", None)
+        return nxt[1].weights_id
+
     def close(self) -> None:
         pass
 
@@ -162,6 +177,10 @@ def issue_command(engine: LLMEngine, event: ev.Event) -> None:
             engine.start_weight_update()
         case ev.WeightChunkReceived():
             engine.update_weights(event)  # the replay runner reads the chunk's record
+        case ev.EngineSlept(level=level):
+            engine.fall_asleep(level)  # its pause is a command of its own, replayed before it
+        case ev.EngineWokeUp(tags=tags):
+            engine.wake_up(tags)
         case _:
             raise TypeError(f"cannot replay command {ev.kind_of(event)}")
 

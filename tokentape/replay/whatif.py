@@ -1,11 +1,13 @@
 """what-if replay: run a tape's recorded commands again under another configuration.
 
 The commands are the client's calls, as recorded: `RequestAdded`, `RequestAborted`,
-`GenerationPaused`, `GenerationResumed`, `PrefixCacheReset` and `WeightsUpdated`. Each is
+`GenerationPaused`, `GenerationResumed`, `PrefixCacheReset`, `WeightsUpdated`, and the sleep
+mode's `EngineSlept` (after the pause a sleep starts with) and `EngineWokeUp`. Each is
 issued to a fresh engine at the step it was recorded at (the engine is stepped until it
 reaches that step, or has nothing left to do), and the engine runs to completion afterwards.
 Events that a pause causes (its aborts under `mode="abort"`, its prefix-cache reset under
-`clear_cache=True`) are not commands: the new engine makes its own.
+`clear_cache=True`) and the resume a full wake-up causes are not commands: the new engine
+makes its own.
 
 The configuration is the tape header's, with the discard policy and the pipeline depth
 changed as asked; the runner is, by default, the one that recorded the tape (the oracle for
@@ -155,8 +157,13 @@ def recorded_commands(tape: Tape) -> list[ev.Event]:
     commands: list[ev.Event] = []
     after_abort_pause = False  # the aborts right after a pause(mode="abort") are its own
     pending_resets = 0  # a pause with clear_cache resets the prefix cache itself, once drained
+    after_wake = False  # the resume right after a wake-up is its own
     for _, event in tape.events():
         kind = ev.kind_of(event)
+        if after_wake and isinstance(event, ev.GenerationResumed):
+            after_wake = False
+            continue
+        after_wake = isinstance(event, ev.EngineWokeUp)
         if kind not in ev.COMMAND_KINDS:
             if kind != "RequestAborted":
                 after_abort_pause = False

@@ -63,6 +63,10 @@ class EngineCore:
             "start_weight_update": self.engine.start_weight_update,
             "finish_weight_update": self.engine.finish_weight_update,
             "get_weight_version": self.engine.get_weight_version,
+            "sleep": self.engine.sleep,
+            "wake_up": self.engine.wake_up,
+            "is_sleeping": self.engine.is_sleeping,
+            "abort_all": self.engine.abort_all,
         }
 
     def info(self) -> CoreInfo:
@@ -86,6 +90,7 @@ class EngineCore:
             s.step,
             kv.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0,
             e.num_preemptions,
+            s.sleep_level is not None,
         )
 
     @property

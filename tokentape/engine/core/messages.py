@@ -30,8 +30,8 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
-    """A call of an engine method by name (pause_generation, update_weights, ...); the core
-    answers with a UtilityResult of the same call_id."""
+    """A call of an engine method by name (pause_generation, update_weights, sleep, ...); the
+    core answers with a UtilityResult of the same call_id."""
 
     call_id: int
     method: str
@@ -56,6 +56,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     step: int = 0
     kv_cache_usage: float = 0.0  # the share of KV blocks in use, 0 to 1 (vLLM's metric)
     num_preemptions: int = 0  # RequestPreempted events so far
+    is_sleeping: bool = False  # between EngineSlept and the wake-up that resumes
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -102,6 +102,24 @@ class UpdatesWeights(Protocol):
 
 
 @runtime_checkable
+class SleepsMemory(Protocol):
+    """A runner with memory for vLLM's sleep mode to release (the real model's weights and
+    KV cache); the engine calls it only with nothing in flight."""
+
+    def check_sleep(self, level: int) -> None:
+        """Raise (ValueError) if it could not sleep at `level`; called before anything is
+        recorded."""
+
+    def sleep(self, level: int) -> None:
+        """Level 1: the weights to a host copy and the KV cache freed; level 2: both freed;
+        level 0: nothing."""
+
+    def wake_up(self, tags: Sequence[str]) -> str | None:
+        """Restore what `tags` name (of "weights", "kv_cache"); the content hash of weights
+        rebuilt after a level-2 sleep, else None. Raises before any change if it cannot."""
+
+
+@runtime_checkable
 class HasTokenizer(Protocol):
     """A runner whose model comes with its own tokenizer (a checkpoint's tokenizer.json, or
     one that refuses text when the folder has none); other runners use the byte tokenizer."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from tokentape.engine.runners.prompt_logprobs import (
     ScoredRows,
     score_prompts,
 )
+from tokentape.engine.runners.sleep_memory import RunnerMemory
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
@@ -156,10 +158,7 @@ class TorchModelRunner:
                 f"allocating the KV cache: {num_kv_blocks} blocks of {block_size} tokens "
                 f"({gigabytes(kv_bytes)}; the KV cache memory budget or num_kv_blocks sets it)"
             )
-        self.kv_caches = [
-            (_kv_zeros(shape, dtype, self.device), _kv_zeros(shape, dtype, self.device))
-            for _ in range(self.config.num_hidden_layers)
-        ]
+        self.kv_caches = self.new_kv_caches()
         # No position is past the model's context length (a longer max_model_len is refused).
         self.model.rope.extend(min(num_kv_blocks * block_size, self.config.derived_max_model_len))
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
@@ -177,6 +176,7 @@ class TorchModelRunner:
             // 8
         )
         self._flops_per_token = 2 * sum(p.numel() for p in self.model.parameters())
+        self.memory = RunnerMemory()  # sleep mode (sleep_memory.py)
         self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
@@ -203,6 +203,30 @@ class TorchModelRunner:
             lane.close()
         self._seqs.clear()
         self._prompt_lps.clear()
+
+    @property
+    def num_steps_outstanding(self) -> int:
+        return self._worker.num_outstanding
+
+    def new_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K and V tensors for every layer (built, and woken after a sleep)."""
+        cfg, dtype, device = self.config, self.dtype, self.device
+        shape = (self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return [
+            (_kv_zeros(shape, dtype, device), _kv_zeros(shape, dtype, device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    # -- sleep mode (runners.base.SleepsMemory; sleep_memory.py) --------------------------------
+
+    def check_sleep(self, level: int) -> None:
+        self.memory.check_sleep(self, level)
+
+    def sleep(self, level: int) -> None:
+        self.memory.sleep(self, level)
+
+    def wake_up(self, tags: Sequence[str]) -> str | None:
+        return self.memory.wake_up(self, tags)
 
     # -- weight updates ------------------------------------------------------------------------
 

@@ -1,0 +1,142 @@
+"""vLLM's sleep mode for the real model's runner (runners.base.SleepsMemory): what each sleep
+level releases, and how a wake-up brings it back.
+
+- Level 1 moves every weight to a host copy (pinned on CUDA; on the CPU the weight's own
+  storage is handed over to it, nothing copied) and frees the runner's tensors: the
+  parameters are left empty, the CPU's prepacked oneDNN copies of the weights are dropped, and
+  the KV cache tensors are freed. Waking the weights puts the host copy back: the same bits.
+- Level 2 frees the weights outright (and the KV cache). Waking them rebuilds them from the
+  model's source, the seed of a built-in model or its checkpoint folder read again: vLLM
+  leaves that memory uninitialised for the caller to load; here the weights are defined, and
+  their hash goes on the tape. An RL loop then loads its own with `update_weights`.
+- Level 0 releases nothing (vLLM's: it only pauses scheduling).
+
+The model's buffers (the RoPE tables) stay where they are, as in vLLM. A woken KV cache is
+zeroed; the engine reset the prefix cache before the sleep, so no request reuses old blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from tokentape.engine.model.decoder import CausalLM
+from tokentape.engine.model.layers import Linear
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class SleepingRunner(Protocol):
+    """What sleep mode uses of model_runner.TorchModelRunner."""
+
+    model: CausalLM
+    model_id: str
+    seed: int
+    device: torch.device
+    dtype: torch.dtype
+    kv_caches: KVCaches
+    _weights_id: str | None
+
+    @property
+    def weights_id(self) -> str: ...
+    @property
+    def num_steps_outstanding(self) -> int: ...
+    def new_kv_caches(self) -> KVCaches: ...
+
+
+class RunnerMemory:
+    """The sleep state of one TorchModelRunner: which tags sleep, and the weights' host copy.
+    The runner is passed to each call, not kept: no cycle keeps a dropped runner's memory."""
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.asleep: set[str] = set()  # of "weights", "kv_cache"
+        self.host_copy: dict[str, torch.Tensor] = {}  # level 1: the weights, by name
+
+    def check_sleep(self, runner: SleepingRunner, level: int) -> None:
+        if level == 2 and not _has_source(runner.model_id):
+            raise ValueError(
+                f"sleep(level=2) drops the weights, and model {runner.model_id!r} is "
+                "neither a built-in model nor a checkpoint folder to rebuild them from: "
+                "sleep at level 1 (a host copy of the weights) instead"
+            )
+
+    def sleep(self, runner: SleepingRunner, level: int) -> None:
+        if runner.num_steps_outstanding:  # the engine drains first: this cannot happen
+            raise RuntimeError("sleep: steps are still in flight in the runner")
+        if level == 0 or self.asleep:
+            return
+        params = dict(runner.model.named_parameters())
+        if level == 1:  # every host copy is made before anything is freed
+            self.host_copy = {name: _to_host(p.detach()) for name, p in params.items()}
+        for p in params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for m in runner.model.modules():
+            if isinstance(m, Linear):
+                m._packed = None  # the CPU's second copy of the weight
+        runner.kv_caches = []
+        self.level, self.asleep = level, {"weights", "kv_cache"}
+        _release(runner.device)
+
+    def wake_up(self, runner: SleepingRunner, tags: Sequence[str]) -> str | None:
+        waking = [t for t in ("weights", "kv_cache") if t in tags and t in self.asleep]
+        weights_id = None
+        if "weights" in waking:
+            # Everything is read (and, after level 2, rebuilt) before any parameter changes.
+            fresh = self.host_copy if self.level == 1 else _rebuilt(runner)
+            params = dict(runner.model.named_parameters())
+            device, dtype = runner.device, runner.dtype
+            restored = {n: fresh[n].to(device=device, dtype=dtype) for n in params}
+            for name, p in params.items():
+                p.data = restored[name]
+            self.host_copy = {}
+            if device.type == "cpu":
+                runner.model.prepack()
+            if self.level == 2:
+                runner._weights_id = None  # other weights than before: hashed again
+                weights_id = runner.weights_id
+            self.asleep.discard("weights")
+        if "kv_cache" in waking:
+            runner.kv_caches = runner.new_kv_caches()
+            self.asleep.discard("kv_cache")
+        if waking and runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)  # the worker's stream reads them next
+        return weights_id
+
+
+def _has_source(model_id: str) -> bool:
+    from tokentape.engine.model.config import BUILTIN_CONFIGS
+
+    return model_id in BUILTIN_CONFIGS or os.path.isdir(model_id)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy: pinned memory on CUDA (fast to copy back); on the CPU the tensor itself,
+    whose storage the parameter gives up."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
+
+
+def _rebuilt(runner: SleepingRunner) -> dict[str, torch.Tensor]:
+    """The weights as the runner was built with them (model_runner.build_model_runner)."""
+    from tokentape.engine.model.config import BUILTIN_CONFIGS
+    from tokentape.engine.model.loader import builtin_model, load_checkpoint
+
+    if runner.model_id in BUILTIN_CONFIGS:
+        _, model = builtin_model(runner.model_id, runner.seed)
+    else:
+        _, model = load_checkpoint(runner.model_id)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _release(device: torch.device) -> None:
+    """Give the freed memory back: CUDA's caching allocator keeps it otherwise."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
