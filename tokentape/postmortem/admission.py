@@ -1,54 +1,36 @@
 """admission_stalled: the engine kept serving its running requests, step after step, while
 the head of the waiting queue had everything it needed to be admitted and nobody was.
 
-A step had room to admit the head when every rule of the scheduler says it must have: the
-step left token budget, fewer than max_num_seqs requests run, it preempted nobody for KV
-pressure (such a step admits nobody), generation is not paused, the free KV blocks hold all
-of the head's tokens (blocks shared through the prefix cache counted once per holder, so the
-free count is never too high), and the head is not a request whose stale output must drain
-first (the `deliver` policy's rule). A correct engine leaves no such step at all; the
-threshold is a margin. Unlike `request_stuck` (one request, 200 steps, a warning), this is
-the engine's admission itself stopping while every health check passes (vLLM #53130).
+A step had room to admit the head when every rule of the scheduler says it must have
+(room.py). A correct engine leaves no such step at all; the threshold is a margin. Unlike
+`request_stuck` (one request, 200 steps, a warning), this is the engine's admission itself
+stopping while every health check passes (vLLM #53130).
 """
 
 from __future__ import annotations
 
 from tokentape.events import schema as ev
-from tokentape.events.discard import get_policy
-from tokentape.postmortem.base import Checker, Hook
+from tokentape.postmortem.base import Hook
 from tokentape.postmortem.context import Context
+from tokentape.postmortem.room import RoomChecker
 
 STALLED_AFTER_STEPS = 8  # consecutive steps with room for the head, nobody admitted
 
 
-class AdmissionChecker(Checker):
+class AdmissionChecker(RoomChecker):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        config = ctx.tape.config
-        self.budget = config.max_num_batched_tokens
-        self.max_seqs = config.max_num_seqs
-        # vLLM's block pool keeps block 0 as its null block: one fewer to allocate from.
-        self.num_blocks = config.num_kv_blocks - (ctx.tape.header.source == "vllm")
-        self.block_size = config.block_size
-        self.delivers_stale = get_policy(ctx.state.discard_policy).delivers_stale
-        self._pressure_step = -1  # the latest step that preempted for KV pressure
         self._head: str | None = None  # the head of the stretch being counted
         self._since = 0  # the stretch's first step
         self._steps = 0  # steps in it
         self._reported: set[str] = set()
 
-    def before(self) -> dict[type, Hook]:
-        return {ev.RequestPreempted: self._preempted}
-
     def after(self) -> dict[type, Hook]:
         return {ev.StepScheduled: self._scheduled}
 
-    def _preempted(self, seq: int, e: ev.RequestPreempted) -> None:
-        if e.reason == "kv_pressure":
-            self._pressure_step = e.step
-
     def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
-        head = self._room_for(e)
+        room = self.head_with_room(e, sum(entry.num_new_tokens for entry in e.entries))
+        head = room.req_id if room is not None else None
         if head is None:
             self._head = None
             return
@@ -59,30 +41,10 @@ class AdmissionChecker(Checker):
             self._reported.add(head)
             self._report(seq, e, head)
 
-    def _room_for(self, e: ev.StepScheduled) -> str | None:
-        """The head of the waiting queue, if the step had room to admit it."""
-        state = self.state
-        if not state.waiting or state.paused is not None or self._pressure_step == e.step:
-            return None
-        running = state.running
-        if len(running) >= self.max_seqs:
-            return None
-        if sum(entry.num_new_tokens for entry in e.entries) >= self.budget:
-            return None
-        head = state.requests[state.waiting[0]]
-        if self.delivers_stale and head.num_stale_in_flight and not head.drop_stale_output:
-            return None  # it waits for its stale output to drain, by design
-        requests = state.requests
-        free = self.num_blocks - sum(len(requests[r].block_ids) for r in running)
-        if -(-head.num_tokens // self.block_size) > free:
-            return None
-        return head.req_id
-
     def _report(self, seq: int, e: ev.StepScheduled, head: str) -> None:
         state = self.state
-        requests = state.requests
-        free = self.num_blocks - sum(len(requests[r].block_ids) for r in state.running)
-        need = -(-requests[head].num_tokens // self.block_size)
+        free = self.free_blocks()
+        need = -(-state.requests[head].num_tokens // self.block_size)
         waiting = list(state.waiting)
         self.ctx.report(
             "admission_stalled",

@@ -8,44 +8,29 @@ been scheduled:
 - a running request with nothing in flight, in a step that left token budget unused (the
   budget reached it: the scheduler only skips a running request whose steps in flight already
   produce every token it may have);
-- the head of the waiting queue, in a step that left token budget and a sequence slot, that
-  preempted nobody for KV pressure (such a step admits nobody), while generation was not
-  paused, with enough free KV blocks for all its tokens (counting blocks shared through the
-  prefix cache once per holder, so never more free blocks than the pool has).
+- the head of the waiting queue, in a step with room to admit it (room.py).
 Requests queued behind the head are never stuck: they wait for it.
 """
 
 from __future__ import annotations
 
 from tokentape.events import schema as ev
-from tokentape.postmortem.base import Checker, Hook
+from tokentape.postmortem.base import Hook
 from tokentape.postmortem.context import Context
+from tokentape.postmortem.room import RoomChecker
 
 STUCK_AFTER_STEPS = 200  # steps with room for the request but no progress
 
 
-class StuckChecker(Checker):
+class StuckChecker(RoomChecker):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        config = self.ctx.tape.config
-        self.budget = config.max_num_batched_tokens
-        self.max_seqs = config.max_num_seqs
-        self.num_blocks = config.num_kv_blocks
-        self.block_size = config.block_size
         self.idle: dict[str, int] = {}  # request -> steps with room but without progress
         self.since: dict[str, int] = {}  # request -> the step its idle stretch started
         self.reported: set[str] = set()
-        self._pressure_step = -1  # the latest step that preempted for KV pressure
-
-    def before(self) -> dict[type, Hook]:
-        return {ev.RequestPreempted: self._preempted}
 
     def after(self) -> dict[type, Hook]:
         return {ev.StepScheduled: self._scheduled}
-
-    def _preempted(self, seq: int, e: ev.RequestPreempted) -> None:
-        if e.reason == "kv_pressure":
-            self._pressure_step = e.step
 
     def _scheduled(self, seq: int, e: ev.StepScheduled) -> None:
         idle = self.idle
@@ -64,19 +49,9 @@ class StuckChecker(Checker):
             for req_id in running:
                 if req_id not in scheduled and not requests[req_id].num_in_flight:
                     self._no_progress(req_id, seq, e)
-        if (
-            state.waiting
-            and state.paused is None
-            and self._pressure_step != e.step
-            and len(running) < self.max_seqs
-        ):
-            head = requests[state.waiting[0]]
-            if -(-head.num_tokens // self.block_size) <= self._free_blocks():
-                self._no_progress(head.req_id, seq, e)
-
-    def _free_blocks(self) -> int:
-        requests = self.state.requests
-        return self.num_blocks - sum(len(requests[r].block_ids) for r in self.state.running)
+        head = self.head_with_room(e, tokens)
+        if head is not None:
+            self._no_progress(head.req_id, seq, e)
 
     def _no_progress(self, req_id: str, seq: int, e: ev.StepScheduled) -> None:
         n = self.idle[req_id] = self.idle.get(req_id, 0) + 1

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -27,7 +28,6 @@ from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import (
     WeightsSource,
     apply_update,
-    chunk_record,
     prepare_update,
     weights_hash,
 )
@@ -40,7 +40,7 @@ from tokentape.engine.model.logits_processors import (
 from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
 from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch, WeightChunk, prompt_seed
+from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
 from tokentape.engine.runners.devices import cpus_available, resolve_device
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
@@ -56,6 +56,7 @@ from tokentape.engine.runners.prompt_logprobs import (
     score_prompts,
 )
 from tokentape.engine.runners.sleep_memory import RunnerMemory
+from tokentape.engine.runners.staged_weights import StagedWeights
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
@@ -64,7 +65,7 @@ from tokentape.progress import LOUD_BYTES, gigabytes, say
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
 
-class TorchModelRunner:
+class TorchModelRunner(StagedWeights):
     """The real model's runner: owns the model's weights (and `update_weights`, which
     validates and swaps them), its KV cache tensors, its own copy of every running sequence
     (so a decode's input is the token it sampled last step, as vLLM fills placeholders on the
@@ -233,18 +234,10 @@ class TorchModelRunner:
     def update_weights(self, weights: WeightsSource) -> str:
         """Validate everything first, then load; returns the new weights' content hash.
         The caller guarantees that no step is in flight."""
-        return self._load(prepare_update(self.model, weights))
+        return self._load(self._checked(weights))
 
-    def stage_weights(self, weights: WeightsSource) -> WeightChunk:
-        """A chunk of a transfer, checked as a whole update is and held (copied: a trainer
-        may reuse its buffers for the next chunk) until `load_staged_weights`."""
-        tensors = {n: t.clone() for n, t in prepare_update(self.model, weights).items()}
-        self._staged.update(tensors)
-        return WeightChunk(*chunk_record(tensors))
-
-    def load_staged_weights(self) -> str:
-        staged, self._staged = self._staged, {}
-        return self._load(staged)
+    def _checked(self, weights: object) -> dict[str, torch.Tensor]:
+        return prepare_update(self.model, cast(WeightsSource, weights))
 
     def _load(self, tensors: dict[str, torch.Tensor]) -> str:
         if self._worker.num_outstanding:

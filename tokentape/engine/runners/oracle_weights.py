@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from tokentape.engine.runners.base import WeightChunk
+from tokentape.engine.runners.staged_weights import StagedWeights
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ def oracle_state_dict(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shape, generator=gen) for n, shape in ORACLE_PARAMETERS.items()}
 
 
-class OracleWeights:
+class OracleWeights(StagedWeights):
     """The weights an OracleRunner serves, and the chunks of a transfer it holds."""
 
     def __init__(self, seed: int) -> None:
@@ -68,17 +68,6 @@ class OracleWeights:
 
     def update_weights(self, weights: object) -> str:
         return self._load(self._checked(weights))
-
-    def stage_weights(self, weights: object) -> WeightChunk:
-        from tokentape.engine.model.loader import chunk_record
-
-        tensors = {n: t.clone() for n, t in self._checked(weights).items()}
-        self._staged.update(tensors)
-        return WeightChunk(*chunk_record(tensors))
-
-    def load_staged_weights(self) -> str:
-        staged, self._staged = self._staged, {}
-        return self._load(staged)
 
     def _load(self, tensors: dict[str, torch.Tensor]) -> str:
         self.params.update(tensors)
