@@ -44,6 +44,9 @@ MUSEUM = {
     "duplicated_token_395": "tenstorrent-vllm#395",
     "reused_id_42492": "vllm#42492",
     "block_reused_45357": "vllm#45357",
+    # The sleep races of issue 25.
+    "parked_while_asleep_45268": "vllm#45268",
+    "sleep_in_flight_45520": "vllm#45520",
 }
 
 

@@ -19,6 +19,8 @@ CASES = [
     ("block_reused_45357", "b", 0, "KV block(s) [8] as already holding its first 4 tokens"),
     ("admission_stalled_53130", "h1", 0, "It was never scheduled: it waited from step 2"),
     ("omni_discard_one_5183", "r", 15, "1 fresh frame(s) dropped before it"),
+    ("parked_while_asleep_45268", "late", 0, "while the engine slept (level 1) and was never"),
+    ("sleep_in_flight_45520", "a", 3, "Step 3 was in flight when the engine fell asleep"),
 ]
 
 
@@ -35,3 +37,15 @@ def test_why_on_a_reused_id_explains_the_new_request() -> None:
     roles = [(x.role, x.kind) for x in result.chain]
     assert ("added", "RequestAdded") in roles
     assert any("for the earlier request 'late'" in x.detail for x in result.chain)
+
+
+def test_why_names_the_sleep_races() -> None:
+    parked = why(TAPES / "parked_while_asleep_45268.tape", "late", 0)
+    assert "not even after the wake-up of step 5" in parked.format()
+    assert "vLLM #45268" in parked.verdict and "admission_stalled" not in parked.verdict
+    in_flight = why(TAPES / "sleep_in_flight_45520.tape", "a", 3)
+    assert "the engine failed on it" in in_flight.verdict and "vLLM #45520" in in_flight.verdict
+    roles = [(x.role, x.kind) for x in in_flight.chain]
+    # The request's own fold does not see the sleep: it joins the chain; the frame never came.
+    assert ("slept", "EngineSlept") in roles
+    assert not any(kind == "FrameProduced" for _, kind in roles)

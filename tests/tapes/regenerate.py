@@ -449,6 +449,48 @@ def block_reused_45357(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def parked_while_asleep_45268(path: Path, clean: bool = False) -> None:
+    """vLLM #45268 (fault park_requests_while_asleep): request 'late' arrives while the engine
+    sleeps (level 1, mode keep) and is parked; after the wake-up the engine serves 'run'
+    again for 20 steps with room for 'late', and never admits it. The client gives up and
+    aborts it (a default engine queued it and served it after the wake-up)."""
+    llm = _museum_llm(path, clean, faults=("park_requests_while_asleep",), depth=2)
+    engine = llm.engine
+    engine.add_request("run", PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("run", [])) >= 4)
+    engine.sleep(level=1, mode="keep")
+    engine.add_request("late", PROMPT[:9], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.wake_up()
+    _until(llm, delivered, lambda: engine.state.requests["run"].is_finished)
+    engine.abort_request("late")  # a no-op for a request already served
+    _run_until_idle(llm, delivered)
+    llm.close()
+
+
+def sleep_in_flight_45520(path: Path, clean: bool = False) -> None:
+    """vLLM #45520 (fault sleep_without_drain): sleep(level=1, mode="keep") while 'a' and 'b'
+    decode with a step in flight; the pause does not drain it, the memory is released under
+    it and sleep() returns as if all were well (vLLM's /sleep answered 200). The engine core
+    steps on for the step in flight, which ran on the released memory: the engine fails
+    (vLLM: a CUDA illegal memory access). A default engine drains the step first, sleeps,
+    wakes up and serves both."""
+    llm = _museum_llm(path, clean, faults=("sleep_without_drain",), depth=2)
+    engine = llm.engine
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=16, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 3)
+    engine.sleep(level=1, mode="keep")
+    try:
+        _drive(llm, delivered)  # the core's loop: a step in flight is collected
+        engine.wake_up()
+        _run_until_idle(llm, delivered)
+    except RuntimeError:  # the failure, on the tape as an EngineError
+        pass
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -666,6 +708,18 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
     "block_reused_45357": (
         block_reused_45357,
         [_finding("block_reused_while_in_flight", ["a", "b"], "vllm#45357")],
+    ),
+    "parked_while_asleep_45268": (
+        parked_while_asleep_45268,
+        [_finding("request_parked_after_wake", ["late"], "vllm#45268")],
+    ),
+    "sleep_in_flight_45520": (
+        sleep_in_flight_45520,
+        [
+            # The sleep released the memory with step 3 in flight; the engine failed on it.
+            _finding("step_in_flight_across_sleep", ["a", "b"], "vllm#45520"),
+            _finding("engine_error", ["a", "b"], "vllm#45520"),
+        ],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),
     "clean_epoch_pause_resume": (clean_epoch_pause_resume, []),

@@ -287,6 +287,45 @@ class FreeBlocksInFlight(EngineHooks):
             return  # one request takes them
 
 
+class ParkRequestsWhileAsleep(EngineHooks):
+    """vLLM #45268: a request that reaches the engine core while it sleeps is parked in the
+    waiting queue, and nothing takes it out again: after the wake-up admission passes over
+    it while the engine serves the others, with room for it, and its client waits for ever."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state = state
+        self.parked: set[str] = set()
+
+    def after_add(self, req_ids: list[str]) -> None:
+        if self.state.sleep_level is not None:
+            self.parked.update(req_ids)
+
+    def after_running_scheduled(self, plan: StepPlan) -> None:
+        requests = self.state.requests
+        self.parked = {r for r in self.parked if not requests[r].is_finished}
+        plan.parked = frozenset(self.parked)
+
+
+class SleepWithoutDrain(EngineHooks):
+    """vLLM #45520: the pause a sleep starts with does not wait for the steps in flight, so
+    the sleep releases the memory they run on (EngineSlept records them in flight) and
+    returns as if all were well; collecting such a step while the memory is released fails
+    the engine, as vLLM's worker died of an illegal memory access."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state = state
+
+    def drains_on_pause(self) -> bool:
+        return False
+
+    def before_frame(self, step: int) -> None:
+        if self.state.sleeping_tags:
+            raise RuntimeError(
+                f"illegal memory access: step {step} ran on memory the sleep released "
+                f"({', '.join(self.state.sleeping_tags)})"
+            )
+
+
 def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
     # Only with speculative decoding: without draft slots there is nothing to keep.
     return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
@@ -303,6 +342,8 @@ _FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "skipped_waiting_holds_seats": SkippedWaitingHoldsSeats,
     "stale_overlap_input": StaleOverlapInput,
     "free_blocks_in_flight": FreeBlocksInFlight,
+    "park_requests_while_asleep": ParkRequestsWhileAsleep,
+    "sleep_without_drain": SleepWithoutDrain,
 }
 
 

@@ -14,6 +14,9 @@ from tokentape.events.state import RequestState
 class EngineHooks:
     """Every hook does nothing; a fault overrides the ones it needs."""
 
+    def after_add(self, req_ids: list[str]) -> None:
+        """Requests were added (recorded): a request, or the children of one of n > 1."""
+
     def before_preempt(self, req: RequestState) -> None:
         """A request is about to be preempted (its preemption not recorded yet)."""
 
@@ -33,8 +36,16 @@ class EngineHooks:
         """The step is recorded and about to go to the runner (what the runner is handed may
         be replaced; the recorded entries may not)."""
 
+    def before_frame(self, step: int) -> None:
+        """The oldest step's frame is about to be collected from the runner."""
+
     def after_frame(self, req_ids: list[str]) -> None:
         """The oldest step's frame was applied; `req_ids`: the requests of that step."""
+
+    def drains_on_pause(self) -> bool:
+        """Whether a pause waits for the steps in flight before it returns (a fault may not:
+        a sleep after it then releases memory under them)."""
+        return True
 
     def clears_cache_on_pause(self) -> bool:
         """Whether a pause with clear_cache resets the cache once drained (a fault may not)."""

@@ -177,7 +177,10 @@ class LLMEngine(WeightUpdates, RLCalls):
                 self._emit(
                     ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child)
                 )
-        return [child_id for child_id, _ in children]
+        ids = [child_id for child_id, _ in children]
+        for hook in self.hooks:
+            hook.after_add(ids)
+        return ids
 
     def _resolve_bad_words(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """String bad words as token ids, encoded by this engine's tokenizer (bad_words.py)."""
@@ -271,7 +274,10 @@ class LLMEngine(WeightUpdates, RLCalls):
 
     def _apply_oldest_frame(self) -> None:
         if self.hooks:
-            ids = [e.req_id for e in self.state.in_flight_steps[0].entries]
+            oldest = self.state.in_flight_steps[0]
+            for hook in self.hooks:
+                hook.before_frame(oldest.step)
+            ids = [e.req_id for e in oldest.entries]
             self._apply_frame()
             for hook in self.hooks:
                 hook.after_frame(ids)
@@ -369,8 +375,9 @@ class LLMEngine(WeightUpdates, RLCalls):
             elif mode == "wait":
                 while self.state.running:
                     self._step_once()
-            while self.state.in_flight_steps:
-                self._apply_oldest_frame()
+            if all(hook.drains_on_pause() for hook in self.hooks):
+                while self.state.in_flight_steps:
+                    self._apply_oldest_frame()
             if clear_cache and all(hook.clears_cache_on_pause() for hook in self.hooks):
                 self._reset_prefix_cache(reset_running_requests=True)
         self.tape.flush()  # a paused engine's tape is complete in the file

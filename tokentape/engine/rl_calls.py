@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.runners.base import ModelRunner, SleepsMemory
 from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
@@ -58,6 +59,7 @@ class RLCalls:
         tape: TapeWriter
         _dead: str | None
         _children: dict[str, list[str]]
+        hooks: Sequence[EngineHooks]
 
         def _emit(self, event: ev.Event) -> None: ...
         def _recorded(self) -> contextlib.AbstractContextManager[None]: ...
@@ -98,7 +100,8 @@ class RLCalls:
         """The end of `sleep`, once paused and drained: release the memory and record it
         (verify replays EngineSlept with this call; its pause replays on its own)."""
         state = self.state
-        if state.paused is None or state.in_flight_steps or state.sleep_level is not None:
+        drained = not state.in_flight_steps or not all(h.drains_on_pause() for h in self.hooks)
+        if state.paused is None or not drained or state.sleep_level is not None:
             raise RuntimeError("fall_asleep: only once paused and drained, awake (sleep() does it)")
         with self._recorded():
             in_flight = [s.step for s in state.in_flight_steps]

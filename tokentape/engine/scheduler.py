@@ -156,9 +156,12 @@ class Scheduler:
         # A policy that delivers stale output (vLLM since #48245) must let it drain first, or
         # the recompute would sample a position that output delivers too.
         delivers_stale = get_policy(state.discard_policy).delivers_stale
+        parked = plan.parked
         for req_id in list(state.waiting):
             if plan.budget <= 0 or num_running >= self.config.max_num_seqs:
                 break
+            if parked and req_id in parked:
+                continue  # a fault's request parked by a sleep (StepPlan)
             req = state.requests[req_id]
             if delivers_stale and req.num_stale_in_flight and not req.drop_stale_output:
                 break  # first come, first served: it drains within the pipeline's depth

@@ -22,6 +22,8 @@ class StepPlan:
     # The engine has neither; only a fault sets them (faults.py, vLLM #53130).
     held_seqs: int = 0
     skipped: list[str] | None = None
+    # Waiting requests admission passes over: a fault's requests parked by a sleep (vLLM #45268).
+    parked: frozenset[str] = frozenset()
 
     def add(self, entry: ev.ScheduledEntry, token_ids: list[int] | None, partial: bool) -> None:
         self.entries[entry.req_id] = entry

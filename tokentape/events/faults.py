@@ -48,6 +48,16 @@ FAULTS: dict[str, str] = {
     # flight are handed out at once; the next request admitted takes them as holding its
     # prefix (vLLM: KV a connector loads, unordered with that step), and the write lands there.
     "free_blocks_in_flight": "vllm#45357",
+    # vLLM #45268 (the client hang its thread traced, PR #45326): a request that reaches the
+    # engine core while it sleeps is parked in the waiting queue, which a sleeping engine
+    # never schedules. Here it stays parked after the wake-up too (issue 25: parked forever):
+    # the scheduler passes over it while it serves the others.
+    "park_requests_while_asleep": "vllm#45268",
+    # vLLM #45520: /sleep with decodes in flight has no drain: the memory is released under
+    # a running step, the engine dies on it, and /sleep has already answered 200. Here the
+    # pause before the sleep does not wait for the steps in flight, and EngineSlept records
+    # them; collecting one of them while the memory is released fails the engine.
+    "sleep_without_drain": "vllm#45520",
 }
 
 REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow", "output_on_reused_id"})

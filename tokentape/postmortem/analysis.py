@@ -28,6 +28,7 @@ from tokentape.postmortem.kv import KVChecker
 from tokentape.postmortem.outputs import OutputChecker, ReferenceChecker
 from tokentape.postmortem.positions import PositionChecker
 from tokentape.postmortem.schedule import ScheduleChecker
+from tokentape.postmortem.sleep import SleepChecker
 from tokentape.postmortem.stuck import StuckChecker
 from tokentape.postmortem.weights import WeightsChecker
 from tokentape.replay.render import describe_event, event_requests
@@ -76,7 +77,15 @@ class EngineErrorChecker(Checker):
         )
 
     def _error(self, seq: int, e: ev.EngineError) -> None:
-        names, bug, cause, excerpt = sorted(self.state.running)[:8], None, "", [(seq, e)]
+        # The requests it ran, or failing that those of its steps in flight (after a sleep
+        # that kept them waiting, with a step still in flight: vLLM #45520).
+        names = (
+            sorted(self.state.running)[:8]
+            or list(dict.fromkeys(x.req_id for s in self.state.in_flight_steps for x in s.entries))[
+                :8
+            ]
+        )
+        bug, cause, excerpt = None, "", [(seq, e)]
         if self._frame is not None and self._frame[0] == seq - 1 and self._frame[2]:
             # It failed on a frame holding output of requests aborted while it was in flight.
             names, bug, excerpt = self._frame[2][:8], "vllm#52969", [self._frame[:2], (seq, e)]
@@ -131,6 +140,7 @@ def postmortem(
         ScheduleChecker(ctx),
         StuckChecker(ctx),
         AdmissionChecker(ctx),
+        SleepChecker(ctx),
         OutputChecker(ctx),
         EngineErrorChecker(ctx),
     ]
@@ -205,6 +215,8 @@ def _run(
                 for hook in after[t]:
                     hook(seq, event)
             except FOLD_ERRORS as exc:
+                if ctx.has_error_at(seq):
+                    return False, None  # a checker named the cause (a frame after a sleep)
                 # The event cannot follow the ones before it (a damaged or hand-edited tape):
                 # the reducer refuses it, or it holds what no engine records (a token id the
                 # oracle cannot place, a block the checkers cannot count).

@@ -55,6 +55,11 @@ BUG_CLASSES: dict[str, str] = {
     "max_num_seqs, while the engine stays healthy",
     "vllm-omni#5183": "vllm-omni #5183: a downstream copy of #42043 sets the discard count to 1 "
     "whatever is in flight, dropping a fresh frame or applying a stale one",
+    # The sleep races.
+    "vllm#45268": "vLLM #45268: a request that arrives while the engine sleeps is parked in the "
+    "waiting queue and never scheduled, after the wake-up too",
+    "vllm#45520": "vLLM #45520: a sleep with decodes in flight does not drain them: the memory "
+    "is released under a running step, the engine dies on it, and /sleep answered 200",
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from tokentape.events import schema as ev
 from tokentape.replay.tape import Tape, load_tape
 from tokentape.replay.why_explain import WhyError, WhyResult, explain
+from tokentape.replay.why_sleep import SleepFacts
 from tokentape.replay.why_source import WhySource, merged
 from tokentape.replay.why_trace import RequestTracer, project
 from tokentape.replay.why_weights import add_weights
@@ -81,7 +82,10 @@ def why(source: str | Any, req_id: str, position: int) -> WhyResult:
         raise WhyError(f"position must be >= 0 (output positions count from 0), got {position}")
     tape = load_tape(source)
     tracer = trace_request(tape, req_id, position=position)
-    result = explain(tracer, position)
+    sleeps = SleepFacts.read(tape, tracer)
+    result = explain(tracer, position, sleeps.parked_note(tracer) if sleeps else None)
+    if sleeps is not None:
+        sleeps.add_in_flight(tracer, result)
     add_weights(tape, tracer, result)
     result.tape = tape.path
     result.discard_policy = tape.header.discard_policy

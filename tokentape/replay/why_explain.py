@@ -108,8 +108,9 @@ def _frame_link(f: TracedFrame, p: int, out: list[int], policy: str) -> Link | N
     return None
 
 
-def explain(tracer: RequestTracer, p: int) -> WhyResult:
-    """The chain of events that touched output position `p` of the traced request."""
+def explain(tracer: RequestTracer, p: int, parked: str | None = None) -> WhyResult:
+    """The chain of events that touched output position `p` of the traced request; `parked`:
+    why a request never scheduled was parked by a sleep (why_sleep.py), if it was."""
     req, rid = tracer.req, tracer.req_id
     policy = tracer.state.discard_policy
     if p >= req.max_output_tokens:
@@ -232,11 +233,11 @@ def explain(tracer: RequestTracer, p: int) -> WhyResult:
             res.scheduled_for = None
     res.delivered = delivery is not None
     res.delivered_seq = delivery[0] if delivery else None
-    res.verdict = _verdict(res, tracer, p, fresh_drops) + _museum_notes(tracer, producer, p)
+    res.verdict = _verdict(res, tracer, p, fresh_drops) + _museum_notes(tracer, producer, parked)
     return res
 
 
-def _museum_notes(tracer: RequestTracer, producer: TracedFrame | None, p: int) -> str:
+def _museum_notes(tracer: RequestTracer, producer: TracedFrame | None, parked: str | None) -> str:
     """What the bug family's newer members leave at a position (docs/postmortem.md)."""
     notes = []
     if producer is not None and producer.earlier is not None:
@@ -255,7 +256,9 @@ def _museum_notes(tracer: RequestTracer, producer: TracedFrame | None, p: int) -
             "whether a step still in flight wrote other tokens into them "
             "(block_reused_while_in_flight, vLLM #45357)."
         )
-    if not tracer.frames and tracer.added is not None:
+    if parked is not None and not tracer.frames:
+        notes.append(parked)
+    elif not tracer.frames and tracer.added is not None:
         end = tracer.finish[1].step if tracer.finish is not None else None
         until = f"until step {end}" if end is not None else "to the end of the tape"
         notes.append(
