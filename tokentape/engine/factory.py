@@ -59,7 +59,7 @@ def make_runner(config: EngineConfig) -> ModelRunner:
             prompt_lookup_min=config.prompt_lookup_min,
         )
     from tokentape.engine.model.loader import check_model_folder
-    from tokentape.engine.runners.model_runner import build_model_runner
+    from tokentape.engine.runners.build import build_model_runner
 
     check_model_folder(config.model)  # "no such folder" rather than "unknown model"
     return build_model_runner(config)

@@ -20,9 +20,6 @@ import numpy as np
 import torch
 
 from tokentape import kernels
-from tokentape.engine.config import EngineConfig
-from tokentape.engine.kv_cache_size import kv_bytes_per_token, num_blocks_for, used_device_bytes
-from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import (
@@ -31,17 +28,8 @@ from tokentape.engine.model.loader import (
     prepare_update,
     weights_hash,
 )
-from tokentape.engine.model.logits_processors import (
-    RowContext,
-    apply_logits_processors,
-    needs_processing,
-    top_logprobs,
-)
-from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
-from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
-from tokentape.engine.runners.devices import cpus_available, resolve_device
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
     EntryInputs,
@@ -55,14 +43,13 @@ from tokentape.engine.runners.prompt_logprobs import (
     ScoredRows,
     score_prompts,
 )
+from tokentape.engine.runners.sample_frames import sample_frames
 from tokentape.engine.runners.sleep_memory import RunnerMemory
 from tokentape.engine.runners.staged_weights import StagedWeights
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams
 from tokentape.progress import LOUD_BYTES, gigabytes, say
-
-SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
 
 class TorchModelRunner(StagedWeights):
@@ -360,154 +347,8 @@ class TorchModelRunner(StagedWeights):
             return []
         parts = [part for part, _ in outs]
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        rows = SamplingRows([], [], [], [])
-        contexts: list[RowContext | None] = []
-        for e in samplers:
-            p, seq = e.seq.params, e.seq
-            stop_ids = (
-                p.stop_token_ids
-                if p.ignore_eos or self.eos_token_id is None
-                else (*p.stop_token_ids, self.eos_token_id)
-            )
-            # Below SAMPLING_EPS a temperature is greedy, as vLLM's: dividing by 1e-39
-            # overflows the logits to inf and the draw to garbage.
-            temperature = p.temperature if p.temperature >= SAMPLING_EPS else 0.0
-            for j in range(1 + len(e.drafts)):  # the token at position len(tokens) + j
-                rows.temperatures.append(temperature)
-                rows.top_ks.append(p.top_k)
-                rows.top_ps.append(p.top_p)
-                if p.min_p > 0 and rows.min_ps is None:
-                    rows.min_ps = [0.0] * (len(rows.top_ps) - 1)
-                if rows.min_ps is not None:
-                    rows.min_ps.append(p.min_p)
-                rows.keys.append(
-                    position_key(seq.seed, len(seq.tokens) + j) if temperature > 0 else (0, 0)
-                )
-                # A draft row sees the drafts before it: they are its history if accepted.
-                contexts.append(
-                    RowContext(p, stop_ids, seq.tokens + e.drafts[:j], seq.num_prompt)
-                    if needs_processing(p)
-                    else None
-                )
-        # vLLM's order: logprobs of the raw logits, then the processors, then sampling.
-        sampled_t = sample(apply_logits_processors(logits, contexts), rows)
-        want_logprobs = any(e.seq.params.logprobs is not None for e in samplers)
-        logprobs = token_logprobs(logits, sampled_t).tolist() if want_logprobs else None
-        ks = [e.seq.params.logprobs or 0 for e in samplers for _ in range(1 + len(e.drafts))]
-        tops = top_logprobs(logits.log_softmax(dim=-1), ks) if any(ks) else None
-        sampled = sampled_t.tolist()
-        frames: dict[str, FrameEntry] = {}
-        row = 0
-        for e in samplers:
-            seq, drafts = e.seq, e.drafts
-            out = []
-            for j, d in enumerate(drafts):  # accept the longest prefix matching our own samples
-                if d != sampled[row + j]:
-                    break
-                out.append(d)
-            out.append(sampled[row + len(out)])
-            seq.num_computed += len(out) - 1  # the accepted drafts' K/V are valid
-            position = len(seq.tokens)  # where its first token goes
-            seq.tokens += out
-            lp = (
-                logprobs[row : row + len(out)]
-                if logprobs is not None and seq.params.logprobs is not None
-                else None
-            )
-            top_ids = top_lps = None
-            if tops is not None and seq.params.logprobs:
-                top_ids = [tops[row + j][0] for j in range(len(out))]
-                top_lps = [tops[row + j][1] for j in range(len(out))]
-            plp = self._prompt_lps.take(e.req_id)  # the prompt's, on its last chunk's frame
-            frames[e.req_id] = FrameEntry(
-                e.req_id, out, drafts, lp, top_ids, top_lps, position, plp
-            )
-            row += 1 + len(drafts)
+        frames = sample_frames(samplers, logits, self.eos_token_id, self._prompt_lps.take)
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
-
-
-def parameter_count(c: ModelConfig) -> int:
-    """A decoder's parameters from its config (norms left out: they are few)."""
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_hidden_layers * layer
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def build_model_runner(config: EngineConfig) -> TorchModelRunner:
-    """The runner for `config.model`: a built-in name or a Hugging Face checkpoint folder."""
-    from tokentape.engine.model.config import BUILTIN_CONFIGS
-    from tokentape.engine.model.loader import builtin_model, load_checkpoint, load_tokenizer
-
-    device = resolve_device(config.device)  # before the model is built: a ValueError naming it
-    tokenizer = None
-    if config.model in BUILTIN_CONFIGS:
-        size = 4 * parameter_count(BUILTIN_CONFIGS[config.model])  # built in float32
-        if size >= LOUD_BYTES:
-            say(f"building {config.model}'s weights from seed {config.seed} ({gigabytes(size)})")
-        _, model = builtin_model(config.model, config.seed)
-        model_id = config.model
-    elif os.path.isdir(config.model):
-        files = [f for f in os.scandir(config.model) if f.name.endswith(".safetensors")]
-        size = sum(f.stat().st_size for f in files)
-        if size >= LOUD_BYTES:
-            say(f"loading the checkpoint {config.model} ({gigabytes(size)})")
-        _, model = load_checkpoint(config.model)
-        tokenizer = load_tokenizer(config.model)
-        model_id = os.path.abspath(config.model)
-    else:
-        raise unknown_model(config.model)
-    threads = config.cpu_threads or cpus_available()  # every CPU we may run on
-    dtype_name = config.dtype
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
-    dtype = _DTYPES[dtype_name]
-    num_kv_blocks = config.num_kv_blocks
-    if num_kv_blocks is None:
-        num_kv_blocks = _kv_blocks_from_budget(config, model, device, dtype)
-    runner = TorchModelRunner(
-        model,
-        model_id,
-        num_kv_blocks=num_kv_blocks,
-        block_size=config.block_size,
-        seed=config.seed,
-        device=device,
-        dtype=dtype,
-        num_threads=threads,
-        batch_invariant=config.batch_invariant,
-        prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
-        tokenizer=tokenizer,
-    )
-    return runner
-
-
-def _kv_blocks_from_budget(
-    config: EngineConfig, model: CausalLM, device: str, dtype: torch.dtype
-) -> int:
-    """The block count the memory budget holds, measured with the weights in place (on CUDA,
-    what the process already holds counts against gpu_memory_utilization, as in vLLM)."""
-    cfg = model.config
-    model.to(device=device, dtype=dtype)  # the runner's own move is then a no-op
-    device_type = torch.device(device).type
-    dtype_bytes = torch.finfo(dtype).bits // 8
-    per_token = kv_bytes_per_token(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype_bytes
-    )
-    # The forward pass's peak beside the cache, for a budget that is a fraction of the whole
-    # device: a step's hidden states and MLP activations at the token budget, and float32
-    # logits for every sequence (vLLM profiles a dummy pass for this; an estimate here).
-    activations = (
-        config.max_num_batched_tokens
-        * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
-        * dtype_bytes
-        + config.max_num_seqs * cfg.vocab_size * 4
-    )
-    return num_blocks_for(
-        config, per_token, device_type, used_device_bytes(device_type), activations
-    )
 
 
 def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

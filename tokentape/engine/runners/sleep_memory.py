@@ -124,7 +124,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rebuilt(runner: SleepingRunner) -> dict[str, torch.Tensor]:
-    """The weights as the runner was built with them (model_runner.build_model_runner)."""
+    """The weights as the runner was built with them (runners/build.py)."""
     from tokentape.engine.model.config import BUILTIN_CONFIGS
     from tokentape.engine.model.loader import builtin_model, load_checkpoint
 
