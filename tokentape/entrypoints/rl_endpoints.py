@@ -144,6 +144,16 @@ def add_rl_endpoints(
         await engine.abort(req.rid)
         return json_response({"aborted": [req.rid] if known else []})
 
+    async def loaded(weights_id: str | None) -> Response:
+        """The answer to an update that loaded new weights: their hash and version."""
+        return json_response(
+            {
+                "status": "ok",
+                "weights_id": weights_id,
+                "weight_version": await engine.get_weight_version(),
+            }
+        )
+
     @app.post("/update_weights")
     async def update_weights(request: Request) -> Response:
         req = decode_body(await request.body(), p.UpdateWeightsRequest)
@@ -153,13 +163,7 @@ def add_rl_endpoints(
         )
         if weights_id is None:  # a chunk of a transfer: held until /finish_weight_update
             return json_response({"status": "ok"})
-        return json_response(
-            {
-                "status": "ok",
-                "weights_id": weights_id,
-                "weight_version": await engine.get_weight_version(),
-            }
-        )
+        return await loaded(weights_id)
 
     @app.post("/start_weight_update")
     async def start_weight_update() -> Response:
@@ -174,13 +178,7 @@ def add_rl_endpoints(
         weights_id = await _refused_as_400(
             engine.finish_weight_update(version), "weight_version" if version else None
         )
-        return json_response(
-            {
-                "status": "ok",
-                "weights_id": weights_id,
-                "weight_version": await engine.get_weight_version(),
-            }
-        )
+        return await loaded(weights_id)
 
     @app.get("/weight_info")
     async def weight_info() -> Response:
