@@ -130,7 +130,9 @@ def test_level_1_releases_the_kv_cache_pages() -> None:
     held = rss_bytes()
     llm.sleep(level=1)
     released = held - rss_bytes()  # the KV pages, and the oneDNN copies of the weights
-    assert released > 40 * 2**20, f"only {released / 2**20:.1f} MiB released"
+    # At least half the KV written: the process's other allocations move RSS by a few MiB
+    # (a full test run once saw 38 MiB released here, 43-50 alone); nothing released is ~0.
+    assert released > 24 * 2**20, f"only {released / 2**20:.1f} MiB released"
     llm.wake_up()
     out = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == reference([[5, 6, 7, 8]], GREEDY)[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -145,3 +146,34 @@ def test_stream_interval_sends_tokens_in_groups(tmp_path: Any) -> None:
         [t for c in chat for t in c["token_ids"]]
     )
     assert verify(tape).ok
+
+
+def test_a_core_faster_than_the_frontend_does_not_starve_the_server(tmp_path: Any) -> None:
+    """The oracle's core makes steps faster than the frontend takes them: the frontend reads
+    them in bounded batches, so /metrics (and a client's disconnect, above) is answered while
+    long completions run, not only after they end."""
+    with ServerProcess(
+        "--model", "oracle", "--no-tape", "--pipeline-depth", "2", "--max-model-len", "32768"
+    ) as server:
+        http = httpx.Client(base_url=server.url, timeout=120)
+        body = {"model": "oracle", "max_tokens": 30_000, "ignore_eos": True}
+        done: list[int] = []
+
+        def complete(i: int) -> None:
+            out = http.post("/v1/completions", json={**body, "prompt": [5, i]}).json()
+            assert "usage" in out, out
+            done.append(out["usage"]["completion_tokens"])
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(3)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        waits = []
+        while any(t.is_alive() for t in threads):
+            asked = time.perf_counter()
+            assert http.get("/metrics").status_code == 200
+            waits.append(time.perf_counter() - asked)
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - start
+    assert done == [30_000] * 3
+    assert max(waits) < 0.1 * elapsed, f"/metrics waited {max(waits):.2f} s of {elapsed:.2f} s"

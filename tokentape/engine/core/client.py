@@ -44,6 +44,8 @@ STOP_GRACE_S = 5.0
 # Seconds a send waits for the core's input socket when it has no peer and the core's process
 # still runs; past it the core is taken for gone.
 SEND_WAIT_S = 1.0
+# Core messages (one per step) the reader takes per wake of the event loop before it yields.
+READ_BATCH = 16
 Dispatch = Callable[[CoreMessage], None]
 
 
@@ -228,8 +230,10 @@ class MPClient(CoreClient):
                     dispatch(CoreDead(f"the engine core process exited with status {code}"))
                     return
                 continue
-            # Everything that has arrived, in one wake of the loop (one message per step).
-            while True:
+            # What has arrived, a bounded batch per wake of the loop (one message per step):
+            # a core faster than this loop must not starve the streams and the server's
+            # other work (a disconnect, /metrics) by keeping this drain from ever ending.
+            for _ in range(READ_BATCH):
                 try:
                     data = recv(zmq.NOBLOCK)
                 except zmq.Again:
@@ -238,6 +242,7 @@ class MPClient(CoreClient):
                 dispatch(msg)
                 if isinstance(msg, CoreDead):
                     return
+            await asyncio.sleep(0)
 
     def send(self, msg: CoreRequest) -> None:
         """Hand a message to the core without ever blocking: a PUSH socket with no peer (the
