@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from vllm_scenarios import (  # noqa: E402
     async_scenario,
     pause_resume_scenario,
     run_tokentape,
-    run_vllm,
+    run_vllm_batch,
     spec_reset_scenario,
 )
 
@@ -96,24 +98,41 @@ def model(work: Path) -> str:
     return str(save_checkpoint(builtin_model("tiny", 0)[1], work / "tiny"))
 
 
-def _run(version: str | None, spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+SCENARIOS = {"pause": pause_resume_scenario, "async": async_scenario, "spec": spec_reset_scenario}
+
+
+@pytest.fixture(scope="module")
+def recorded(work: Path, model: str) -> Iterator[dict[str | None, Future[dict[str, Any]]]]:
+    """Every release's three scenarios, one driver process per release (vLLM imported once),
+    two releases at a time (the drivers are single-threaded; the machine may have 2 cores)."""
     assert FOUND is not None and VENV is not None
-    env = release_env(VENV, version)
-    result = run_vllm(
-        FOUND.python, SCHEDULER_DRIVER, spec, work, f"{name}-{version or 'venv'}", env=env
-    )
+    python, venv = FOUND.python, VENV
+
+    def batch(version: str | None) -> dict[str, Any]:
+        specs = {f"{n}-{version or 'venv'}": make(model) for n, make in SCENARIOS.items()}
+        env = release_env(venv, version)
+        return run_vllm_batch(python, SCHEDULER_DRIVER, specs, work, env=env)
+
+    with ThreadPoolExecutor(2) as pool:
+        yield {v: pool.submit(batch, v) for v in RELEASES if _skip_reason(v) is None}
+
+
+def _run(
+    recorded: dict[str | None, Future[dict[str, Any]]], version: str | None, name: str
+) -> dict[str, Any]:
+    result: dict[str, Any] = recorded[version].result()[f"{name}-{version or 'venv'}"]
     tape = load_tape(result["tape"])
     assert tape.header.source == "vllm" and tape.header.discard_policy == POLICIES[version]
-    assert tape.header.source_version == (version or FOUND.version)
+    assert tape.header.source_version == (version or FOUND.version)  # type: ignore[union-attr]
     return result
 
 
 @pytest.mark.parametrize("version", [_release(v) for v in RELEASES])
 def test_the_seed_bug_recorded_from_the_release_that_shipped_it(
-    work: Path, model: str, version: str | None
+    recorded: Any, work: Path, model: str, version: str | None
 ) -> None:
     spec = pause_resume_scenario(model)
-    result = _run(version, spec, work, "pause")
+    result = _run(recorded, version, "pause")
     tape = result["tape"]
     assert verify(tape).ok
     report = postmortem(tape)
@@ -147,9 +166,9 @@ def test_the_seed_bug_recorded_from_the_release_that_shipped_it(
 
 @pytest.mark.parametrize("version", [_release(v) for v in RELEASES])
 def test_every_release_records_preemptions_with_steps_in_flight(
-    work: Path, model: str, version: str | None
+    recorded: Any, version: str | None
 ) -> None:
-    result = _run(version, async_scenario(model), work, "async")
+    result = _run(recorded, version, "async")
     checked = verify(result["tape"])
     assert checked.ok, checked.first_divergence.format() if checked.first_divergence else ""
     report = postmortem(result["tape"])
@@ -169,17 +188,14 @@ def test_every_release_records_preemptions_with_steps_in_flight(
 
 
 @pytest.mark.parametrize("version", [_release(v) for v in RELEASES])
-def test_speculative_decoding_with_resets_in_flight(
-    work: Path, model: str, version: str | None
-) -> None:
+def test_speculative_decoding_with_resets_in_flight(recorded: Any, version: str | None) -> None:
     """Two drafts per step under async scheduling (the model accepts a seeded random number),
     resets of running requests with a step in flight. Every release's tape verifies under its
     own policy. Before #48245 the releases show the bugs of that code: a dropped stale frame's
     rejected drafts taken off the resumed request's placeholders (#46066, until 0.25 guarded
     it), and the counter set in tokens but drained per frame, which drops fresh frames (0.22 on)
     and leaves a request hung one token short. From #48245 on the tape is clean."""
-    spec = spec_reset_scenario(model)
-    result = _run(version, spec, work, "spec")
+    result = _run(recorded, version, "spec")
     checked = verify(result["tape"])
     assert checked.ok, checked.first_divergence.format() if checked.first_divergence else ""
     report = postmortem(result["tape"])

@@ -5,7 +5,8 @@ Each scenario is a spec for one of the two drivers that run in vLLM's Python:
   platform schedules synchronously), stepped by hand with commands mid-run;
 - `vllm_scheduler_run.py`: vLLM's scheduler as its engine core drives it, async (a batch
   queue of depth 2) or sync, with tokentape's oracle as the model.
-`run_vllm` starts one with vLLM's Python and returns what each client got; `run_tokentape`
+`run_vllm` starts one with vLLM's Python and returns what each client got (`run_vllm_batch`
+runs several specs in one process); `run_tokentape`
 runs the same requests on tokentape's engine (the tiny model or the oracle), for `diff`.
 Used by tests/integrations/test_vllm_recorder.py, tests/tapes/vllm/regenerate.py and
 benchmarks/bench_vllm_recorder.py. Standard library and tokentape only: no vLLM here.
@@ -146,17 +147,33 @@ def run_vllm(
 ) -> dict[str, Any]:
     """Run a driver in vLLM's Python (with `env` added: another release's overlay,
     benchmarks/baselines/vllm_releases.py); returns its result with "tape" (the path, or None)."""
-    spec = {
-        **spec,
-        "tape": str(workdir / f"{name}.tape") if tape else None,
-        "out": str(workdir / f"{name}.json"),
-    }
-    spec_path = workdir / f"{name}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    log_path = workdir / f"{name}.log"
+    return run_vllm_batch(python, driver, {name: spec}, workdir, tape, timeout, env)[name]
+
+
+def run_vllm_batch(
+    python: str,
+    driver: Path,
+    specs: dict[str, dict[str, Any]],
+    workdir: Path,
+    tape: bool = True,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Several specs, by name, run one after the other in one process of the driver: vLLM is
+    imported once (about 10 s on a 2-core machine) rather than once per spec."""
+    paths = []
+    for name, spec in specs.items():
+        spec = {
+            **spec,
+            "tape": str(workdir / f"{name}.tape") if tape else None,
+            "out": str(workdir / f"{name}.json"),
+        }
+        paths.append(workdir / f"{name}.spec.json")
+        paths[-1].write_text(json.dumps(spec))
+    log_path = workdir / f"{'+'.join(specs)}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.run(
-            [python, str(driver), str(spec_path)],
+            [python, str(driver), *map(str, paths)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **VLLM_ENV, **(env or {})},
@@ -166,11 +183,15 @@ def run_vllm(
     if proc.returncode != 0:
         tail = log_path.read_bytes()[-3000:].decode(errors="replace")
         raise RuntimeError(
-            f"{driver.name} {name} failed (exit {proc.returncode}); end of {log_path}:\n{tail}"
+            f"{driver.name} {', '.join(specs)} failed (exit {proc.returncode}); "
+            f"end of {log_path}:\n{tail}"
         )
-    result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
-    result["tape"] = spec["tape"]
-    return result
+    results = {}
+    for name in specs:
+        result: dict[str, Any] = json.loads((workdir / f"{name}.json").read_text())
+        result["tape"] = str(workdir / f"{name}.tape") if tape else None
+        results[name] = result
+    return results
 
 
 def run_tokentape(spec: dict[str, Any], model: str, tape: Path) -> dict[str, list[int]]:

@@ -13,7 +13,8 @@ Commands between steps as EngineCore issues them: aborts (`finish_requests`),
 `reset_prefix_cache(reset_running_requests=True)` with steps in flight, and pauses as
 `pause_scheduler` makes them (pause state, drain the queue, reset the caches when asked).
 
-Runs in vLLM's Python with tokentape installed (`python vllm_scheduler_run.py SPEC.json`).
+Runs in vLLM's Python with tokentape installed (`python vllm_scheduler_run.py SPEC.json...`,
+each spec in turn).
 Spec: {"model": folder (its config.json shapes the KV spec), "tape", "async": bool,
 "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
 "requests": [{"id", "prompt", "max_tokens", "add_at"}], "reset_at": [step],
@@ -246,8 +247,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    result = run(spec)
-    with open(spec["out"], "w") as f:
-        json.dump(result, f)
+    for path in sys.argv[1:]:  # one spec after the other, vLLM imported once
+        with open(path) as f:
+            spec = json.load(f)
+        result = run(spec)
+        with open(spec["out"], "w") as f:
+            json.dump(result, f)
