@@ -22,9 +22,10 @@ from tokentape.engine.async_llm import frontend_tokenizer
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
 # Rollout lengths, per prompt: rollouts differ in length, and each is still being generated
 # when the pause comes (TOKENS_BEFORE_UPDATE tokens in). The engine core runs on while the
-# actor's event loop waits for the CPU, so on a busy machine the frontend may see a rollout's
-# first tokens hundreds of steps late (CI once saw all of an engine's rollouts, 256 tokens at
-# most, end before its pause). The longest sets the time an iteration takes.
+# actor's event loop waits for the CPU, so the pause comes some steps late: a few on a busy
+# machine (9-17 tokens in with two busy loops beside), since AsyncLLM's reader yields to the
+# streams between batches of steps (before it did, CI saw all of an engine's rollouts, 512
+# tokens at most, end before its pause). The longest sets the time an iteration takes.
 ROLLOUT_TOKENS = (64, 128, 256, 512)
 TOKENS_BEFORE_UPDATE = 8  # what the trainer learns from: each rollout's first tokens
 LEARNING_RATE = 0.05
