@@ -209,12 +209,47 @@ class StepTimes:
     wall_s: float
     engine_cpu_s: float  # the engine's process, every thread of it (`time.process_time`)
     writer_cpu_s: float  # the SQLite tape's writer process (0 without one)
+    # Wall seconds of the step inside the runner (the oracle computing the tokens: its submit
+    # and collect) and inside the output processor (the RequestOutputs, which vLLM builds in
+    # its frontend process): parts a step of vLLM's scheduler alone does not include.
+    runner_s: float = 0.0
+    outputs_s: float = 0.0
 
     @property
     def wall_plus_writer_s(self) -> float:
         """The engine's wall time plus the writer's CPU time: what a step costs the machine
         beyond one busy core (the writer runs on another core, off the engine's path)."""
         return self.wall_s + self.writer_cpu_s
+
+    @property
+    def scheduling_s(self) -> float:
+        """wall_plus_writer_s less the runner and the output processor: the scheduler, the
+        reducer and the tape, what vLLM's schedule() + update_from_output() do."""
+        return self.wall_plus_writer_s - self.runner_s - self.outputs_s
+
+
+class _Stopwatch:
+    """Sums the wall time of calls to wrapped methods, by label, while `on`."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, obj: Any, method: str, label: str) -> None:
+        inner = getattr(obj, method)
+        clock = time.perf_counter
+        self.seconds[label] = 0.0
+
+        def timed(*args: Any) -> Any:
+            if not self.on:
+                return inner(*args)
+            t0 = clock()
+            try:
+                return inner(*args)
+            finally:
+                self.seconds[label] += clock() - t0
+
+        setattr(obj, method, timed)
 
 
 def time_decode_steps(
@@ -251,6 +286,10 @@ def measure_decode_steps(
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(num_requests)):
         engine.add_request(str(i), prompt, params)
+    watch = _Stopwatch()
+    watch.wrap(engine.runner, "submit", "runner")
+    watch.wrap(engine.runner, "collect", "runner")
+    watch.wrap(engine.output_processor, "process_outputs", "outputs")
     step = engine.step
     for _ in range(SKIP_CALLS):
         step()
@@ -267,6 +306,7 @@ def measure_decode_steps(
     start, stop = hooks or (_noop, _noop)
     with gc_collected():
         start()
+        watch.on = True
         w0 = procstat.cpu_seconds(writer_pid) if writer_pid else 0.0
         c0 = time.process_time()
         t0 = time.perf_counter()
@@ -276,6 +316,7 @@ def measure_decode_steps(
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - c0
         writer_cpu = procstat.cpu_seconds(writer_pid) - w0 if writer_pid else 0.0
+        watch.on = False
         stop()
     assert state.step - step_before == WINDOW_CALLS, "a step scheduled nothing"
     assert all(r.num_preemptions == 0 and not r.is_finished for r in state.requests.values()), (
@@ -285,4 +326,10 @@ def measure_decode_steps(
         step()
     assert all(len(r.output_token_ids) == MAX_TOKENS for r in state.requests.values())
     llm.close()
-    return StepTimes(elapsed / WINDOW_CALLS, cpu / WINDOW_CALLS, writer_cpu / WINDOW_CALLS)
+    return StepTimes(
+        elapsed / WINDOW_CALLS,
+        cpu / WINDOW_CALLS,
+        writer_cpu / WINDOW_CALLS,
+        watch.seconds["runner"] / WINDOW_CALLS,
+        watch.seconds["outputs"] / WINDOW_CALLS,
+    )

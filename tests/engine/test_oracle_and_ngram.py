@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events.schema import SamplingParams
@@ -21,6 +24,21 @@ def test_oracle_is_a_pure_function_of_prompt_position_and_seed() -> None:
         [5, 6, 7], SamplingParams(max_tokens=20, seed=3)
     )
     assert OracleRunner(seed=1).expected_stream([5, 6, 7], p) != a.expected_stream([5, 6, 7], p)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.booleans(),
+    st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**40)), min_size=1),
+)
+def test_a_steps_batched_tokens_are_token_at_each(
+    cyclic: bool, pairs: list[tuple[int, int]]
+) -> None:
+    """The runner's decodes of a step are drawn together in uint64 arithmetic: the same
+    tokens as token_at's Python integers, at any key and position."""
+    r = OracleRunner(cyclic=cyclic)
+    keys, positions = [k for k, _ in pairs], [p for _, p in pairs]
+    assert r.tokens_at(keys, positions) == [r.token_at(k, p) for k, p in pairs]
 
 
 def test_oracle_stream_honours_stop_tokens_and_max_tokens() -> None:

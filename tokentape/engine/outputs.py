@@ -5,7 +5,7 @@ built from the core's outputs by the output processor, output_processor.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -272,7 +272,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None
-    metrics: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, int] | None = None  # as vLLM's without stats: none are kept
     # vLLM's, with SamplingParams.prompt_logprobs: per prompt position, None for the first,
     # then {prompt token: logprob, the top k...}; in the first output only (later: []).
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -13,6 +13,7 @@ decides when it stops.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -98,6 +99,12 @@ def main() -> int:
         push.close()
         ctx.term()
         return 1
+    # What the build made (torch, the model, the engine) lives as long as this process:
+    # frozen, the full collections that the steps' short-lived objects set off pass over it
+    # (as vLLM's engine core does). On the tiny model one took 24 ms, every 50-100 steps of
+    # 256 requests; frozen, 0.04 ms. This process is the core's own: no caller's heap here.
+    gc.collect()
+    gc.freeze()
     push.send(_encode(CoreReady(core.info())))
     died = False
     try:

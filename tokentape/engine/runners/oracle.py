@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, WeightChunk, prompt_seed
 from tokentape.engine.runners.oracle_weights import OracleWeights
@@ -31,6 +33,7 @@ _MASK = (1 << 64) - 1
 # Emit only the byte tokens of printable ASCII (never bos, eos or pad), so decoded text reads.
 _FIRST_TOKEN = ByteTokenizer.encode(ByteTokenizer(), " ")[0]
 _NUM_TOKENS = 95  # " " through "~"
+BATCHED_FROM = 16  # decodes in a step from which tokens_at draws them in one numpy pass
 
 
 def _mix(x: int) -> int:
@@ -82,6 +85,24 @@ class OracleRunner:
             period = 2 + key % 4
             return _FIRST_TOKEN + ((key >> 8) + (position % period) * 7919) % span
         return _FIRST_TOKEN + (h >> 8) % span
+
+    def tokens_at(self, keys: list[int], positions: list[int]) -> list[int]:
+        """token_at for many (key, position) pairs at once, in uint64 arithmetic (which wraps
+        as token_at's masks do): a step's decodes cost one pass, not a hash each in Python."""
+        k = np.array(keys, dtype=np.uint64)
+        pos = np.array(positions, dtype=np.uint64)
+        x = k ^ (pos * np.uint64(0xD6E8FEB86659FD93))
+        x = x + np.uint64(0x9E3779B97F4A7C15)  # _mix, vectorised
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h = x ^ (x >> np.uint64(31))
+        span, first = np.uint64(_NUM_TOKENS), np.uint64(_FIRST_TOKEN)
+        drawn = first + (h >> np.uint64(8)) % span
+        if self.cyclic:
+            period = np.uint64(2) + k % np.uint64(4)
+            cycle = first + ((k >> np.uint64(8)) + (pos % period) * np.uint64(7919)) % span
+            drawn = np.where(h & np.uint64(3), cycle, drawn)
+        return drawn.tolist()  # type: ignore[no-any-return]
 
     def expected_stream(
         self, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int = 1 << 62
@@ -137,7 +158,8 @@ class OracleRunner:
     def submit(self, batch: ScheduledBatch) -> None:
         for req_id in batch.finished_req_ids:
             self._seqs.pop(req_id, None)
-        frame = []
+        frame: list[FrameEntry | None] = []
+        plain: list[tuple[int, str, list[int], int]] = []  # decodes without drafts: batched
         for e in batch.entries:
             req_id = e.req_id
             known = batch.token_ids.get(req_id)
@@ -155,11 +177,11 @@ class OracleRunner:
                 continue
             tokens = seq.tokens
             pos = first = len(tokens)
-            drafts = (
-                propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
-                if e.num_spec_tokens
-                else []
-            )
+            if not e.num_spec_tokens:
+                plain.append((len(frame), req_id, tokens, seq.key))
+                frame.append(None)
+                continue
+            drafts = propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
             out = []
             for d in drafts:  # verify the drafts against what the "model" would sample
                 if d != self.token_at(seq.key, pos):
@@ -169,7 +191,17 @@ class OracleRunner:
             out.append(self.token_at(seq.key, pos))
             tokens += out
             frame.append(FrameEntry(req_id, out, drafts, position=first))
-        self._results[batch.step] = frame
+        if plain:
+            keys, positions = [p[3] for p in plain], [len(p[2]) for p in plain]
+            sampled = (
+                self.tokens_at(keys, positions)
+                if len(plain) >= BATCHED_FROM  # numpy's call overhead pays from here
+                else list(map(self.token_at, keys, positions))
+            )
+            for (at, req_id, tokens, _), token in zip(plain, sampled):
+                frame[at] = FrameEntry(req_id, [token], [], position=len(tokens))
+                tokens.append(token)
+        self._results[batch.step] = frame  # type: ignore[assignment]  # every None filled
 
     def collect(self, step: int) -> list[FrameEntry]:
         return self._results.pop(step)
