@@ -16,6 +16,7 @@ from setuptools import setup
 COMPILED = [
     "tokentape/events/state.py",
     "tokentape/events/discard.py",
+    "tokentape/events/engine_rules.py",
     "tokentape/events/reducer.py",
     "tokentape/engine/kv_cache_manager.py",
 ]

@@ -8,6 +8,7 @@ import os
 COMPILED_MODULES = (
     "tokentape.events.state",
     "tokentape.events.discard",
+    "tokentape.events.engine_rules",
     "tokentape.events.reducer",
     "tokentape.engine.kv_cache_manager",
 )

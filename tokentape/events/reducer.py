@@ -12,6 +12,16 @@ from typing import Any
 
 from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
+from tokentape.events.engine_rules import (
+    on_paused,
+    on_prefix_cache_reset,
+    on_resumed,
+    on_slept,
+    on_weight_chunk,
+    on_weight_update_started,
+    on_weights_updated,
+    on_woke_up,
+)
 from tokentape.events.errors import ReducerError
 from tokentape.events.faults import REDUCER_FAULTS
 from tokentape.events.state import (
@@ -104,92 +114,6 @@ def _on_finished(state: EngineState, e: ev.RequestFinished) -> None:
             )
         req.stop_str = e.stop_reason
     _finish(state, req, e.reason)
-
-
-def _on_paused(state: EngineState, e: ev.GenerationPaused) -> None:
-    state.paused = e.mode
-
-
-def _on_resumed(state: EngineState, e: ev.GenerationResumed) -> None:
-    if state.sleep_level is not None:
-        raise ReducerError(f"generation resumed in step {e.step} while the engine sleeps")
-    state.paused = None
-
-
-def _on_prefix_cache_reset(state: EngineState, e: ev.PrefixCacheReset) -> None:
-    state.num_prefix_cache_resets += e.ok
-
-
-def _check_drained(state: EngineState, e: ev.Event, what: str) -> None:
-    # The version of a delivered token is the one in force at its OutputsEmitted: true only if
-    # weights change with nothing in flight and nothing undelivered (the engine's own rule).
-    if state.in_flight_steps or state.pending_output:
-        raise ReducerError(
-            f"{what} in step {e.step} with {len(state.in_flight_steps)} step(s) in flight and "
-            f"{len(state.pending_output)} request(s) with undelivered output"
-        )
-
-
-def _on_weights_updated(state: EngineState, e: ev.WeightsUpdated) -> None:
-    _check_drained(state, e, "weights updated")
-    state.weights_id = e.weights_id
-    state.num_weight_updates += 1
-    state.weight_version = e.weight_version or str(state.num_weight_updates)
-    state.weight_update_chunks = None  # the finish of a chunked transfer, if one was open
-
-
-def _on_weight_update_started(state: EngineState, e: ev.WeightUpdateStarted) -> None:
-    if state.weight_update_chunks is not None:
-        raise ReducerError(f"weight update started in step {e.step} while one was open")
-    _check_drained(state, e, "weight update started")
-    state.weight_update_chunks = 0
-
-
-def _on_weight_chunk(state: EngineState, e: ev.WeightChunkReceived) -> None:
-    if state.weight_update_chunks is None:
-        raise ReducerError(f"weight chunk received in step {e.step} with no update started")
-    if not len(e.names) == len(e.shapes) == len(e.hashes):
-        raise ReducerError(
-            f"weight chunk of step {e.step} has {len(e.names)} names, {len(e.shapes)} shapes "
-            f"and {len(e.hashes)} hashes"
-        )
-    state.weight_update_chunks += 1
-
-
-def _on_slept(state: EngineState, e: ev.EngineSlept) -> None:
-    if state.sleep_level is not None:
-        raise ReducerError(f"the engine fell asleep in step {e.step} while asleep already")
-    if e.level not in ev.SLEEP_LEVELS:
-        raise ReducerError(f"sleep level {e.level} in step {e.step} is not one of 0, 1, 2")
-    if state.paused is None:
-        raise ReducerError(f"the engine fell asleep in step {e.step} without pausing first")
-    in_flight = [s.step for s in state.in_flight_steps]
-    kept = [r.req_id for r in state.unfinished]
-    if e.in_flight != in_flight or e.kept != kept:
-        raise ReducerError(
-            f"EngineSlept of step {e.step} lists steps {e.in_flight} in flight and requests "
-            f"{e.kept} kept; the tape has {in_flight} and {kept}"
-        )
-    state.sleep_level = e.level
-    state.sleeping_tags = ev.MEMORY_TAGS if e.level else ()
-
-
-def _on_woke_up(state: EngineState, e: ev.EngineWokeUp) -> None:
-    if state.sleep_level is None:
-        raise ReducerError(f"the engine woke up in step {e.step} while awake")
-    if e.tags is None:
-        state.sleeping_tags = ()
-    else:
-        unknown = [t for t in e.tags if t not in ev.WAKE_TAGS]
-        if unknown:
-            raise ReducerError(f"wake-up in step {e.step} names unknown tags {unknown}")
-        state.sleeping_tags = tuple(t for t in state.sleeping_tags if t not in e.tags)
-    if e.weights_id is not None:  # rebuilt after level 2: the model's own weights again
-        _check_drained(state, e, "weights rebuilt")
-        state.weights_id = e.weights_id
-        state.weight_version = "default"
-    if not state.sleeping_tags:
-        state.sleep_level = None
 
 
 def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
@@ -394,14 +318,14 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.RequestAdded: _on_added,
     ev.RequestAborted: _on_aborted,
     ev.RequestFinished: _on_finished,
-    ev.GenerationPaused: _on_paused,
-    ev.GenerationResumed: _on_resumed,
-    ev.PrefixCacheReset: _on_prefix_cache_reset,
-    ev.WeightsUpdated: _on_weights_updated,
-    ev.WeightUpdateStarted: _on_weight_update_started,
-    ev.WeightChunkReceived: _on_weight_chunk,
-    ev.EngineSlept: _on_slept,
-    ev.EngineWokeUp: _on_woke_up,
+    ev.GenerationPaused: on_paused,
+    ev.GenerationResumed: on_resumed,
+    ev.PrefixCacheReset: on_prefix_cache_reset,
+    ev.WeightsUpdated: on_weights_updated,
+    ev.WeightUpdateStarted: on_weight_update_started,
+    ev.WeightChunkReceived: on_weight_chunk,
+    ev.EngineSlept: on_slept,
+    ev.EngineWokeUp: on_woke_up,
     ev.StepScheduled: _on_scheduled,
     ev.RequestPreempted: _on_preempted,
     ev.FrameProduced: _on_frame,
