@@ -40,12 +40,11 @@ from tokentape.engine.frontend_inputs import (
     prompt_token_ids,
     state_dict_bytes,
 )
-from tokentape.engine.llm_engine import PAUSE_MODES
 from tokentape.engine.output_collector import RequestOutputCollector
 from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
-from tokentape.engine.rl_calls import check_sleep_args, check_wake_tags
+from tokentape.engine.rl_calls import PAUSE_MODES, check_sleep_args, check_wake_tags
 from tokentape.engine.weight_updates import resolve_version
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams

@@ -21,7 +21,7 @@ from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import EngineCoreOutput, RequestOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
-from tokentape.engine.rl_calls import PAUSE_MODES, RLCalls
+from tokentape.engine.rl_calls import RLCalls
 from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import ChecksParams, ModelRunner, UpdatesWeights
 from tokentape.engine.scheduler import Scheduler
@@ -33,14 +33,13 @@ from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.store import TapeWriter
-from tokentape.events.validation import check_bool
 
 
 class LLMEngine(WeightUpdates, RLCalls):
     """The engine loop, as vLLM's LLMEngine with its EngineCore inside: it owns the engine's
     state (the reducer's, changed only through `_emit`), the KV cache manager, the scheduler,
-    the runner, the tape writer and the output processor. Commands (add, abort, pause,
-    resume, reset, the weight updates of weight_updates.py, the sleep mode and abort_all of
+    the runner, the tape writer and the output processor. Commands (add, abort; the weight
+    updates of weight_updates.py; pause, resume, reset, the sleep mode and abort_all of
     rl_calls.py) and steps go on the tape before they take effect; `step` gives
     RequestOutputs, `step_core` the per-request deltas an engine core sends across the
     process boundary. The runner's optional capabilities (runners.base: ChecksParams,
@@ -347,67 +346,6 @@ class LLMEngine(WeightUpdates, RLCalls):
             )
         self._emit(ev.OutputsEmitted(state.step, entries))
         self._ready += deltas
-
-    # -- pause / resume / reset ------------------------------------------------------------------
-
-    def is_paused(self) -> bool:
-        return self.state.paused is not None
-
-    def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        """Pause as vLLM does and return once the engine has drained.
-
-        abort: abort every request; wait: admit nothing new and let the running requests
-        finish; keep: schedule nothing and keep every request for later. In-flight steps are
-        applied (their tokens are delivered by the next `step()`), then, with `clear_cache`,
-        running requests are preempted and the prefix cache is reset.
-        """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
-        check_bool("clear_cache", clear_cache)
-        self.check_awake("pause_generation")
-        for hook in self.hooks:
-            hook.before_pause()
-        with self._recorded():
-            self._emit(ev.GenerationPaused(self.state.step, mode, clear_cache))  # type: ignore[arg-type]
-            if mode == "abort":
-                for req in self.state.unfinished:
-                    self.scheduler.finish(req, "abort")
-            elif mode == "wait":
-                while self.state.running:
-                    self._step_once()
-            if all(hook.drains_on_pause() for hook in self.hooks):
-                while self.state.in_flight_steps:
-                    self._apply_oldest_frame()
-            if clear_cache and all(hook.clears_cache_on_pause() for hook in self.hooks):
-                self._reset_prefix_cache(reset_running_requests=True)
-        self.tape.flush()  # a paused engine's tape is complete in the file
-
-    def resume_generation(self) -> None:
-        if self.state.paused is None:
-            return
-        self.check_awake("resume_generation")  # wake_up() resumes a sleeping engine
-        self.check_no_open_transfer("resume_generation")
-        with self._recorded():
-            self._emit(ev.GenerationResumed(self.state.step))
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forget the prefix cache. Fails (False) while blocks are in use, unless running
-        requests are reset, in which case every running request is preempted first."""
-        check_bool("reset_running_requests", reset_running_requests)  # a bool on the tape, not 1
-        with self._recorded():
-            return self._reset_prefix_cache(reset_running_requests)
-
-    def _reset_prefix_cache(self, reset_running_requests: bool) -> bool:
-        # Waiting requests hold no blocks, so preempting every running one frees them all.
-        ok = reset_running_requests or self.kv.num_used_blocks == 0
-        self._emit(ev.PrefixCacheReset(self.state.step, reset_running_requests, ok))
-        if reset_running_requests:
-            requests = self.state.requests
-            while self.state.running:
-                self.scheduler.preempt(requests[self.state.running[-1]], "reset_prefix_cache")
-        if ok and not self.kv.reset_prefix_cache():
-            raise RuntimeError("KV blocks still in use after every running request was preempted")
-        return ok
 
     @property
     def dead_reason(self) -> str | None:

@@ -1,5 +1,11 @@
-"""LLMEngine's RL calls beyond pause and resume: vLLM's sleep mode (`sleep`, `wake_up`,
-`is_sleeping`) and `abort_all`, as a mixin of LLMEngine.
+"""LLMEngine's RL calls, as a mixin of LLMEngine: vLLM's pause and resume
+(`pause_generation`, `resume_generation`, `is_paused`), `reset_prefix_cache`, its sleep mode
+(`sleep`, `wake_up`, `is_sleeping`) and `abort_all`. The weight updates are weight_updates.py's.
+
+`pause_generation(mode, clear_cache)` is vLLM's: "abort" aborts every request, "wait" admits
+nothing new and lets the running requests finish, "keep" schedules nothing and keeps every
+request; the steps in flight are applied (their tokens go out with the next `step()`), then,
+with `clear_cache`, the running requests are preempted and the prefix cache is reset.
 
 `sleep(level, mode)` is vLLM's: a pause in `mode` ("abort" by default, as vLLM's: every
 request is aborted; "keep" keeps them for after the wake-up; "wait" lets the running ones
@@ -21,12 +27,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokentape.engine.hooks import EngineHooks
+from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.runners.base import ModelRunner, SleepsMemory
+from tokentape.engine.scheduler import Scheduler
 from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events.state import EngineState
 from tokentape.events.store import TapeWriter
-from tokentape.events.validation import check_int, shown
+from tokentape.events.validation import check_bool, check_int, shown
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -51,7 +59,8 @@ def check_wake_tags(tags: object) -> list[str] | None:
 
 
 class RLCalls:
-    """Sleep mode and abort-all for LLMEngine (which inherits them)."""
+    """Pause, resume, prefix-cache reset, sleep mode and abort-all for LLMEngine (which
+    inherits them)."""
 
     if TYPE_CHECKING:  # what they use of LLMEngine (mypy checks it defines them alike)
         state: EngineState
@@ -60,14 +69,75 @@ class RLCalls:
         _dead: str | None
         _children: dict[str, list[str]]
         hooks: Sequence[EngineHooks]
+        scheduler: Scheduler
+        kv: KVCacheManager
 
         def _emit(self, event: ev.Event) -> None: ...
         def _recorded(self) -> contextlib.AbstractContextManager[None]: ...
         def one_commit(self) -> contextlib.AbstractContextManager[None]: ...
-        def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None: ...
-        def resume_generation(self) -> None: ...
+        def _step_once(self) -> None: ...
+        def _apply_oldest_frame(self) -> None: ...
         def abort_request(self, request_id: str) -> None: ...
         def check_no_open_transfer(self, call: str) -> None: ...
+
+    def is_paused(self) -> bool:
+        return self.state.paused is not None
+
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Pause as vLLM does and return once the engine has drained.
+
+        abort: abort every request; wait: admit nothing new and let the running requests
+        finish; keep: schedule nothing and keep every request for later. In-flight steps are
+        applied (their tokens are delivered by the next `step()`), then, with `clear_cache`,
+        running requests are preempted and the prefix cache is reset.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_bool("clear_cache", clear_cache)
+        self.check_awake("pause_generation")
+        for hook in self.hooks:
+            hook.before_pause()
+        with self._recorded():
+            self._emit(ev.GenerationPaused(self.state.step, mode, clear_cache))  # type: ignore[arg-type]
+            if mode == "abort":
+                for req in self.state.unfinished:
+                    self.scheduler.finish(req, "abort")
+            elif mode == "wait":
+                while self.state.running:
+                    self._step_once()
+            if all(hook.drains_on_pause() for hook in self.hooks):
+                while self.state.in_flight_steps:
+                    self._apply_oldest_frame()
+            if clear_cache and all(hook.clears_cache_on_pause() for hook in self.hooks):
+                self._reset_prefix_cache(reset_running_requests=True)
+        self.tape.flush()  # a paused engine's tape is complete in the file
+
+    def resume_generation(self) -> None:
+        if self.state.paused is None:
+            return
+        self.check_awake("resume_generation")  # wake_up() resumes a sleeping engine
+        self.check_no_open_transfer("resume_generation")
+        with self._recorded():
+            self._emit(ev.GenerationResumed(self.state.step))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache. Fails (False) while blocks are in use, unless running
+        requests are reset, in which case every running request is preempted first."""
+        check_bool("reset_running_requests", reset_running_requests)  # a bool on the tape, not 1
+        with self._recorded():
+            return self._reset_prefix_cache(reset_running_requests)
+
+    def _reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        # Waiting requests hold no blocks, so preempting every running one frees them all.
+        ok = reset_running_requests or self.kv.num_used_blocks == 0
+        self._emit(ev.PrefixCacheReset(self.state.step, reset_running_requests, ok))
+        if reset_running_requests:
+            requests = self.state.requests
+            while self.state.running:
+                self.scheduler.preempt(requests[self.state.running[-1]], "reset_prefix_cache")
+        if ok and not self.kv.reset_prefix_cache():
+            raise RuntimeError("KV blocks still in use after every running request was preempted")
+        return ok
 
     def is_sleeping(self) -> bool:
         """vLLM's: True while the engine sleeps at any level, a pause included (vLLM's sleep

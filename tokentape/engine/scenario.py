@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tokentape.engine.llm_engine import PAUSE_MODES, LLMEngine
+from tokentape.engine.llm_engine import LLMEngine
+from tokentape.engine.rl_calls import PAUSE_MODES
 from tokentape.events.validation import check_int, check_str
 
 
