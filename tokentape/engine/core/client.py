@@ -242,7 +242,8 @@ class MPClient(CoreClient):
                 dispatch(msg)
                 if isinstance(msg, CoreDead):
                     return
-            await asyncio.sleep(0)
+            else:  # a full batch, more may be waiting: let the others run before the next
+                await asyncio.sleep(0)
 
     def send(self, msg: CoreRequest) -> None:
         """Hand a message to the core without ever blocking: a PUSH socket with no peer (the
