@@ -20,6 +20,7 @@ produce, and a what-if replay with the oracle would then report a difference tha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,11 +34,14 @@ _MASK = (1 << 64) - 1
 # Emit only the byte tokens of printable ASCII (never bos, eos or pad), so decoded text reads.
 _FIRST_TOKEN = ByteTokenizer.encode(ByteTokenizer(), " ")[0]
 _NUM_TOKENS = 95  # " " through "~"
+_POSITION_MIX = 0xD6E8FEB86659FD93  # spreads a position over the key's bits before _mix
+_CYCLE_STRIDE = 7919  # a request's cycle steps through the tokens by this prime
 BATCHED_FROM = 16  # decodes in a step from which tokens_at draws them in one numpy pass
 
 
-def _mix(x: int) -> int:
-    """splitmix64's finaliser: a cheap, well-spread 64-bit hash."""
+def _mix(x: Any) -> Any:
+    """splitmix64's finaliser: a cheap, well-spread 64-bit hash, of an int or, element-wise,
+    of a numpy uint64 array (whose arithmetic wraps where the masks cut an int)."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
@@ -80,28 +84,22 @@ class OracleRunner:
 
     def token_at(self, key: int, position: int) -> int:
         span = _NUM_TOKENS
-        h = _mix(key ^ (position * 0xD6E8FEB86659FD93 & _MASK))
+        h = _mix(key ^ (position * _POSITION_MIX & _MASK))
         if self.cyclic and h & 3:  # three times in four, follow the request's cycle
             period = 2 + key % 4
-            return _FIRST_TOKEN + ((key >> 8) + (position % period) * 7919) % span
+            return _FIRST_TOKEN + ((key >> 8) + (position % period) * _CYCLE_STRIDE) % span
         return _FIRST_TOKEN + (h >> 8) % span
 
     def tokens_at(self, keys: list[int], positions: list[int]) -> list[int]:
-        """token_at for many (key, position) pairs at once, in uint64 arithmetic (which wraps
-        as token_at's masks do): a step's decodes cost one pass, not a hash each in Python."""
+        """token_at for many (key, position) pairs at once: the same arithmetic on numpy
+        uint64 arrays, so a step's decodes cost one pass, not a hash each in Python."""
         k = np.array(keys, dtype=np.uint64)
         pos = np.array(positions, dtype=np.uint64)
-        x = k ^ (pos * np.uint64(0xD6E8FEB86659FD93))
-        x = x + np.uint64(0x9E3779B97F4A7C15)  # _mix, vectorised
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        h = x ^ (x >> np.uint64(31))
-        span, first = np.uint64(_NUM_TOKENS), np.uint64(_FIRST_TOKEN)
-        drawn = first + (h >> np.uint64(8)) % span
+        h = _mix(k ^ (pos * _POSITION_MIX & _MASK))
+        drawn = _FIRST_TOKEN + (h >> 8) % _NUM_TOKENS
         if self.cyclic:
-            period = np.uint64(2) + k % np.uint64(4)
-            cycle = first + ((k >> np.uint64(8)) + (pos % period) * np.uint64(7919)) % span
-            drawn = np.where(h & np.uint64(3), cycle, drawn)
+            cycle = _FIRST_TOKEN + ((k >> 8) + (pos % (2 + k % 4)) * _CYCLE_STRIDE) % _NUM_TOKENS
+            drawn = np.where(h & 3, cycle, drawn)
         return drawn.tolist()  # type: ignore[no-any-return]
 
     def expected_stream(
