@@ -10,15 +10,15 @@ Everything else is declared in pyproject.toml.
 
 import glob
 import os
+import runpy
 
 from setuptools import setup
 
+# The one list of compiled modules is tokentape/events/_compiled.py's (it also finds stale
+# builds), read as a file: importing the package here would import torch.
 COMPILED = [
-    "tokentape/events/state.py",
-    "tokentape/events/discard.py",
-    "tokentape/events/engine_rules.py",
-    "tokentape/events/reducer.py",
-    "tokentape/engine/kv_cache_manager.py",
+    name.replace(".", "/") + ".py"
+    for name in runpy.run_path("tokentape/events/_compiled.py")["COMPILED_MODULES"]
 ]
 
 
