@@ -161,15 +161,17 @@ def run_vllm_batch(
 ) -> dict[str, dict[str, Any]]:
     """Several specs, by name, run one after the other in one process of the driver: vLLM is
     imported once (about 10 s on a 2-core machine) rather than once per spec."""
-    paths = []
-    for name, spec in specs.items():
-        spec = {
+    written = {
+        name: {
             **spec,
             "tape": str(workdir / f"{name}.tape") if tape else None,
             "out": str(workdir / f"{name}.json"),
         }
-        paths.append(workdir / f"{name}.spec.json")
-        paths[-1].write_text(json.dumps(spec))
+        for name, spec in specs.items()
+    }
+    paths = [workdir / f"{name}.spec.json" for name in written]
+    for path, spec in zip(paths, written.values()):
+        path.write_text(json.dumps(spec))
     log_path = workdir / f"{'+'.join(specs)}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.run(
@@ -187,9 +189,9 @@ def run_vllm_batch(
             f"end of {log_path}:\n{tail}"
         )
     results = {}
-    for name in specs:
-        result: dict[str, Any] = json.loads((workdir / f"{name}.json").read_text())
-        result["tape"] = str(workdir / f"{name}.tape") if tape else None
+    for name, spec in written.items():
+        result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
+        result["tape"] = spec["tape"]
         results[name] = result
     return results
 
