@@ -1,10 +1,13 @@
-"""Build hook: compile the event core and the KV cache manager with mypyc.
+"""Build hook: compile the event core, the KV cache manager, the scheduler and the output
+processor with mypyc.
 
 A fold touches every request of every step in Python; compiled, the same source folds about
-1.6x faster, and the KV bookkeeping of every step gets cheaper (see docs/benchmarks.md). The
-scheduler and the engine loop stay interpreted, so that engine developers can step through
-their decisions in a debugger. The compiled modules are plain, type-checked Python: set
-TOKENTAPE_PURE_PYTHON=1 to install without compiling (then nothing needs a C compiler).
+1.6x faster. A decode step does the same per running request: the scheduler's plan, the
+reducer and the outputs; compiled, a step of 256 requests takes about two thirds of the time
+(see docs/benchmarks.md). The engine loop and the runners stay interpreted. The compiled
+modules are plain, type-checked Python: set TOKENTAPE_PURE_PYTHON=1 to install them as
+Python (then nothing needs a C compiler), e.g. to step through the scheduler in a debugger;
+`tokentape debug` steps through a recorded run's decisions either way.
 Everything else is declared in pyproject.toml.
 """
 

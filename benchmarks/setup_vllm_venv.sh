@@ -40,7 +40,7 @@ fi
 # tree on the path, a compiled module (and mypyc's helper beside it at the root) is imported
 # where this Python can load it, and the .py module otherwise.
 # pytest and tblib: vLLM's own tests (their conftest imports tblib).
-"$DIR/bin/pip" install msgspec "sqlite-utils>=3.35" rich pytest tblib
+"$DIR/bin/pip" install msgspec mypy_extensions "sqlite-utils>=3.35" rich pytest tblib
 SITE="$("$DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$ROOT" > "$SITE/tokentape-working-tree.pth"
 "$DIR/bin/python" -c "import vllm, torch, transformers, tokentape.integrations.vllm; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'with the tokentape recorder, in $DIR')"

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from tokentape import LLM, SamplingParams
 from tokentape.chaos import COMMANDS, StormSpec, run_storm
 from tokentape.cli import main
+from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.kv_cache_manager import KVCacheManager
-from tokentape.engine.scheduler import Scheduler
+from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.postmortem import postmortem
@@ -217,37 +218,31 @@ def run_steps(llm: LLM, limit: int) -> None:
             return  # the injected fault broke the engine: the tape holds the failure
 
 
-class FaultyKV:
-    """A real KV cache manager with a fault injected into `free` (by delegation: the
-    manager may be compiled, and compiled classes cannot be subclassed)."""
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        self._kv = kv
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._kv, name)
-
-
-class LeakyKV(FaultyKV):
-    """Never gives a preempted or finished request's blocks back."""
+class LeakyKV(KVCacheManager):
+    """A real KV cache manager that never gives a preempted or finished request's blocks
+    back."""
 
     def free(self, req_id: str, block_ids: list[int]) -> None:
-        self._kv._num_cached.pop(req_id, None)
+        self._num_cached.pop(req_id, None)
 
 
-class RefcountBlindKV(FaultyKV):
-    """Returns blocks to the free queue whatever other requests still hold them."""
+class RefcountBlindKV(KVCacheManager):
+    """A real KV cache manager that returns blocks to the free queue whatever other requests
+    still hold them."""
 
     def free(self, req_id: str, block_ids: list[int]) -> None:
-        self._kv._num_cached.pop(req_id, None)
+        self._num_cached.pop(req_id, None)
         for b in block_ids:
-            self._kv.ref_cnt[b] = 0
-            self._kv.free_queue[b] = None
+            self.ref_cnt[b] = 0
+            self.free_queue[b] = None
 
 
-def with_kv(llm: LLM, kv_type: type[FaultyKV]) -> None:
-    faulty = kv_type(llm.engine.kv)
-    llm.engine.kv = llm.engine.scheduler.kv = faulty  # type: ignore[assignment]
+def with_kv(llm: LLM, kv_type: type[KVCacheManager]) -> None:
+    """Swap the engine's (still empty) KV cache manager for a faulty one of the same shape."""
+    kv = llm.engine.kv
+    assert kv.num_used_blocks == 0
+    faulty = kv_type(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
+    llm.engine.kv = llm.engine.scheduler.kv = faulty
 
 
 def test_kv_leak_is_found(tmp_path: Path) -> None:
@@ -308,25 +303,17 @@ def test_prefix_cache_reset_while_blocks_in_use_is_found(tmp_path: Path) -> None
     assert found(report) == [("prefix_cache_reset_in_use", "error", ("a",), None)]
 
 
-class NeverAdmits(Scheduler):
-    """Fault: request 'x' is never admitted, whatever room there is."""
+class NeverAdmits(EngineHooks):
+    """Fault: request 'x' is never admitted, whatever room there is (admission passes over a
+    parked request, as over a sleeping fault's)."""
 
-    def _admit_waiting(self, plan) -> None:  # type: ignore[no-untyped-def]
-        waiting = self.state.waiting
-        if "x" in waiting:
-            waiting.remove("x")
-            try:
-                super()._admit_waiting(plan)
-            finally:
-                waiting.append("x")
-        else:
-            super()._admit_waiting(plan)
+    def after_running_scheduled(self, plan: StepPlan) -> None:
+        plan.parked = frozenset({"x"})
 
 
 def test_stuck_request_is_found(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, pipeline_depth=1)
-    s = llm.engine.scheduler
-    llm.engine.scheduler = NeverAdmits(s.config, s.kv, s.state, s.emit)
+    llm.engine.hooks = llm.engine.scheduler.hooks = (NeverAdmits(),)
     llm.engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=260, ignore_eos=True))
     llm.engine.add_request("x", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
     for _ in range(260):

@@ -23,11 +23,15 @@ import hashlib
 import struct
 from collections import OrderedDict
 
+from mypy_extensions import mypyc_attr
+
 from tokentape.events.state import RequestState
 
 ROOT_BLOCK_HASH = bytes(32)  # the parent of every request's first block
 
 
+# Subclassable from Python although compiled: a test injects a fault into a real manager so.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
     """The paged KV cache's bookkeeping (the blocks, not their contents): owns the reference
     count of every block, the queue of free blocks (least recently freed first, so cached
