@@ -83,3 +83,25 @@ def test_stream_interval_gathers_tokens_and_flush_releases_them() -> None:
     assert proc.process_outputs([Out("r", ids("e"))]) == []
     (flushed,) = proc.flush()
     assert flushed.outputs[0].token_ids == ids("e") and proc.flush() == []
+
+
+def test_outputs_pickle_as_their_values_and_the_collector_does_not_track_them() -> None:
+    """An RL loop ships outputs between processes (Ray pickles them): a CUMULATIVE output
+    whose tokens and text are still a span of the processor's lists, and a FINAL_ONLY one
+    whose text comes from a function, pickle as what they say. Neither is tracked: the step's
+    outputs, kept by the caller until the next, would otherwise set off full collections."""
+    import gc
+    import pickle
+
+    for kind in (Kind.CUMULATIVE, Kind.FINAL_ONLY, Kind.DELTA):
+        proc = OutputProcessor(TOK)
+        params = SamplingParams(output_kind=kind, stop=("Z",), logprobs=0)
+        proc.add_request("r", [5], None, params, ["r"])
+        proc.process_outputs([Out("r", ids("ab"), [-0.5, -0.25])])
+        (o,) = proc.process_outputs([Out("r", ids("cZ"), [-1.0, -2.0], "stop", None, "Z")])
+        (c,) = o.outputs
+        assert not gc.is_tracked(o) and not gc.is_tracked(c)
+        back = pickle.loads(pickle.dumps(o))
+        assert back == o and back.outputs[0] == c
+        assert (back.outputs[0].text, back.outputs[0].token_ids) == (c.text, c.token_ids)
+        assert back.outputs[0].logprobs == c.logprobs and c.text.endswith("c")

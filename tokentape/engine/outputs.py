@@ -68,55 +68,34 @@ def versions_between(spans: list[tuple[int, str]], start: int, end: int) -> list
     return out
 
 
-class CompletionOutput:
+class CompletionOutput(msgspec.Struct, gc=False):
     """One completion: its token ids, text, logprobs and finish.
 
     The token ids (and logprobs) may be given as a span [start, end) of a source whose lists
     only ever grow at their end (the output processor's): then they are copied out on first
     access, and the text may be given as a function computing it on first access, so that a
-    cumulative output costs a step nothing until it is read. Such an output allocates no
-    tuple or closure of its own: a step builds one per running request, and every object it
-    keeps alive across the step is work for the garbage collector.
+    cumulative output costs a step nothing until it is read. A step builds one per running
+    request, which the caller keeps until the next step: so, like RequestOutput, it is
+    untracked by the garbage collector (it takes part in no reference cycle).
+
+    Built as `CompletionOutput(index, text, token_ids, finish_reason, logprobs, top_logprobs,
+    stop_reason, weight_versions)`, positionally (the fields behind the properties are
+    private); it pickles as those values.
     """
 
-    __slots__ = (
-        "index",
-        "finish_reason",
-        "stop_reason",
-        "_token_ids",
-        "_logprobs",
-        "_top",
-        "_source",
-        "_start",
-        "_end",
-        "_text",
-        "_text_of",
-        "_versions",
-    )
-
-    def __init__(
-        self,
-        index: int,
-        text: str,
-        token_ids: list[int],
-        finish_reason: str | None = None,
-        logprobs: list[float] | None = None,
-        top_logprobs: list[dict[int, float]] | None = None,
-        stop_reason: str | None = None,
-        weight_versions: list[str] | None = None,
-    ) -> None:
-        self.index = index
-        self.finish_reason = finish_reason
-        self.stop_reason = stop_reason  # the stop string that finished it, as vLLM's
-        self._token_ids: list[int] | None = token_ids
-        self._logprobs = logprobs
-        # With logprobs=k > 0, vLLM's dict per position: the sampled token, then the top k.
-        self._top = top_logprobs
-        self._source: SpanSource | None = None
-        self._start = self._end = 0
-        self._text: str | None = text
-        self._text_of: TextOf | None = None
-        self._versions = weight_versions if weight_versions is not None else []
+    index: int
+    _text: str | None  # None: _text_of gives it when first read
+    _token_ids: list[int] | None  # None: the span of _source, copied when first read
+    finish_reason: str | None = None
+    _logprobs: list[float] | None = None
+    # With logprobs=k > 0, vLLM's dict per position: the sampled token, then the top k.
+    _top: list[dict[int, float]] | None = None
+    stop_reason: str | None = None  # the stop string that finished it, as vLLM's
+    _versions: list[str] | None = None
+    _source: SpanSource | None = None
+    _start: int = 0
+    _end: int = 0
+    _text_of: TextOf | None = None
 
     @classmethod
     def of_span(
@@ -132,15 +111,21 @@ class CompletionOutput:
         """source's tokens[start:end] (and logprobs, and the weight versions that computed
         them), copied when read; the text, or a function text(source, end, finished) giving
         it when it is first read."""
-        out = cls.__new__(cls)
-        out.index, out.finish_reason, out.stop_reason = index, finish_reason, stop_reason
-        out._token_ids = out._logprobs = out._top = None
-        out._source, out._start, out._end = source, start, end
-        if isinstance(text, str):
-            out._text, out._text_of = text, None
-        else:
-            out._text, out._text_of = None, text
-        return out
+        text_of = None if isinstance(text, str) else text
+        return cls(
+            index,
+            text if isinstance(text, str) else None,
+            None,
+            finish_reason,
+            None,
+            None,
+            stop_reason,
+            None,
+            source,
+            start,
+            end,
+            text_of,
+        )
 
     def _copy_span(self) -> None:
         source, start, end = self._source, self._start, self._end
@@ -196,6 +181,8 @@ class CompletionOutput:
         came from which weights)."""
         if self._token_ids is None:
             self._copy_span()
+        if self._versions is None:
+            self._versions = []
         return self._versions
 
     @property
@@ -261,6 +248,22 @@ class CompletionOutput:
             f"CompletionOutput(index={self.index}, text={self.text!r}, "
             f"token_ids={self.token_ids}, finish_reason={self.finish_reason!r}, "
             f"stop_reason={self.stop_reason!r})"
+        )
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """Pickled as its values (a span's source and a text function stay behind)."""
+        return (
+            CompletionOutput,
+            (
+                self.index,
+                self.text,
+                self.token_ids,
+                self.finish_reason,
+                self.logprobs,
+                self.top_logprobs,
+                self.stop_reason,
+                self.weight_versions,
+            ),
         )
 
 
