@@ -15,6 +15,7 @@ import msgspec
 
 from tokentape.engine.bad_words import has_text_bad_words
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core_outputs import pending_outputs
 from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.output_processor import OutputProcessor
@@ -321,29 +322,7 @@ class LLMEngine(WeightUpdates, RLCalls):
         state = self.state
         if not state.pending_output:
             return
-        entries = []
-        deltas = []
-        requests = state.requests
-        for req_id in state.pending_output:
-            req = requests[req_id]
-            sent = req.num_emitted
-            new_tokens = req.output_token_ids[sent:]
-            reason = req.finish_reason
-            entries.append(ev.EmittedOutput(req_id, new_tokens, reason is not None, reason))
-            logprobs = req.params.logprobs
-            deltas.append(
-                EngineCoreOutput(
-                    req_id,
-                    new_tokens,
-                    req.output_logprobs[sent:] if logprobs is not None else None,
-                    reason,
-                    None,
-                    req.stop_str if reason is not None else None,
-                    req.output_top_logprobs[sent:] if logprobs else None,
-                    req.prompt_logprobs if not sent else None,  # with the first tokens
-                    state.weight_version,  # computed them: weights change only when drained
-                )
-            )
+        entries, deltas = pending_outputs(state)
         self._emit(ev.OutputsEmitted(state.step, entries))
         self._ready += deltas
 

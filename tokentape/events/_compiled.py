@@ -16,6 +16,7 @@ COMPILED_MODULES = (
     "tokentape.engine.step_plan",
     "tokentape.engine.scheduler",
     "tokentape.engine.output_processor",
+    "tokentape.engine.core_outputs",
 )
 
 
