@@ -28,6 +28,10 @@ from mypy_extensions import mypyc_attr
 from tokentape.events.state import RequestState
 
 ROOT_BLOCK_HASH = bytes(32)  # the parent of every request's first block
+# What allocate gives a request whose blocks have room, shared (never mutated: the scheduler
+# records it in a ScheduledEntry, whose readers only read), so that a decode step does not
+# allocate an empty list per request.
+NO_BLOCKS: list[int] = []
 
 
 # Subclassable from Python although compiled: a test injects a fault into a real manager so.
@@ -138,7 +142,7 @@ class KVCacheManager:
         """
         num_new = -(-num_tokens // self.block_size) - held - len(hits)
         if num_new <= 0 and not hits:
-            return []  # the blocks it holds have room: the common decode step
+            return NO_BLOCKS  # the blocks it holds have room: the common decode step
         free_hits = sum(1 for b in hits if self.ref_cnt[b] == 0)
         if num_new > len(self.free_queue) - free_hits:
             return None

@@ -258,6 +258,11 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_logprobs: list[list[float]] = []
 
 
+# The draft_token_ids of an entry without drafts, shared (never mutated: readers only read),
+# so that a decode step does not allocate an empty list per request.
+NO_DRAFTS: list[int] = []
+
+
 class FrameEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     req_id: str
     token_ids: list[int]  # accepted draft tokens followed by one sampled token

@@ -48,7 +48,7 @@ from tokentape.engine.runners.sleep_memory import RunnerMemory
 from tokentape.engine.runners.staged_weights import StagedWeights
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
-from tokentape.events.schema import FrameEntry, SamplingParams
+from tokentape.events.schema import NO_DRAFTS, FrameEntry, SamplingParams
 from tokentape.progress import LOUD_BYTES, gigabytes, say
 
 
@@ -281,7 +281,7 @@ class TorchModelRunner(StagedWeights):
                 if known:
                     seq.tokens[e.num_computed_before :] = known
                     seq.num_computed = e.num_computed_before
-            drafts: list[int] = []
+            drafts = NO_DRAFTS  # shared and never mutated: the common step has none
             if known:
                 inputs = known[e.num_computed_before :] if new is not None else known
             else:  # a decode: its input is our own last sample, plus n-gram drafts

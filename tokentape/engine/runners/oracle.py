@@ -28,7 +28,7 @@ from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, WeightChunk, prompt_seed
 from tokentape.engine.runners.oracle_weights import OracleWeights
 from tokentape.engine.tokenizer import ByteTokenizer
-from tokentape.events.schema import FrameEntry, SamplingParams
+from tokentape.events.schema import NO_DRAFTS, FrameEntry, SamplingParams
 
 _MASK = (1 << 64) - 1
 # Emit only the byte tokens of printable ASCII (never bos, eos or pad), so decoded text reads.
@@ -157,28 +157,37 @@ class OracleRunner:
         for req_id in batch.finished_req_ids:
             self._seqs.pop(req_id, None)
         frame: list[FrameEntry | None] = []
-        plain: list[tuple[int, str, list[int], int]] = []  # decodes without drafts: batched
+        # Decodes without drafts, drawn together after the loop: frame slots, ids, sequences.
+        plain_at: list[int] = []
+        plain_ids: list[str] = []
+        plain_seqs: list[_DeviceSeq] = []
+        token_ids, new_requests, partial = (
+            batch.token_ids,
+            batch.new_requests,
+            batch.partial_prefills,
+        )
+        seqs = self._seqs
         for e in batch.entries:
             req_id = e.req_id
-            known = batch.token_ids.get(req_id)
-            new = batch.new_requests.get(req_id)
+            known = token_ids.get(req_id) if token_ids else None
+            new = new_requests.get(req_id) if new_requests else None
             if new is not None:
-                seq = self._seqs[req_id] = _DeviceSeq(
-                    self.request_key(new.prompt_token_ids, new.params)
-                )
+                seq = seqs[req_id] = _DeviceSeq(self.request_key(new.prompt_token_ids, new.params))
                 seq.tokens = list(known or ())
             else:
-                seq = self._seqs[req_id]
+                seq = seqs[req_id]
                 if known:
                     seq.tokens[e.num_computed_before :] = known
-            if req_id in batch.partial_prefills:
+            if partial and req_id in partial:
+                continue
+            if not e.num_spec_tokens:
+                plain_at.append(len(frame))
+                plain_ids.append(req_id)
+                plain_seqs.append(seq)
+                frame.append(None)
                 continue
             tokens = seq.tokens
             pos = first = len(tokens)
-            if not e.num_spec_tokens:
-                plain.append((len(frame), req_id, tokens, seq.key))
-                frame.append(None)
-                continue
             drafts = propose_ngram_drafts(tokens, e.num_spec_tokens, *self.lookup)
             out = []
             for d in drafts:  # verify the drafts against what the "model" would sample
@@ -189,16 +198,19 @@ class OracleRunner:
             out.append(self.token_at(seq.key, pos))
             tokens += out
             frame.append(FrameEntry(req_id, out, drafts, position=first))
-        if plain:
-            keys, positions = [p[3] for p in plain], [len(p[2]) for p in plain]
+        if plain_seqs:
+            keys = [seq.key for seq in plain_seqs]
+            positions = [len(seq.tokens) for seq in plain_seqs]
             sampled = (
                 self.tokens_at(keys, positions)
-                if len(plain) >= BATCHED_FROM  # numpy's call overhead pays from here
+                if len(keys) >= BATCHED_FROM  # numpy's call overhead pays from here
                 else list(map(self.token_at, keys, positions))
             )
-            for (at, req_id, tokens, _), token in zip(plain, sampled):
-                frame[at] = FrameEntry(req_id, [token], [], position=len(tokens))
-                tokens.append(token)
+            for at, req_id, seq, pos, token in zip(
+                plain_at, plain_ids, plain_seqs, positions, sampled
+            ):
+                frame[at] = FrameEntry(req_id, [token], NO_DRAFTS, None, None, None, pos)
+                seq.tokens.append(token)
         self._results[batch.step] = frame  # type: ignore[assignment]  # every None filled
 
     def collect(self, step: int) -> list[FrameEntry]:
