@@ -62,6 +62,16 @@ static inline float vdot(const float *restrict a, const float *restrict b, int64
 /* Lanes of x where `take` is set, of y elsewhere. */
 static inline vf vselect(vi take, vf x, vf y) { return (vf)(((vi)x & take) | ((vi)y & ~take)); }
 
+/* The larger of each pair of lanes (y where x is NaN). */
+static inline vf vmax(vf x, vf y) { return vselect(x > y, x, y); }
+
+/* The largest lane. */
+static inline float vmax_lanes(vf v) {
+    float m = v[0];
+    for (int i = 1; i < TT_VW; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 /* exp of every lane (clamped to [-87.3, 88.7]): Cephes' expf polynomial, within 2 ulp of
  * expf, rounding x * log2(e) to the nearest integer with the 1.5 * 2^23 trick. */
 static inline vf vexp(vf x) {
