@@ -34,6 +34,15 @@ enum { PF_OK = 0, PF_BAD_SEQ_LEN = 1, PF_BAD_BLOCK_COUNT = 2, PF_BAD_BLOCK_ID = 
 #define KT (4 * TT_VW) /* keys per tile: four vectors */
 #define ROWS 64        /* query rows per tile (tokens x heads of a group), about */
 
+/* Keep four vectors in registers across the loop body that follows: without it, GCC folds a
+ * vector's load into each of the four FMAs that use it, four loads where one does (the
+ * products were bound by loads, not by FMAs). */
+#if defined(__x86_64__) || defined(__i386__)
+#define KEEP_IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
+#else
+#define KEEP_IN_REGISTERS(a, b, c, d) ((void)0)
+#endif
+
 typedef struct {
     const float *q, *k_cache, *v_cache;
     float *out;
@@ -60,8 +69,9 @@ static inline void scores_4x4(const float *restrict q, const float *restrict kt,
                               int64_t D) {
     vf a[4][4] = {{0}};
     for (int64_t d = 0; d < D; d++) {
-        const vf k0 = vload(kt + d * KT), k1 = vload(kt + d * KT + TT_VW);
-        const vf k2 = vload(kt + d * KT + 2 * TT_VW), k3 = vload(kt + d * KT + 3 * TT_VW);
+        vf k0 = vload(kt + d * KT), k1 = vload(kt + d * KT + TT_VW);
+        vf k2 = vload(kt + d * KT + 2 * TT_VW), k3 = vload(kt + d * KT + 3 * TT_VW);
+        KEEP_IN_REGISTERS(k0, k1, k2, k3);
         for (int r = 0; r < 4; r++) {
             const float x = q[r * D + d];
             a[r][0] += x * k0;
