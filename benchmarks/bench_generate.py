@@ -30,8 +30,9 @@ vLLM's and transformers' token for token.
 
 Targets (tokentape at its defaults, the tape on): tiny >= 2.0x vLLM CPU's output tok/s
 (issue 26); qwen3-0.6b >= 1.0x, and >= 75% of the float32 matmul peak (its weight
-GEMMs' FLOPs over the run's wall time, against torch.mm at the same shapes and threads:
-benchmarks/_matmul_peak.py); tape on / off >= 0.98. Without vLLM or transformers
+GEMMs' FLOPs over the run's wall time, against the faster of torch.mm and oneDNN's linear
+at the same shapes and threads: benchmarks/_matmul_peak.py); prompts of 2,048 tokens or
+more (--prompt-len), on either model, >= 1.5x; tape on / off >= 0.98. Without vLLM or transformers
 the script says so and leaves that column
 out. On CUDA it also times the decode step at batch 1 and 64 against the memory-bandwidth
 floor (weight bytes / 4.8 TB/s, an H200's HBM3e).
@@ -69,6 +70,8 @@ from tokentape.engine.model.loader import builtin_model, save_checkpoint
 
 HBM_BYTES_PER_S = 4.8e12
 TARGETS = {"tiny": 2.0, "qwen3-0.6b": 1.0}  # tokentape / vLLM CPU, output tok/s
+# Long prompts (16 x 2,048 -> 128, a workload vLLM is built for), on either model (issue 26).
+LONG_PROMPT_LEN, LONG_PROMPT_TARGET = 2048, 1.5
 DEFAULT_PROMPTS = {"tiny": 256, "qwen3-0.6b": 64}
 
 
@@ -84,7 +87,9 @@ MAIN = "tokentape at its defaults, SQLite tape"
 HAND_TUNED = "tokentape hand-tuned (KV pool and max_model_len sized to the workload), SQLite tape"
 
 
-def tt_variants(device: str) -> dict[str, dict[str, Any]]:
+def tt_variants(device: str, defaults_only: bool = False) -> dict[str, dict[str, Any]]:
+    if defaults_only:
+        return {MAIN: {}}
     other, other_args = other_mode(device)
     return {
         MAIN: {},
@@ -216,6 +221,48 @@ def decode_step_time(args: argparse.Namespace, batch: int) -> float:
     return elapsed
 
 
+def variant_ratios(device: str, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """tokentape at its defaults against its other variants (those that ran)."""
+    tt, out = results[MAIN], []
+    off = results.get("tokentape at its defaults, no tape")
+    if off is not None:
+        tape_ratio = tt["tok_s"] / off["tok_s"]
+        tape_median = tt["median_tok_s"] / off["median_tok_s"]
+        out.append(
+            {
+                "name": "(g) tape on / off, output tok/s",
+                "value": f"{tape_ratio:.3f} best; {tape_median:.3f} by the medians",
+                "target": ">= 0.98",
+                "pass": tape_ratio >= 0.98,
+            }
+        )
+    tuned = results.get(HAND_TUNED)
+    if tuned is not None:
+        out.append(
+            {
+                "name": "(g) defaults / hand-tuned KV pool, output tok/s",
+                "value": f"{tt['tok_s'] / tuned['tok_s']:.3f} best; "
+                f"{tt['median_tok_s'] / tuned['median_tok_s']:.3f} by the medians",
+                "target": "-",
+                "pass": None,
+            }
+        )
+    other_name = other_mode(device)[0]
+    other = results.get(f"tokentape {other_name}, SQLite tape")
+    if other is not None:
+        default_mode = "sync" if device == "cpu" else "async (depth 2)"
+        out.append(
+            {
+                "name": f"(g) {default_mode} (the default) / {other_name}, output tok/s",
+                "value": f"{tt['tok_s'] / other['tok_s']:.3f} best; "
+                f"{tt['median_tok_s'] / other['median_tok_s']:.3f} by the medians",
+                "target": "-",
+                "pass": None,
+            }
+        )
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -256,6 +303,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, help="every request this many tokens out")
     p.add_argument("--skip-vllm", action="store_true", help="leave vLLM out")
     p.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    p.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="tokentape at its defaults only, without its other variants (long runs)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     args.num_prompts = args.num_prompts or DEFAULT_PROMPTS.get(args.config, 256)
@@ -383,7 +435,7 @@ def run_rounds(
 
     sizes = gb.hf_batch_sizes([int(s) for s in args.hf_batch_sizes.split(",")], len(prompts))
     for rnd in range(args.repeats):
-        for name, variant in tt_variants(args.device).items():
+        for name, variant in tt_variants(args.device, args.defaults_only).items():
             for side in sides.values():
                 side.idle_begin()
             r = run_tokentape(args, prompts, outputs, tmp, variant)
@@ -488,11 +540,13 @@ def report(
     lines.append(machine)
     tt = results[MAIN]
     agree = all(
-        same_streams(tt["tokens"], results[v]["tokens"]) == n for v in tt_variants(args.device)
+        same_streams(tt["tokens"], results[v]["tokens"]) == n
+        for v in tt_variants(args.device, args.defaults_only)
     )
     lines.append(f"tokentape variants agree: {'yes' if agree else 'NO'}")
     summary: list[dict[str, Any]] = []
-    target = TARGETS.get(args.config)
+    long_prompts = (args.prompt_len or 0) >= LONG_PROMPT_LEN
+    target = LONG_PROMPT_TARGET if long_prompts else TARGETS.get(args.config)
     if "vLLM CPU engine" in results:
         v = results["vLLM CPU engine"]
         equal = same_streams(tt["tokens"], v["tokens"])
@@ -555,40 +609,7 @@ def report(
                 "pass": share >= 0.75,
             }
         )
-    off = results["tokentape at its defaults, no tape"]
-    tape_ratio = tt["tok_s"] / off["tok_s"]
-    tape_median = tt["median_tok_s"] / off["median_tok_s"]
-    summary.append(
-        {
-            "name": "(g) tape on / off, output tok/s",
-            "value": f"{tape_ratio:.3f} best; {tape_median:.3f} by the medians",
-            "target": ">= 0.98",
-            "pass": tape_ratio >= 0.98,
-        }
-    )
-    other_name = other_mode(args.device)[0]
-    other = results[f"tokentape {other_name}, SQLite tape"]
-    mode_ratio = tt["tok_s"] / other["tok_s"]
-    mode_median = tt["median_tok_s"] / other["median_tok_s"]
-    default_mode = "sync" if args.device == "cpu" else "async (depth 2)"
-    tuned = results[HAND_TUNED]
-    summary.append(
-        {
-            "name": "(g) defaults / hand-tuned KV pool, output tok/s",
-            "value": f"{tt['tok_s'] / tuned['tok_s']:.3f} best; "
-            f"{tt['median_tok_s'] / tuned['median_tok_s']:.3f} by the medians",
-            "target": "-",
-            "pass": None,
-        }
-    )
-    summary.append(
-        {
-            "name": f"(g) {default_mode} (the default) / {other_name}, output tok/s",
-            "value": f"{mode_ratio:.3f} best; {mode_median:.3f} by the medians",
-            "target": "-",
-            "pass": None,
-        }
-    )
+    summary += variant_ratios(args.device, results)
     if args.device == "cuda":
         cuda_figures(args, summary)
     if target:
