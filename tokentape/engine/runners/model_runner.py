@@ -44,7 +44,7 @@ from tokentape.engine.runners.prompt_logprobs import (
     score_prompts,
 )
 from tokentape.engine.runners.sample_frames import sample_frames
-from tokentape.engine.runners.sleep_memory import RunnerMemory
+from tokentape.engine.runners.sleep_memory import RunnerMemory, release
 from tokentape.engine.runners.staged_weights import StagedWeights
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
@@ -191,6 +191,9 @@ class TorchModelRunner(StagedWeights):
             lane.close()
         self._seqs.clear()
         self._prompt_lps.clear()
+        # Closed, it serves nothing: its memory goes now, not when the collector gets to the
+        # engine's reference cycles (a next engine in the process needs it).
+        release(self)
 
     @property
     def num_steps_outstanding(self) -> int:

@@ -69,17 +69,11 @@ class RunnerMemory:
             raise RuntimeError("sleep: steps are still in flight in the runner")
         if level == 0 or self.asleep:
             return
-        params = dict(runner.model.named_parameters())
         if level == 1:  # every host copy is made before anything is freed
-            self.host_copy = {name: _to_host(p.detach()) for name, p in params.items()}
-        for p in params.values():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        for m in runner.model.modules():
-            if isinstance(m, Linear):
-                m._packed = None  # the CPU's second copy of the weight
-        runner.kv_caches = []
+            params = runner.model.named_parameters()
+            self.host_copy = {name: _to_host(p.detach()) for name, p in params}
+        release(runner)
         self.level, self.asleep = level, {"weights", "kv_cache"}
-        _release(runner.device)
 
     def wake_up(self, runner: SleepingRunner, tags: Sequence[str]) -> str | None:
         waking = [t for t in ("weights", "kv_cache") if t in tags and t in self.asleep]
@@ -105,6 +99,18 @@ class RunnerMemory:
         if waking and runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)  # the worker's stream reads them next
         return weights_id
+
+
+def release(runner: SleepingRunner) -> None:
+    """Free the weights (the CPU's packed copies too) and the KV cache: a sleep, or a closed
+    runner, whose memory must not wait for the collector to find the engine's cycles."""
+    for p in runner.model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    for m in runner.model.modules():
+        if isinstance(m, Linear):
+            m._packed = None  # the CPU's second copy of the weight
+    runner.kv_caches = []
+    _release(runner.device)
 
 
 def _has_source(model_id: str) -> bool:
