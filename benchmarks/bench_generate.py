@@ -605,8 +605,10 @@ def report(
             {
                 "name": "(g) tokentape at its defaults, share of the float32 matmul peak",
                 "value": f"{100 * share:.0f}%",
-                "target": ">= 75%",
-                "pass": share >= 0.75,
+                # Issue 26's target is on the 128-token prompts; over long ones attention,
+                # which is no weight GEMM, is much of the work.
+                "target": "-" if long_prompts else ">= 75%",
+                "pass": None if long_prompts else share >= 0.75,
             }
         )
     summary += variant_ratios(args.device, results)
