@@ -52,11 +52,8 @@ static void softmax_in_place(float *restrict s, int64_t n) {
     float m = -INFINITY;
     if (n >= TT_VW) {
         vf mv = vload(s);
-        for (t = TT_VW; t + TT_VW <= n; t += TT_VW) {
-            vf v = vload(s + t);
-            mv = vselect(v > mv, v, mv);
-        }
-        for (int i = 0; i < TT_VW; i++) m = mv[i] > m ? mv[i] : m;
+        for (t = TT_VW; t + TT_VW <= n; t += TT_VW) mv = vmax(vload(s + t), mv);
+        m = vmax_lanes(mv);
     }
     for (; t < n; t++) m = s[t] > m ? s[t] : m;
     float sum = 0.0f;
