@@ -111,10 +111,10 @@ class CompletionOutput(msgspec.Struct, gc=False):
         """source's tokens[start:end] (and logprobs, and the weight versions that computed
         them), copied when read; the text, or a function text(source, end, finished) giving
         it when it is first read."""
-        text_of = None if isinstance(text, str) else text
+        fixed, text_of = (text, None) if isinstance(text, str) else (None, text)
         return cls(
             index,
-            text if isinstance(text, str) else None,
+            fixed,
             None,
             finish_reason,
             None,
