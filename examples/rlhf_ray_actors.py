@@ -22,10 +22,12 @@ from tokentape.engine.async_llm import frontend_tokenizer
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
 # Rollout lengths, per prompt: rollouts differ in length, and each is still being generated
 # when the pause comes (TOKENS_BEFORE_UPDATE tokens in). The engine core runs on while the
-# actor's event loop waits for the CPU, so the pause comes some steps late: a few on a busy
-# machine (9-17 tokens in with two busy loops beside), since AsyncLLM's reader yields to the
-# streams between batches of steps (before it did, CI saw all of an engine's rollouts, 512
-# tokens at most, end before its pause). The longest sets the time an iteration takes.
+# actor's event loop waits for the CPU, so the pause comes some steps late: 9-17 tokens in
+# with two busy loops beside, 36-44 in the first iteration with a busy loop at nice 0 (Ray's
+# actors run at nice 15). Twice CI saw every rollout of an engine, 512 tokens, end before its
+# pause: once when AsyncLLM's reader did not yield to the streams between batches of steps,
+# once when the core ran in a session (a scheduler autogroup) of its own, out of reach of the
+# actor's nice. The longest rollout sets the time an iteration takes.
 ROLLOUT_TOKENS = (64, 128, 256, 512)
 TOKENS_BEFORE_UPDATE = 8  # what the trainer learns from: each rollout's first tokens
 LEARNING_RATE = 0.05

@@ -280,6 +280,21 @@ def test_a_dead_core_fails_the_streams_instead_of_hanging() -> None:
         engine.shutdown()
 
 
+def test_the_core_shares_the_frontends_session_but_not_its_ctrl_c() -> None:
+    """A session of its own was a scheduler autogroup of its own: under Ray (actors at nice 15)
+    the core took the CPU from the actor reading its outputs, and ran 500 steps past a pause
+    the actor asked for after 8 tokens. Its own process group keeps a terminal's Ctrl-C (sent
+    to the foreground group) for the frontend, which stops the core in order."""
+    engine = AsyncLLM("oracle", tape=False)
+    try:
+        pid = engine.engine_core.proc.pid  # type: ignore[attr-defined]
+        assert os.getsid(pid) == os.getsid(0)
+        assert os.getpgid(pid) == pid != os.getpgid(0)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        engine.shutdown()
+
+
 # -- the seed flow: concurrent streams, pause(keep, clear_cache), update_weights, resume -------
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]

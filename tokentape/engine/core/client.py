@@ -171,11 +171,15 @@ class MPClient(CoreClient):
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        # Its own process group, so a terminal's Ctrl-C reaches the frontend alone (which then
+        # stops the core in order), but not its own session: a new session is a new scheduler
+        # autogroup, where the core would escape the frontend's nice (a Ray actor's 15) and
+        # take the CPU from the actor that reads its outputs.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokentape.engine.core.proc"],
             stdin=subprocess.PIPE,
             env=env,
-            start_new_session=True,
+            process_group=0,
         )
         # Forgotten without shutdown(): end the core's stdin (it closes its tape and exits).
         self._finalizer = weakref.finalize(self, _abandon, self.proc, self._dir)

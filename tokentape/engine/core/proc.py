@@ -6,9 +6,9 @@ open for its whole life: end of file means the frontend is gone, and the core cl
 and exits. A frontend that lets its core go writes FAREWELL first: the core then aborts what
 is left, as a shutdown call does. Without it the frontend's process died (killed, or an
 engine actor that crashed), and the core records that on the tape as an EngineError,
-requests as they stand, so the tape says how the run ended. It runs in its own session, so a
-Ctrl-C or SIGTERM meant for the frontend's process group does not reach it: the frontend
-decides when it stops.
+requests as they stand, so the tape says how the run ended. It runs in a process group of its
+own (in the frontend's session), so a Ctrl-C or SIGTERM meant for the frontend's process group
+does not reach it: the frontend decides when it stops.
 """
 
 from __future__ import annotations
