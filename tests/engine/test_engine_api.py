@@ -184,6 +184,21 @@ def test_prefix_cache_hits_skip_computed_tokens() -> None:
     assert entry.req_id == "again" and entry.num_computed_before == 20
 
 
+def test_llm_reset_prefix_cache_makes_the_next_round_compute_from_scratch() -> None:
+    """vLLM's LLM.reset_prefix_cache, as a benchmark calls it between two rounds."""
+    llm = small_llm(pipeline_depth=1)
+    prompt = list(range(3, 23))
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert llm.reset_prefix_cache() is True
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    events = [e for _, e in llm.engine.tape.iter_events()]
+    names = [type(e).__name__ for e in events]
+    reset = events[names.index("PrefixCacheReset")]
+    assert (reset.reset_running_requests, reset.ok) == (False, True)
+    after = events[names.index("StepScheduled", names.index("PrefixCacheReset"))]
+    assert after.entries[0].num_computed_before == 0  # the second round: no prefix hit
+
+
 def test_chunked_prefill_respects_the_token_budget() -> None:
     llm = small_llm(pipeline_depth=1, max_num_batched_tokens=8)
     llm.engine.add_request("a", list(range(3, 23)), SamplingParams(max_tokens=2))

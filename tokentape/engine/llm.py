@@ -149,6 +149,11 @@ class LLM:
             raise RuntimeError(f"generate: requests {missing} ended without a final output")
         return [finals[i] for i in ids]
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's LLM.reset_prefix_cache: forget the cached prefixes (recorded on the tape).
+        False while requests hold blocks, unless `reset_running_requests` preempts them."""
+        return self.engine.reset_prefix_cache(reset_running_requests)
+
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's LLM.sleep (LLMEngine.sleep): pause, drain and release the memory."""
         self.engine.sleep(level, mode)
