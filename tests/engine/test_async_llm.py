@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pty
+import select
 import signal
+import sys
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -284,15 +288,66 @@ def test_the_core_shares_the_frontends_session_but_not_its_ctrl_c() -> None:
     """A session of its own was a scheduler autogroup of its own: under Ray (actors at nice 15)
     the core took the CPU from the actor reading its outputs, and ran 500 steps past a pause
     the actor asked for after 8 tokens. Its own process group keeps a terminal's Ctrl-C (sent
-    to the foreground group) for the frontend, which stops the core in order."""
+    to the foreground group) for the frontend, which stops the core in order. (Linux: /proc.)"""
     engine = AsyncLLM("oracle", tape=False)
     try:
         pid = engine.engine_core.proc.pid  # type: ignore[attr-defined]
         assert os.getsid(pid) == os.getsid(0)
         assert os.getpgid(pid) == pid != os.getpgid(0)
         assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)
+        # A background group's write to the terminal under `stty tostop` stops it, unless it
+        # ignores SIGTTOU (the core writes its warnings to stderr).
+        with open(f"/proc/{pid}/status") as f:
+            ignored = int(next(ln for ln in f if ln.startswith("SigIgn:")).split()[1], 16)
+        assert ignored >> (signal.SIGTTOU - 1) & 1
     finally:
         engine.shutdown()
+
+
+TOSTOP_SCRIPT = """
+import asyncio, os, signal, time
+from tokentape import AsyncLLM, SamplingParams
+os.system("stty tostop")
+engine = AsyncLLM("oracle", tape=False)
+engine.engine_core._push.send(b"\\xc1")  # the core warns on stderr, the terminal
+time.sleep(0.5)
+async def run():
+    outs = [o async for o in engine.generate([5, 6], SamplingParams(max_tokens=3), "r")]
+    return len(outs[-1].outputs[0].token_ids)
+try:
+    print("generated", asyncio.run(asyncio.wait_for(run(), 20)), flush=True)
+finally:
+    os.kill(engine.engine_core.proc.pid, signal.SIGCONT)  # had it stopped
+    engine.shutdown()
+"""
+
+
+def test_a_core_writing_to_a_tostop_terminal_keeps_serving() -> None:
+    """In the frontend's session, the core is a background group of its terminal: under
+    `stty tostop` its first warning on stderr stopped it (SIGTTOU), and the stream hung."""
+    pid, fd = pty.fork()  # the child: a session of its own, with the pty as its terminal
+    if pid == 0:
+        try:
+            os.execv(sys.executable, [sys.executable, "-c", TOSTOP_SCRIPT])
+        finally:
+            os._exit(127)
+    out, deadline = b"", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # the child closed the terminal: it exited
+                    break
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert "dropped a message that does not decode" in text and "generated 3" in text, text
+    assert os.waitstatus_to_exitcode(status) == 0, text
 
 
 # -- the seed flow: concurrent streams, pause(keep, clear_cache), update_weights, resume -------

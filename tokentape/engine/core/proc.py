@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 
 import msgspec
@@ -80,6 +81,9 @@ def serve(core: object, pull: zmq.Socket, push: zmq.Socket, stdin_fd: int) -> bo
 
 
 def main() -> int:
+    # A background process group of the frontend's session: under `stty tostop`, a write to
+    # the terminal (a warning on stderr) would stop this process; ignoring SIGTTOU lets it write.
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     setup = setup_decoder.decode(_read_setup())
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
