@@ -133,6 +133,8 @@ class SQLiteTape:
         ack_fd = _shared_ack_fd()
         try:
             self._ack = sqlite_writer.map_ack(ack_fd)
+            # Its own process group: a terminal's Ctrl-C (or Ctrl-Z) goes to the
+            # engine's group, and the engine, not the signal, ends the writer (end of stdin).
             self._writer = subprocess.Popen(
                 [sys.executable, "-I", sqlite_writer.__file__, self.path, str(ack_fd)],
                 stdin=subprocess.PIPE,
@@ -140,6 +142,7 @@ class SQLiteTape:
                 stderr=subprocess.PIPE,
                 bufsize=0,
                 pass_fds=(ack_fd,),
+                process_group=0,
             )
         finally:
             os.close(ack_fd)  # the mapping keeps its own reference
