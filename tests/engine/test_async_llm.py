@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pty
-import select
 import signal
-import sys
-import time
 from collections.abc import Awaitable
 from typing import Any
 
 import pytest
+from terminal import run_in_terminal
 
 from tokentape import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from tokentape.engine.core.client import MPClient
@@ -325,29 +322,9 @@ finally:
 def test_a_core_writing_to_a_tostop_terminal_keeps_serving() -> None:
     """In the frontend's session, the core is a background group of its terminal: under
     `stty tostop` its first warning on stderr stopped it (SIGTTOU), and the stream hung."""
-    pid, fd = pty.fork()  # the child: a session of its own, with the pty as its terminal
-    if pid == 0:
-        try:
-            os.execv(sys.executable, [sys.executable, "-c", TOSTOP_SCRIPT])
-        finally:
-            os._exit(127)
-    out, deadline = b"", time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            if select.select([fd], [], [], 1)[0]:
-                try:
-                    chunk = os.read(fd, 4096)
-                except OSError:  # the child closed the terminal: it exited
-                    break
-                if not chunk:
-                    break
-                out += chunk
-    finally:
-        os.close(fd)
-        _, status = os.waitpid(pid, 0)
-    text = out.decode(errors="replace")
+    text, code = run_in_terminal(TOSTOP_SCRIPT)
     assert "dropped a message that does not decode" in text and "generated 3" in text, text
-    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert code == 0, text
 
 
 # -- the seed flow: concurrent streams, pause(keep, clear_cache), update_weights, resume -------

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pty
-import select
 import signal
 import sqlite3
 import subprocess
@@ -20,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from terminal import run_in_terminal
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.config import EngineConfig
@@ -696,31 +695,8 @@ def test_ctrl_c_at_a_terminal_interrupts_the_run_but_not_its_tape_writer(tmp_pat
     """The writer was in the terminal's foreground process group: a Ctrl-C killed it with the
     engine's last steps unwritten (a TapeWriterError). It has a group of its own now."""
     path = tmp_path / "interrupted.tape"
-    pid, fd = pty.fork()  # the child: a session of its own, with the pty as its terminal
-    if pid == 0:
-        try:
-            os.execv(sys.executable, [sys.executable, "-c", _CTRL_C_SCRIPT, str(path)])
-        finally:
-            os._exit(127)
-    out, sent, deadline = b"", False, time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            if not sent and b"generating" in out:
-                time.sleep(1.0)  # some steps into the run
-                os.write(fd, b"\x03")  # Ctrl-C: SIGINT to the terminal's foreground group
-                sent = True
-            if select.select([fd], [], [], 0.2)[0]:
-                try:
-                    chunk = os.read(fd, 4096)
-                except OSError:  # the child closed the terminal: it exited
-                    break
-                if not chunk:
-                    break
-                out += chunk
-    finally:
-        os.close(fd)
-        _, status = os.waitpid(pid, 0)
-    assert b"closed" in out and os.waitstatus_to_exitcode(status) == 0, out
+    out, code = run_in_terminal(_CTRL_C_SCRIPT, str(path), keys_after=(b"generating", b"\x03", 1.0))
+    assert "closed" in out and code == 0, out  # Ctrl-C: SIGINT to the foreground group
     assert tape_file_status(path).finished and not os.path.exists(f"{path}-wal")
     errors = [e for _, e in load_tape(path).events() if isinstance(e, ev.EngineError)]
     assert [e.error_type for e in errors] == ["KeyboardInterrupt"]  # the run's, recorded
