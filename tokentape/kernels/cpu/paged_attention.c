@@ -48,16 +48,9 @@ static inline float exp_nonpositive(float x) {
 }
 
 static void softmax_in_place(float *restrict s, int64_t n) {
-    int64_t t = 0;
-    float m = -INFINITY;
-    if (n >= TT_VW) {
-        vf mv = vload(s);
-        for (t = TT_VW; t + TT_VW <= n; t += TT_VW) mv = vmax(vload(s + t), mv);
-        m = vmax_lanes(mv);
-    }
-    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    const float m = vmax_array(s, n, -INFINITY);
     float sum = 0.0f;
-    t = 0;
+    int64_t t = 0;
     if (n >= TT_VW) {
         vf sv = {0};
         for (; t + TT_VW <= n; t += TT_VW) {

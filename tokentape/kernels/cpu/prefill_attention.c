@@ -158,14 +158,8 @@ static void attend_tile(const Prefill *p, int64_t seq, int64_t kv_head, int64_t 
                 }
                 const int64_t nv = valid < n ? valid : n;
                 const int64_t whole = nv / TT_VW * TT_VW; /* keys in whole vectors */
-                float mx = w->m[r + i];
-                if (whole) { /* by vectors: a scalar loop here cost as much as the products */
-                    vf vm = vload(s);
-                    for (int64_t t = TT_VW; t < whole; t += TT_VW) vm = vmax(vm, vload(s + t));
-                    const float m = vmax_lanes(vm);
-                    mx = m > mx ? m : mx;
-                }
-                for (int64_t t = whole; t < nv; t++) mx = s[t] > mx ? s[t] : mx;
+                /* by vectors: a scalar loop here cost as much as the products */
+                const float mx = vmax_array(s, nv, w->m[r + i]);
                 const float alpha = w->m[r + i] == -INFINITY ? 0.0f : expf(w->m[r + i] - mx);
                 vf acc = {0};
                 for (int64_t t = 0; t < whole; t += TT_VW) {

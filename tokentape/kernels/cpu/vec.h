@@ -72,6 +72,19 @@ static inline float vmax_lanes(vf v) {
     return m;
 }
 
+/* The largest of m and s[0..n): the whole vectors by vectors, then the rest one by one. */
+static inline float vmax_array(const float *s, int64_t n, float m) {
+    const int64_t whole = n / TT_VW * TT_VW;
+    if (whole) {
+        vf mv = vload(s);
+        for (int64_t t = TT_VW; t < whole; t += TT_VW) mv = vmax(vload(s + t), mv);
+        const float v = vmax_lanes(mv);
+        m = v > m ? v : m;
+    }
+    for (int64_t t = whole; t < n; t++) m = s[t] > m ? s[t] : m;
+    return m;
+}
+
 /* exp of every lane (clamped to [-87.3, 88.7]): Cephes' expf polynomial, within 2 ulp of
  * expf, rounding x * log2(e) to the nearest integer with the 1.5 * 2^23 trick. */
 static inline vf vexp(vf x) {
