@@ -158,6 +158,22 @@ def test_dispatch_picks_it_for_float32_on_the_cpu(monkeypatch: pytest.MonkeyPatc
     )
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_out_is_written_in_place_with_the_same_bits(backend: str) -> None:
+    case = make_case(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    kwargs = {**case.attention_kwargs(), "backend": backend}
+    expected = paged_attention(case.query, case.k_cache, case.v_cache, **kwargs)
+    # A view into a wider buffer, as the decoder hands it (o_proj's input, padding rows after)
+    buffer = torch.full((case.query.shape[0] + 3, *case.query.shape[1:]), float("nan"))
+    out = buffer[: case.query.shape[0]]
+    returned = paged_attention(case.query, case.k_cache, case.v_cache, out=out, **kwargs)
+    assert returned.data_ptr() == out.data_ptr()
+    assert torch.equal(out, expected)
+    assert buffer[case.query.shape[0] :].isnan().all()  # nothing written past the batch
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        paged_attention(case.query, case.k_cache, case.v_cache, out=buffer, **kwargs)
+
+
 def test_without_a_compiler_the_engine_keeps_the_reference(tmp_path: object) -> None:
     code = (
         "import torch\n"

@@ -113,6 +113,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """Causal attention of B sequences' new tokens (prefill chunks and decodes mixed).
@@ -120,19 +121,32 @@ def paged_attention(
     query [total_q, num_heads, head_dim] (ragged, ``cu_seqlens_q`` [B+1] int32); seq_lens [B]
     int32 counts each whole context including this step's tokens, already written with
     :func:`write_kv_cache`; block_tables [B, max_blocks_per_seq] int32. Every sequence has at
-    least one new token. Returns [total_q, num_heads, head_dim] in query's dtype (fp32 math).
+    least one new token. Returns [total_q, num_heads, head_dim] in query's dtype (fp32 math):
+    ``out`` if given (contiguous, that shape and dtype), which the CPU kernels write in place.
     """
+    if out is not None and (
+        out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {query.dtype} tensor of the query's shape "
+            f"{tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
     kwargs = {"cu_seqlens_q": cu_seqlens_q, "seq_lens": seq_lens, "block_tables": block_tables}
     chosen = resolve_backend(query.device, backend, query.dtype)
     if chosen == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous():
-        return cpu_native.paged_attention_cpu(query, k_cache, v_cache, scale=scale, **kwargs)
+        return cpu_native.paged_attention_cpu(
+            query, k_cache, v_cache, scale=scale, out=out, **kwargs
+        )
     if chosen == "triton":
         if query.shape[0] == seq_lens.shape[0]:
             # One new token per sequence (each has at least one): the split-KV decode kernel.
             from tokentape.kernels.triton_decode import paged_decode_triton
 
-            return paged_decode_triton(query, k_cache, v_cache, scale=scale, **kwargs)
-        from tokentape.kernels.triton_prefill import paged_prefill_triton
+            result = paged_decode_triton(query, k_cache, v_cache, scale=scale, **kwargs)
+        else:
+            from tokentape.kernels.triton_prefill import paged_prefill_triton
 
-        return paged_prefill_triton(query, k_cache, v_cache, scale=scale, **kwargs)
-    return paged_attention_ref(query, k_cache, v_cache, scale=scale, **kwargs)
+            result = paged_prefill_triton(query, k_cache, v_cache, scale=scale, **kwargs)
+    else:
+        result = paged_attention_ref(query, k_cache, v_cache, scale=scale, **kwargs)
+    return result if out is None else out.copy_(result)

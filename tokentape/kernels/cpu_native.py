@@ -149,11 +149,13 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref's contract, computed by the compiled kernels on
     `torch.get_num_threads()` threads (the calling thread's count): the decodes by one, whole
     prompts and prefill chunks by the other (flash attention); where the CPU's vectors do
-    not divide head_dim, the prompts by the reference's matmuls (`prefill_attention_ref`)."""
+    not divide head_dim, the prompts by the reference's matmuls (`prefill_attention_ref`).
+    Written into `out` (contiguous, the query's shape) where given."""
     lib = load()
     assert lib is not None, load_error()
     query = query.contiguous()
@@ -161,7 +163,8 @@ def paged_attention_cpu(
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     args = (
         query.data_ptr(),

@@ -103,7 +103,12 @@ class Attention(nn.Module):
         cpu_layers.qk_norm_rope(q, k, q_norm, k_norm, eps, *rope_tables, positions)
         k_cache, v_cache = kv_cache
         kernels.write_kv_cache(k[:t], v[:t], k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(
+        # The attention writes the batch's rows of o_proj's input in place; padding rows are
+        # zeros (a padded copy per layer cost a fresh [rows, heads x head_dim] tensor).
+        out = x.new_empty(rows, self.num_heads * self.head_dim)
+        if rows > t:
+            out[t:].zero_()
+        kernels.paged_attention(
             q[:t],
             k_cache,
             v_cache,
@@ -111,9 +116,8 @@ class Attention(nn.Module):
             seq_lens=meta.seq_lens,
             block_tables=meta.block_tables,
             scale=self.scale,
-        ).view(t, self.num_heads * self.head_dim)
-        if rows > t:
-            out = F.pad(out, (0, 0, 0, rows - t))
+            out=out[:t].view(t, self.num_heads, self.head_dim),
+        )
         return self.o_proj(out)
 
 
