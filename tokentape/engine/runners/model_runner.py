@@ -357,7 +357,9 @@ class TorchModelRunner(StagedWeights):
 def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed KV tensor. On the CPU from calloc'd pages, which the OS commits only when a
     block is first written: the budget bounds the cache, and a short run's resident memory
-    is what it used (torch.zeros writes every page). Aligned to 64 bytes for the kernels."""
+    is what it used (torch.zeros writes every page). numpy asks for transparent huge pages
+    on so large an array, so a first write commits 2 MiB where the kernel allows it.
+    Aligned to 64 bytes for the kernels."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
