@@ -162,7 +162,7 @@ def run_tokentape(
     preemptions = sum(r.num_preemptions for r in llm.engine.state.requests.values())
     kv_tokens = llm.config.kv_capacity
     llm.close()
-    if tape:
+    if isinstance(path, str):
         c.remove_db(path)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(outputs), "every request must produce its requested tokens"
