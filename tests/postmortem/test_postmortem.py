@@ -25,6 +25,7 @@ from tokentape.events import schema as ev
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.postmortem import postmortem
 from tokentape.postmortem.findings import BUG_CLASSES, Report
+from tokentape.postmortem.fleet import fleet_postmortem
 from tokentape.postmortem.report_html import render_report
 from tokentape.replay import load_tape
 
@@ -399,6 +400,34 @@ def test_engine_error_is_a_finding(tmp_path: Path) -> None:
     assert [(f.kind, f.request_ids) for f in report.findings] == [("engine_error", ["a"])]
     assert "RuntimeError: CUDA error: an illegal memory access" in report.findings[0].message
     assert report.summary.complete and not report.ok
+
+
+class InterruptedRunner(FailingRunner):
+    """A real runner whose sixth frame is interrupted by a Ctrl-C."""
+
+    def collect(self, step: int) -> list[ev.FrameEntry]:
+        self.collected += 1
+        if self.collected == 6:
+            raise KeyboardInterrupt
+        return self._runner.collect(step)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_a_ctrl_c_is_an_interruption_not_an_engine_failure(tmp_path: Path) -> None:
+    llm = small_llm(tmp_path)
+    llm.engine.runner = InterruptedRunner(llm.engine.runner)  # type: ignore[assignment]
+    llm.engine.add_request("a", list(range(10, 20)), SamplingParams(max_tokens=20, ignore_eos=True))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(20):
+            llm.engine.step()
+    llm.close()
+    report = postmortem(tmp_path / "run.tape")
+    assert [(f.kind, f.severity, f.request_ids) for f in report.findings] == [
+        ("interrupted", "warning", ["a"])
+    ]
+    assert "interrupted at step" in report.findings[0].message
+    assert report.ok  # exit status 0: nothing failed
+    fleet = fleet_postmortem(tmp_path, jobs=1).summary
+    assert fleet.engines["run"].ended == "interrupted" and fleet.ended == {"interrupted": 1}
 
 
 def test_reference_tape(tmp_path: Path) -> None:

@@ -41,6 +41,11 @@ TapeSource = str | os.PathLike[str] | MemoryTape | Tape
 Progress = Callable[[int], None]  # called with the number of events analysed so far
 
 
+# The exceptions that end a run from outside it (an EngineError records their type): an
+# `interrupted` warning, not an `engine_error`.
+INTERRUPTIONS = frozenset({"KeyboardInterrupt"})
+
+
 class EngineErrorChecker(Checker):
     _frame: tuple[int, ev.FrameProduced, list[str]] | None = (
         None  # the latest frame, its aborted requests
@@ -85,6 +90,19 @@ class EngineErrorChecker(Checker):
                 :8
             ]
         )
+        if e.error_type in INTERRUPTIONS:  # stopped from outside: not a failure of the engine
+            self.ctx.report(
+                "interrupted",
+                "warning",
+                names,
+                e.step,
+                f"the run was interrupted at step {e.step} ({e.error_type}: a Ctrl-C, or "
+                f"SIGINT), with {len(self.state.running)} request(s) running",
+                [(seq, e)],
+                None,
+                seq,
+            )
+            return
         bug, cause, excerpt = None, "", [(seq, e)]
         if self._frame is not None and self._frame[0] == seq - 1 and self._frame[2]:
             # It failed on a frame holding output of requests aborted while it was in flight.

@@ -27,13 +27,17 @@ import msgspec
 from tokentape.events.store import TapeError
 from tokentape.postmortem.findings import Finding, Summary
 
-Ended = Literal["complete", "truncated", "engine_error", "damaged", "inconsistent", "unreadable"]
+Ended = Literal[
+    "complete", "truncated", "interrupted", "engine_error", "damaged", "inconsistent", "unreadable"
+]
 # The finding that says how a tape ends, by precedence (a tape has at most one of the first
-# three: the pass stops there, or the engine recorded its failure, or neither).
+# four: the pass stops there, or the engine recorded its failure or its interruption, or
+# none of these).
 _END_KINDS: tuple[tuple[str, Ended], ...] = (
     ("tape_damaged", "damaged"),
     ("tape_inconsistent", "inconsistent"),
     ("engine_error", "engine_error"),
+    ("interrupted", "interrupted"),
     ("tape_truncated", "truncated"),
 )
 UNREADABLE_ENDS = ("damaged", "unreadable")  # the CLI's exit status 2
@@ -268,7 +272,7 @@ def _where(how: Ended, f: Finding, s: Summary) -> str:
             f"{len(f.request_ids)} request(s) unfinished, no EngineError "
             "(killed, or closed mid-run)"
         )
-    if how == "engine_error":
-        return f.message  # "the engine failed at step N: Type: message"
+    if how in ("engine_error", "interrupted"):
+        return f.message  # "the engine failed at step N: ...", "the run was interrupted at ..."
     # damaged / inconsistent: the pass stopped at the event the finding names
     return f"{how} from event {f.seq} on; the {s.num_events} events before it were analysed"

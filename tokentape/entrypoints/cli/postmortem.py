@@ -55,8 +55,9 @@ def add_parser(sub: Any) -> None:
             "Given a directory (a fleet: one tape per engine, *.tape), it analyses every tape\n"
             "in parallel (worker processes, or Ray tasks with --ray) and reports a row per\n"
             "engine (named by its file): how and where its tape ends (complete, truncated by\n"
-            "a killed engine, engine_error, damaged, unreadable) and its findings; --json\n"
-            'gives {"tapes": [...], "summary": {"tapes": N, ..., "engines": {...}}}.\n'
+            "a killed engine, interrupted by a Ctrl-C, engine_error, damaged, unreadable) and\n"
+            'its findings; --json gives {"tapes": [...], "summary": {"tapes": N, ...,\n'
+            '"engines": {...}}}.\n'
             "\n"
             "exit status: 0 when no finding is an error, 1 when one is, 2 when the tape\n"
             "cannot be opened (not a tape, or a newer format version) or cannot be read to\n"
