@@ -30,6 +30,7 @@ from tokentape.events import sqlite_reader
 from tokentape.events.errors import ReducerError
 from tokentape.events.sqlite_store import SQLiteTape, SQLiteTapeReader, tape_file_status
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
+from tokentape.postmortem import postmortem
 from tokentape.replay import fold, load_tape, verify
 
 # -- helpers -------------------------------------------------------------------------------
@@ -629,6 +630,40 @@ _KILLED_WRITER_SCRIPT = textwrap.dedent(
 )
 
 
+def test_a_message_cut_short_by_an_interrupt_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C can stop the engine's write of a message halfway (the pipe full, os.write
+    returns part of it and the KeyboardInterrupt lands before the rest). The writer would
+    read the next message as the torn one's rest; the tape ends its input there instead and
+    writes what it did not commit from this process."""
+    path = tmp_path / "torn.tape"
+    events = synthetic_events(60)
+    tape = SQLiteTape(path, make_test_header())
+    for e in events[:20]:
+        tape.append(e)
+    tape.commit()
+    real_write = os.write
+
+    def write_half_then_interrupt(fd: int, data: bytes) -> int:
+        monkeypatch.setattr(os, "write", real_write)
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise KeyboardInterrupt
+
+    for e in events[20:40]:
+        tape.append(e)
+    monkeypatch.setattr(os, "write", write_half_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        tape.commit()
+    for e in events[40:]:  # what the engine records next: the interrupt, as an EngineError
+        tape.append(e)
+    tape.flush()
+    assert [e for _, e in load_tape(path).events()] == events  # readable, while still open
+    tape.close()
+    assert tape_file_status(path).finished and not os.path.exists(f"{path}-wal")
+    assert [e for _, e in load_tape(path).events()] == events
+
+
 def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:
     path = tmp_path / "killed.tape"
     script = tmp_path / "writer.py"
@@ -702,6 +737,7 @@ def test_ctrl_c_at_a_terminal_interrupts_the_run_but_not_its_tape_writer(tmp_pat
     assert [e.error_type for e in errors] == ["KeyboardInterrupt"]  # the run's, recorded
     result = verify(path)
     assert result.ok, result.first_divergence and result.first_divergence.format()
+    assert [f.kind for f in postmortem(path).findings] == ["interrupted"]  # not a failure
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")

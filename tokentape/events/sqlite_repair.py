@@ -1,4 +1,5 @@
-"""What a dead tape writer left behind: repair the file and name the events it lost.
+"""What a dead tape writer left behind: repair the file and name the events it lost; and
+the rows a writer ended early (a transaction torn by an interrupt) did not commit.
 
 `SQLiteTape` calls `account_for_loss` when its writer process failed or was killed: SQLite
 recovers the file (committed transactions stay, a torn one is dropped), the file becomes one
@@ -112,6 +113,21 @@ def repair_tape(path: str | os.PathLike[str]) -> int:
         (count,) = conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events").fetchone()
         sqlite_writer.finish(conn)
         return int(count)
+    finally:
+        conn.close()
+
+
+def append_rows(path: str, rows: list[sqlite_writer.Row]) -> None:
+    """Write rows into a tape no writer process serves any more (its writer ended on a torn
+    message), those past the file's last seq: so a retry after an interrupt adds nothing
+    twice. The file stays one file, in rollback-journal mode."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        (end,) = conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events").fetchone()
+        conn.executemany(sqlite_writer.INSERT_EVENT, [r for r in rows if r[0] >= end])
+        conn.execute("COMMIT")
+        sqlite_writer.finish(conn)
     finally:
         conn.close()
 

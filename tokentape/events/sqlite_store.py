@@ -27,7 +27,7 @@ import msgspec
 import sqlite_utils
 
 from tokentape.events import schema as ev
-from tokentape.events import sqlite_writer
+from tokentape.events import sqlite_repair, sqlite_writer
 from tokentape.events.sqlite_reader import SQLiteTapeReader, TapeFileStatus, tape_file_status
 from tokentape.events.sqlite_repair import TapeWriterError, account_for_loss, repair_tape
 from tokentape.events.store import TapeError
@@ -121,7 +121,9 @@ class SQLiteTape:
     If the writer process fails or is killed, the next `commit`, `flush` or `close` raises
     TapeWriterError, naming the events (and steps) handed over but never committed; the file
     is repaired into one file that ends at the writer's last commit, followed, when events
-    were lost, by an EngineError that says so.
+    were lost, by an EngineError that says so. A transaction whose hand-over an interrupt
+    (a Ctrl-C) cut short ends the writer's input instead; the rest goes into the file from
+    this process, nothing lost.
     """
 
     def __init__(self, path: str | os.PathLike[str], header: ev.TapeHeader) -> None:
@@ -156,32 +158,65 @@ class SQLiteTape:
         self._unconfirmed: deque[tuple[int, bytes]] = deque()
         self._trim_at = _TRIM_EVERY
         self._failure: TapeWriterError | None = None
+        # Set while a message is being handed over: an interrupt (a Ctrl-C) can stop the
+        # write halfway, and the writer would read what follows as the message's rest.
+        self._torn = False
+        self._in_process = False  # after a torn message: rows go into the file from here
         # Ends the writer (it commits what it was sent, then exits) when the tape is closed,
         # dropped, or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop_writer, self._writer)
 
     def append(self, event: ev.Event) -> None:
-        self._buffer.append(
-            (self._next_seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event))
-        )
+        row = (self._next_seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event))
+        # The count moves before the row goes in: an interrupt between the two must not
+        # leave the next row the same seq.
         self._next_seq += 1
+        self._buffer.append(row)
 
     def commit(self) -> None:
         """End a transaction (a step boundary): the rows appended since go to the writer."""
+        if self._torn:
+            self._end_torn_stream()
         if not self._buffer:
             return
+        if self._in_process:
+            sqlite_repair.append_rows(self.path, self._buffer)
+            self._buffer.clear()
+            return
         message = sqlite_writer.frame_rows(self._buffer)
-        self._unconfirmed.append((self._next_seq, message))
         if len(self._unconfirmed) >= self._trim_at:
             self._trim_confirmed()
-        self._send(message)
+        self._torn = True  # until the whole message is written (see __init__)
+        self._unconfirmed.append((self._next_seq, message))
         self._buffer.clear()
+        self._send(message)
+        self._torn = False
+
+    def _end_torn_stream(self) -> None:
+        """A message was cut short by an interrupt. End the writer's input there: it commits
+        every whole message, drops the torn one and exits. The rows it did not commit, and
+        every later commit, go into the file from this process."""
+        self._torn = False
+        stopped = self._finalizer()
+        if stopped is not None and stopped[0] not in (0, sqlite_writer.EXIT_WAL_KEPT):
+            self._writer_failed(stopped)
+        rows = {
+            row[0]: row
+            for _, message in self._unconfirmed
+            for row in sqlite_writer.unframe_rows(message)
+        }
+        rows.update((row[0], row) for row in self._buffer)
+        self._buffer = [rows[seq] for seq in sorted(rows)]
+        self._unconfirmed.clear()
+        self._in_process = True
 
     def flush(self) -> None:
         """Commit, and return once the writer has every committed row in the file."""
         if not self._finalizer.alive and not self._buffer and self._failure is None:
             return  # closed: everything is in the file already
         self.commit()
+        if self._in_process:
+            return  # committed into the file by this process
         self._send(sqlite_writer.FLUSH_REQUEST)
         if self._from_writer.read(1) != sqlite_writer.FLUSH_DONE:
             self._writer_failed()
@@ -209,6 +244,7 @@ class SQLiteTape:
     def _writer_failed(self, stopped: tuple[int, str] | None = None) -> NoReturn:
         """Stop the writer (unless the caller did), repair the file, and raise what was lost."""
         code, message = stopped or self._finalizer() or (None, "")
+        self._torn = False  # the stream is over: what it lost is accounted for below
         cause = f"the tape writer process stopped (exit code {code}: {message or 'no message'})"
         self._failure = account_for_loss(
             self.path, cause, self._next_seq, self._unconfirmed, self._buffer
@@ -229,6 +265,9 @@ class SQLiteTape:
 
     def close(self) -> None:
         """Commit what is left, wait for the writer to finish, and report its failure."""
+        if self._in_process:
+            self.commit()
+            return
         if not self._finalizer.alive:
             return  # closed already, or the writer failed and that was reported
         try:
