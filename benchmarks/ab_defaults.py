@@ -1,7 +1,8 @@
 """An interleaved A/B of `LLM` settings, or of source trees, on bench_generate's workloads:
 each variant runs in a fresh process per round (so no variant inherits another's warm state),
 rounds alternate, each starting one variant later than the last, and the medians are
-reported with the CPU of the engine's process and of its tape writer.
+reported with the CPU of the engine's process and of its tape writer, and beside them the
+median and range of each round's own ratio to the first variant.
 
 A variant is `NAME=JSON` (engine arguments beside the model; `"tape": false` for none) or
 `NAME=JSON@TREE` (the same, with TREE first on PYTHONPATH: an older checkout, for a
@@ -137,15 +138,22 @@ def main() -> int:
             )
     base = variants[0][0]
     med = {k: statistics.median(r["tok_s"] for r in rs) for k, rs in results.items()}
-    print("\n| variant | median tok/s | all rounds | median CPU (s) | writer CPU (s) | vs first |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| variant | median tok/s | all rounds | median CPU (s) | writer CPU (s) | vs first "
+        "| vs first, paired by round |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, rs in results.items():
         rounds = ", ".join(f"{r['tok_s']:,.0f}" for r in rs)
+        # A round's variants run back to back: the ratio within each round leaves out the
+        # machine's slower and faster spells, when they last a round (the range says how far).
+        paired = sorted(r["tok_s"] / b["tok_s"] for r, b in zip(rs, results[base], strict=True))
         print(
             f"| {name} | {med[name]:,.0f} | {rounds} | "
             f"{statistics.median(r['cpu'] for r in rs):.2f} | "
             f"{statistics.median(r['writer_cpu'] for r in rs):.3f} | "
-            f"{med[name] / med[base]:.3f} |"
+            f"{med[name] / med[base]:.3f} | "
+            f"{statistics.median(paired):.3f} ({paired[0]:.3f}-{paired[-1]:.3f}) |"
         )
     return 0
 
