@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -662,6 +664,39 @@ def test_a_message_cut_short_by_an_interrupt_loses_nothing(
     tape.close()
     assert tape_file_status(path).finished and not os.path.exists(f"{path}-wal")
     assert [e for _, e in load_tape(path).events()] == events
+
+
+def test_a_flush_interrupted_while_waiting_leaves_the_next_one_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while flush waits for the writer's answer leaves that answer in the pipe.
+    The next flush read it as its own and returned before the file held its rows."""
+    path = tmp_path / "flush.tape"
+    events = synthetic_events(40)
+    tape = SQLiteTape(path, make_test_header())
+    for e in events[:20]:
+        tape.append(e)
+    answers = tape._from_writer
+
+    def interrupted(size: int) -> bytes:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(answers, "read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tape.flush()
+    monkeypatch.undo()
+    assert select.select([answers], [], [], 30)[0]  # that flush's answer, unread
+    os.kill(tape.writer_pid, signal.SIGSTOP)  # the next flush has to wait for the writer
+    threading.Timer(0.5, os.kill, (tape.writer_pid, signal.SIGCONT)).start()
+    for e in events[20:]:
+        tape.append(e)
+    tape.flush()
+    reader = SQLiteTapeReader(path)
+    try:
+        assert len(reader) == len(events)
+    finally:
+        reader.close()
+    tape.close()
 
 
 def test_killed_writer_leaves_a_verifiable_tape(tmp_path: Path) -> None:

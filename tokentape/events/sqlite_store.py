@@ -218,8 +218,14 @@ class SQLiteTape:
         if self._in_process:
             return  # committed into the file by this process
         self._send(sqlite_writer.FLUSH_REQUEST)
-        if self._from_writer.read(1) != sqlite_writer.FLUSH_DONE:
-            self._writer_failed()
+        # An answer (the writer is up, the file in WAL mode), then more until the file holds
+        # every row: an interrupt (a Ctrl-C) during an earlier wait left that flush's answer
+        # in the pipe, read here first.
+        while True:
+            if self._from_writer.read(1) != sqlite_writer.FLUSH_DONE:
+                self._writer_failed()
+            if sqlite_writer.read_ack(self._ack) >= self._next_seq:
+                break
         self._unconfirmed.clear()
 
     def _trim_confirmed(self) -> None:
