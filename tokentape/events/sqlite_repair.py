@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -21,6 +22,7 @@ from tokentape.events import sqlite_writer
 from tokentape.events.store import TapeError
 
 _encode = msgspec.msgpack.Encoder().encode
+_NEXT_SEQ = "SELECT COALESCE(MAX(seq), -1) + 1 FROM events"  # the seq an appended row takes
 
 
 class TapeWriterError(TapeError):
@@ -110,7 +112,7 @@ def repair_tape(path: str | os.PathLike[str]) -> int:
     return the number of events it holds. Only for a tape that no process is writing."""
     conn = sqlite3.connect(os.fspath(path), isolation_level=None)
     try:
-        (count,) = conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events").fetchone()
+        (count,) = conn.execute(_NEXT_SEQ).fetchone()
         sqlite_writer.finish(conn)
         return int(count)
     finally:
@@ -120,28 +122,25 @@ def repair_tape(path: str | os.PathLike[str]) -> int:
 def append_rows(path: str, rows: list[sqlite_writer.Row]) -> None:
     """Write rows into a tape no writer process serves any more (its writer ended on a torn
     message), those past the file's last seq: so a retry after an interrupt adds nothing
-    twice. The file stays one file, in rollback-journal mode."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        (end,) = conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events").fetchone()
-        conn.executemany(sqlite_writer.INSERT_EVENT, [r for r in rows if r[0] >= end])
-        conn.execute("COMMIT")
-        sqlite_writer.finish(conn)
-    finally:
-        conn.close()
+    twice."""
+    _insert_past_end(path, lambda end: [r for r in rows if r[0] >= end])
 
 
 def _append_to_file(path: str, event: ev.Event) -> None:
     """Append one event to a tape no process is writing (seq follows the last one)."""
+    kind, data = ev.KIND_OF_TYPE[type(event)], _encode(event)
+    _insert_past_end(path, lambda end: [(end, event.step, kind, data)])
+
+
+def _insert_past_end(path: str, rows_from: Callable[[int], list[sqlite_writer.Row]]) -> None:
+    """Insert `rows_from(the file's next seq)` into a tape no process is writing, in one
+    transaction; the file stays one file, in rollback-journal mode."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         conn.execute("BEGIN IMMEDIATE")
-        (seq,) = conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events").fetchone()
-        conn.execute(
-            sqlite_writer.INSERT_EVENT,
-            (seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event)),
-        )
+        (end,) = conn.execute(_NEXT_SEQ).fetchone()
+        conn.executemany(sqlite_writer.INSERT_EVENT, rows_from(end))
         conn.execute("COMMIT")
+        sqlite_writer.finish(conn)
     finally:
         conn.close()
