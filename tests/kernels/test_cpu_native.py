@@ -28,7 +28,17 @@ MIXED = [(11, 1), (6, 6), (13, 5), (1, 1), (9, 3), (150, 70), (600, 1), (40, 33)
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(4, 2, 64, 16), (4, 4, 16, 4), (8, 1, 32, 1), (16, 8, 128, 16), (2, 2, 24, 5)],
+    # Blocks smaller than, equal to and larger than the decode kernel's prefetch distance
+    # (PREFETCH_TOKENS: 16), so its look-ahead crosses blocks or stays inside one.
+    [
+        (4, 2, 64, 16),
+        (4, 4, 16, 4),
+        (8, 1, 32, 1),
+        (16, 8, 128, 16),
+        (2, 2, 24, 5),
+        (4, 2, 64, 64),
+        (2, 1, 32, 128),
+    ],
 )
 def test_matches_the_reference(
     num_heads: int, num_kv_heads: int, head_dim: int, block_size: int

@@ -69,41 +69,65 @@ static void softmax_in_place(float *restrict s, int64_t n) {
 }
 
 /* The cache blocks of a sequence lie anywhere in memory, so the hardware prefetcher starts
- * cold on each: reading token t of a block, ask for the same token of the next block. */
+ * cold on each one. Reading token t, the walk asks for token t + PREFETCH_TOKENS, wherever its
+ * block is: with blocks of 16 tokens, the same row of the next block; with larger blocks,
+ * rows further on in the same one (the same row of the next block would be too far ahead to
+ * stay in the cache, and the rows between would not be asked for at all). */
+#define PREFETCH_TOKENS 16
+
 static inline void prefetch_row(const float *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 3);
 }
 
-/* A sequence's rows of one cache (K or V), token by token in block order: next_row() gives
- * the next token's row (every kv head of it) and prefetches the same row of the next block. */
+/* A position in a sequence's rows of one cache (K or V): block b of its table, `in_block`
+ * floats into it (NULL block: past the sequence's last block). */
 typedef struct {
-    const float *cache, *block, *next;
+    const float *block;
+    int64_t b, in_block;
+} Cursor;
+
+/* A sequence's rows of one cache, token by token in block order: next_row() gives the next
+ * token's row (every kv head of it) and prefetches the row PREFETCH_TOKENS further on. */
+typedef struct {
+    const float *cache;
     const int32_t *table;
-    int64_t b, num_blocks, in_block, block_floats, row_stride, row_bytes;
+    int64_t num_blocks, block_floats, row_stride, row_bytes;
+    Cursor read, ahead;
 } RowWalk;
 
 static inline const float *block_at(const RowWalk *w, int64_t b) {
     return b < w->num_blocks ? w->cache + (int64_t)w->table[b] * w->block_floats : NULL;
 }
 
+static inline Cursor cursor_at(const RowWalk *w, int64_t token, int64_t block_size) {
+    const int64_t b = token / block_size;
+    return (Cursor){block_at(w, b), b, (token % block_size) * w->row_stride};
+}
+
+static inline void advance(const RowWalk *w, Cursor *c) {
+    c->in_block += w->row_stride;
+    if (c->in_block == w->block_floats) {
+        c->block = block_at(w, ++c->b);
+        c->in_block = 0;
+    }
+}
+
 static inline RowWalk row_walk(const float *cache, const int32_t *table, int64_t seq_len,
                                int64_t block_size, int64_t row_stride) {
-    RowWalk w = {cache, NULL, NULL, table, 0, (seq_len + block_size - 1) / block_size, 0,
-                 block_size * row_stride, row_stride, row_stride * (int64_t)sizeof(float)};
-    w.block = block_at(&w, 0);
-    w.next = block_at(&w, 1);
+    RowWalk w = {cache, table, (seq_len + block_size - 1) / block_size, block_size * row_stride,
+                 row_stride, row_stride * (int64_t)sizeof(float), {NULL, 0, 0}, {NULL, 0, 0}};
+    w.read = cursor_at(&w, 0, block_size);
+    w.ahead = cursor_at(&w, PREFETCH_TOKENS, block_size);
     return w;
 }
 
 static inline const float *next_row(RowWalk *w) {
-    if (w->in_block == w->block_floats) {
-        w->block = w->next;
-        w->next = block_at(w, ++w->b + 1);
-        w->in_block = 0;
+    const float *row = w->read.block + w->read.in_block;
+    advance(w, &w->read);
+    if (w->ahead.block) {
+        prefetch_row(w->ahead.block + w->ahead.in_block, w->row_bytes);
+        advance(w, &w->ahead);
     }
-    const float *row = w->block + w->in_block;
-    if (w->next) prefetch_row(w->next + w->in_block, w->row_bytes);
-    w->in_block += w->row_stride;
     return row;
 }
 
