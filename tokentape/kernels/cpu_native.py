@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,39 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+@dataclass(slots=True)
+class CpuBatch:
+    """A forward pass's batch as the compiled kernels take it, made once per pass and shared
+    by every layer's KV write and attention (a decoder makes both calls once per layer): the
+    sequences' tensors contiguous in the kernels' dtypes, the thread count, and the kernels'
+    error slot. One per thread: the model's lanes run their passes at once."""
+
+    cu_seqlens_q: torch.Tensor  # int32
+    seq_lens: torch.Tensor  # int32
+    block_tables: torch.Tensor  # int32
+    slots: torch.Tensor | None  # int64, for write_kv
+    num_threads: int
+    bad: ctypes.c_int64  # the index a kernel reports an error at
+
+    @classmethod
+    def of(
+        cls,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> CpuBatch:
+        slots = None if slot_mapping is None else slot_mapping.to(torch.int64).contiguous()
+        return cls(
+            cu_seqlens_q.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+            block_tables.to(torch.int32).contiguous(),
+            slots,
+            torch.get_num_threads(),  # the calling thread's count
+            ctypes.c_int64(-1),
+        )
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -156,22 +190,32 @@ def paged_attention_cpu(
     prompts and prefill chunks by the other (flash attention); where the CPU's vectors do
     not divide head_dim, the prompts by the reference's matmuls (`prefill_attention_ref`).
     Written into `out` (contiguous, the query's shape) where given."""
+    batch = CpuBatch.of(cu_seqlens_q, seq_lens, block_tables)
+    return attend(batch, query, k_cache, v_cache.contiguous(), scale, out)
+
+
+def attend(
+    batch: CpuBatch,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_attention_cpu over a batch already in the kernels' form (the caches contiguous)."""
     lib = load()
     assert lib is not None, load_error()
     query = query.contiguous()
-    v_cache = v_cache.contiguous()
-    cu = cu_seqlens_q.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty_like(query)
+    lens, tables = batch.seq_lens, batch.block_tables
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     args = (
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         out.data_ptr(),
-        cu.data_ptr(),
+        batch.cu_seqlens_q.data_ptr(),
         lens.data_ptr(),
         tables.data_ptr(),
         lens.shape[0],
@@ -182,17 +226,17 @@ def paged_attention_cpu(
         head_dim,
         block_size,
         scale,
-        torch.get_num_threads(),
+        batch.num_threads,
     )
-    _check(lib.tt_paged_decode_f32, args)
+    _check(lib.tt_paged_decode_f32, args, batch.bad)
     if query.shape[0] > lens.shape[0]:  # some sequence has more than one new token
-        if _check(lib.tt_paged_prefill_f32, args) == _UNSUPPORTED:
+        if _check(lib.tt_paged_prefill_f32, args, batch.bad) == _UNSUPPORTED:
             prefill_attention_ref(
                 query,
                 k_cache,
                 v_cache,
                 out,
-                cu_seqlens_q=cu,
+                cu_seqlens_q=batch.cu_seqlens_q,
                 seq_lens=lens,
                 block_tables=tables,
                 scale=scale,
@@ -200,9 +244,8 @@ def paged_attention_cpu(
     return out
 
 
-def _check(kernel: Any, args: tuple[Any, ...]) -> int:
+def _check(kernel: Any, args: tuple[Any, ...], bad: ctypes.c_int64) -> int:
     """Run an attention kernel; its return code, once it is 0 or _UNSUPPORTED."""
-    bad = ctypes.c_int64(-1)
     code: int = kernel(*args, ctypes.byref(bad))
     if code == _NO_MEMORY:
         raise MemoryError("paged attention: no working memory for the score buffers")
@@ -219,13 +262,25 @@ def write_kv_cache_cpu(
     slot_mapping: torch.Tensor,
 ) -> None:
     """write_kv_cache_ref's contract (a slot of -1 is skipped), as row copies in C."""
+    write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    bad: ctypes.c_int64 | None = None,
+) -> None:
+    """write_kv_cache_cpu with `slots` already contiguous int64, as a CpuBatch holds them;
+    `bad` takes the index of an error."""
     lib = load()
     assert lib is not None, load_error()
-    check_kv_write_shapes(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_write_shapes(key, value, k_cache, v_cache, slots)
     key, value = key.contiguous(), value.contiguous()
-    slots = slot_mapping.to(torch.int64).contiguous()
     num_blocks, block_size = k_cache.shape[:2]
-    bad = ctypes.c_int64(-1)
+    bad = bad if bad is not None else ctypes.c_int64(-1)
     code = lib.tt_write_kv_f32(
         key.data_ptr(),
         value.data_ptr(),

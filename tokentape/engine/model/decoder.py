@@ -19,12 +19,14 @@ from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.layers import (
     MLP,
     Linear,
+    LinearFn,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
     linear,
+    matmul_for,
 )
-from tokentape.kernels import cpu_layers
+from tokentape.kernels import cpu_layers, cpu_native
 
 
 @dataclass(slots=True)
@@ -87,38 +89,39 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        batch: cpu_native.CpuBatch,
         num_tokens: int,
+        matmul: LinearFn,
+        onednn: bool,
     ) -> torch.Tensor:
-        """forward() with the q/k norms and RoPE in one compiled call (CPU, float32). `x` may
-        have rows past the batch's `num_tokens` (row padding, see CausalLM._forward_fused):
-        they go through the matmuls and row operations, not into the cache or attention."""
+        """forward() on the CPU in float32: the q/k norms and RoPE in one compiled call, the
+        KV write and attention by the compiled kernels over `batch` (made once per pass), the
+        matmuls called directly (layers.matmul_for). `x` may have rows past the batch's
+        `num_tokens` (row padding, see CausalLM._forward_fused): they go through the matmuls
+        and row operations, not into the cache or attention."""
         rows, t = x.shape[0], num_tokens
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        q_proj, k_proj, v_proj, o_proj = self.q_proj, self.k_proj, self.v_proj, self.o_proj
+        q = matmul(x, q_proj.weight_for(onednn), q_proj.bias)
+        k = matmul(x, k_proj.weight_for(onednn), k_proj.bias)
+        v = matmul(x, v_proj.weight_for(onednn), v_proj.bias)
+        q = q.view(rows, self.num_heads, self.head_dim)
+        k = k.view(rows, self.num_kv_heads, self.head_dim)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
         q_norm = self.q_norm.weight if self.qk_norm else None
         k_norm = self.k_norm.weight if self.qk_norm else None
         eps = self.q_norm.eps if self.qk_norm else 0.0
         cpu_layers.qk_norm_rope(q, k, q_norm, k_norm, eps, *rope_tables, positions)
         k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k[:t], v[:t], k_cache, v_cache, meta.slot_mapping)
+        assert batch.slots is not None
+        cpu_native.write_kv(k[:t], v[:t], k_cache, v_cache, batch.slots, batch.bad)
         # The attention writes the batch's rows of o_proj's input in place; padding rows are
         # zeros (a padded copy per layer cost a fresh [rows, heads x head_dim] tensor).
         out = x.new_empty(rows, self.num_heads * self.head_dim)
         if rows > t:
             out[t:].zero_()
-        kernels.paged_attention(
-            q[:t],
-            k_cache,
-            v_cache,
-            cu_seqlens_q=meta.cu_seqlens_q,
-            seq_lens=meta.seq_lens,
-            block_tables=meta.block_tables,
-            scale=self.scale,
-            out=out[:t].view(t, self.num_heads, self.head_dim),
-        )
-        return self.o_proj(out)
+        attn = out[:t].view(t, self.num_heads, self.head_dim)
+        cpu_native.attend(batch, q[:t], k_cache, v_cache, self.scale, attn)
+        return matmul(out, o_proj.weight_for(onednn), o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -216,6 +219,12 @@ class CausalLM(nn.Module):
         rope_tables = (self.rope.cos_cached, self.rope.sin_cached)
         positions = positions.to(torch.int64)
         t = h.shape[0]
+        # The batch in the kernels' form and the matmul, chosen once for every layer: with
+        # two lanes at once, each Python step of a pass waits for the GIL.
+        batch = cpu_native.CpuBatch.of(
+            meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.slot_mapping
+        )
+        matmul, onednn = matmul_for(h)
         # Batch-invariant row padding (layers.linear) done once here, not at every matmul:
         # the padding rows go through the whole pass (rows do not mix outside attention,
         # which reads the first t) and are cut off at the end.
@@ -226,10 +235,11 @@ class CausalLM(nn.Module):
         first = layers[0].input_layernorm
         x = cpu_layers.rms_norm(residual, first.weight, first.eps)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            a = layer.self_attn.forward_fused(x, positions, rope_tables, kv, meta, t)
+            attn = layer.self_attn
+            a = attn.forward_fused(x, positions, rope_tables, kv, batch, t, matmul, onednn)
             post = layer.post_attention_layernorm
             x = cpu_layers.add_rms_norm(a, residual, post.weight, post.eps)
-            m = layer.mlp.forward_fused(x)
+            m = layer.mlp.forward_fused(x, matmul, onednn)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = cpu_layers.add_rms_norm(m, residual, norm.weight, norm.eps)
         return x[:t] if pad else x

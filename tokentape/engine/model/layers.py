@@ -18,7 +18,8 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 def _onednn_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    assert _LINEAR_POINTWISE is not None  # chosen only where oneDNN's linear is (_linear_fn)
+    return _LINEAR_POINTWISE(x, weight, bias, "none", [], "")
 
 
 # Float32 matmuls on the CPU go through oneDNN where torch has it: torch's default path (MKL
@@ -30,12 +31,22 @@ _USE_ONEDNN = (
     and torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
+# The op's one overload, bound once: a call through the overload packet resolves it each time.
+_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if _USE_ONEDNN else None
 
 
 def _linear_fn(x: torch.Tensor) -> LinearFn:
     if _USE_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
         return _onednn_linear
     return F.linear
+
+
+def matmul_for(x: torch.Tensor) -> tuple[LinearFn, bool]:
+    """The matmul a layer applies to inputs like `x` (oneDNN's for 2-D float32 CPU tensors,
+    where it is, else torch's), and whether it is oneDNN's: then a layer multiplies by its
+    packed weight (Linear.weight_for). For a forward pass to choose once, not per layer."""
+    fn = _linear_fn(x)
+    return fn, fn is _onednn_linear
 
 
 # On the CPU a row of `x @ W.T` can come out differently depending on how many rows the
@@ -147,15 +158,21 @@ class Linear(nn.Linear):
             return packed[0]
         return w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weight_for(self, onednn: bool) -> torch.Tensor:
+        """The weight a matmul (oneDNN's or not, see matmul_for) reads: for oneDNN the packed
+        copy, if there is one, packed again if the weight changed since; else the weight."""
         packed = self._packed
-        if packed is not None and _linear_fn(x) is _onednn_linear:
+        if packed is not None and onednn:
             if packed[0] is not self.matmul_weight():
                 self.prepack()
                 packed = self._packed
             if packed is not None:
-                return linear(x, packed[0], self.bias, self.pad_rows_to)
-        return linear(x, self.weight, self.bias, self.pad_rows_to)
+                return packed[0]
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight_for(_linear_fn(x) is _onednn_linear)
+        return linear(x, weight, self.bias, self.pad_rows_to)
 
 
 class RMSNorm(nn.Module):
@@ -275,12 +292,17 @@ class MLP(nn.Module):
         act = F.silu(self.gate_proj(x), inplace=True)
         return self.down_proj(act.mul_(self.up_proj(x)))
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """forward() with silu(gate) * up in one compiled call (CPU, float32)."""
+    def forward_fused(self, x: torch.Tensor, matmul: LinearFn, onednn: bool) -> torch.Tensor:
+        """forward() with silu(gate) * up in one compiled call (CPU, float32), the layers'
+        matmuls called directly (matmul_for; the rows come padded, see linear)."""
         from tokentape.kernels.cpu_layers import silu_mul
 
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        w_gate, w_up, w_down = (m.weight_for(onednn) for m in (gate, up, down))
+
         def swiglu(rows: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(silu_mul(self.gate_proj(rows), self.up_proj(rows)))
+            middle = silu_mul(matmul(rows, w_gate, gate.bias), matmul(rows, w_up, up.bias))
+            return matmul(middle, w_down, down.bias)
 
         if x.shape[0] <= MLP_ROW_CHUNK:
             return swiglu(x)
