@@ -83,15 +83,8 @@ def test_silu_mul_matches_the_mlp_for_every_magnitude() -> None:
         torch.testing.assert_close(fused, mlp(x), rtol=2e-5, atol=2e-5)
 
 
-def test_the_fused_forward_pass_matches_the_modules() -> None:
-    _, model = builtin_model("tiny", 0)
-    block_size, num_blocks = 4, 64
-    kv = [
-        (randn(num_blocks, block_size, 2, 64), randn(num_blocks, block_size, 2, 64))
-        for _ in range(len(model.model.layers))
-    ]
-    kv_copy = [(k.clone(), v.clone()) for k, v in kv]
-    # A 6-token prompt and a decode at position 9, on blocks 0-1 and 2-4.
+def _small_batch() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A 6-token prompt and a decode at position 9, on blocks 0-1 and 2-4 of 4 tokens."""
     tables = torch.tensor([[0, 1, 0], [2, 3, 4]], dtype=torch.int32)
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 9])
     slots = torch.tensor([0, 1, 2, 3, 4, 5, 4 * 4 + 1])
@@ -101,7 +94,18 @@ def test_the_fused_forward_pass_matches_the_modules() -> None:
         torch.tensor([6, 10], dtype=torch.int32),
         tables,
     )
-    ids = torch.randint(3, 259, (7,), generator=GEN)
+    return torch.randint(3, 259, (7,), generator=GEN), positions, meta
+
+
+def test_the_fused_forward_pass_matches_the_modules() -> None:
+    _, model = builtin_model("tiny", 0)
+    block_size, num_blocks = 4, 64
+    kv = [
+        (randn(num_blocks, block_size, 2, 64), randn(num_blocks, block_size, 2, 64))
+        for _ in range(len(model.model.layers))
+    ]
+    kv_copy = [(k.clone(), v.clone()) for k, v in kv]
+    ids, positions, meta = _small_batch()
     with torch.inference_mode():
         model.fused = True
         fused = model(ids, positions, kv, meta)
@@ -111,3 +115,26 @@ def test_the_fused_forward_pass_matches_the_modules() -> None:
     for (k, v), (k_ref, v_ref) in zip(kv, kv_copy):  # the K/V written agree too
         torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_the_fused_pass_runs_only_where_the_compiled_kernels_are_chosen(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fused pass calls the compiled attention directly; TOKENTAPE_KERNELS=torch (the
+    # reference, for debugging) must still reach every layer's attention.
+    monkeypatch.setenv("TOKENTAPE_KERNELS", backend)
+    calls: list[int] = []
+    attend = cpu_native.attend
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return attend(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_native, "attend", counted)
+    _, model = builtin_model("tiny", 0)
+    kv = [(randn(64, 4, 2, 64), randn(64, 4, 2, 64)) for _ in range(len(model.model.layers))]
+    ids, positions, meta = _small_batch()
+    with torch.inference_mode():
+        model(ids, positions, kv, meta)
+    assert len(calls) == (len(model.model.layers) if backend == "auto" else 0)

@@ -198,7 +198,13 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         h = self.model.embed_tokens(input_ids)
-        if self.fused and cpu_layers.supported(h):
+        # The fused pass calls the compiled CPU kernels directly: only where the kernels'
+        # dispatch (TOKENTAPE_KERNELS, else auto) would choose them.
+        if (
+            self.fused
+            and cpu_layers.supported(h)
+            and kernels.resolve_backend(h.device, None, h.dtype) == "cpu"
+        ):
             return self._forward_fused(h, positions, kv_caches, meta)
         rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
         for layer, kv in zip(self.model.layers, kv_caches):
