@@ -211,3 +211,7 @@ def test_the_kv_write_matches_the_reference_bit_for_bit() -> None:
     with pytest.raises(ValueError, match="token 1's slot 16 is outside the cache"):
         cpu_native.write_kv_cache_cpu(key[:2], value[:2], *ours, torch.tensor([3, 16]))
     assert torch.equal(ours[0], before[0]) and torch.equal(ours[1], before[1])  # nothing written
+    # Checked as given, before the conversion to int64 would make float slots look valid.
+    with pytest.raises(ValueError, match="slot_mapping must be an integer tensor"):
+        cpu_native.write_kv_cache_cpu(key[:2], value[:2], *ours, torch.tensor([3.0, 4.0]))
+    assert torch.equal(ours[0], before[0]) and torch.equal(ours[1], before[1])

@@ -199,12 +199,9 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         h = self.model.embed_tokens(input_ids)
         # The fused pass calls the compiled CPU kernels directly: only where the kernels'
-        # dispatch (TOKENTAPE_KERNELS, else auto) would choose them.
-        if (
-            self.fused
-            and cpu_layers.supported(h)
-            and kernels.resolve_backend(h.device, None, h.dtype) == "cpu"
-        ):
+        # dispatch (TOKENTAPE_KERNELS, else auto) chooses them, which implies a float32 CPU
+        # tensor and a built library (what the row operations need too).
+        if self.fused and kernels.resolve_backend(h.device, None, h.dtype) == "cpu":
             return self._forward_fused(h, positions, kv_caches, meta)
         rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
         for layer, kv in zip(self.model.layers, kv_caches):
