@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -136,3 +137,17 @@ def naive_attention(case: PagedCase) -> torch.Tensor:
             scores = scores.masked_fill(~allowed, float("-inf"))
             out[cu[b] : cu[b + 1], h] = torch.softmax(scores, dim=-1) @ v[:, h // group]
     return out
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Replace `owner.name` for the test with a wrapper that calls it and records each call;
+    returns the list the calls are recorded in (one entry per call)."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import count_calls
 
 from tokentape.engine.model.decoder import AttentionMetadata
 from tokentape.engine.model.layers import (
@@ -124,14 +125,7 @@ def test_the_fused_pass_runs_only_where_the_compiled_kernels_are_chosen(
     # The fused pass calls the compiled attention directly; TOKENTAPE_KERNELS=torch (the
     # reference, for debugging) must still reach every layer's attention.
     monkeypatch.setenv("TOKENTAPE_KERNELS", backend)
-    calls: list[int] = []
-    attend = cpu_native.attend
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return attend(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_native, "attend", counted)
+    calls = count_calls(monkeypatch, cpu_native, "attend")
     _, model = builtin_model("tiny", 0)
     kv = [(randn(64, 4, 2, 64), randn(64, 4, 2, 64)) for _ in range(len(model.model.layers))]
     ids, positions, meta = _small_batch()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import PAD_BLOCK, PagedCase, make_case, naive_attention
+from kernel_cases import PAD_BLOCK, PagedCase, count_calls, make_case, naive_attention
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -130,14 +130,7 @@ def test_decode_single_split_equals_merged_splits() -> None:
 def test_dispatch_to_triton_picks_decode_or_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     import tokentape.kernels.triton_decode as decode_module
 
-    calls: list[int] = []
-    real_decode = decode_module.paged_decode_triton
-
-    def counting_decode(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return real_decode(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(decode_module, "paged_decode_triton", counting_decode)
+    calls = count_calls(monkeypatch, decode_module, "paged_decode_triton")
     for seqs, expect_decode in ((DECODES[:2], True), (MIXED[:2], False)):
         calls.clear()
         case = make_case(seqs, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
