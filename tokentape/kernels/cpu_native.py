@@ -264,7 +264,7 @@ def write_kv_cache_cpu(
     """write_kv_cache_ref's contract (a slot of -1 is skipped), as row copies in C."""
     # Checked as given: converted first, a float slot_mapping would pass as integers.
     check_kv_write_shapes(key, value, k_cache, v_cache, slot_mapping)
-    _write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
+    write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
 
 
 def write_kv(
@@ -277,21 +277,9 @@ def write_kv(
 ) -> None:
     """write_kv_cache_cpu with `slots` already contiguous int64, as a CpuBatch holds them;
     `bad` takes the index of an error."""
-    check_kv_write_shapes(key, value, k_cache, v_cache, slots)
-    _write_kv(key, value, k_cache, v_cache, slots, bad)
-
-
-def _write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    bad: ctypes.c_int64 | None = None,
-) -> None:
-    """The KV write itself, on inputs already checked (slots contiguous int64)."""
     lib = load()
     assert lib is not None, load_error()
+    check_kv_write_shapes(key, value, k_cache, v_cache, slots)
     key, value = key.contiguous(), value.contiguous()
     num_blocks, block_size = k_cache.shape[:2]
     bad = bad if bad is not None else ctypes.c_int64(-1)
