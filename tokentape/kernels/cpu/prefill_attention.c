@@ -12,9 +12,11 @@
  * Flash attention: a tile of query rows (QT tokens x the G query heads that share a kv head)
  * goes over the keys a tile of KT at a time, with a running maximum and sum per row (online
  * softmax), so the scores never leave the core's cache and the masked half of the causal
- * square is never computed. Two register-blocked products per tile: scores = Q . K^T
- * (4 rows x 4 vectors of keys, from a transposed copy of the key tile) and O += P . V (4 rows
- * x 4 vectors of head_dim, V rows read in place from the cache).
+ * square is never computed. The tile's rows are the lanes of its vectors: its queries are
+ * transposed once (head_dim x rows), so the scores S^T = K . Q^T take each key in place from
+ * the cache as a broadcast (4 keys x 4 vectors of rows per register block), the softmax runs
+ * down the key axis a vector of rows at a time, and O += P . V goes 4 rows x 4 vectors of
+ * head_dim (V rows read in place). No key tile is copied or transposed.
  *
  * Key tiles start at multiples of KT from position 0, and a row skips every tile past its own
  * position, so each row's result depends only on its own query and its context: not on the
