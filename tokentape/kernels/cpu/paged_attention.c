@@ -72,7 +72,8 @@ static void softmax_in_place(float *restrict s, int64_t n) {
  * cold on each one. Reading token t, the walk asks for token t + PREFETCH_TOKENS, wherever its
  * block is: with blocks of 16 tokens, the same row of the next block; with larger blocks,
  * rows further on in the same one (the same row of the next block would be too far ahead to
- * stay in the cache, and the rows between would not be asked for at all). */
+ * stay in the cache, and the rows between would not be asked for at all). A walk's first
+ * PREFETCH_TOKENS rows are asked for before it starts: K's at once, V's by K's last rows. */
 #define PREFETCH_TOKENS 16
 
 static inline void prefetch_row(const float *row, int64_t bytes) {
@@ -87,12 +88,16 @@ typedef struct {
 } Cursor;
 
 /* A sequence's rows of one cache, token by token in block order: next_row() gives the next
- * token's row (every kv head of it) and prefetches the row PREFETCH_TOKENS further on. */
-typedef struct {
+ * token's row (every kv head of it) and prefetches the row PREFETCH_TOKENS further on. Past
+ * its last rows it prefetches the first rows of `then`, the walk read next (a sequence's V
+ * after its K), which no walk would otherwise ask for before reading them. */
+typedef struct RowWalk {
     const float *cache;
     const int32_t *table;
     int64_t num_blocks, block_floats, row_stride, row_bytes;
-    Cursor read, ahead;
+    Cursor read, ahead, lead;      /* lead: the first rows, asked for before they are read */
+    int64_t ahead_rows, lead_rows; /* rows `ahead` and `lead` have still to ask for */
+    struct RowWalk *then;
 } RowWalk;
 
 static inline const float *block_at(const RowWalk *w, int64_t b) {
@@ -115,18 +120,30 @@ static inline void advance(const RowWalk *w, Cursor *c) {
 static inline RowWalk row_walk(const float *cache, const int32_t *table, int64_t seq_len,
                                int64_t block_size, int64_t row_stride) {
     RowWalk w = {cache, table, (seq_len + block_size - 1) / block_size, block_size * row_stride,
-                 row_stride, row_stride * (int64_t)sizeof(float), {NULL, 0, 0}, {NULL, 0, 0}};
-    w.read = cursor_at(&w, 0, block_size);
+                 row_stride, row_stride * (int64_t)sizeof(float)};
+    w.read = w.lead = cursor_at(&w, 0, block_size);
     w.ahead = cursor_at(&w, PREFETCH_TOKENS, block_size);
+    w.ahead_rows = seq_len > PREFETCH_TOKENS ? seq_len - PREFETCH_TOKENS : 0;
+    w.lead_rows = seq_len < PREFETCH_TOKENS ? seq_len : PREFETCH_TOKENS;
     return w;
+}
+
+/* Ask for the next of the walk's first rows. */
+static inline void prefetch_lead_row(RowWalk *w) {
+    prefetch_row(w->lead.block + w->lead.in_block, w->row_bytes);
+    advance(w, &w->lead);
+    w->lead_rows--;
 }
 
 static inline const float *next_row(RowWalk *w) {
     const float *row = w->read.block + w->read.in_block;
     advance(w, &w->read);
-    if (w->ahead.block) {
+    if (w->ahead_rows) {
         prefetch_row(w->ahead.block + w->ahead.in_block, w->row_bytes);
         advance(w, &w->ahead);
+        w->ahead_rows--;
+    } else if (w->then && w->then->lead_rows) {
+        prefetch_lead_row(w->then);
     }
     return row;
 }
@@ -152,6 +169,9 @@ static inline __attribute__((always_inline)) void attend_decode_vec(
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
     RowWalk keys = row_walk(p->k_cache, table, seq_len, BS, row_stride);
+    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
+    while (keys.lead_rows) prefetch_lead_row(&keys);
+    keys.then = &values;
     for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
         const float *krow = next_row(&keys);
         for (int64_t j = 0; j < Hkv; j++) {
@@ -167,7 +187,6 @@ static inline __attribute__((always_inline)) void attend_decode_vec(
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
     for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
         const float *vrow = next_row(&values);
         for (int64_t j = 0; j < Hkv; j++) {
@@ -194,13 +213,15 @@ static void attend_decode_any(const Problem *p, int64_t seq, float *scores, floa
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
     RowWalk keys = row_walk(p->k_cache, table, seq_len, BS, row_stride);
+    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
+    while (keys.lead_rows) prefetch_lead_row(&keys);
+    keys.then = &values;
     for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
         const float *krow = next_row(&keys);
         for (int64_t h = 0; h < H; h++) scores[h * seq_len + t] = vdot(qbuf + h * D, krow + (h / G) * D, D);
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
     for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
         const float *vrow = next_row(&values);
         for (int64_t h = 0; h < H; h++) {
