@@ -339,19 +339,24 @@ class TorchModelRunner(StagedWeights):
             self.min_lane_work,
         )
         for lane, share in zip(self._lanes, shares[1:]):
-            lane.submit(functools.partial(self._logits, share))
-        outs = [self._logits(shares[0])]
-        outs += [lane.result() for lane in self._lanes[: len(shares) - 1]]
-        for _, scored in outs:
-            for req_id, rows in scored:
-                self._prompt_lps.add(req_id, rows)
-        samplers = [e for share in shares for e in share if e.samples]
-        if not samplers:
-            return []
-        parts = [part for part, _ in outs]
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        frames = sample_frames(samplers, logits, self.eos_token_id, self._prompt_lps.take)
+            lane.submit(functools.partial(self._frames, share))
+        frames = self._frames(shares[0])
+        for lane in self._lanes[: len(shares) - 1]:
+            frames |= lane.result()
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order
+
+    @torch.inference_mode()
+    def _frames(self, entries: list[EntryInputs]) -> dict[str, FrameEntry]:
+        """A lane's share of a step: its forward pass, then the sampling of its entries, on
+        the same lane (a request's draws depend only on its own seed and positions, so the
+        lane that samples it changes no bit; each lane samples while the other computes)."""
+        logits, scored = self._logits(entries)
+        for req_id, rows in scored:
+            self._prompt_lps.add(req_id, rows)
+        samplers = [e for e in entries if e.samples]
+        if not samplers:
+            return {}
+        return sample_frames(samplers, logits, self.eos_token_id, self._prompt_lps.take)
 
 
 def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
