@@ -5,7 +5,9 @@ clear errors for inputs that do not fit."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import subprocess
 import sys
 
@@ -96,6 +98,39 @@ def test_long_prompts_and_chunks_match_the_reference(
         case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
     )
     torch.testing.assert_close(ours.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
+
+
+# The kernels' narrower vectors (vec.h: 8 floats with AVX, 4 without), built for this CPU
+# with its wider instructions turned off: CI's AVX-512 machines never run them otherwise.
+NARROWER = {"avx2": ("-mno-avx512f",), "sse": ("-mno-avx512f", "-mno-avx2", "-mno-avx")}
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 vector widths"
+)
+@pytest.mark.parametrize("isa", sorted(NARROWER))
+def test_narrower_vectors_match_the_reference(
+    isa: str, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    monkeypatch.setenv("TOKENTAPE_CACHE_DIR", str(tmp_path))
+    compiler = os.environ.get("CC") or "cc"
+    lib = cpu_native.bind(
+        ctypes.CDLL(str(cpu_native.build(compiler, cpu_native.FLAGS + NARROWER[isa])))
+    )
+    monkeypatch.setattr(cpu_native, "_library", lambda: (lib, ""))
+    for heads, seqs in (
+        ((4, 2, 64), MIXED),
+        ((16, 8, 128), MIXED),
+        ((6, 2, 48), [(300, 300), (500, 200), (70, 1)]),
+    ):
+        num_heads, num_kv_heads, head_dim = heads
+        case = make_case(
+            seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16
+        )
+        ours = cpu_native.paged_attention_cpu(
+            case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+        )
+        torch.testing.assert_close(ours.double(), naive_attention(case), rtol=1e-5, atol=1e-5)
 
 
 def test_a_prompt_gets_the_same_bits_in_one_chunk_or_several() -> None:

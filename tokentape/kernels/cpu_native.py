@@ -68,11 +68,14 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build(compiler: str) -> Path:
+def build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library compiled with `flags` (cached; see the module's docstring). The tests also
+    build it for narrower vectors than this CPU's (`-mno-avx512f`, ...), to run the kernels'
+    other vector widths on it."""
     sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+        b"\0".join([*sources, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
     target = cache_dir() / f"paged_attention-{key}.so"
     if target.exists():
@@ -83,7 +86,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
+            [compiler, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -100,9 +103,13 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if shutil.which(compiler) is None:
         return None, f"no C compiler ({compiler!r} not found)"
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return bind(ctypes.CDLL(str(build(compiler)))), ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"the CPU kernel could not be built: {exc}"
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the library's functions' argument and return types (ctypes calls them)."""
     fn = lib.tt_paged_decode_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.POINTER(i64)]
@@ -119,7 +126,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.tt_qk_norm_rope_f32.restype = ctypes.c_int
     lib.tt_silu_mul_f32.argtypes = [ptr] * 3 + [i64]
     lib.tt_silu_mul_f32.restype = None
-    return lib, ""
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
