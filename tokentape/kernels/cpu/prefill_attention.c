@@ -42,7 +42,7 @@ enum { PF_OK = 0, PF_BAD_SEQ_LEN = 1, PF_BAD_BLOCK_COUNT = 2, PF_BAD_BLOCK_ID = 
 #define RV 2 /* (of 16 registers) */
 #endif
 
-/* Keep four vectors in registers across the loop body that follows: without it, GCC folds a
+/* Keep vectors in registers across the loop body that follows: without it, GCC folds a
  * vector's load into each of the four FMAs that use it, four loads where one does (the
  * products were bound by loads, not by FMAs). */
 #if defined(__x86_64__) || defined(__i386__)
@@ -68,7 +68,7 @@ typedef struct {
 typedef struct {
     float *qt, *s, *o, *m, *l, *alpha, *zero;
     int32_t *pos;
-    const float **q, **k, **v;
+    const float **k, **v; /* the key tile's K and V rows in the cache */
 } Scratch;
 
 static inline const float *cache_row(const Prefill *p, const float *cache, const int32_t *table,
@@ -78,10 +78,11 @@ static inline const float *cache_row(const Prefill *p, const float *cache, const
     return cache + (block * p->block_size + offset) * row + kv_head * D;
 }
 
-/* s[t + j][rows of NRV vectors from r0] = k[t + j] . q[row] for the KG keys from t: the keys
- * are read in place from the cache, a lane each of the broadcast, and the queries' transposed
- * copy gives whole vectors of rows, so nothing is transposed per key tile. Each score sums
- * over d in order, one FMA per step. Inlined with NRV a constant, so the loops unroll. */
+/* s[t + j][rows of NRV vectors from r0] = k[t + j] . q[row] for the KG keys from t: each key
+ * is read in place from the cache, its element d broadcast to every lane, against whole
+ * vectors of rows from the queries' transposed copy, so nothing is transposed per key tile.
+ * Each score sums over d in order, one FMA per step. Inlined with NRV a constant, so the
+ * loops unroll. */
 static inline __attribute__((always_inline)) void scores_block(
     const float *restrict qt, const float *const *k, float *restrict s, int64_t R, int64_t D,
     int64_t t, int64_t r0, const int NRV) {
@@ -267,15 +268,15 @@ static int scratch_alloc(Scratch *w, int64_t rows, int64_t D) {
     w->alpha = malloc((size_t)rows * sizeof(float));
     w->zero = calloc((size_t)D, sizeof(float));
     w->pos = malloc((size_t)rows * sizeof(int32_t));
-    w->q = malloc((size_t)rows * sizeof(float *));
     w->k = malloc((size_t)KT * sizeof(float *));
     w->v = malloc((size_t)KT * sizeof(float *));
-    return w->qt && w->s && w->o && w->m && w->l && w->alpha && w->zero && w->pos && w->q && w->k && w->v;
+    return w->qt && w->s && w->o && w->m && w->l && w->alpha && w->zero && w->pos && w->k &&
+           w->v;
 }
 
 static void scratch_free(Scratch *w) {
     free(w->qt), free(w->s), free(w->o), free(w->m), free(w->l), free(w->alpha), free(w->zero);
-    free(w->pos), free((void *)w->q), free((void *)w->k), free((void *)w->v);
+    free(w->pos), free((void *)w->k), free((void *)w->v);
 }
 
 /* Returns 0, or an error code with *bad_seq set to the offending sequence (nothing written).
