@@ -248,7 +248,8 @@ static void attend_tile(const Prefill *p, int64_t seq, int64_t kv_head, int64_t 
             int64_t c0 = 0;
             for (; c0 + 4 * TT_VW <= D; c0 += 4 * TT_VW)
                 weighted_values_4(w->s + r, w->v, n, w->o + r * D, R, D, c0);
-            for (; c0 < D; c0 += TT_VW) weighted_values_1(w->s + r, w->v, n, w->o + r * D, R, D, c0);
+            for (; c0 < D; c0 += TT_VW)
+                weighted_values_1(w->s + r, w->v, n, w->o + r * D, R, D, c0);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
