@@ -156,22 +156,30 @@ typedef struct {
     float scale;
 } Problem;
 
+/* The walks over a sequence's K rows and then its V rows: K's first rows asked for at once,
+ * V's by K's last rows (RowWalk.then). */
+static inline void start_walks(const Problem *p, const int32_t *table, int64_t seq_len,
+                               int64_t row_stride, RowWalk *keys, RowWalk *values) {
+    *keys = row_walk(p->k_cache, table, seq_len, p->block_size, row_stride);
+    *values = row_walk(p->v_cache, table, seq_len, p->block_size, row_stride);
+    while (keys->lead_rows) prefetch_lead_row(keys);
+    keys->then = values;
+}
+
 /* One decode with head_dim = TT_VW * DV. Memory-bound: the sequence's K rows, then its V rows,
  * are read once each, token by token in cache-block order (each token's row holds every kv
  * head, so a block is one contiguous stream; see RowWalk). Scores and outputs stay in
  * `scores` and `acc` (L1-sized). Inlined with DV a constant, so the row loops unroll. */
 static inline __attribute__((always_inline)) void attend_decode_vec(
     const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t DV) {
-    const int64_t H = p->num_heads, D = TT_VW * DV, BS = p->block_size, Hkv = p->num_kv_heads;
+    const int64_t H = p->num_heads, D = TT_VW * DV, Hkv = p->num_kv_heads;
     const int64_t G = H / Hkv, row_stride = Hkv * D;
     const int64_t row = p->cu_seqlens_q[seq], seq_len = p->seq_lens[seq];
     const int32_t *table = p->block_tables + seq * p->max_blocks;
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
-    RowWalk keys = row_walk(p->k_cache, table, seq_len, BS, row_stride);
-    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
-    while (keys.lead_rows) prefetch_lead_row(&keys);
-    keys.then = &values;
+    RowWalk keys, values;
+    start_walks(p, table, seq_len, row_stride, &keys, &values);
     for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
         const float *krow = next_row(&keys);
         for (int64_t j = 0; j < Hkv; j++) {
@@ -205,17 +213,15 @@ static inline __attribute__((always_inline)) void attend_decode_vec(
 /* One decode, every head, any head_dim. `scores` holds num_heads x seq_len floats, `qbuf` and
  * `acc` num_heads x head_dim. */
 static void attend_decode_any(const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc) {
-    const int64_t H = p->num_heads, D = p->head_dim, BS = p->block_size;
+    const int64_t H = p->num_heads, D = p->head_dim;
     const int64_t G = H / p->num_kv_heads, row_stride = p->num_kv_heads * D;
     const int64_t row = p->cu_seqlens_q[seq], seq_len = p->seq_lens[seq];
     const int32_t *table = p->block_tables + seq * p->max_blocks;
 
     const float *q = p->q + row * H * D;
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
-    RowWalk keys = row_walk(p->k_cache, table, seq_len, BS, row_stride);
-    RowWalk values = row_walk(p->v_cache, table, seq_len, BS, row_stride);
-    while (keys.lead_rows) prefetch_lead_row(&keys);
-    keys.then = &values;
+    RowWalk keys, values;
+    start_walks(p, table, seq_len, row_stride, &keys, &values);
     for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
         const float *krow = next_row(&keys);
         for (int64_t h = 0; h < H; h++) scores[h * seq_len + t] = vdot(qbuf + h * D, krow + (h / G) * D, D);
