@@ -113,10 +113,8 @@ def test_narrower_vectors_match_the_reference(
     isa: str, monkeypatch: pytest.MonkeyPatch, tmp_path: object
 ) -> None:
     monkeypatch.setenv("TOKENTAPE_CACHE_DIR", str(tmp_path))
-    compiler = os.environ.get("CC") or "cc"
-    lib = cpu_native.bind(
-        ctypes.CDLL(str(cpu_native.build(compiler, cpu_native.FLAGS + NARROWER[isa])))
-    )
+    flags = cpu_native.FLAGS + NARROWER[isa]
+    lib = cpu_native.bind(ctypes.CDLL(str(cpu_native.build(cpu_native.c_compiler(), flags))))
     monkeypatch.setattr(cpu_native, "_library", lambda: (lib, ""))
     for heads, seqs in (
         ((4, 2, 64), MIXED),

@@ -97,9 +97,14 @@ def build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     return target
 
 
+def c_compiler() -> str:
+    """The C compiler the kernels are built with: `$CC`, else `cc`."""
+    return os.environ.get("CC") or "cc"
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    compiler = os.environ.get("CC") or "cc"
+    compiler = c_compiler()
     if shutil.which(compiler) is None:
         return None, f"no C compiler ({compiler!r} not found)"
     try:
