@@ -3,9 +3,10 @@
 The run's FLOPs are counted from the model's shapes: every token fed to the model (each
 prompt token, each generated token but the last) goes through every layer's weight GEMMs
 (q/k/v, o, gate/up, down: 2 FLOPs per multiply-add), and every sampled token through the LM
-head. The peak, per GEMM shape, is the faster of two float32 matmuls on the engine's thread
-count, measured in this process: `torch.mm` (MKL's sgemm, or whatever BLAS torch has), and
-oneDNN's linear with a prepacked weight (`torch.ops.mkldnn`, where torch has it), at the
+head. The peak, per GEMM shape, is the fastest float32 matmul on the engine's thread count,
+measured in this process: `torch.mm` (MKL's sgemm, or whatever BLAS torch has), and every
+backend the engine can choose (engine/model/cpu_matmul.py: MKL's packed GEMM, oneDNN's
+linear on its packed weight, where torch has them), each on its packed weight, at the
 prefill's row count (the tokens of one step) for the prompt tokens' FLOPs and at the
 decode's (the batch) for the rest. The fraction is the time these FLOPs would take at that
 peak over the run's wall time; attention, sampling and the engine's own work count against
@@ -14,12 +15,14 @@ it, as they are part of the run.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.config import ModelConfig
 
 
@@ -36,8 +39,8 @@ class PeakFigure:
         return (
             f"{self.gemm_gflop:,.0f} GFLOP of weight GEMMs in {wall_s:.1f} s = "
             f"{self.gemm_gflop / wall_s:.0f} GFLOP/s, against the "
-            f"{self.peak_gflop_s:.0f} GFLOP/s of the faster of torch.mm and oneDNN's linear "
-            f"at the model's shapes: "
+            f"{self.peak_gflop_s:.0f} GFLOP/s of the fastest of torch.mm, MKL's packed GEMM "
+            f"and oneDNN's linear at the model's shapes: "
             f"{100 * self.fraction(wall_s):.0f}% of the peak"
         )
 
@@ -62,21 +65,20 @@ def _best_gflop_s(flop: float, matmul: Callable[[], object], min_seconds: float)
 
 
 def mm_gflop_s(rows: int, k: int, n: int, threads: int, min_seconds: float = 0.3) -> float:
-    """The faster of torch.mm and oneDNN's prepacked linear for [rows, k] x [k, n] in float32
-    on `threads` threads, each the best of its repeats."""
+    """The fastest of torch.mm and the engine's CPU matmul backends (each on its packed
+    weight) for [rows, k] x [k, n] in float32 on `threads` threads, each the best of its
+    repeats."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(rows, k), torch.randn(k, n)
         flop = 2.0 * rows * k * n
         rates = [_best_gflop_s(flop, lambda: torch.mm(a, b), min_seconds)]
-        mkldnn = getattr(torch.ops, "mkldnn", None)
-        if torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise"):
-            w = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), rows)
-            linear = torch.ops.mkldnn._linear_pointwise
-            rates.append(
-                _best_gflop_s(flop, lambda: linear(a, w, None, "none", [], ""), min_seconds)
-            )
+        weight = b.t().contiguous()
+        for backend in cpu_matmul.available().values():
+            if backend.pack is not None:
+                call = functools.partial(backend.linear, a, backend.pack(weight), None)
+                rates.append(_best_gflop_s(flop, call, min_seconds))
         return max(rates)
     finally:
         torch.set_num_threads(before)

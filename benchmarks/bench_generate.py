@@ -31,12 +31,12 @@ vLLM's and transformers' token for token.
 
 Targets (tokentape at its defaults, the tape on): tiny >= 2.0x vLLM CPU's output tok/s
 (issue 26); qwen3-0.6b >= 1.0x, and >= 75% of the float32 matmul peak (its weight
-GEMMs' FLOPs over the run's wall time, against the faster of torch.mm and oneDNN's linear
-at the same shapes and threads: benchmarks/_matmul_peak.py); prompts of 2,048 tokens or
-more (--prompt-len), on either model, >= 1.5x; tape on / off >= 0.98. Without vLLM or transformers
-the script says so and leaves that column
-out. On CUDA it also times the decode step at batch 1 and 64 against the memory-bandwidth
-floor (weight bytes / 4.8 TB/s, an H200's HBM3e).
+GEMMs' FLOPs over the run's wall time, against the fastest of torch.mm, MKL's packed GEMM
+and oneDNN's linear at the same shapes and threads: benchmarks/_matmul_peak.py); prompts of
+2,048 tokens or more (--prompt-len), on either model, >= 1.5x; tape on / off >= 0.98.
+Without vLLM or transformers the script says so and leaves that column out. On CUDA it also
+times the decode step at batch 1 and 64 against the memory-bandwidth floor (weight bytes /
+4.8 TB/s, an H200's HBM3e).
 
     python benchmarks/bench_generate.py --repeats 2            # tiny, 256 prompts, CPU
     python benchmarks/bench_generate.py --config qwen3-0.6b --repeats 2

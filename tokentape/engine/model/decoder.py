@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokentape import kernels
+from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.layers import (
     MLP,
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         batch: cpu_native.CpuBatch,
         num_tokens: int,
         matmul: LinearFn,
-        onednn: bool,
+        packed: bool,
     ) -> torch.Tensor:
         """forward() on the CPU in float32: the q/k norms and RoPE in one compiled call, the
         KV write and attention by the compiled kernels over `batch` (made once per pass), the
@@ -101,9 +102,9 @@ class Attention(nn.Module):
         and row operations, not into the cache or attention."""
         rows, t = x.shape[0], num_tokens
         q_proj, k_proj, v_proj, o_proj = self.q_proj, self.k_proj, self.v_proj, self.o_proj
-        q = matmul(x, q_proj.weight_for(onednn), q_proj.bias)
-        k = matmul(x, k_proj.weight_for(onednn), k_proj.bias)
-        v = matmul(x, v_proj.weight_for(onednn), v_proj.bias)
+        q = matmul(x, q_proj.weight_for(packed), q_proj.bias)
+        k = matmul(x, k_proj.weight_for(packed), k_proj.bias)
+        v = matmul(x, v_proj.weight_for(packed), v_proj.bias)
         q = q.view(rows, self.num_heads, self.head_dim)
         k = k.view(rows, self.num_kv_heads, self.head_dim)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
@@ -121,7 +122,7 @@ class Attention(nn.Module):
             out[t:].zero_()
         attn = out[:t].view(t, self.num_heads, self.head_dim)
         cpu_native.attend(batch, q[:t], k_cache, v_cache, self.scale, attn)
-        return matmul(out, o_proj.weight_for(onednn), o_proj.bias)
+        return matmul(out, o_proj.weight_for(packed), o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -162,6 +163,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.pad_rows_to = 0  # batch-invariant row padding of the matmuls, 0: off
+        self._tied_head: cpu_matmul.Packed | None = None  # the packed embedding (prepack)
         # On the CPU in float32, run through the compiled row operations where they were built
         # (kernels/cpu_layers.py); False keeps the modules' own torch ops (the reference).
         self.fused = True
@@ -184,10 +186,28 @@ class CausalLM(nn.Module):
         self.pad_rows_to = pad_rows_to
 
     def prepack(self) -> None:
-        """Prepacked oneDNN copies of the layers' weights (CPU, float32; see layers.Linear)."""
+        """Packed copies of the weights for the CPU's matmul (float32; see layers.Linear),
+        the LM head's too when it is the embedding."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepack()
+        if self.config.tie_word_embeddings:
+            self._tied_head = cpu_matmul.pack(self.model.embed_tokens.weight)
+
+    def matmul_weights(self) -> list[object]:
+        """The weights the matmuls read, the packed copies where there are (to calibrate)."""
+        weights = [m.matmul_weight() for m in self.modules() if isinstance(m, Linear)]
+        if self.config.tie_word_embeddings:
+            head = self._tied_head
+            weights.append(head.weight if head is not None else self.model.embed_tokens.weight)
+        return [w.detach() if isinstance(w, torch.Tensor) else w for w in weights]
+
+    def drop_packed(self) -> None:
+        """Free the packed copies (a sleeping or closed runner's memory)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m._packed = None
+        self._tied_head = None
 
     def forward(
         self,
@@ -227,7 +247,7 @@ class CausalLM(nn.Module):
         batch = cpu_native.CpuBatch.of(
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.slot_mapping
         )
-        matmul, onednn = matmul_for(h)
+        matmul, packed = matmul_for(h)
         # Batch-invariant row padding (layers.linear) done once here, not at every matmul:
         # the padding rows go through the whole pass (rows do not mix outside attention,
         # which reads the first t) and are cut off at the end.
@@ -239,15 +259,19 @@ class CausalLM(nn.Module):
         x = cpu_layers.rms_norm(residual, first.weight, first.eps)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             attn = layer.self_attn
-            a = attn.forward_fused(x, positions, rope_tables, kv, batch, t, matmul, onednn)
+            a = attn.forward_fused(x, positions, rope_tables, kv, batch, t, matmul, packed)
             post = layer.post_attention_layernorm
             x = cpu_layers.add_rms_norm(a, residual, post.weight, post.eps)
-            m = layer.mlp.forward_fused(x, matmul, onednn)
+            m = layer.mlp.forward_fused(x, matmul, packed)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = cpu_layers.add_rms_norm(m, residual, norm.weight, norm.eps)
         return x[:t] if pad else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return linear(hidden, self.model.embed_tokens.weight, None, self.pad_rows_to)
-        return self.lm_head(hidden)
+        if not self.config.tie_word_embeddings:
+            return self.lm_head(hidden)
+        weight = self.model.embed_tokens.weight
+        if matmul_for(hidden)[1]:
+            self._tied_head = cpu_matmul.refreshed(self._tied_head, weight)
+        head = self._tied_head.weight if self._tied_head is not None else weight
+        return linear(hidden, head, None, self.pad_rows_to)

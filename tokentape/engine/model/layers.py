@@ -3,65 +3,40 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokentape.engine.model import cpu_matmul
+from tokentape.engine.model.cpu_matmul import LinearFn
 from tokentape.engine.model.rope import RopeScaling, inverse_frequencies
-
-LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-def _onednn_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    assert _LINEAR_POINTWISE is not None  # chosen only where oneDNN's linear is (_linear_fn)
-    return _LINEAR_POINTWISE(x, weight, bias, "none", [], "")
-
-
-# Float32 matmuls on the CPU go through oneDNN where torch has it: torch's default path (MKL
-# sgemm) runs AVX2 code on AMD CPUs, while oneDNN uses AVX-512 where the CPU has it (the
-# measurements are in docs/benchmarks.md, "Measurements that shaped the code").
-# Both are exact float32. TOKENTAPE_CPU_MATMUL=torch keeps torch's own.
-_USE_ONEDNN = (
-    os.environ.get("TOKENTAPE_CPU_MATMUL", "onednn") != "torch"
-    and torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-)
-# The op's one overload, bound once: a call through the overload packet resolves it each time.
-_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if _USE_ONEDNN else None
-
-
-def _linear_fn(x: torch.Tensor) -> LinearFn:
-    if _USE_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
-        return _onednn_linear
-    return F.linear
 
 
 def matmul_for(x: torch.Tensor) -> tuple[LinearFn, bool]:
-    """The matmul a layer applies to inputs like `x` (oneDNN's for 2-D float32 CPU tensors,
-    where it is, else torch's), and whether it is oneDNN's: then a layer multiplies by its
-    packed weight (Linear.weight_for). For a forward pass to choose once, not per layer."""
-    fn = _linear_fn(x)
-    return fn, fn is _onednn_linear
+    """The matmul a layer applies to inputs like `x` (cpu_matmul.BACKEND's for 2-D float32 CPU
+    tensors, else torch's), and whether it reads packed weights (Linear.weight_for). For a
+    forward pass to choose once, not per layer."""
+    fn = cpu_matmul.linear_fn(x)
+    return fn, fn is cpu_matmul.BACKEND.linear and cpu_matmul.BACKEND.pack is not None
 
 
 # On the CPU a row of `x @ W.T` can come out differently depending on how many rows the
 # matmul has: BLAS picks other kernels for small M and handles the rows past the last full
 # micro-tile separately. Padding the rows to a multiple of the micro-tile keeps every row on
 # the same code path, so a sequence gets the same logits alone or batched with 31 others.
-# The multiple is measured on the machine (calibrate_batch_invariant_rows); 0 means off.
-ROW_MULTIPLES = (4, 8, 16, 32, 64)
+# The multiple is measured on the machine (calibrate_batch_invariant_rows); 0 means off, 1
+# that the matmul needs none (MKL's packed GEMM: a row's result never depends on the rest).
+ROW_MULTIPLES = (1, 4, 8, 16, 32, 64)
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pad_rows_to: int = 0
+    x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, pad_rows_to: int = 0
 ) -> torch.Tensor:
-    """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0)."""
-    matmul = _linear_fn(x)
+    """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0).
+    `weight`: a tensor, or its packed copy for the matmul (cpu_matmul.pack)."""
+    matmul = cpu_matmul.linear_fn(x)
     if pad_rows_to:
         rows = x.shape[0]
         pad = -rows % pad_rows_to
@@ -113,66 +88,36 @@ def _measure_row_multiple(weights: list[torch.Tensor]) -> int | None:
     return None
 
 
-# oneDNN computes from its own blocked weight layout; handed a plain weight it reorders it at
-# every call. A prepacked copy gives the same bits and saves that (docs/benchmarks.md,
-# "Measurements that shaped the code"), for a second copy of the weights. The batch size is
-# only a hint for the layout.
-PACK_BATCH_HINT = 64
-
-
 class Linear(nn.Linear):
     """nn.Linear with optional row padding for batch invariance (see above), and optionally a
-    prepacked oneDNN copy of its weight."""
+    packed copy of its weight for the CPU's matmul (cpu_matmul.py), made once: a matmul handed
+    the plain weight would pack it at every call."""
 
     pad_rows_to: int = 0
-    # (packed weight, the weight it was packed from, its data_ptr and version then): a weight
-    # changed in place or replaced since then is packed again before use.
-    _packed: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+    _packed: cpu_matmul.Packed | None = None
 
     def prepack(self) -> None:
-        """Keep a oneDNN-packed copy of the weight for float32 CPU inputs (see above). Not for
-        an inference tensor: it has no version counter to tell that it changed."""
-        w = self.weight
-        if (
-            _USE_ONEDNN
-            and w.device.type == "cpu"
-            and w.dtype == torch.float32
-            and not w.is_inference()
-        ):
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
-            self._packed = (packed, w, w.data_ptr(), w._version)
-        else:
-            self._packed = None
+        """Keep the weight's packed copy for float32 CPU inputs (cpu_matmul.pack)."""
+        self._packed = cpu_matmul.pack(self.weight)
 
-    def matmul_weight(self) -> torch.Tensor:
+    def matmul_weight(self) -> object:
         """The weight the matmul reads: the packed copy if there is a current one."""
         packed = self._packed
         w = self.weight
-        if (
-            packed is not None
-            and packed[1] is w
-            and packed[2] == w.data_ptr()
-            and not w.is_inference()
-            and packed[3] == w._version
-        ):
-            return packed[0]
-        return w
+        return packed.weight if packed is not None and packed.is_current(w) else w
 
-    def weight_for(self, onednn: bool) -> torch.Tensor:
-        """The weight a matmul (oneDNN's or not, see matmul_for) reads: for oneDNN the packed
-        copy, if there is one, packed again if the weight changed since; else the weight."""
-        packed = self._packed
-        if packed is not None and onednn:
-            if packed[0] is not self.matmul_weight():
-                self.prepack()
-                packed = self._packed
-            if packed is not None:
-                return packed[0]
+    def weight_for(self, packed: bool) -> object:
+        """The weight a matmul reads (packed or not, see matmul_for): the packed copy, if
+        there is one, packed again if the weight changed since; else the weight."""
+        if packed and self._packed is not None:
+            self._packed = cpu_matmul.refreshed(self._packed, self.weight)
+            if self._packed is not None:
+                return self._packed.weight
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight_for(_linear_fn(x) is _onednn_linear)
-        return linear(x, weight, self.bias, self.pad_rows_to)
+        _, packed = matmul_for(x)
+        return linear(x, self.weight_for(packed), self.bias, self.pad_rows_to)
 
 
 class RMSNorm(nn.Module):
@@ -292,13 +237,13 @@ class MLP(nn.Module):
         act = F.silu(self.gate_proj(x), inplace=True)
         return self.down_proj(act.mul_(self.up_proj(x)))
 
-    def forward_fused(self, x: torch.Tensor, matmul: LinearFn, onednn: bool) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, matmul: LinearFn, packed: bool) -> torch.Tensor:
         """forward() with silu(gate) * up in one compiled call (CPU, float32), the layers'
         matmuls called directly (matmul_for; the rows come padded, see linear)."""
         from tokentape.kernels.cpu_layers import silu_mul
 
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        w_gate, w_up, w_down = (m.weight_for(onednn) for m in (gate, up, down))
+        w_gate, w_up, w_down = (m.weight_for(packed) for m in (gate, up, down))
 
         def swiglu(rows: torch.Tensor) -> torch.Tensor:
             middle = silu_mul(matmul(rows, w_gate, gate.bias), matmul(rows, w_up, up.bias))

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from tokentape import kernels
+from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.decoder import CausalLM
-from tokentape.engine.model.layers import Linear, calibrate_batch_invariant_rows
+from tokentape.engine.model.layers import calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import (
     WeightsSource,
     apply_update,
@@ -106,18 +107,16 @@ class TorchModelRunner(StagedWeights):
         self.pad_rows_to = 0
         loud = sum(p.numel() * p.element_size() for p in self.model.parameters()) >= LOUD_BYTES
         if loud and self.device.type == "cpu":
-            say("preparing the weights for the CPU's matmuls (oneDNN layout, batch invariance)")
-        if self.device.type == "cpu":
-            self.model.prepack()  # oneDNN's weight layout once, not at every matmul
-        if batch_invariant:
-            # The weights the matmuls will read: the prepacked ones where there are.
-            weights = [m.matmul_weight() for m in self.model.modules() if isinstance(m, Linear)]
-            if model.config.tie_word_embeddings:
-                weights.append(self.model.model.embed_tokens.weight)
-            # Measured where the steps run: the answer depends on the thread count.
-            rows = self._worker.run(
-                lambda: calibrate_batch_invariant_rows([w.detach() for w in weights])
+            say(
+                f"preparing the weights for the CPU's matmuls ({cpu_matmul.BACKEND.name} "
+                "layout, batch invariance)"
             )
+        if self.device.type == "cpu":
+            self.model.prepack()  # the matmul's weight layout once, not at every call
+        if batch_invariant:
+            weights = self.model.matmul_weights()  # the packed copies, where there are
+            # Measured where the steps run: the answer depends on the thread count.
+            rows = self._worker.run(lambda: calibrate_batch_invariant_rows(weights))
             if rows is None:
                 raise RuntimeError(
                     "batch_invariant: this machine's matmuls give different results for "

@@ -3,7 +3,7 @@ level releases, and how a wake-up brings it back.
 
 - Level 1 moves every weight to a host copy (pinned on CUDA; on the CPU the weight's own
   storage is handed over to it, nothing copied) and frees the runner's tensors: the
-  parameters are left empty, the CPU's prepacked oneDNN copies of the weights are dropped, and
+  parameters are left empty, the CPU's packed copies of the weights are dropped, and
   the KV cache tensors are freed. Waking the weights puts the host copy back: the same bits.
 - Level 2 frees the weights outright (and the KV cache). Waking them rebuilds them from the
   model's source, the seed of a built-in model or its checkpoint folder read again: vLLM
@@ -24,7 +24,6 @@ from typing import Protocol
 import torch
 
 from tokentape.engine.model.decoder import CausalLM
-from tokentape.engine.model.layers import Linear
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -106,9 +105,7 @@ def release(runner: SleepingRunner) -> None:
     runner, whose memory must not wait for the collector to find the engine's cycles."""
     for p in runner.model.parameters():
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    for m in runner.model.modules():
-        if isinstance(m, Linear):
-            m._packed = None  # the CPU's second copy of the weight
+    runner.model.drop_packed()  # the CPU's second copy of the weights
     runner.kv_caches = []
     _release(runner.device)
 

@@ -2,8 +2,8 @@
 CPU thread count.
 
 Every forward pass runs here, with the pipeline (depth > 1) or without it. That scopes the
-engine's thread count to this thread: OpenMP (and with it torch's intra-op threads and
-oneDNN's) keeps its count per thread, so the count set here leaves the caller's
+engine's thread count to this thread: OpenMP (and with it torch's intra-op threads, oneDNN's
+and MKL's) keeps its count per thread, so the count set here leaves the caller's
 `torch.get_num_threads()` as it was. torch also keeps a process-wide count that threads started
 later begin with; setting it here changes that too, so the worker puts it back.
 """

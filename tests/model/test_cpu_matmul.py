@@ -1,0 +1,82 @@
+"""The CPU's float32 matmul backends (engine/model/cpu_matmul.py): each computes
+x @ weight.T + bias, from its packed copy and from the plain weight alike, and the choice of
+one per process follows TOKENTAPE_CPU_MATMUL, else the CPU's vendor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokentape.engine.model import cpu_matmul
+
+BACKENDS = cpu_matmul.available()
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_backend_computes_the_linear_layer(name: str) -> None:
+    backend = BACKENDS[name]
+    for in_f, out_f in ((64, 96), (256, 768), (768, 259)):
+        w, b = _randn(out_f, in_f, seed=in_f), _randn(out_f, seed=out_f)
+        weight = backend.pack(w) if backend.pack is not None else w
+        for rows in (0, 1, 3, 16, 130):
+            x = _randn(rows, in_f, seed=rows)
+            want = (x.double() @ w.double().T + b.double()).float()
+            got = backend.linear(x, weight, b)
+            assert got.shape == (rows, out_f)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            # A plain weight gives the packed copy's bits (the copy is only a layout).
+            if rows > 1:
+                assert torch.equal(backend.linear(x, w, b), got)
+
+
+@pytest.mark.skipif("mkl" not in BACKENDS, reason="this torch links no MKL")
+def test_mkl_rows_do_not_depend_on_the_batch() -> None:
+    """Why a batch-invariant engine pads no rows on MKL (layers.ROW_MULTIPLES starts at 1)."""
+    mkl = BACKENDS["mkl"]
+    w = _randn(768, 256, seed=1)
+    packed = mkl.pack(w)  # type: ignore[misc]
+    x = _randn(1024, 256, seed=2)
+    whole = mkl.linear(x, packed, None)
+    for rows in range(1, 70):
+        assert torch.equal(mkl.linear(x[:rows], packed, None), whole[:rows]), rows
+
+
+def test_the_backend_follows_the_variable_else_the_vendor() -> None:
+    everything = {
+        n: cpu_matmul.Backend(n, torch.nn.functional.linear, None)
+        for n in ("torch", "onednn", "mkl")
+    }
+    no_mkl = {n: b for n, b in everything.items() if n != "mkl"}
+    assert cpu_matmul.choose(None, "GenuineIntel", everything).name == "mkl"
+    assert cpu_matmul.choose(None, "AuthenticAMD", everything).name == "onednn"
+    assert cpu_matmul.choose(None, "GenuineIntel", no_mkl).name == "onednn"
+    assert cpu_matmul.choose(None, "", {"torch": everything["torch"]}).name == "torch"
+    assert cpu_matmul.choose("torch", "GenuineIntel", everything).name == "torch"
+    assert cpu_matmul.choose("onednn", "GenuineIntel", everything).name == "onednn"
+    with pytest.raises(ValueError, match="must be mkl, onednn or torch"):
+        cpu_matmul.choose("blas", "GenuineIntel", everything)
+    with pytest.raises(ValueError, match="this torch has no mkl"):
+        cpu_matmul.choose("mkl", "GenuineIntel", no_mkl)
+
+
+def test_a_packed_copy_is_made_again_when_its_weight_changes() -> None:
+    w = torch.nn.Parameter(_randn(32, 16, seed=3))
+    packed = cpu_matmul.pack(w)
+    if cpu_matmul.BACKEND.pack is None:
+        assert packed is None
+        return
+    assert packed is not None and cpu_matmul.refreshed(packed, w) is packed
+    with torch.no_grad():
+        w.mul_(2.0)  # in place: the version counter moves
+    again = cpu_matmul.refreshed(packed, w)
+    assert again is not packed and again is not None
+    x = _randn(5, 16, seed=4)
+    assert torch.equal(
+        cpu_matmul.BACKEND.linear(x, again.weight, None),
+        cpu_matmul.BACKEND.linear(x, w.detach(), None),
+    )
+    assert cpu_matmul.pack(torch.ones(3, 3, dtype=torch.float64)) is None

@@ -1,0 +1,214 @@
+"""The CPU's float32 matmul for the model's linear layers, `x @ weight.T + bias`, each weight
+packed once into the layout its library computes from.
+
+Three libraries can do it, all in exact float32:
+- `mkl`: MKL's packed GEMM (`cblas_sgemm_pack` once, `cblas_sgemm_compute` per call), from the
+  MKL that torch links in. On an Intel CPU the fastest at every shape the built-in models have,
+  with a fraction of oneDNN's fixed cost per call, and a row's result does not depend on how
+  many rows the call has (docs/benchmarks.md, "Measurements that shaped the code").
+- `onednn`: oneDNN's linear on its blocked weight layout (`torch.ops.mkldnn`). MKL runs its
+  AVX2 code on other vendors' CPUs, where oneDNN uses AVX-512.
+- `torch`: `F.linear` on the plain weight, where neither is there.
+
+BACKEND is chosen once per process, so a process always computes the same bits: the
+environment's `TOKENTAPE_CPU_MATMUL` (`mkl`, `onednn` or `torch`) where set, else `mkl` on an
+Intel CPU, else `onednn`, else `torch`, each only where torch has it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# x [rows, in], the weight as the backend reads it (packed, or plain), bias [out] or None.
+LinearFn = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
+
+# CBLAS's constants (mkl_cblas.h).
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+# The row count MKL packs a weight for: only a hint, every row count computes from the copy.
+_PACK_ROWS_HINT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class MklWeight:
+    """A weight [out, in] packed by MKL: an opaque buffer, and the facts a caller reads."""
+
+    buffer: torch.Tensor  # uint8
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+    layout = "mkl_packed"
+
+
+def _load_mkl() -> ctypes.CDLL | None:
+    """MKL's packed-GEMM functions, from torch's CPU library where it links MKL in."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        lib = ctypes.CDLL(str(path))
+        get_size, pack, compute = (
+            lib.cblas_sgemm_pack_get_size,
+            lib.cblas_sgemm_pack,
+            lib.cblas_sgemm_compute,
+        )
+    except (OSError, AttributeError):
+        return None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    get_size.argtypes, get_size.restype = [i] * 4, ctypes.c_size_t
+    pack.argtypes, pack.restype = [i] * 6 + [f, p, i, p], None
+    compute.argtypes, compute.restype = [i] * 6 + [p, i, p, i, f, p, i], None
+    return lib
+
+
+_MKL = _load_mkl()
+
+
+def _mkl_pack(weight: torch.Tensor) -> MklWeight:
+    assert _MKL is not None
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    buffer = torch.empty(
+        _MKL.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k), dtype=torch.uint8
+    )
+    _MKL.cblas_sgemm_pack(
+        _ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0, w.data_ptr(), k,
+        buffer.data_ptr(),
+    )  # fmt: skip
+    return MklWeight(buffer, n, k)
+
+
+def _mkl_linear(
+    x: torch.Tensor, weight: MklWeight | torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    assert _MKL is not None
+    if isinstance(weight, torch.Tensor):  # a weight no one packed: packed for this call
+        weight = _mkl_pack(weight)
+    x = x.contiguous()
+    rows, n, k = x.shape[0], weight.out_features, weight.in_features
+    if x.shape[1] != k:
+        raise ValueError(f"linear: input has {x.shape[1]} features, the weight takes {k}")
+    out = x.new_empty(rows, n)
+    if rows:
+        _MKL.cblas_sgemm_compute(
+            _ROW_MAJOR, _NO_TRANS, _PACKED, rows, n, k, x.data_ptr(), k, weight.buffer.data_ptr(),
+            k, 0.0, out.data_ptr(), n,
+        )  # fmt: skip
+    return out if bias is None else out.add_(bias)
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
+
+
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+# The op's one overload, bound once: a call through the overload packet resolves it each time.
+_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if _HAS_ONEDNN else None
+
+
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    assert _LINEAR_POINTWISE is not None
+    return _LINEAR_POINTWISE(x, weight, bias, "none", [], "")
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    linear: LinearFn
+    pack: Callable[[torch.Tensor], Any] | None  # None: it reads the plain weight
+
+
+def available() -> dict[str, Backend]:
+    """The backends this torch has, by name."""
+    found = {"torch": Backend("torch", F.linear, None)}
+    if _HAS_ONEDNN:
+        found["onednn"] = Backend("onednn", _onednn_linear, _onednn_pack)
+    if _MKL is not None:
+        found["mkl"] = Backend("mkl", _mkl_linear, _mkl_pack)
+    return found
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def choose(env: str | None, vendor: str, backends: dict[str, Backend]) -> Backend:
+    """The backend for TOKENTAPE_CPU_MATMUL=`env` (None: unset) on a CPU of `vendor`."""
+    if env:
+        if env not in ("mkl", "onednn", "torch"):
+            raise ValueError(f"TOKENTAPE_CPU_MATMUL must be mkl, onednn or torch, got {env!r}")
+        if env not in backends:
+            raise ValueError(f"TOKENTAPE_CPU_MATMUL={env}: this torch has no {env}")
+        return backends[env]
+    if vendor == "GenuineIntel" and "mkl" in backends:
+        return backends["mkl"]
+    return backends.get("onednn", backends["torch"])
+
+
+BACKEND = choose(os.environ.get("TOKENTAPE_CPU_MATMUL"), _cpu_vendor(), available())
+
+
+def linear_fn(x: torch.Tensor) -> LinearFn:
+    """The matmul for inputs like `x`: BACKEND's for 2-D float32 CPU tensors, else torch's."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return BACKEND.linear
+    return F.linear
+
+
+@dataclass(slots=True)
+class Packed:
+    """A weight's packed copy for BACKEND, and which weight it was packed from, as it was then:
+    a weight changed in place or replaced since is packed again before use."""
+
+    weight: Any  # what the backend's matmul reads
+    source: torch.Tensor
+    source_ptr: int
+    source_version: int
+
+    def is_current(self, w: torch.Tensor) -> bool:
+        return (
+            self.source is w
+            and self.source_ptr == w.data_ptr()
+            and not w.is_inference()
+            and self.source_version == w._version
+        )
+
+
+def pack(w: torch.Tensor) -> Packed | None:
+    """`w`'s packed copy for BACKEND; None where there is none to make: a backend that reads
+    the plain weight, a weight not float32 on the CPU, or an inference tensor (which has no
+    version counter to tell that it changed)."""
+    if (
+        BACKEND.pack is None
+        or w.device.type != "cpu"
+        or w.dtype != torch.float32
+        or w.is_inference()
+    ):
+        return None
+    return Packed(BACKEND.pack(w), w, w.data_ptr(), w._version)
+
+
+def refreshed(packed: Packed | None, w: torch.Tensor) -> Packed | None:
+    """`packed` if it is still `w`'s copy, else a new one (None: none is kept)."""
+    if packed is None or packed.is_current(w):
+        return packed
+    return pack(w)
