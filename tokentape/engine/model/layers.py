@@ -109,11 +109,13 @@ class Linear(nn.Linear):
     def weight_for(self, packed: bool) -> object:
         """The weight a matmul reads (packed or not, see matmul_for): the packed copy, if
         there is one, packed again if the weight changed since; else the weight."""
-        if packed and self._packed is not None:
-            self._packed = cpu_matmul.refreshed(self._packed, self.weight)
-            if self._packed is not None:
-                return self._packed.weight
-        return self.weight
+        copy, weight = self._packed, self.weight
+        if packed and copy is not None:
+            if not copy.is_current(weight):  # (an nn.Module attribute is slow to set)
+                self._packed = copy = cpu_matmul.pack(weight)
+            if copy is not None:
+                return copy.weight
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, packed = matmul_for(x)
