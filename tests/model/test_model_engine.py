@@ -172,7 +172,7 @@ def test_a_step_goes_to_another_lane_only_with_enough_work() -> None:
     total = 8 * (1_000 + 100 * 10 * FLOPS_PER_BYTE)  # each decode's token and its context
     assert lanes(4, total + 1) == [8]
     assert lanes(4, total // 2) == [4, 4]
-    assert lanes(4, total // 3) == [3, 3, 2]
+    assert sorted(lanes(4, total // 3)) == [2, 3, 3]
     assert lanes(4, 0) == [2, 2, 2, 2]
     assert lanes(1, 0) == [8]
 
