@@ -17,6 +17,9 @@ COMPILED_MODULES = (
     "tokentape.engine.scheduler",
     "tokentape.engine.output_processor",
     "tokentape.engine.core_outputs",
+    # The runner's per-entry Python in every lane's pass: its inputs and its sampling.
+    "tokentape.engine.runners.input_batch",
+    "tokentape.engine.runners.sample_frames",
 )
 
 
