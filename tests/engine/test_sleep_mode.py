@@ -102,14 +102,14 @@ def test_level_1_drains_offloads_and_wakes_to_the_same_tokens() -> None:
     pause = kinds.index("GenerationPaused")
     assert "FrameProduced" in kinds[pause:] and "PrefixCacheReset" in kinds[pause:]
     assert engine.is_sleeping() and engine.state.sleeping_tags == ("weights", "kv_cache")
-    # The runner's tensors are freed: the weights live in the host copy, the oneDNN copies and
+    # The runner's tensors are freed: the weights live in the host copy, the packed copies and
     # the KV cache are gone.
     runner = engine.runner
     assert weight_bytes(engine) == 0 and runner.kv_caches == []  # type: ignore[attr-defined]
     host = runner.memory.host_copy  # type: ignore[attr-defined]
     assert sum(t.untyped_storage().nbytes() for t in host.values()) == before
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
-    assert linears and all(m._packed is None for m in linears)
+    assert linears and all(m.packed_weight.empty for m in linears)
     drained = engine.step()  # the tokens of the drained frame, as after a pause
     assert {o.request_id for o in drained} == {"0", "1", "2"}
     assert engine.step() == [] and not engine.state.in_flight_steps  # nothing runs asleep
@@ -129,7 +129,7 @@ def test_level_1_releases_the_kv_cache_pages() -> None:
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
     held = rss_bytes()
     llm.sleep(level=1)
-    released = held - rss_bytes()  # the KV pages, and the oneDNN copies of the weights
+    released = held - rss_bytes()  # the KV pages, and the packed copies of the weights
     # At least half the KV written: the process's other allocations move RSS by a few MiB
     # (a full test run once saw 38 MiB released here, 43-50 alone); nothing released is ~0.
     assert released > 24 * 2**20, f"only {released / 2**20:.1f} MiB released"

@@ -65,18 +65,24 @@ def test_the_backend_follows_the_variable_else_the_vendor() -> None:
 
 def test_a_packed_copy_is_made_again_when_its_weight_changes() -> None:
     w = torch.nn.Parameter(_randn(32, 16, seed=3))
-    packed = cpu_matmul.pack(w)
-    if cpu_matmul.BACKEND.pack is None:
-        assert packed is None
+    x = _randn(5, 16, seed=4)
+    kept = cpu_matmul.PackedWeight()
+    assert kept.empty and kept.current(w) is w  # nothing packed yet: the plain weight
+    kept.pack(w)
+    if cpu_matmul.BACKEND.pack is None:  # this backend reads the plain weight
+        assert kept.empty
         return
-    assert packed is not None and cpu_matmul.refreshed(packed, w) is packed
+    first = kept.current(w)
+    assert first is not w and kept.current(w) is first and kept.packed_as_is(w) is first
     with torch.no_grad():
         w.mul_(2.0)  # in place: the version counter moves
-    again = cpu_matmul.refreshed(packed, w)
-    assert again is not packed and again is not None
-    x = _randn(5, 16, seed=4)
-    assert torch.equal(
-        cpu_matmul.BACKEND.linear(x, again.weight, None),
-        cpu_matmul.BACKEND.linear(x, w.detach(), None),
-    )
-    assert cpu_matmul.pack(torch.ones(3, 3, dtype=torch.float64)) is None
+    assert kept.packed_as_is(w) is w  # stale: not read as it is
+    again = kept.current(w)
+    assert again is not first
+    linear = cpu_matmul.BACKEND.linear
+    assert torch.equal(linear(x, again, None), linear(x, w.detach(), None))
+    kept.pack(torch.ones(3, 3, dtype=torch.float64))  # none to make for float64
+    assert kept.empty
+    kept.pack(w)
+    kept.drop()
+    assert kept.empty

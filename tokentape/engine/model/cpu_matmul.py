@@ -175,16 +175,15 @@ def linear_fn(x: torch.Tensor) -> LinearFn:
 
 
 @dataclass(slots=True)
-class Packed:
-    """A weight's packed copy for BACKEND, and which weight it was packed from, as it was then:
-    a weight changed in place or replaced since is packed again before use."""
+class _Copy:
+    """A weight's packed copy, and which weight it was packed from, as it was then."""
 
-    weight: Any  # what the backend's matmul reads
+    packed: Any  # what the backend's matmul reads
     source: torch.Tensor
     source_ptr: int
     source_version: int
 
-    def is_current(self, w: torch.Tensor) -> bool:
+    def is_of(self, w: torch.Tensor) -> bool:
         return (
             self.source is w
             and self.source_ptr == w.data_ptr()
@@ -193,22 +192,45 @@ class Packed:
         )
 
 
-def pack(w: torch.Tensor) -> Packed | None:
-    """`w`'s packed copy for BACKEND; None where there is none to make: a backend that reads
-    the plain weight, a weight not float32 on the CPU, or an inference tensor (which has no
-    version counter to tell that it changed)."""
-    if (
-        BACKEND.pack is None
-        or w.device.type != "cpu"
-        or w.dtype != torch.float32
-        or w.is_inference()
-    ):
-        return None
-    return Packed(BACKEND.pack(w), w, w.data_ptr(), w._version)
+class PackedWeight:
+    """The packed copy of one weight for BACKEND, kept current: a weight changed in place or
+    replaced since it was packed is packed again before the matmul reads it. Empty until
+    `pack`, and where there is none to make: a backend that reads the plain weight, a weight
+    not float32 on the CPU, or an inference tensor (no version counter tells it changed)."""
 
+    __slots__ = ("_copy",)
 
-def refreshed(packed: Packed | None, w: torch.Tensor) -> Packed | None:
-    """`packed` if it is still `w`'s copy, else a new one (None: none is kept)."""
-    if packed is None or packed.is_current(w):
-        return packed
-    return pack(w)
+    def __init__(self) -> None:
+        self._copy: _Copy | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self._copy is None
+
+    def pack(self, w: torch.Tensor) -> None:
+        packer = BACKEND.pack
+        if packer is None or w.device.type != "cpu" or w.dtype != torch.float32:
+            self._copy = None
+        elif w.is_inference():
+            self._copy = None
+        else:
+            self._copy = _Copy(packer(w), w, w.data_ptr(), w._version)
+
+    def drop(self) -> None:
+        self._copy = None
+
+    def current(self, w: torch.Tensor) -> Any:
+        """What the matmul reads for `w` as it is now: the copy where one is kept (packed
+        again if `w` changed since), else `w`."""
+        copy = self._copy
+        if copy is None:
+            return w
+        if not copy.is_of(w):
+            self.pack(w)
+            return self.current(w)
+        return copy.packed
+
+    def packed_as_is(self, w: torch.Tensor) -> Any:
+        """The copy if it is `w`'s as `w` is now, else `w` (nothing packed)."""
+        copy = self._copy
+        return copy.packed if copy is not None and copy.is_of(w) else w

@@ -163,7 +163,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.pad_rows_to = 0  # batch-invariant row padding of the matmuls, 0: off
-        self._tied_head: cpu_matmul.Packed | None = None  # the packed embedding (prepack)
+        self.tied_head = cpu_matmul.PackedWeight()  # the embedding packed as the LM head
         # On the CPU in float32, run through the compiled row operations where they were built
         # (kernels/cpu_layers.py); False keeps the modules' own torch ops (the reference).
         self.fused = True
@@ -192,22 +192,21 @@ class CausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.prepack()
         if self.config.tie_word_embeddings:
-            self._tied_head = cpu_matmul.pack(self.model.embed_tokens.weight)
+            self.tied_head.pack(self.model.embed_tokens.weight)
 
     def matmul_weights(self) -> list[object]:
         """The weights the matmuls read, the packed copies where there are (to calibrate)."""
         weights = [m.matmul_weight() for m in self.modules() if isinstance(m, Linear)]
         if self.config.tie_word_embeddings:
-            head = self._tied_head
-            weights.append(head.weight if head is not None else self.model.embed_tokens.weight)
+            weights.append(self.tied_head.packed_as_is(self.model.embed_tokens.weight))
         return [w.detach() if isinstance(w, torch.Tensor) else w for w in weights]
 
     def drop_packed(self) -> None:
         """Free the packed copies (a sleeping or closed runner's memory)."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m._packed = None
-        self._tied_head = None
+                m.packed_weight.drop()
+        self.tied_head.drop()
 
     def forward(
         self,
@@ -272,6 +271,5 @@ class CausalLM(nn.Module):
             return self.lm_head(hidden)
         weight = self.model.embed_tokens.weight
         if matmul_for(hidden)[1]:
-            self._tied_head = cpu_matmul.refreshed(self._tied_head, weight)
-        head = self._tied_head.weight if self._tied_head is not None else weight
-        return linear(hidden, head, None, self.pad_rows_to)
+            weight = self.tied_head.current(weight)
+        return linear(hidden, weight, None, self.pad_rows_to)

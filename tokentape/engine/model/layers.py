@@ -35,7 +35,7 @@ def linear(
     x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, pad_rows_to: int = 0
 ) -> torch.Tensor:
     """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0).
-    `weight`: a tensor, or its packed copy for the matmul (cpu_matmul.pack)."""
+    `weight`: a tensor, or its packed copy for the matmul (cpu_matmul.PackedWeight)."""
     matmul = cpu_matmul.linear_fn(x)
     if pad_rows_to:
         rows = x.shape[0]
@@ -94,28 +94,23 @@ class Linear(nn.Linear):
     the plain weight would pack it at every call."""
 
     pad_rows_to: int = 0
-    _packed: cpu_matmul.Packed | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed_weight = cpu_matmul.PackedWeight()
 
     def prepack(self) -> None:
-        """Keep the weight's packed copy for float32 CPU inputs (cpu_matmul.pack)."""
-        self._packed = cpu_matmul.pack(self.weight)
+        """Keep the weight's packed copy for float32 CPU inputs (cpu_matmul.PackedWeight)."""
+        self.packed_weight.pack(self.weight)
 
     def matmul_weight(self) -> object:
         """The weight the matmul reads: the packed copy if there is a current one."""
-        packed = self._packed
-        w = self.weight
-        return packed.weight if packed is not None and packed.is_current(w) else w
+        return self.packed_weight.packed_as_is(self.weight)
 
     def weight_for(self, packed: bool) -> object:
         """The weight a matmul reads (packed or not, see matmul_for): the packed copy, if
         there is one, packed again if the weight changed since; else the weight."""
-        copy, weight = self._packed, self.weight
-        if packed and copy is not None:
-            if not copy.is_current(weight):  # (an nn.Module attribute is slow to set)
-                self._packed = copy = cpu_matmul.pack(weight)
-            if copy is not None:
-                return copy.weight
-        return weight
+        return self.packed_weight.current(self.weight) if packed else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, packed = matmul_for(x)
