@@ -211,7 +211,7 @@ class PackedWeight:
         packer = BACKEND.pack
         if packer is None or w.device.type != "cpu" or w.dtype != torch.float32:
             self._copy = None
-        elif w.is_inference():
+        elif w.is_inference():  # no version counter: a change would go unseen
             self._copy = None
         else:
             self._copy = _Copy(packer(w), w, w.data_ptr(), w._version)
@@ -223,12 +223,10 @@ class PackedWeight:
         """What the matmul reads for `w` as it is now: the copy where one is kept (packed
         again if `w` changed since), else `w`."""
         copy = self._copy
-        if copy is None:
-            return w
-        if not copy.is_of(w):
+        if copy is not None and not copy.is_of(w):
             self.pack(w)
-            return self.current(w)
-        return copy.packed
+            copy = self._copy
+        return copy.packed if copy is not None else w
 
     def packed_as_is(self, w: torch.Tensor) -> Any:
         """The copy if it is `w`'s as `w` is now, else `w` (nothing packed)."""
