@@ -181,39 +181,38 @@ def split_over_lanes(
         + (e.start + len(e.inputs)) * kv_bytes_per_token * FLOPS_PER_BYTE
         for e in entries
     ]
-    bundles = _bundles(entries, block_size)
+    bundles = _bundles(entries, block_size)  # None: every entry on its own
+    units = works if bundles is None else [sum(works[i] for i in b) for b in bundles]
     total = sum(works)
-    num_lanes = min(num_lanes, len(bundles or entries), max(total // max(min_lane_work, 1), 1))
+    num_lanes = min(num_lanes, len(units), max(total // max(min_lane_work, 1), 1))
     if num_lanes <= 1:
         return [entries]
-    if bundles is None:  # every entry on its own (a step of decodes): no lane to keep
-        return _equal_runs(entries, works, total, num_lanes)
+    bounds = _equal_runs(units, total, num_lanes)
+    if bundles is None:  # a step of decodes: the runs are the shares
+        return [entries[a:b] for a, b in zip(bounds, bounds[1:])]
     lane_of: dict[int, int] = {}
-    work = [0] * num_lanes
-    for bundle in bundles:
-        lane = work.index(min(work))
-        for i in bundle:
-            lane_of[i] = lane
-            work[lane] += works[i]
+    for lane, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for bundle in bundles[a:b]:
+            for i in bundle:
+                lane_of[i] = lane
     shares: list[list[EntryInputs]] = [[] for _ in range(num_lanes)]
     for i, e in enumerate(entries):
         shares[lane_of[i]].append(e)
     return shares
 
 
-def _equal_runs(
-    entries: list[EntryInputs], works: list[int], total: int, num_lanes: int
-) -> list[list[EntryInputs]]:
-    """`entries` cut into `num_lanes` runs of about equal work, none empty: an entry goes to
-    the run its middle falls in. Two C loops (accumulate, bisect) where the greedy split's
-    Python loop cost ~0.3 ms a step of 256, with both lanes waiting."""
+def _equal_runs(works: list[int], total: int, num_lanes: int) -> list[int]:
+    """Where to cut items of `works` (in order) into `num_lanes` runs of about equal work,
+    none empty, as the runs' bounds: an item goes to the run its middle falls in. Two C
+    loops (accumulate, bisect) where a greedy Python loop cost ~0.3 ms a step of 256 decodes,
+    with both lanes waiting."""
     middles = [2 * end - w for end, w in zip(accumulate(works), works)]  # twice each middle
     bounds = [0]
     for lane in range(1, num_lanes):
         cut = bisect_right(middles, 2 * total * lane // num_lanes)
-        bounds.append(min(max(cut, bounds[-1] + 1), len(entries) - (num_lanes - lane)))
-    bounds.append(len(entries))
-    return [entries[a:b] for a, b in zip(bounds, bounds[1:])]
+        bounds.append(min(max(cut, bounds[-1] + 1), len(works) - (num_lanes - lane)))
+    bounds.append(len(works))
+    return bounds
 
 
 def _bundles(entries: list[EntryInputs], block_size: int) -> list[list[int]] | None:
@@ -232,19 +231,18 @@ def _bundles(entries: list[EntryInputs], block_size: int) -> list[list[int]] | N
             i = group[i]
         return i
 
-    if entering:
-        writer: dict[int, int] = {}
-        for i, e in enumerate(entries):
-            first, last = e.start // block_size, (e.start + len(e.inputs) - 1) // block_size
-            for block in e.seq.block_ids[first : last + 1]:
-                writer[block] = i
-        for i in entering:
-            e = entries[i]
-            for block in e.seq.block_ids[: e.start // block_size]:
-                w = writer.get(block)
-                if w is not None and w != i:
-                    group[root(i)] = root(w)
-    bundles: dict[int, list[int]] = {}
+    writer: dict[int, int] = {}
+    for i, e in enumerate(entries):
+        first, last = e.start // block_size, (e.start + len(e.inputs) - 1) // block_size
+        for block in e.seq.block_ids[first : last + 1]:
+            writer[block] = i
+    for i in entering:
+        e = entries[i]
+        for block in e.seq.block_ids[: e.start // block_size]:
+            w = writer.get(block)
+            if w is not None and w != i:
+                group[root(i)] = root(w)
+    bundles: dict[int, list[int]] = {}  # in the order of their first entries
     for i in range(len(entries)):
         bundles.setdefault(root(i), []).append(i)
     return list(bundles.values())
