@@ -49,10 +49,17 @@ def requests(
 def engine_scenario(model: str) -> dict[str, Any]:
     """vLLM's CPU engine with a KV cache of 8 blocks of 32 tokens (7 usable): KV-pressure
     preemptions; a reset of running requests at step 10; pause(keep, clear_cache) at step 15;
-    requests admitted at step 30. Nothing aborted, so the streams diff with tokentape's."""
+    requests admitted at step 30. Nothing aborted, so the streams diff with tokentape's. The
+    model runs eagerly: what is recorded is the scheduler's, and torch.compile would add a
+    minute of start-up (tests/integrations/test_vllm_tokens.py runs vLLM compiled)."""
     return {
         "model": model,
-        "llm": {"block_size": 32, "num_gpu_blocks_override": 8, "max_num_seqs": 8},
+        "llm": {
+            "block_size": 32,
+            "num_gpu_blocks_override": 8,
+            "max_num_seqs": 8,
+            "enforce_eager": True,
+        },
         "requests": requests(12, seed=3, late=2, late_at=30),
         "reset_at": [10],
         "pause_at": [[15, "keep", True]],

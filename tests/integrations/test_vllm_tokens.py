@@ -1,17 +1,22 @@
-"""vLLM's sampling options give the same greedy tokens on tokentape as on vLLM's CPU engine,
-on the same weights: the three penalties, min_tokens, bad words (strings, encoded by
-tokentape and handed to vLLM as the ids it recorded); top-k logprobs agree within float32
-rounding.
+"""tokentape's tokens equal vLLM's CPU engine's, on the same weights:
+- greedy streams, token for token, on prompts and output lengths of many sizes;
+- vLLM's sampling options: the three penalties, min_tokens, bad words (strings, encoded by
+  tokentape and handed to vLLM as the ids it recorded); top-k logprobs agree within float32
+  rounding.
 
-Runs where vLLM is reachable (benchmarks/baselines/locate.py), else skips and says why. vLLM
-runs in its own Python as a side process (benchmarks/baselines/vllm_sampling.py) on the
-built-in tiny model written as a Hugging Face folder; its first start takes about a minute.
+Runs where vLLM is reachable (benchmarks/baselines/locate.py: `$TOKENTAPE_VLLM_PYTHON`,
+`.venv-vllm` in the repository root, or an importable vllm; `benchmarks/setup_vllm_venv.sh`
+makes the venv), else skips and says why. vLLM runs in its own Python as one side process for
+the module (benchmarks/baselines/vllm_requests.py: its default settings) on the built-in tiny
+model written as a Hugging Face folder; its start compiles for about a minute, so both tests
+share it.
 """
 
 from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +81,51 @@ def cases(
     return out
 
 
-def test_sampling_options_equal_vllm(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SideProcess]:
+    """vLLM's LLM at its defaults on tokentape's tiny model (float32, seed 0)."""
     assert FOUND is not None
+    work = tmp_path_factory.mktemp("vllm-tokens")
+    folder = save_checkpoint(builtin_model("tiny", 0)[1], work / "tiny")
+    spec = {"model": folder, "dtype": "float32", "seed": 0, "max_model_len": 128}
+    with SideProcess(
+        FOUND.python,
+        "vllm_requests.py",
+        spec,
+        label="vllm",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        workdir=str(work),
+    ) as side:
+        side.start()
+        yield side
+
+
+def test_greedy_streams_equal_vllm(vllm: SideProcess) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(8, 64))] for _ in range(16)]
+    outputs = [rng.randint(24, 40) for _ in range(16)]
+    params: list[dict[str, Any]] = [
+        {"max_tokens": o, "temperature": 0.0, "ignore_eos": True} for o in outputs
+    ]
+    requests = [{"prompt": p, "params": kw} for p, kw in zip(prompts, params)]
+    theirs = vllm.call("generate", requests=requests)["tokens"]
+
+    llm = LLM(model="tiny", seed=0, tape=None)
+    ours = [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate(prompts, [SamplingParams(**kw) for kw in params], use_tqdm=False)
+    ]
+    llm.close()
+
+    assert [len(t) for t in theirs] == outputs
+    differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    assert not differ, (
+        f"{len(differ)}/{len(prompts)} streams differ; request {differ[0]}: "
+        f"tokentape {ours[differ[0]]} vs vLLM {theirs[differ[0]]}"
+    )
+
+
+def test_sampling_options_equal_vllm(vllm: SideProcess) -> None:
     rng = random.Random(5)
     # Printable bytes, so every greedy token decodes back to itself (bad words as text).
     prompts = [[rng.randrange(35, 129) for _ in range(rng.randint(6, 30))] for _ in range(4)]
@@ -108,18 +156,7 @@ def test_sampling_options_equal_vllm(tmp_path: Path) -> None:
         if words:
             r["bad_words_ids"] = [list(w) for w in recorded[req_id].bad_words]
         requests.append(r)
-    folder = save_checkpoint(builtin_model("tiny", 0)[1], tmp_path / "tiny")
-    spec = {"model": folder, "dtype": "float32", "seed": 0, "max_model_len": 128}
-    with SideProcess(
-        FOUND.python,
-        "vllm_sampling.py",
-        spec,
-        label="vllm",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-        workdir=str(tmp_path),
-    ) as side:
-        side.start()
-        theirs = side.call("generate", requests=requests)
+    theirs = vllm.call("generate", requests=requests)
 
     for i, ((prompt, kw), out) in enumerate(zip(todo, ours)):
         c = out.outputs[0]

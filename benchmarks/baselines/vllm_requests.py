@@ -1,5 +1,6 @@
-"""Side script: vLLM's offline `LLM.generate` with per-request sampling options (penalties,
-min_tokens, bad words, top-k logprobs) on a checkpoint folder; for tests/integrations.
+"""Side script: vLLM's offline `LLM.generate` on a checkpoint folder, each request with its own
+sampling options (greedy limits, penalties, min_tokens, bad words, top-k logprobs), at vLLM's
+default settings otherwise; for tests/integrations/test_vllm_tokens.py.
 
 Runs in vLLM's Python (never imports tokentape), through the sideserver protocol. The folder
 has no tokenizer (`skip_tokenizer_init`), so prompts are token ids and bad words come as the
@@ -9,7 +10,8 @@ which is what vLLM's `update_from_tokenizer` fills from strings when it has a to
 Spec: {"model", "dtype", "seed", "max_model_len"}. Command `generate` (args: requests, a
 list of {"prompt": [int], "params": {SamplingParams keyword arguments}, "bad_words_ids":
 [[int]] (optional)}) -> tokens (per request), logprobs (per request and position: the
-[token id, logprob] pairs vLLM returned, the sampled token and the top k).
+[token id, logprob] pairs vLLM returned, the sampled token and the top k; empty without
+`logprobs`).
 """
 
 from __future__ import annotations
