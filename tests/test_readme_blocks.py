@@ -93,9 +93,10 @@ EXIT_1 = (
     "tokentape diff vllm.tape tokentape.tape",
 )
 ELSEWHERE: dict[str, str] = {
-    "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q": (
-        "the whole suite: .ci/run runs it"
-    ),
+    (
+        "pip install torch==2.13.0 && pip install -e '.[test]' "
+        "&& python -m pytest -q -n 2 --dist loadfile"
+    ): "the whole suite: .ci/run runs it",
     "pip install -e '.[serve,ray]'": (
         "examples/rlhf_ray.py on Ray: tests/entrypoints/test_rlhf_ray.py"
     ),
