@@ -25,6 +25,7 @@ from typing import Any
 
 import procstat
 import sideserver
+from vllm_requests import make_llm
 
 
 def _config_info(llm: Any) -> dict[str, Any]:
@@ -59,17 +60,10 @@ def _cpu_by_name(
 def setup(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, sideserver.Handler]]:
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        dtype=spec["dtype"],
-        seed=spec["seed"],
-        max_model_len=spec["max_model_len"],
-        **spec.get("llm", {}),
-    )
+    llm = make_llm(spec)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
