@@ -8,10 +8,6 @@ from tokentape.events.schema import NO_DRAFTS
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config.option, "loadscopereorder"):
-        # pytest-xdist hands out the files of `--dist loadfile` most tests first; the order
-        # pytest_collection_modifyitems sets below is the one to keep.
-        config.option.loadscopereorder = False
     stale = stale_builds()
     if stale:
         raise pytest.UsageError(
@@ -27,10 +23,3 @@ def _shared_empty_lists_stay_empty() -> Iterator[None]:
     whatever a test runs, nothing may have appended to them."""
     yield
     assert NO_BLOCKS == [] and NO_DRAFTS == [], "a shared empty list was mutated"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The vLLM tests first: few to a file, but the longest files (a vLLM start compiles for
-    about a minute; vLLM's own scheduler tests run twice), so that under `-n 2 --dist
-    loadfile` the many short files fill both workers at the end, not one file alone."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
