@@ -11,7 +11,7 @@
 #   benchmarks/setup_vllm_venv.sh [DIR]     # DIR defaults to .venv-vllm in the repository root
 #
 # The scripts find it there, or through --vllm-python DIR/bin/python or
-# $TOKENTAPE_VLLM_PYTHON. About 3.5 minutes from scratch on a 2-core machine (mostly pip); run
+# $TOKENTAPE_VLLM_PYTHON. About 4 minutes from scratch on a 2-core machine (mostly pip); run
 # again, it reuses what is there and completes what is not.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
