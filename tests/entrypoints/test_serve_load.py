@@ -176,4 +176,9 @@ def test_a_core_faster_than_the_frontend_does_not_starve_the_server(tmp_path: An
             time.sleep(0.05)
         elapsed = time.perf_counter() - start
     assert done == [30_000] * 3
-    assert max(waits) < 0.1 * elapsed, f"/metrics waited {max(waits):.2f} s of {elapsed:.2f} s"
+    # A starved server answers once the completions end: one wait near the whole run. On 2
+    # cores shared with another test process a single answer can wait ~0.75 s of ~5 s, so
+    # the figure is how much of the run went unanswered, and how often it was answered.
+    assert len(waits) >= 10 and max(waits) < 0.3 * elapsed, (
+        f"/metrics answered {len(waits)} times, waited up to {max(waits):.2f} s of {elapsed:.2f} s"
+    )
