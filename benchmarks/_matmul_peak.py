@@ -11,6 +11,14 @@ prefill's row count (the tokens of one step) for the prompt tokens' FLOPs and at
 decode's (the batch) for the rest. The fraction is the time these FLOPs would take at that
 peak over the run's wall time; attention, sampling and the engine's own work count against
 it, as they are part of the run.
+
+What the share can reach on a machine is measured too (`ceiling_figure`): the run's weight
+GEMMs alone, replayed in the engine's order through its backend, each layer with its own
+weights (so that a model larger than the caches streams them from memory, as the run does),
+plus the K/V its decode attention must read at the machine's streaming read rate. A run
+whose passes attend between their GEMMs, as this engine's and vLLM's do, cannot take less than
+that sum, so the peak's seconds over it bound such a run's share from above. (A schedule that
+overlapped one core's attention with the other's GEMMs could in principle do better.)
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 
 from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.config import ModelConfig
+from tokentape.engine.model.layers import MLP_ROW_CHUNK
 
 
 @dataclass
@@ -53,15 +62,20 @@ def layer_gemms(config: ModelConfig) -> list[tuple[int, int]]:
     return [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
 
 
-def _best_gflop_s(flop: float, matmul: Callable[[], object], min_seconds: float) -> float:
-    matmul()
+def _best_seconds(call: Callable[[], object], min_seconds: float) -> float:
+    """The fastest of repeated calls (after one to warm up), repeated for `min_seconds`."""
+    call()
     best, spent = float("inf"), 0.0
     while spent < min_seconds:
         t0 = time.perf_counter()
-        matmul()
+        call()
         elapsed = time.perf_counter() - t0
         best, spent = min(best, elapsed), spent + elapsed
-    return flop / best / 1e9
+    return best
+
+
+def _best_gflop_s(flop: float, matmul: Callable[[], object], min_seconds: float) -> float:
+    return flop / _best_seconds(matmul, min_seconds) / 1e9
 
 
 def mm_gflop_s(rows: int, k: int, n: int, threads: int, min_seconds: float = 0.3) -> float:
@@ -107,3 +121,109 @@ def peak_figure(
     head_rate = mm_gflop_s(decode_rows, config.hidden_size, config.vocab_size, threads)
     seconds += head / (head_rate * 1e9)
     return PeakFigure(flop / 1e9, flop / seconds / 1e9, seconds)
+
+
+@dataclass
+class CeilingFigure:
+    gemm_seconds: float  # the run's weight GEMMs and LM head alone, replayed
+    kv_gb: float  # the K/V the run's decodes read, at least (each context once per step)
+    read_gb_s: float  # the machine's streaming read rate on the run's threads
+
+    @property
+    def seconds(self) -> float:
+        return self.gemm_seconds + self.kv_gb / self.read_gb_s
+
+    def describe(self, peak: PeakFigure) -> str:
+        return (
+            f"the weight GEMMs alone, replayed in the engine's order with a weight per layer, "
+            f"take {self.gemm_seconds:.1f} s, and the decodes read {self.kv_gb:,.0f} GB of K/V: "
+            f"{self.kv_gb / self.read_gb_s:.1f} s at this machine's {self.read_gb_s:.1f} GB/s; "
+            f"a run whose passes attend between their GEMMs (this engine's, vLLM's) takes at "
+            f"least {self.seconds:.1f} s, so its share is at most "
+            f"{100 * peak.seconds_at_peak / self.seconds:.0f}% here"
+        )
+
+
+def _replay_pass_seconds(
+    config: ModelConfig, rows: int, weights: list[dict[str, object]], repeats: int
+) -> float:
+    """The fastest of `repeats` replays of one forward pass's weight GEMMs at `rows` rows:
+    q, k, v and o, then the MLP in the engine's row chunks (layers.MLP.forward_fused)."""
+    linear = cpu_matmul.BACKEND.linear
+    q_width = config.num_attention_heads * config.head_dim
+    x = torch.randn(rows, config.hidden_size)
+    attn = torch.randn(rows, q_width)
+    middle = torch.randn(min(rows, MLP_ROW_CHUNK), config.intermediate_size)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in weights:
+            for name in ("q", "k", "v"):
+                linear(x, w[name], None)
+            linear(attn, w["o"], None)
+            for start in range(0, rows, MLP_ROW_CHUNK):
+                chunk = x[start : start + MLP_ROW_CHUNK]
+                linear(chunk, w["gate"], None)
+                linear(chunk, w["up"], None)
+                linear(middle[: chunk.shape[0]], w["down"], None)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _read_gb_s(threads: int, nbytes: int = 1 << 30) -> float:
+    """Streaming read rate: the best of a few sums over a float32 tensor larger than any cache."""
+    big = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(4):
+        t0 = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def ceiling_figure(
+    config: ModelConfig,
+    prompts: list[list[int]],
+    outputs: list[int],
+    prefill_rows: int,
+    threads: int,
+) -> CeilingFigure:
+    """What no run of this workload can beat on this machine (see the module doc). Prompt
+    passes are timed at up to 2,048 rows and scaled by their tokens (a GEMM's time is linear
+    in its rows there); decode passes at the batch, the LM head at the batch per sampled row."""
+    backend = cpu_matmul.BACKEND
+    if backend.pack is None:
+        raise RuntimeError(f"the {backend.name} matmul has no packed weights to replay")
+    d, h = config.head_dim, config.hidden_size
+    q, kv, inter = (
+        config.num_attention_heads * d,
+        config.num_key_value_heads * d,
+        config.intermediate_size,
+    )
+    shapes = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q)}
+    shapes |= {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        weights = [
+            {name: backend.pack(torch.randn(shape)) for name, shape in shapes.items()}
+            for _ in range(config.num_hidden_layers)
+        ]
+        head = backend.pack(torch.randn(config.vocab_size, h))
+        prompt_tokens = sum(map(len, prompts))
+        decode_tokens = sum(max(0, o - 1) for o in outputs)
+        decode_rows = len(prompts)
+        rows = min(prefill_rows, 2048)
+        seconds = _replay_pass_seconds(config, rows, weights, 2) * prompt_tokens / rows
+        seconds += (
+            _replay_pass_seconds(config, decode_rows, weights, 3) * decode_tokens / decode_rows
+        )
+        x = torch.randn(decode_rows, h)
+        head_call = functools.partial(backend.linear, x, head, None)
+        seconds += _best_seconds(head_call, 0.3) * sum(outputs) / decode_rows
+        read_gb_s = _read_gb_s(threads)
+    finally:
+        torch.set_num_threads(before)
+    per_token = 2 * config.num_hidden_layers * kv * 4  # K and V of every layer, float32
+    contexts = sum(len(p) * max(0, o - 1) + o * (o - 1) // 2 for p, o in zip(prompts, outputs))
+    return CeilingFigure(seconds, contexts * per_token / 1e9, read_gb_s)

@@ -32,7 +32,9 @@ vLLM's and transformers' token for token.
 Targets (tokentape at its defaults, the tape on): tiny >= 2.0x vLLM CPU's output tok/s
 (issue 26); qwen3-0.6b >= 1.0x, and >= 75% of the float32 matmul peak (its weight
 GEMMs' FLOPs over the run's wall time, against the fastest of torch.mm, MKL's packed GEMM
-and oneDNN's linear at the same shapes and threads: benchmarks/_matmul_peak.py); prompts of
+and oneDNN's linear at the same shapes and threads: benchmarks/_matmul_peak.py, which also
+measures the highest share any run could reach on the machine: the GEMMs alone, replayed,
+plus the decodes' K/V at its read rate); prompts of
 2,048 tokens or more (--prompt-len), on either model, >= 1.5x; tape on / off >= 0.98.
 Without vLLM or transformers the script says so and leaves that column out. On CUDA it also
 times the decode step at batch 1 and 64 against the memory-bandwidth floor (weight bytes /
@@ -390,7 +392,7 @@ def main() -> int:
         f"after; {'?' if busy is None else f'{busy:.2f}'} of {os.cpu_count()} cores busy "
         "on average over the run, everything included"
     )
-    peak = None
+    peak, ceiling = None, None
     # After the rounds, so that it measures the machine as they found it; on qwen3-0.6b only:
     # tiny's GEMMs are so small that torch.mm's call overhead is most of its time.
     if args.device == "cpu" and args.config == "qwen3-0.6b":
@@ -400,7 +402,10 @@ def main() -> int:
         prefill_rows = min(EngineConfig().max_num_batched_tokens, sum(map(len, prompts)))
         threads = args.cpu_threads or cpus_available()
         peak = _matmul_peak.peak_figure(config, prompts, outputs, prefill_rows, threads)
-    return report(args, prompts, outputs, results, hf_by_size, sides, failures, machine, peak)
+        ceiling = _matmul_peak.ceiling_figure(config, prompts, outputs, prefill_rows, threads)
+    return report(
+        args, prompts, outputs, results, hf_by_size, sides, failures, machine, peak, ceiling
+    )
 
 
 def run_rounds(
@@ -485,6 +490,7 @@ def report(
     failures: list[str],
     machine: str,
     peak: _matmul_peak.PeakFigure | None = None,
+    ceiling: _matmul_peak.CeilingFigure | None = None,
 ) -> int:
     n = len(prompts)
     rows = []
@@ -606,6 +612,16 @@ def report(
                 # which is no weight GEMM, is much of the work.
                 "target": "-" if long_prompts else ">= 75%",
                 "pass": None if long_prompts else share >= 0.75,
+            }
+        )
+    if peak is not None and ceiling is not None:
+        lines.append(f"matmul peak, what this machine allows: {ceiling.describe(peak)}")
+        summary.append(
+            {
+                "name": "(g) the highest share of the peak any run could reach on this machine",
+                "value": f"{100 * peak.seconds_at_peak / ceiling.seconds:.0f}%",
+                "target": "-",
+                "pass": None,
             }
         )
     summary += variant_ratios(args.device, results)
