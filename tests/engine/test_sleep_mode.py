@@ -5,7 +5,7 @@ and the calls it refuses. Every tape verifies and has no postmortem finding."""
 
 from __future__ import annotations
 
-import re
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -81,19 +81,19 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def resident_bytes(ranges: list[tuple[int, int]]) -> int:
-    """Resident bytes of the mappings that overlap these address ranges (/proc/self/smaps).
-    Only those pages count: the rest of the process's heap (a pytest-xdist worker holds
-    earlier files') cannot move the figure."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-            if head:
-                lo, hi = int(head[1], 16), int(head[2], 16)
-                inside = any(lo < end and start < hi for start, end in ranges)
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
+    """Resident bytes of exactly these address ranges: the present bit of each page in
+    /proc/self/pagemap. Only those pages count: the rest of the process's heap (a
+    pytest-xdist worker holds earlier files') cannot move the figure, even where the
+    kernel merged the pool's mappings with their neighbours into one."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    present = 0
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for start, end in ranges:
+            first, last = start // page, (end - 1) // page
+            pagemap.seek(first * 8)
+            entries = memoryview(pagemap.read((last - first + 1) * 8)).cast("Q")
+            present += sum(entry >> 63 for entry in entries)
+    return present * page
 
 
 def test_level_1_drains_offloads_and_wakes_to_the_same_tokens() -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from typing import cast
 
-import numpy as np
 import torch
 
 from tokentape import kernels
@@ -359,17 +359,20 @@ class TorchModelRunner(StagedWeights):
 
 
 def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV tensor. On the CPU from calloc'd pages, which the OS commits only when a
-    block is first written: the budget bounds the cache, and a short run's resident memory
-    is what it used (torch.zeros writes every page). numpy asks for transparent huge pages
-    on so large an array, so a first write commits 2 MiB where the kernel allows it.
-    Aligned to 64 bytes for the kernels."""
+    """A zeroed KV tensor. On the CPU an anonymous mapping of its own, whose pages the OS
+    commits only when a block is first written: the budget bounds the cache, a short run's
+    resident memory is what it used (torch.zeros writes every page), and freeing it unmaps
+    it. (calloc served a pool from a free chunk of the heap when earlier frees left one:
+    every page written by its memset, and none given back on a sleep.) Transparent huge
+    pages are asked for, so a first write commits 2 MiB where the kernel allows it."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
-    buf = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -buf.ctypes.data % 64
-    return torch.from_numpy(buf[start : start + nbytes]).view(dtype).view(shape)
+    pages = mmap.mmap(-1, max(nbytes, 1))  # page-aligned, so aligned for the kernels
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor holds the mapping: it is unmapped when the last view of the cache goes.
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _check_kv_cache_fits(
