@@ -136,9 +136,10 @@ def test_the_oracle_keeps_its_fixed_pool() -> None:
 
 
 def test_untouched_blocks_take_no_memory() -> None:
-    """The pool is calloc'd: a 4 GiB cache on which one short request ran is not resident. What
-    the engine added is measured, not the process's total: earlier tests in the same process
-    (a pytest-xdist worker runs many files) leave their own heap behind."""
+    """The pool is an anonymous mapping, committed as it is written: a 4 GiB cache on which
+    one short request ran is not resident. What the engine added is measured, not the
+    process's total: earlier tests in the same process (a pytest-xdist worker runs many
+    files) leave their own heap behind."""
     before = _resident_bytes()
     with LLM(model="tiny", tape=False, kv_cache_memory_bytes=4 << 30) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)

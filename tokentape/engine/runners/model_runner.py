@@ -140,7 +140,7 @@ class TorchModelRunner(StagedWeights):
         _check_kv_cache_fits(shape, dtype, self.config.num_hidden_layers, self.device)
         kv_bytes = 2 * self.config.num_hidden_layers * math.prod(shape) * dtype.itemsize
         if loud or (kv_bytes >= 1 << 30 and self.device.type != "cpu"):
-            # (On the CPU the pool is calloc'd: nothing is written, so nothing is slow.)
+            # (On the CPU the pool is an anonymous mapping: nothing is written, nothing slow.)
             say(
                 f"allocating the KV cache: {num_kv_blocks} blocks of {block_size} tokens "
                 f"({gigabytes(kv_bytes)}; the KV cache memory budget or num_kv_blocks sets it)"
