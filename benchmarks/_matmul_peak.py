@@ -133,6 +133,10 @@ class CeilingFigure:
     def seconds(self) -> float:
         return self.gemm_seconds + self.kv_gb / self.read_gb_s
 
+    def share(self, peak: PeakFigure) -> float:
+        """The highest share of the peak a run whose passes attend between their GEMMs reaches."""
+        return peak.seconds_at_peak / self.seconds
+
     def describe(self, peak: PeakFigure) -> str:
         return (
             f"the weight GEMMs alone, replayed in the engine's order with a weight per layer, "
@@ -140,7 +144,7 @@ class CeilingFigure:
             f"{self.kv_gb / self.read_gb_s:.1f} s at this machine's {self.read_gb_s:.1f} GB/s; "
             f"a run whose passes attend between their GEMMs (this engine's, vLLM's) takes at "
             f"least {self.seconds:.1f} s, so its share is at most "
-            f"{100 * peak.seconds_at_peak / self.seconds:.0f}% here"
+            f"{100 * self.share(peak):.0f}% here"
         )
 
 
@@ -170,8 +174,9 @@ def _replay_pass_seconds(
     return best
 
 
-def _read_gb_s(threads: int, nbytes: int = 1 << 30) -> float:
-    """Streaming read rate: the best of a few sums over a float32 tensor larger than any cache."""
+def _read_gb_s(nbytes: int = 1 << 30) -> float:
+    """Streaming read rate on torch's threads: the best of a few sums over a float32 tensor
+    larger than any cache."""
     big = torch.ones(nbytes // 4)
     best = float("inf")
     for _ in range(4):
@@ -221,7 +226,7 @@ def ceiling_figure(
         x = torch.randn(decode_rows, h)
         head_call = functools.partial(backend.linear, x, head, None)
         seconds += _best_seconds(head_call, 0.3) * sum(outputs) / decode_rows
-        read_gb_s = _read_gb_s(threads)
+        read_gb_s = _read_gb_s()
     finally:
         torch.set_num_threads(before)
     per_token = 2 * config.num_hidden_layers * kv * 4  # K and V of every layer, float32

@@ -619,7 +619,7 @@ def report(
         summary.append(
             {
                 "name": "(g) the highest share of the peak any run could reach on this machine",
-                "value": f"{100 * peak.seconds_at_peak / ceiling.seconds:.0f}%",
+                "value": f"{100 * ceiling.share(peak):.0f}%",
                 "target": "-",
                 "pass": None,
             }

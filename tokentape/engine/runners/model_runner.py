@@ -368,7 +368,7 @@ def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
-    pages = mmap.mmap(-1, max(nbytes, 1))  # page-aligned, so aligned for the kernels
+    pages = mmap.mmap(-1, nbytes)  # page-aligned, so aligned for the kernels
     if hasattr(mmap, "MADV_HUGEPAGE"):
         pages.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds the mapping: it is unmapped when the last view of the cache goes.
