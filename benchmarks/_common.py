@@ -282,30 +282,30 @@ def measure_decode_steps(
     from tokentape import LLM, SamplingParams
 
     llm = LLM(model="oracle", tape=tape, **step_engine_kwargs(num_requests, async_scheduling))
-    engine = llm.engine
+    engine = llm.llm_engine
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(num_requests)):
         engine.add_request(str(i), prompt, params)
     watch = _Stopwatch()
-    watch.wrap(engine.runner, "submit", "runner")
-    watch.wrap(engine.runner, "collect", "runner")
+    watch.wrap(engine.engine_core.runner, "submit", "runner")
+    watch.wrap(engine.engine_core.runner, "collect", "runner")
     # The output processor is compiled (no method can be wrapped on it): its share is
-    # step() less step_core(), which is everything step() does before it.
-    watch.wrap(engine, "step_core", "core")
+    # the front end's step() less the core's, which is everything step() does before it.
+    watch.wrap(engine.engine_core, "step", "core")
     watch.wrap(engine, "step", "step")
     step = engine.step
     for _ in range(SKIP_CALLS):
         step()
-    state = engine.state
+    state = engine.engine_core.state
     assert not state.waiting and len(state.running) == num_requests, "not all requests running"
     assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in state.requests.values()), (
         "a prefill is still pending"
     )
     step_before = state.step
-    writer_pid: int | None = getattr(engine.tape, "writer_pid", None)
+    writer_pid: int | None = getattr(engine.engine_core.tape, "writer_pid", None)
     # An SQLite tape's writer process starts alongside the engine (tens of ms): the window
     # begins once it runs and has caught up; the flush after the window counts any backlog.
-    engine.tape.flush()
+    engine.engine_core.tape.flush()
     start, stop = hooks or (_noop, _noop)
     with gc_collected():
         start()
@@ -315,7 +315,8 @@ def measure_decode_steps(
         t0 = time.perf_counter()
         for _ in range(WINDOW_CALLS):
             step()
-        engine.tape.flush()  # the tape's background writer has finished the window's steps
+        # the tape's background writer has finished the window's steps
+        engine.engine_core.tape.flush()
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - c0
         writer_cpu = procstat.cpu_seconds(writer_pid) - w0 if writer_pid else 0.0

@@ -58,7 +58,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             model=spec["config"], tape=os.path.join(tmp, "ab.tape") if tape else False, **args
         )
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-        writer = getattr(llm.engine.tape, "writer_pid", None)
+        writer = getattr(llm.llm_engine.engine_core.tape, "writer_pid", None)
         w0 = procstat.cpu_seconds(writer) if writer else 0.0
         c0, t = time.process_time(), time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -70,7 +70,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             "seconds": seconds,
             "cpu": cpu,
             "writer_cpu": writer_cpu,
-            "preemptions": sum(r.num_preemptions for r in llm.engine.state.requests.values()),
+            "preemptions": sum(
+                r.num_preemptions for r in llm.llm_engine.engine_core.state.requests.values()
+            ),
             "num_kv_blocks": llm.config.num_kv_blocks,
             "async": llm.config.async_scheduling,
         }

@@ -54,9 +54,9 @@ def record_tape(path: str, num_events: int, seed: int) -> int:
         num_speculative_tokens=2,
         discard_policy=policy,
     ) as llm:
-        engine = llm.engine
+        engine = llm.llm_engine
         next_id = steps = 0
-        while engine.state.num_events < num_events:
+        while engine.engine_core.state.num_events < num_events:
             while engine.get_num_unfinished_requests() < 12:
                 prompt = [rng.randrange(3, 259) for _ in range(rng.randint(8, 96))]
                 engine.add_request(
@@ -74,7 +74,7 @@ def record_tape(path: str, num_events: int, seed: int) -> int:
                 engine.reset_prefix_cache(reset_running_requests=True)
         while engine.has_unfinished_requests():  # every request on the tape completes
             engine.step()
-        return engine.state.num_events
+        return engine.engine_core.state.num_events
 
 
 def record_fleet(directory: str, num_tapes: int, num_events: int, jobs: int) -> list[int]:

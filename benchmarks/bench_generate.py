@@ -153,7 +153,7 @@ def run_tokentape(
     llm = LLM(model=args.config, tape=path, seed=args.seed, **engine_args)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
-    writer = getattr(llm.engine.tape, "writer_pid", None)
+    writer = getattr(llm.llm_engine.engine_core.tape, "writer_pid", None)
     sync_device(args.device)
     w0 = procstat.cpu_seconds(writer) if writer else 0.0
     c0, t = time.process_time(), time.perf_counter()
@@ -161,7 +161,7 @@ def run_tokentape(
     sync_device(args.device)
     elapsed, cpu = time.perf_counter() - t, time.process_time() - c0
     helpers = {"tape writer": procstat.cpu_seconds(writer) - w0} if writer else {}
-    preemptions = sum(r.num_preemptions for r in llm.engine.state.requests.values())
+    preemptions = sum(r.num_preemptions for r in llm.llm_engine.engine_core.state.requests.values())
     kv_tokens = llm.config.kv_capacity
     llm.close()
     if isinstance(path, str):
@@ -207,7 +207,7 @@ def decode_step_time(args: argparse.Namespace, batch: int) -> float:
     vocab = BUILTIN_CONFIGS[args.config].vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    engine = llm.engine
+    engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(
             f"d{i}", p, SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)

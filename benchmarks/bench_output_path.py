@@ -41,7 +41,7 @@ if work == "generate":
 else:
     kind = K.DELTA if work == "delta" else K.CUMULATIVE
     llm = LLM("oracle", tape=None)
-    e = llm.engine
+    e = llm.llm_engine
     for i in range(128):
         params = SamplingParams(max_tokens=128, ignore_eos=True, output_kind=kind)
         e.add_request(str(i), [5 + i % 50, 6, 7], params)

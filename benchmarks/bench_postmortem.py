@@ -49,10 +49,10 @@ def record_tape(path: str, num_events: int) -> None:
         block_size=16,
         num_speculative_tokens=2,
     ) as llm:
-        engine = llm.engine
+        engine = llm.llm_engine
         next_id = 0
         steps = 0
-        while engine.state.num_events < num_events:  # every event went through evolve
+        while engine.engine_core.state.num_events < num_events:  # every event went through evolve
             while engine.get_num_unfinished_requests() < 12:
                 prompt = [rng.randrange(3, 259) for _ in range(rng.randint(8, 96))]
                 engine.add_request(

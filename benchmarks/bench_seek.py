@@ -52,7 +52,7 @@ def record_tape(path: str) -> float:
     t0 = time.perf_counter()
     with LLM(model="oracle", tape=partial, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=1024) as llm:
         n = 0
-        while len(llm.engine.tape) < NUM_EVENTS:  # type: ignore[arg-type]
+        while len(llm.llm_engine.engine_core.tape) < NUM_EVENTS:  # type: ignore[arg-type]
             prompts = [
                 [rng.randrange(3, 259) for _ in range(rng.randint(16, 128))] for _ in range(BATCH)
             ]

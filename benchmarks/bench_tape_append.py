@@ -63,7 +63,9 @@ class _CommitRecordingTape(MemoryTape):
 def record_workload() -> tuple[ev.TapeHeader, list[ev.Event], list[int]]:
     rng = random.Random(1234)
     llm = LLM(model="oracle", tape=None)
-    rec = llm.engine.tape = _CommitRecordingTape(llm.engine.tape.header)
+    rec = llm.llm_engine.engine_core.tape = _CommitRecordingTape(
+        llm.llm_engine.engine_core.tape.header
+    )
     prompts = [
         [rng.randrange(3, 259) for _ in range(rng.randint(16, 512))] for _ in range(NUM_REQUESTS)
     ]

@@ -59,8 +59,8 @@ def run_child(tape: str, model: str, seed: int) -> None:
         pipeline_depth=rng.choice([1, 2, 3]),
         num_speculative_tokens=rng.choice([0, 1, 2]),
     )
-    engine = llm.engine
-    print(f"ready {engine.tape.writer_pid}", flush=True)  # type: ignore[attr-defined]
+    engine = llm.llm_engine
+    print(f"ready {engine.engine_core.tape.writer_pid}", flush=True)  # type: ignore[attr-defined]
     added = steps = 0
     while True:
         while engine.get_num_unfinished_requests() < max_num_seqs + 2:
@@ -78,8 +78,8 @@ def run_child(tape: str, model: str, seed: int) -> None:
         engine.step()
         steps += 1
         if steps % 25 == 0:
-            engine.tape.flush()
-            print(f"flushed {len(engine.tape)}", flush=True)  # type: ignore[arg-type]
+            engine.engine_core.tape.flush()
+            print(f"flushed {len(engine.engine_core.tape)}", flush=True)  # type: ignore[arg-type]
 
 
 # -- the parent: kill, wait for the writer, check the tape -----------------------------------

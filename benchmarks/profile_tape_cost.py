@@ -40,7 +40,7 @@ def capture(num_prompts: int, seed: int) -> tuple[ev.TapeHeader, list[list[ev.Ev
         for _ in prompts
     ]
     with LLM(model="tiny", tape=None) as llm:
-        tape = llm.engine.tape
+        tape = llm.llm_engine.engine_core.tape
         assert isinstance(tape, MemoryTape)
         marks = [len(tape)]
         # MemoryTape.commit does nothing; this one notes where each commit ends.

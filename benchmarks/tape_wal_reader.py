@@ -40,7 +40,7 @@ conn.close()
 def measure(hold: bool, requests: int, max_tokens: int, folder: str) -> str:
     path, release = os.path.join(folder, "run.tape"), os.path.join(folder, "release")
     llm = LLM(model="oracle", tape=path, max_num_seqs=1)
-    llm.engine.tape.flush()
+    llm.llm_engine.engine_core.tape.flush()
     reader = subprocess.Popen(
         [sys.executable, "-c", _READER, path, release], stdout=subprocess.PIPE, text=True
     )
@@ -63,7 +63,7 @@ def measure(hold: bool, requests: int, max_tokens: int, folder: str) -> str:
         SamplingParams(max_tokens=max_tokens, ignore_eos=True),
     )
     run_s = time.monotonic() - t0
-    n = len(llm.engine.tape)
+    n = len(llm.llm_engine.engine_core.tape)
     if not hold:
         open(release, "w").close()
         reader.wait()

@@ -61,7 +61,7 @@ def run(depth: int, discard_policy: str, device: str = "cpu", tape: str | None =
     llm = LLM(
         model="tiny", device=device, pipeline_depth=depth, discard_policy=discard_policy, tape=tape
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
@@ -79,9 +79,9 @@ def run(depth: int, discard_policy: str, device: str = "cpu", tape: str | None =
 
     # A fresh engine with the new weights continues each request from the same prefix.
     fresh = LLM(model="tiny", device=device, pipeline_depth=1, tape=None)
-    fresh.engine.pause_generation(mode="keep", clear_cache=False)
-    fresh.engine.update_weights(weights)
-    fresh.engine.resume_generation()
+    fresh.llm_engine.pause_generation(mode="keep", clear_cache=False)
+    fresh.llm_engine.update_weights(weights)
+    fresh.llm_engine.resume_generation()
     mismatches = []
     for i, prompt in enumerate(prompts):
         req_id = str(i)

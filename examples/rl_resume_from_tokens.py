@@ -60,7 +60,7 @@ def sync_weights(engine: LLMEngine, weights: dict, chunk_size: int = 8) -> str:
 def run(keep_prefix_cache: bool, depth: int, tape: str | None) -> list[str]:
     """One round; returns the mismatches (empty when the check held)."""
     llm = LLM(model="tiny", device="cpu", pipeline_depth=depth, tape=tape)
-    engine = llm.engine
+    engine = llm.llm_engine
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     rollouts: dict = {}
     for i, prompt in enumerate(prompts):

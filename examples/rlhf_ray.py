@@ -150,9 +150,9 @@ def check_against_fresh_engine(
     ]
     fresh = LLM(model="tiny", device="cpu", pipeline_depth=1, tape=False)
     try:
-        fresh.engine.pause_generation(mode="keep", clear_cache=False)
-        fresh_id = fresh.engine.update_weights(weights)
-        fresh.engine.resume_generation()
+        fresh.llm_engine.pause_generation(mode="keep", clear_cache=False)
+        fresh_id = fresh.llm_engine.update_weights(weights)
+        fresh.llm_engine.resume_generation()
         if fresh_id != trainer_id:
             problems.append(
                 f"the fresh engine hashes the trainer's weights as {fresh_id}, not {trainer_id}"

@@ -73,7 +73,7 @@ class ServerProcess:
             children = [int(p) for p in f.read().split()]
         for pid in children:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"tokentape.engine.core.proc" in f.read():
+                if b"tokentape.engine.core.engine_core_proc" in f.read():
                     return pid
         raise RuntimeError(f"no engine core among the server's children {children}")
 

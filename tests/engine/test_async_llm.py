@@ -14,8 +14,8 @@ from terminal import run_in_terminal
 
 from tokentape import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from tokentape.engine.core.client import MPClient
-from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.runners.oracle import OracleRunner
+from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.postmortem import postmortem
 from tokentape.replay import load_tape, verify
@@ -401,9 +401,9 @@ def plain_runs(
     continuing from the same prefix (a fresh engine, nothing in flight, no pause)."""
     old = LLM("tiny", tape=None, pipeline_depth=1, device="cpu")
     new = LLM("tiny", tape=None, pipeline_depth=1, device="cpu")
-    new.engine.pause_generation(mode="keep", clear_cache=False)
-    new.engine.update_weights(weights)
-    new.engine.resume_generation()
+    new.llm_engine.pause_generation(mode="keep", clear_cache=False)
+    new.llm_engine.update_weights(weights)
+    new.llm_engine.resume_generation()
     expected = []
     for i, text in enumerate(PROMPTS):
         p = seed_params(i)

@@ -32,10 +32,10 @@ def test_cancel_or_abort_of_n_above_one_aborts_every_child(how: str) -> None:
         assert engine.num_unfinished_requests == 0
         core = engine.engine_core.core  # type: ignore[attr-defined]
         for _ in range(200):  # the core loop takes the abort at its next turn
-            if not core.engine.has_unfinished_requests():
+            if not core.engine_core.has_unfinished_requests():
                 break
             await asyncio.sleep(0.01)
-        events = [e for _, e in core.engine.tape.iter_events()]
+        events = [e for _, e in core.engine_core.tape.iter_events()]
         engine.shutdown()
         return got, events
 
@@ -54,14 +54,14 @@ def test_a_refused_n_above_one_records_nothing() -> None:
             async for _ in engine.generate(PROMPT, SamplingParams(max_tokens=2), "1_r"):
                 pass
             core = engine.engine_core.core  # type: ignore[attr-defined]
-            before = len(core.engine.tape)
+            before = len(core.engine_core.tape)
             with pytest.raises(ValueError, match="child id '1_r'"):
                 async for _ in engine.generate(PROMPT, SamplingParams(n=2), "r"):
                     pass
-            assert len(core.engine.tape) == before
+            assert len(core.engine_core.tape) == before
             with pytest.raises(ValueError, match="cannot honour min_tokens"):
                 async for _ in engine.generate(PROMPT, SamplingParams(n=2, min_tokens=1), "s"):
                     pass
-            assert len(core.engine.tape) == before and engine.num_unfinished_requests == 0
+            assert len(core.engine_core.tape) == before and engine.num_unfinished_requests == 0
 
     asyncio.run(main())

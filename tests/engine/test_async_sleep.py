@@ -197,7 +197,7 @@ def test_a_sleep_that_breaks_the_engine_raises_and_is_never_answered_ok(tmp_path
     def fail(runner: object, level: int) -> None:
         raise RuntimeError("the device went away")
 
-    engine.engine_core.core.engine.runner.memory.sleep = fail  # type: ignore[attr-defined]
+    engine.engine_core.core.engine_core.runner.memory.sleep = fail  # type: ignore[attr-defined]
 
     async def main() -> Stream:
         stream = Stream(engine, [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "r")

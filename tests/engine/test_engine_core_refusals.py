@@ -16,10 +16,10 @@ import pytest
 
 from tokentape import AsyncLLM, SamplingParams
 from tokentape.engine.core import client as core_client
-from tokentape.engine.core.engine_core import EngineCore
+from tokentape.engine.core.engine_core_proc import EngineCoreProc
 from tokentape.engine.core.messages import AddRequest, CoreDead, CoreOutputs, UtilityCall
-from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.runners.oracle import OracleRunner
+from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.replay import load_tape, verify
 
@@ -27,12 +27,12 @@ ORACLE = {"block_size": 4, "num_kv_blocks": 256}
 PARAMS = SamplingParams(max_tokens=6)
 
 
-def core_of(tmp_path: Path) -> tuple[EngineCore, str]:
+def core_of(tmp_path: Path) -> tuple[EngineCoreProc, str]:
     tape = str(tmp_path / "core.tape")
-    return EngineCore("oracle", tape, dict(ORACLE)), tape
+    return EngineCoreProc("oracle", tape, dict(ORACLE)), tape
 
 
-def run_until_done(core: EngineCore, requests: list[Any]) -> list[Any]:
+def run_until_done(core: EngineCoreProc, requests: list[Any]) -> list[Any]:
     """Every message the core sends for `requests`, then while it has work."""
     messages, done = core.run_once(requests)
     while not done and core.has_work():
@@ -63,7 +63,7 @@ def test_any_exception_of_a_call_is_a_refusal_and_the_engine_serves_on(tmp_path:
         def update_weights(self, weights: object) -> str:
             raise ZeroDivisionError("a checkpoint whose config divides by zero")
 
-    core.engine.weights_updater = Failing()
+    core.engine_core.weights_updater = Failing()
     try:
         run_until_done(core, [UtilityCall(0, "pause_generation", ["keep", True])])
         messages = run_until_done(core, [UtilityCall(1, "update_weights", ["/ckpt"])])
@@ -81,14 +81,14 @@ def test_any_exception_of_a_call_is_a_refusal_and_the_engine_serves_on(tmp_path:
 
 def test_an_add_that_raises_anything_is_refused_and_records_nothing(tmp_path: Path) -> None:
     core, tape = core_of(tmp_path)
-    real_check = core.engine.check_request
+    real_check = core.engine_core.check_request
 
     def check(request_id: str, prompt: Any, params: SamplingParams) -> None:
         if request_id == "odd":
             raise AttributeError("'list' object has no attribute 'get'")
         real_check(request_id, prompt, params)
 
-    core.engine.check_request = check  # type: ignore[method-assign]
+    core.engine_core.check_request = check  # type: ignore[method-assign]
     try:
         messages = run_until_done(
             core, [AddRequest("odd", [5, 6], PARAMS), AddRequest("ok", [5, 6], PARAMS)]
@@ -120,7 +120,7 @@ def test_a_failure_inside_a_step_is_fatal_and_on_the_tape(tmp_path: Path) -> Non
         raise MemoryError("the runner ran out of memory")
 
     try:
-        core.engine.runner.collect = collect  # type: ignore[method-assign]
+        core.engine_core.runner.collect = collect  # type: ignore[method-assign]
         messages = run_until_done(core, [AddRequest("r", [5, 6], PARAMS)])
         (dead,) = [m for m in messages if isinstance(m, CoreDead)]
         assert "MemoryError" in dead.message
@@ -138,7 +138,7 @@ def test_a_failure_of_the_core_around_a_step_is_on_the_tape_too(tmp_path: Path) 
     core, tape = core_of(tmp_path)
     run_until_done(core, [AddRequest("r", [5, 6], SamplingParams(max_tokens=50))])  # may finish
     # The step's deltas, broken after the engine's recorded part handed them over.
-    core.engine._ready = None  # type: ignore[assignment]
+    core.engine_core._ready = None  # type: ignore[assignment]
     try:
         messages, done = core.run_once([AddRequest("s", [7, 8], SamplingParams(max_tokens=50))])
         assert done and isinstance(messages[-1], CoreDead) and "TypeError" in messages[-1].message

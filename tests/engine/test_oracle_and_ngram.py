@@ -55,10 +55,14 @@ def test_cyclic_oracle_accepts_some_drafts_and_rejects_others() -> None:
 
     llm = LLM(model="oracle", tape=None, num_speculative_tokens=3, pipeline_depth=1)
     outs = llm.generate([list(range(3, 40))] * 1 + [[7, 8, 9, 10]], SamplingParams(max_tokens=80))
-    frames = [e for _, e in llm.engine.tape.iter_events() if type(e).__name__ == "FrameProduced"]
+    frames = [
+        e
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
+        if type(e).__name__ == "FrameProduced"
+    ]
     accepted = [f.num_accepted for ev in frames for f in ev.entries if f.draft_token_ids]
     assert any(a > 0 for a in accepted) and any(a < 3 for a in accepted)
     for out in outs:  # spec decoding changes the steps, never the tokens
-        assert out.outputs[0].token_ids == llm.engine.runner.expected_stream(
+        assert out.outputs[0].token_ids == llm.llm_engine.engine_core.runner.expected_stream(
             out.prompt_token_ids, SamplingParams(max_tokens=80)
         )

@@ -66,7 +66,7 @@ def test_an_output_keeps_its_own_tokens_after_the_stream_grows() -> None:
     from tokentape import LLM
 
     llm = LLM(model="oracle", tape=None)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
     kept = []
     while engine.has_unfinished_requests():
@@ -75,4 +75,6 @@ def test_an_output_keeps_its_own_tokens_after_the_stream_grows() -> None:
     assert lengths == sorted(lengths) and lengths[-1] == 6 and len(set(lengths)) == len(lengths)
     final = kept[-1].outputs[0].token_ids
     assert all(out.outputs[0].token_ids == final[: len(out.outputs[0].token_ids)] for out in kept)
-    assert engine.state.requests["a"].output_token_ids is not final  # a copy, not the state
+    assert (
+        engine.engine_core.state.requests["a"].output_token_ids is not final
+    )  # a copy, not the state

@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.factory import make_header
 from tokentape.engine.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
 from tokentape.engine.llm_engine import LLMEngine
@@ -113,20 +114,20 @@ def test_each_full_block_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None
         engine.add_request(req_id, prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
-    assert any(isinstance(e, ev.RequestPreempted) for _, e in engine.tape.iter_events())
+    assert any(isinstance(e, ev.RequestPreempted) for _, e in engine.engine_core.tape.iter_events())
     assert len(calls) == len(set(calls))
     # Each request's blocks are hashed up to the last one whose tokens were all computed.
     assert len(calls) == sum((len(p) + 21 - 1) // 4 for p in prompts.values())
 
 
 def new_engine(config: EngineConfig, runner: OracleRunner) -> LLMEngine:
-    return LLMEngine(config, runner, MemoryTape(make_header(config, runner)))
+    return LLMEngine(EngineCore(config, runner, MemoryTape(make_header(config, runner))))
 
 
 def scheduled_entries(engine: LLMEngine, req_id: str) -> list[ev.ScheduledEntry]:
     return [
         e
-        for _, event in engine.tape.iter_events()
+        for _, event in engine.engine_core.tape.iter_events()
         if isinstance(event, ev.StepScheduled)
         for e in event.entries
         if e.req_id == req_id
@@ -155,5 +156,5 @@ def test_the_engine_does_not_share_kv_between_colliding_prompts() -> None:
     assert scheduled_entries(engine, "a-again")[0].num_computed_before == 8  # a true hit
     for req_id, prompt in (("a", a), ("b", b), ("a-again", a)):
         assert outputs[req_id] == runner.expected_stream(prompt, params)
-    assert verify(engine.tape).ok
-    assert fold(engine.tape) == engine.state
+    assert verify(engine.engine_core.tape).ok
+    assert fold(engine.engine_core.tape) == engine.engine_core.state

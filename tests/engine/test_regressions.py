@@ -29,25 +29,25 @@ def make_llm(policy: str, depth: int, k: int = 0, **kw: object) -> LLM:
 
 
 def drive(llm: LLM, delivered: dict[str, list[int]]) -> None:
-    for out in llm.engine.step():
+    for out in llm.llm_engine.step():
         delivered[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
 
 
 def run_until_idle(llm: LLM, delivered: dict[str, list[int]], limit: int = 500) -> None:
     for _ in range(limit):
-        if not llm.engine.has_unfinished_requests():
+        if not llm.llm_engine.has_unfinished_requests():
             return
         drive(llm, delivered)
     raise AssertionError("the engine did not finish")
 
 
 def expected(llm: LLM, params: SamplingParams, prompt: list[int] = PROMPT) -> list[int]:
-    return llm.engine.runner.expected_stream(prompt, params)
+    return llm.llm_engine.engine_core.runner.expected_stream(prompt, params)
 
 
 def check_tape(llm: LLM) -> None:
-    assert fold(llm.engine.tape) == llm.engine.state
-    result = verify(llm.engine.tape)
+    assert fold(llm.llm_engine.engine_core.tape) == llm.llm_engine.engine_core.state
+    result = verify(llm.llm_engine.engine_core.tape)
     assert result.ok, result.first_divergence and result.first_divergence.format()
 
 
@@ -59,16 +59,16 @@ def seed_scenario(policy: str) -> tuple[list[int], list[int], int]:
     (delivered, expected, number of tokens delivered before the pause)."""
     llm = make_llm(policy, depth=2)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    llm.engine.add_request("r", PROMPT, params)
+    llm.llm_engine.add_request("r", PROMPT, params)
     delivered: dict[str, list[int]] = {}
     while len(delivered.get("r", [])) < 8:
         drive(llm, delivered)
-    llm.engine.pause_generation(mode="keep", clear_cache=True)
+    llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
     drive(llm, delivered)  # the drained tokens come back with the next step
     before = len(delivered["r"])
-    req = llm.engine.state.requests["r"]
+    req = llm.llm_engine.engine_core.state.requests["r"]
     assert req.num_preemptions == 1 and req.num_output_placeholders == 0 and not req.num_in_flight
-    llm.engine.resume_generation()
+    llm.llm_engine.resume_generation()
     run_until_idle(llm, delivered)
     check_tape(llm)
     return delivered["r"], expected(llm, params), before
@@ -92,7 +92,9 @@ def test_seed_scenario_flag_drops_first_token_after_resume() -> None:
 def expected_shifted(exp: list[int], index: int) -> list[int]:
     """The stream from `index` on with the token at `index` skipped (one longer than needed)."""
     llm = make_llm("epoch", depth=1)
-    longer = llm.engine.runner.expected_stream(PROMPT, SamplingParams(max_tokens=len(exp) + 1))
+    longer = llm.llm_engine.engine_core.runner.expected_stream(
+        PROMPT, SamplingParams(max_tokens=len(exp) + 1)
+    )
     return longer[index + 1 :]
 
 
@@ -102,17 +104,17 @@ def expected_shifted(exp: list[int], index: int) -> list[int]:
 def double_reset(policy: str) -> tuple[list[int], list[int]]:
     llm = make_llm(policy, depth=3)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    llm.engine.add_request("r", PROMPT, params)
+    llm.llm_engine.add_request("r", PROMPT, params)
     delivered: dict[str, list[int]] = {}
     while len(delivered.get("r", [])) < 6:
         drive(llm, delivered)
-    req = llm.engine.state.requests["r"]
+    req = llm.llm_engine.engine_core.state.requests["r"]
     assert req.num_in_flight == 2  # two decode steps in flight
-    assert llm.engine.reset_prefix_cache(reset_running_requests=True)
+    assert llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     drive(llm, delivered)  # re-admits the request (prefill) and applies one stale frame
     assert req.num_stale_in_flight == 1 and req.num_in_flight == 2  # one stale, one fresh
     # The second reset, with stale and fresh output still in flight.
-    assert llm.engine.reset_prefix_cache(reset_running_requests=True)
+    assert llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     run_until_idle(llm, delivered)
     check_tape(llm)
     return delivered["r"], expected(llm, params)
@@ -138,13 +140,13 @@ def test_double_reset_counter_lets_a_stale_token_through() -> None:
 def spec_reset(policy: str) -> tuple[list[int], list[int], int, int]:
     llm = make_llm(policy, depth=2, k=3)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    llm.engine.add_request("r", PROMPT, params)
+    llm.llm_engine.add_request("r", PROMPT, params)
     delivered: dict[str, list[int]] = {}
     while len(delivered.get("r", [])) < 5:
         drive(llm, delivered)
-    req = llm.engine.state.requests["r"]
+    req = llm.llm_engine.engine_core.state.requests["r"]
     assert req.num_in_flight == 1 and req.num_output_placeholders == 4  # 1 + k in flight
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     before = len(delivered["r"])
     run_until_idle(llm, delivered)
     check_tape(llm)
@@ -165,7 +167,9 @@ def test_spec_decode_reset_counter_drops_fresh_frames() -> None:
     assert delivered[:before] == exp[:before]
     assert delivered != exp
     llm = make_llm("epoch", depth=1)
-    longer = llm.engine.runner.expected_stream(PROMPT, SamplingParams(max_tokens=60))
+    longer = llm.llm_engine.engine_core.runner.expected_stream(
+        PROMPT, SamplingParams(max_tokens=60)
+    )
     # What is delivered is the true stream with the dropped positions skipped, not a reorder.
     it = iter(longer)
     assert all(tok in it for tok in delivered)

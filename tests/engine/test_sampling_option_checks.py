@@ -51,17 +51,17 @@ def test_options_round_trip_and_version_1_events_decode() -> None:
 
 def test_engine_refusals_record_nothing() -> None:
     llm = LLM("oracle", tape=None)
-    before = len(llm.engine.tape)
+    before = len(llm.llm_engine.engine_core.tape)
     with pytest.raises(ValueError, match="bad_words"):
         llm.generate([[5, 6]], SamplingParams(bad_words=[[10**6]]), use_tqdm=False)
     llm.generate([[5, 6]], SamplingParams(max_tokens=2, n=2), use_tqdm=False)  # "0" -> 0_0, 1_0
     with pytest.raises(ValueError, match="already in use"):
-        llm.engine.add_request("0_0", [5], SamplingParams())
-    assert len(llm.engine.tape) > before
-    n = len(llm.engine.tape)
+        llm.llm_engine.add_request("0_0", [5], SamplingParams())
+    assert len(llm.llm_engine.engine_core.tape) > before
+    n = len(llm.llm_engine.engine_core.tape)
     with pytest.raises(ValueError, match="child id"):
-        llm.engine.add_request("0", [5], SamplingParams(n=2))
-    assert len(llm.engine.tape) == n
+        llm.llm_engine.add_request("0", [5], SamplingParams(n=2))
+    assert len(llm.llm_engine.engine_core.tape) == n
 
 
 def test_string_bad_words_are_recorded_as_token_ids() -> None:
@@ -82,7 +82,11 @@ def test_string_bad_words_are_recorded_as_token_ids() -> None:
     llm.generate(
         [[5, 6]], SamplingParams(max_tokens=2, bad_words=["ab", [7], " ab"]), use_tqdm=False
     )
-    added = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.RequestAdded)]
+    added = [
+        e
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
+        if isinstance(e, ev.RequestAdded)
+    ]
     assert added[0].params.bad_words == (tuple(enc("ab")), (7,))
     llm.close()
 
@@ -99,10 +103,10 @@ def test_string_bad_words_are_recorded_as_token_ids() -> None:
 )
 def test_the_oracle_refuses_options_it_cannot_honour(kw: dict[str, object]) -> None:
     llm = LLM("oracle", tape=None)
-    before = len(llm.engine.tape)
+    before = len(llm.llm_engine.engine_core.tape)
     with pytest.raises(ValueError, match=f"oracle runner .*cannot honour {next(iter(kw))}"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=4, **kw), use_tqdm=False)  # type: ignore[arg-type]
-    assert len(llm.engine.tape) == before
+    assert len(llm.llm_engine.engine_core.tape) == before
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=4), use_tqdm=False)[
         0
     ].finished  # serves on
@@ -115,5 +119,5 @@ def test_whatif_with_the_oracle_refuses_a_penalised_tape() -> None:
     llm = LLM("tiny", tape=None, device="cpu")
     llm.generate([[5, 6]], SamplingParams(max_tokens=3, presence_penalty=1.0), use_tqdm=False)
     with pytest.raises(WhatIfError, match="cannot honour presence_penalty.*--runner model"):
-        whatif(llm.engine.tape, runner="oracle")
+        whatif(llm.llm_engine.engine_core.tape, runner="oracle")
     llm.close()

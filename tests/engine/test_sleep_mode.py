@@ -1,4 +1,4 @@
-"""vLLM's sleep mode on LLMEngine (engine/rl_calls.py, runners/sleep_memory.py): what each
+"""vLLM's sleep mode on LLMEngine (EngineCore.sleep and wake_up, runners/sleep_memory.py): what each
 level releases (measured on the runner's tensors and the process's RSS), what a wake-up
 restores, what happens to the requests in flight and to those that arrive while it sleeps,
 and the calls it refuses. Every tape verifies and has no postmortem finding."""
@@ -49,7 +49,7 @@ def oracle(**kw: object) -> LLM:
 
 
 def events(engine: LLMEngine) -> list[ev.Event]:
-    return [e for _, e in load_tape(engine.tape).events()]  # type: ignore[arg-type]
+    return [e for _, e in load_tape(engine.engine_core.tape).events()]  # type: ignore[arg-type]
 
 
 def run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
@@ -70,13 +70,13 @@ def reference(prompts: list[list[int]], params: SamplingParams, **kw: object) ->
 
 def clean(engine: LLMEngine) -> None:
     """The tape verifies, folds to the engine's state and has no finding."""
-    assert verify(engine.tape).ok
-    assert fold(engine.tape) == engine.state
-    assert postmortem(engine.tape).findings == []  # type: ignore[arg-type]
+    assert verify(engine.engine_core.tape).ok
+    assert fold(engine.engine_core.tape) == engine.engine_core.state
+    assert postmortem(engine.engine_core.tape).findings == []  # type: ignore[arg-type]
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    model = engine.runner.model  # type: ignore[attr-defined]
+    model = engine.engine_core.runner.model  # type: ignore[attr-defined]
     return sum(p.untyped_storage().nbytes() for p in model.parameters())
 
 
@@ -98,25 +98,30 @@ def resident_bytes(ranges: list[tuple[int, int]]) -> int:
 
 def test_level_1_drains_offloads_and_wakes_to_the_same_tokens() -> None:
     llm = tiny()
-    engine = llm.engine
+    engine = llm.llm_engine
     before = weight_bytes(engine)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
     for _ in range(4):
         engine.step()
-    assert engine.state.in_flight_steps  # depth 2: a step is in flight when sleep is called
+    assert (
+        engine.engine_core.state.in_flight_steps
+    )  # depth 2: a step is in flight when sleep is called
     engine.sleep(level=1, mode="keep")
     tape = events(engine)
     slept = next(i for i, e in enumerate(tape) if isinstance(e, ev.EngineSlept))
-    assert tape[slept] == ev.EngineSlept(engine.state.step, 1, [], ["0", "1", "2"])
+    assert tape[slept] == ev.EngineSlept(engine.engine_core.state.step, 1, [], ["0", "1", "2"])
     # Paused first, drained (the frame in flight applied), the cache reset, then asleep.
     kinds = [ev.kind_of(e) for e in tape[:slept]]
     pause = kinds.index("GenerationPaused")
     assert "FrameProduced" in kinds[pause:] and "PrefixCacheReset" in kinds[pause:]
-    assert engine.is_sleeping() and engine.state.sleeping_tags == ("weights", "kv_cache")
+    assert engine.is_sleeping() and engine.engine_core.state.sleeping_tags == (
+        "weights",
+        "kv_cache",
+    )
     # The runner's tensors are freed: the weights live in the host copy, the packed copies and
     # the KV cache are gone.
-    runner = engine.runner
+    runner = engine.engine_core.runner
     assert weight_bytes(engine) == 0 and runner.kv_caches == []  # type: ignore[attr-defined]
     host = runner.memory.host_copy  # type: ignore[attr-defined]
     assert sum(t.untyped_storage().nbytes() for t in host.values()) == before
@@ -124,7 +129,9 @@ def test_level_1_drains_offloads_and_wakes_to_the_same_tokens() -> None:
     assert linears and all(m.packed_weight.empty for m in linears)
     drained = engine.step()  # the tokens of the drained frame, as after a pause
     assert {o.request_id for o in drained} == {"0", "1", "2"}
-    assert engine.step() == [] and not engine.state.in_flight_steps  # nothing runs asleep
+    assert (
+        engine.step() == [] and not engine.engine_core.state.in_flight_steps
+    )  # nothing runs asleep
     engine.wake_up()
     assert not engine.is_sleeping() and weight_bytes(engine) == before
     assert isinstance(events(engine)[-1], ev.GenerationResumed)
@@ -138,7 +145,7 @@ def written_kv_pool(llm: LLM) -> list[tuple[int, int]]:
     the address ranges of the pool's tensors, checking that those pages are resident."""
     prompts = [[3 + (7 * i + j) % 250 for j in range(2000)] for i in range(6)]
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
-    kv = llm.engine.runner.kv_caches  # type: ignore[attr-defined]
+    kv = llm.llm_engine.engine_core.runner.kv_caches  # type: ignore[attr-defined]
     pool = [(t.data_ptr(), t.data_ptr() + t.nbytes) for pair in kv for t in pair]
     held = resident_bytes(pool)
     assert held > 40 * 2**20, f"only {held / 2**20:.1f} MiB of the KV written is resident"
@@ -167,27 +174,27 @@ def test_close_gives_the_kv_cache_and_the_weights_back_at_once() -> None:
     llm.close()  # the object stays referenced here, and the collector does not run
     left = resident_bytes(pool)
     assert left < 2 * 2**20, f"{left / 2**20:.1f} MiB of the KV cache still resident"
-    assert weight_bytes(llm.engine) == 0 and llm.engine.runner.kv_caches == []  # type: ignore[attr-defined]
+    assert weight_bytes(llm.llm_engine) == 0 and llm.llm_engine.engine_core.runner.kv_caches == []  # type: ignore[attr-defined]
 
 
 def test_level_2_drops_the_weights_and_rebuilds_them_from_the_seed() -> None:
     llm = tiny(seed=3)
-    engine = llm.engine
-    original = engine.runner.weights_id  # type: ignore[attr-defined]
+    engine = llm.llm_engine
+    original = engine.engine_core.runner.weights_id  # type: ignore[attr-defined]
     engine.add_request("a", PROMPTS[0], GREEDY)
     engine.step()
     engine.sleep(level=2, mode="keep")
     assert [o.request_id for o in engine.step()] == ["a"]  # its drained token
-    assert weight_bytes(engine) == 0 and engine.runner.memory.host_copy == {}  # type: ignore[attr-defined]
+    assert weight_bytes(engine) == 0 and engine.engine_core.runner.memory.host_copy == {}  # type: ignore[attr-defined]
     engine.wake_up(tags=["kv_cache"])
-    assert engine.is_sleeping() and engine.state.sleeping_tags == ("weights",)
+    assert engine.is_sleeping() and engine.engine_core.state.sleeping_tags == ("weights",)
     engine.add_request("b", PROMPTS[1], GREEDY)  # arrives while the weights sleep: queued
-    assert engine.step() == [] and engine.state.requests["b"].status.value == "waiting"
+    assert engine.step() == [] and engine.engine_core.state.requests["b"].status.value == "waiting"
     engine.wake_up(tags=["weights"])
     woke = [e for e in events(engine) if isinstance(e, ev.EngineWokeUp)]
     assert [w.tags for w in woke] == [["kv_cache"], ["weights"]]
     assert woke[0].weights_id is None and woke[1].weights_id == original
-    assert engine.state.weights_id == original and not engine.is_sleeping()
+    assert engine.engine_core.state.weights_id == original and not engine.is_sleeping()
     done = run_to_end(engine)
     assert [done["a"], done["b"]] == reference(PROMPTS[:2], GREEDY, seed=3)
     clean(engine)
@@ -196,7 +203,7 @@ def test_level_2_drops_the_weights_and_rebuilds_them_from_the_seed() -> None:
 def test_level_2_then_new_weights_before_the_kv_cache_wakes() -> None:
     """The RL loop of vLLM's docs: sleep(2), wake the weights, load new ones, wake the rest."""
     llm = tiny()
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.sleep(level=2)
     new = builtin_model("tiny", seed=1)[1].state_dict()
     with pytest.raises(RuntimeError, match="the weights sleep"):
@@ -204,7 +211,7 @@ def test_level_2_then_new_weights_before_the_kv_cache_wakes() -> None:
     engine.wake_up(["weights"])
     weights_id = engine.update_weights(new)
     engine.wake_up(["kv_cache"])
-    assert engine.state.weights_id == weights_id
+    assert engine.engine_core.state.weights_id == weights_id
     out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in out] == reference(PROMPTS, GREEDY, seed=1)
     clean(engine)
@@ -212,7 +219,7 @@ def test_level_2_then_new_weights_before_the_kv_cache_wakes() -> None:
 
 def test_the_default_mode_aborts_like_vllms() -> None:
     llm = oracle(pipeline_depth=3)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50))
     engine.add_request("b", [8, 9], SamplingParams(max_tokens=50))
     for _ in range(4):
@@ -229,7 +236,7 @@ def test_the_default_mode_aborts_like_vllms() -> None:
 def test_a_request_that_arrives_asleep_is_served_after_the_wake_up() -> None:
     """vLLM #45268: a request that arrived during /sleep was parked for ever."""
     llm = oracle(pipeline_depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     params = SamplingParams(max_tokens=12)
     engine.add_request("before", [5, 6, 7], params)
     engine.step()
@@ -238,14 +245,14 @@ def test_a_request_that_arrives_asleep_is_served_after_the_wake_up() -> None:
     engine.step()  # the drained frame's tokens
     for _ in range(5):
         assert engine.step() == []
-    assert engine.state.step == next(
+    assert engine.engine_core.state.step == next(
         e.step for e in events(engine) if isinstance(e, ev.EngineSlept)
     )
     engine.wake_up(["scheduling"])  # wakes nothing that level 1 released: still asleep
     assert engine.is_sleeping()
     engine.wake_up()
     done = run_to_end(engine)
-    runner = engine.runner
+    runner = engine.engine_core.runner
     for req_id, prompt in (("before", [5, 6, 7]), ("during", [8, 9, 10])):
         assert done[req_id] == runner.expected_stream(prompt, params)  # type: ignore[attr-defined]
     clean(engine)
@@ -253,14 +260,14 @@ def test_a_request_that_arrives_asleep_is_served_after_the_wake_up() -> None:
 
 def test_level_0_releases_nothing_and_any_wake_up_resumes() -> None:
     llm = tiny(pipeline_depth=1)
-    engine = llm.engine
+    engine = llm.llm_engine
     before = weight_bytes(engine)
     engine.add_request("a", PROMPTS[0], GREEDY)
     engine.step()
     engine.sleep(level=0, mode="keep")
-    assert engine.is_sleeping() and engine.state.sleeping_tags == ()
-    assert weight_bytes(engine) == before and engine.runner.kv_caches  # type: ignore[attr-defined]
-    assert engine.state.requests["a"].status.value == "running"  # kept with its KV
+    assert engine.is_sleeping() and engine.engine_core.state.sleeping_tags == ()
+    assert weight_bytes(engine) == before and engine.engine_core.runner.kv_caches  # type: ignore[attr-defined]
+    assert engine.engine_core.state.requests["a"].status.value == "running"  # kept with its KV
     assert engine.step() == []
     engine.wake_up(["scheduling"])
     assert not engine.is_sleeping()
@@ -270,10 +277,10 @@ def test_level_0_releases_nothing_and_any_wake_up_resumes() -> None:
 
 def test_calls_refused_while_asleep_record_nothing() -> None:
     llm = oracle()
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.sleep(level=1, mode="keep")
     engine.sleep(level=2)  # already asleep: nothing, as vLLM's
-    n = engine.state.num_events
+    n = engine.engine_core.state.num_events
     with pytest.raises(RuntimeError, match="the engine sleeps"):
         engine.resume_generation()
     with pytest.raises(RuntimeError, match="the engine sleeps"):
@@ -284,7 +291,7 @@ def test_calls_refused_while_asleep_record_nothing() -> None:
         engine.wake_up(["gpu"])
     with pytest.raises(TypeError, match="tags must be a list"):
         engine.wake_up("weights")  # type: ignore[arg-type]
-    assert engine.state.num_events == n and engine.state.sleep_level == 1
+    assert engine.engine_core.state.num_events == n and engine.engine_core.state.sleep_level == 1
     engine.wake_up()
     with pytest.raises(ValueError, match="level must be in 0..2"):
         engine.sleep(level=3)
@@ -298,7 +305,7 @@ def test_is_sleeping_and_wake_up_on_a_paused_engine_are_vllms() -> None:
     """vLLM's is_sleeping is true while paused (its sleep level 0), and wake_up resumes."""
     engine = oracle().engine
     engine.pause_generation("keep")
-    assert engine.is_sleeping() and engine.state.sleep_level is None
+    assert engine.is_sleeping() and engine.engine_core.state.sleep_level is None
     engine.wake_up()
     assert not engine.is_sleeping() and not engine.is_paused()
     assert isinstance(events(engine)[-1], ev.GenerationResumed)
@@ -308,11 +315,11 @@ def test_is_sleeping_and_wake_up_on_a_paused_engine_are_vllms() -> None:
 
 def test_level_2_is_refused_where_the_weights_cannot_be_rebuilt() -> None:
     engine = tiny().engine
-    engine.runner.model_id = "a model built in memory"  # type: ignore[misc]
-    n = engine.state.num_events
+    engine.engine_core.runner.model_id = "a model built in memory"  # type: ignore[misc]
+    n = engine.engine_core.state.num_events
     with pytest.raises(ValueError, match="sleep at level 1"):
         engine.sleep(level=2)
-    assert engine.state.num_events == n and not engine.is_paused()
+    assert engine.engine_core.state.num_events == n and not engine.is_paused()
 
 
 def test_a_wake_up_the_runner_cannot_do_leaves_the_engine_asleep(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -322,15 +329,15 @@ def test_a_wake_up_the_runner_cannot_do_leaves_the_engine_asleep(tmp_path) -> No
     save_checkpoint(builtin_model("tiny", seed=2)[1], folder)
     llm = LLM(model=str(folder), tape=None, num_kv_blocks=64, block_size=16)
     _OPEN.append(llm)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.sleep(level=2)
     for f in folder.glob("*.safetensors"):
         f.unlink()  # the checkpoint the weights were to be rebuilt from is gone
-    n = engine.state.num_events
+    n = engine.engine_core.state.num_events
     with pytest.raises(Exception, match="safetensors"):
         engine.wake_up()
-    assert engine.state.num_events == n and engine.state.sleep_level == 2
-    assert engine.dead_reason is None
+    assert engine.engine_core.state.num_events == n and engine.engine_core.state.sleep_level == 2
+    assert engine.engine_core.dead_reason is None
     save_checkpoint(builtin_model("tiny", seed=2)[1], folder)
     engine.wake_up()
     assert not engine.is_sleeping()
@@ -339,17 +346,17 @@ def test_a_wake_up_the_runner_cannot_do_leaves_the_engine_asleep(tmp_path) -> No
 
 def test_abort_all_returns_the_ids_and_discards_the_frames_in_flight() -> None:
     llm = oracle(pipeline_depth=3, num_speculative_tokens=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=60))
     engine.add_request("p", [8, 9], SamplingParams(max_tokens=60, n=2))
     engine.add_request("done", [3, 4], SamplingParams(max_tokens=1))
     for _ in range(6):
         engine.step()
-    assert engine.state.in_flight_steps
+    assert engine.engine_core.state.in_flight_steps
     assert engine.abort_all() == ["a", "p"]  # p's two children, once
     assert engine.abort_all() == []
     run_to_end(engine)  # the frames in flight come back and are discarded
-    reqs = engine.state.requests
+    reqs = engine.engine_core.state.requests
     assert [reqs[r].finish_reason for r in ("a", "0_p", "1_p", "done")] == [
         "abort",
         "abort",
@@ -365,7 +372,7 @@ def test_a_sleepy_tape_replays_in_a_what_if() -> None:
     from tokentape.replay.whatif import whatif
 
     llm = oracle(pipeline_depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20))
     engine.step()
     engine.sleep(level=1, mode="keep")
@@ -373,7 +380,7 @@ def test_a_sleepy_tape_replays_in_a_what_if() -> None:
     engine.wake_up(["weights"])
     engine.wake_up()
     run_to_end(engine)
-    result = whatif(engine.tape, pipeline_depth=4)  # type: ignore[arg-type]
+    result = whatif(engine.engine_core.tape, pipeline_depth=4)  # type: ignore[arg-type]
     assert result.diff.identical, result.diff
     kinds = [ev.kind_of(e) for _, e in result.tape.events()]
     assert kinds.count("EngineSlept") == 1 and kinds.count("EngineWokeUp") == 2
@@ -393,17 +400,17 @@ def test_a_release_that_fails_ends_the_engine_on_the_tape() -> None:
     def fail(runner: object, level: int) -> None:
         raise RuntimeError("pinned host memory exhausted")
 
-    engine.runner.memory.sleep = fail  # type: ignore[attr-defined,method-assign]
+    engine.engine_core.runner.memory.sleep = fail  # type: ignore[attr-defined,method-assign]
     with pytest.raises(RuntimeError, match="pinned host memory exhausted"):
         engine.sleep(level=1, mode="keep")
-    assert engine.dead_reason is not None
+    assert engine.engine_core.dead_reason is not None
     with pytest.raises(EngineDeadError):
         engine.wake_up()
     with pytest.raises(EngineDeadError):
         engine.sleep()
     tape = events(engine)
     assert [ev.kind_of(e) for e in tape[-2:]] == ["EngineSlept", "EngineError"]
-    result = verify(engine.tape)
+    result = verify(engine.engine_core.tape)
     assert result.ok and result.ended_with_error is not None
 
 
@@ -411,10 +418,10 @@ def test_fall_asleep_alone_is_refused_unless_paused_and_drained() -> None:
     engine = oracle(pipeline_depth=2).engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
     engine.step()
-    n = engine.state.num_events
+    n = engine.engine_core.state.num_events
     with pytest.raises(RuntimeError, match="only once paused and drained"):
-        engine.fall_asleep(1)
-    assert engine.state.num_events == n and engine.dead_reason is None
+        engine.engine_core.fall_asleep(1)
+    assert engine.engine_core.state.num_events == n and engine.engine_core.dead_reason is None
     run_to_end(engine)
     clean(engine)
 
@@ -423,7 +430,7 @@ def test_a_chunked_transfer_between_the_wake_ups_of_a_level_2_sleep() -> None:
     """sleep(2), wake the weights, a chunked transfer, then the KV cache: the wake-up that
     would resume is refused while the transfer is open; the tokens are the new weights'."""
     llm = tiny()
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.sleep(level=2)
     new = builtin_model("tiny", seed=1)[1].state_dict()
     with pytest.raises(RuntimeError, match="the weights sleep"):
@@ -433,10 +440,10 @@ def test_a_chunked_transfer_between_the_wake_ups_of_a_level_2_sleep() -> None:
     engine.start_weight_update()
     for name, tensor in new.items():
         engine.update_weights({name: tensor})
-    n = engine.state.num_events
+    n = engine.engine_core.state.num_events
     with pytest.raises(RuntimeError, match="wake_up: a weight update is open"):
         engine.wake_up()
-    assert engine.state.num_events == n and engine.is_sleeping()
+    assert engine.engine_core.state.num_events == n and engine.is_sleeping()
     engine.finish_weight_update(weight_version="rl-1")
     engine.wake_up()
     out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -28,26 +28,26 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 def drive(llm: LLM, outs: dict[str, list], steps: int | None = None) -> None:
     """Step (all the way, or `steps` times), keeping every output of each request."""
     n = 0
-    while llm.engine.has_unfinished_requests() and (steps is None or n < steps):
-        for out in llm.engine.step():
+    while llm.llm_engine.has_unfinished_requests() and (steps is None or n < steps):
+        for out in llm.llm_engine.step():
             outs.setdefault(out.request_id, []).append(out)
         n += 1
 
 
 def pause(llm: LLM, outs: dict[str, list]) -> None:
-    llm.engine.pause_generation(mode="keep", clear_cache=True)
+    llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
     drive(llm, outs, 1)  # the drained tokens go out
 
 
 def tape_events(llm: LLM) -> list[ev.Event]:
-    tape = llm.engine.tape
+    tape = llm.llm_engine.engine_core.tape
     tape.flush()
     return [e for _, e in load_tape(tape.path or tape).events()]  # type: ignore[arg-type]
 
 
 def test_versions_are_numbered_named_and_carried_by_every_token() -> None:
     llm = LLM(model="oracle", tape=None, pipeline_depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     assert engine.get_weight_version() == "default"  # vLLM's initial version
     outs: dict[str, list] = {}
     engine.add_request("r", [5, 6, 7], PARAMS)
@@ -74,11 +74,14 @@ def test_versions_are_numbered_named_and_carried_by_every_token() -> None:
     joined = [v for c in deltas for v in c.weight_versions]
     assert joined[0] == "default" and joined[-1] == "42" and len(joined) == 12
     # The tape alone gives every delivered token's version again (offline, as a postmortem).
-    offline = delivered_weight_versions(llm.engine.tape)  # type: ignore[arg-type]
+    offline = delivered_weight_versions(llm.llm_engine.engine_core.tape)  # type: ignore[arg-type]
     assert offline["r"] == final.weight_versions and offline["d"] == joined
     updates = [e for e in tape_events(llm) if isinstance(e, ev.WeightsUpdated)]
     assert [u.weight_version for u in updates] == ["1", "42"]
-    assert engine.state.weight_version == "42" and engine.state.num_weight_updates == 2
+    assert (
+        engine.engine_core.state.weight_version == "42"
+        and engine.engine_core.state.num_weight_updates == 2
+    )
 
 
 @pytest.mark.parametrize(
@@ -92,18 +95,21 @@ def test_versions_are_numbered_named_and_carried_by_every_token() -> None:
 )
 def test_a_bad_version_is_refused_before_anything_changes(version, error, match) -> None:
     llm = LLM(model="oracle", tape=None)
-    llm.engine.pause_generation(mode="keep")
-    before = llm.engine.runner.weights.weights_id
+    llm.llm_engine.pause_generation(mode="keep")
+    before = llm.llm_engine.engine_core.runner.weights.weights_id
     n = len(tape_events(llm))
     with pytest.raises(error, match=match):
-        llm.engine.update_weights(oracle_state_dict(1), weight_version=version)
-    assert len(tape_events(llm)) == n and llm.engine.runner.weights.weights_id == before
-    assert llm.engine.get_weight_version() == "default"
+        llm.llm_engine.update_weights(oracle_state_dict(1), weight_version=version)
+    assert (
+        len(tape_events(llm)) == n
+        and llm.llm_engine.engine_core.runner.weights.weights_id == before
+    )
+    assert llm.llm_engine.get_weight_version() == "default"
 
 
 def test_a_chunked_transfer_checks_each_chunk_and_loads_at_the_finish(tmp_path) -> None:
     llm = LLM(model="oracle", tape=str(tmp_path / "t.tape"), pipeline_depth=2)
-    engine, weights = llm.engine, llm.engine.runner.weights
+    engine, weights = llm.llm_engine, llm.llm_engine.engine_core.runner.weights
     with pytest.raises(RuntimeError, match="start_weight_update: pause generation first"):
         engine.start_weight_update()
     engine.pause_generation(mode="keep")
@@ -136,14 +142,17 @@ def test_a_chunked_transfer_checks_each_chunk_and_loads_at_the_finish(tmp_path) 
     assert weights.weights_id == old_id  # still the old weights until the finish
     weights_id = engine.finish_weight_update(weight_version="step-7")
     assert weights_id == weights.weights_id != old_id
-    assert engine.state.weight_update_chunks is None and engine.get_weight_version() == "step-7"
+    assert (
+        engine.engine_core.state.weight_update_chunks is None
+        and engine.get_weight_version() == "step-7"
+    )
     engine.resume_generation()
     llm.generate([[5, 6, 7]], PARAMS)
     llm.close()
     # The same weights in one update hash the same.
     whole = LLM(model="oracle", tape=None)
-    whole.engine.pause_generation(mode="keep")
-    assert whole.engine.update_weights(new) == weights_id
+    whole.llm_engine.pause_generation(mode="keep")
+    assert whole.llm_engine.update_weights(new) == weights_id
     events = [e for _, e in load_tape(tmp_path / "t.tape").events()]
     kinds = [ev.kind_of(e) for e in events if "Weight" in ev.kind_of(e)]
     assert kinds == [
@@ -161,11 +170,11 @@ def test_a_chunked_transfer_checks_each_chunk_and_loads_at_the_finish(tmp_path) 
 
 def test_an_empty_transfer_publishes_a_version_over_the_same_weights() -> None:
     llm = LLM(model="oracle", tape=None)
-    llm.engine.pause_generation(mode="keep")
-    before = llm.engine.runner.weights.weights_id
-    llm.engine.start_weight_update()
-    assert llm.engine.finish_weight_update() == before
-    assert llm.engine.get_weight_version() == "1"
+    llm.llm_engine.pause_generation(mode="keep")
+    before = llm.llm_engine.engine_core.runner.weights.weights_id
+    llm.llm_engine.start_weight_update()
+    assert llm.llm_engine.finish_weight_update() == before
+    assert llm.llm_engine.get_weight_version() == "1"
 
 
 def test_the_reducer_refuses_weights_changed_with_steps_in_flight() -> None:

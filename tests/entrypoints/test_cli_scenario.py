@@ -162,7 +162,7 @@ def test_a_scenario_drives_llm_generate() -> None:
         Scenario([Reset(-2)])
     with pytest.raises(ValueError, match=r"no such request \(the requests are 2\)"):
         llm.generate([[5]], params, scenario=Scenario([Abort(1, "x")]))
-    assert "2" not in llm.engine.state.requests  # refused before anything was added
+    assert "2" not in llm.llm_engine.engine_core.state.requests  # refused before anything was added
 
 
 def test_the_overwrite_rule_for_odd_paths(

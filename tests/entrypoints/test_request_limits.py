@@ -55,10 +55,10 @@ def test_work_past_a_limit_is_refused_naming_the_field(
     tiny: Any, kwargs: dict[str, Any], field: str, limit: str
 ) -> None:
     engine = tiny.engine
-    before = len(engine.tape)
+    before = len(engine.engine_core.tape)
     with pytest.raises(ValueError, match=f"request 'r': {re.escape(field)} must .*{limit}"):
         engine.add_request("r", [5, 6], SamplingParams(max_tokens=4, **kwargs))
-    assert len(engine.tape) == before  # nothing recorded
+    assert len(engine.engine_core.tape) == before  # nothing recorded
 
 
 def test_limits_at_their_bound_are_served(tiny: Any) -> None:
@@ -78,12 +78,12 @@ def test_max_logprobs_is_an_engine_argument() -> None:
         LLM("oracle", tape=None, max_logprobs=2) as llm,
         pytest.raises(ValueError, match="logprobs must be at most 2"),
     ):
-        llm.engine.add_request("r", [5], SamplingParams(logprobs=3))
+        llm.llm_engine.add_request("r", [5], SamplingParams(logprobs=3))
     with LLM("tiny", tape=None, device="cpu", num_kv_blocks=64, max_logprobs=-1) as llm:
         out = llm.generate([[5, 6]], SamplingParams(max_tokens=2, logprobs=100))[0].outputs[0]
         assert len(out.top_logprobs[0]) >= 100
         with pytest.raises(ValueError, match="vocabulary size"):
-            llm.engine.add_request("r", [5], SamplingParams(logprobs=10**6))
+            llm.llm_engine.add_request("r", [5], SamplingParams(logprobs=10**6))
     with pytest.raises(ValueError, match="max_logprobs"):
         LLM("oracle", tape=None, max_logprobs=-2)
 

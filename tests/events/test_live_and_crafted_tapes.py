@@ -32,7 +32,7 @@ def live_tape(path: Path) -> Iterator[LLM]:
     stop = threading.Event()
 
     def write() -> None:
-        engine, n = llm.engine, 0
+        engine, n = llm.llm_engine, 0
         while not stop.is_set():
             if engine.get_num_unfinished_requests() < 4:
                 engine.add_request(

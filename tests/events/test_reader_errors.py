@@ -319,10 +319,11 @@ import os, signal, sys
 from tokentape import LLM, SamplingParams
 llm = LLM(model="oracle", tape=sys.argv[1], pipeline_depth=3, block_size=4, num_kv_blocks=64)
 for i in range(4):
-    llm.engine.add_request(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=40))
+    llm.llm_engine.add_request(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=40))
 for _ in range(12):
-    llm.engine.step()
-llm.engine.tape.flush()  # what was committed is in the file (the writer would finish it anyway)
+    llm.llm_engine.step()
+# what was committed is in the file (the writer would finish it anyway)
+llm.llm_engine.engine_core.tape.flush()
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -372,15 +373,15 @@ def evil(tmp_path_factory: pytest.TempPathFactory) -> Path:
         block_size=4,
         num_kv_blocks=64,
     )
-    llm.engine.add_request(
+    llm.llm_engine.add_request(
         EVIL, list(range(10, 30)), SamplingParams(max_tokens=20, ignore_eos=True)
     )
     for _ in range(10):
-        llm.engine.step()
-    llm.engine.pause_generation("keep", clear_cache=True)
-    llm.engine.resume_generation()
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+        llm.llm_engine.step()
+    llm.llm_engine.pause_generation("keep", clear_cache=True)
+    llm.llm_engine.resume_generation()
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
     llm.close()
     return path
 

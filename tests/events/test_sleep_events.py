@@ -108,7 +108,7 @@ def sleepy_tape(path: Path) -> LLM:
     """An oracle run on an SQLite tape: a sleep with a step in flight, a request that arrives
     asleep, a wake-up in two calls."""
     llm = LLM(model="oracle", tape=str(path), block_size=4, num_kv_blocks=64, pipeline_depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=16))
     engine.step()
     engine.step()
@@ -132,7 +132,7 @@ def test_the_events_round_trip_through_an_sqlite_tape_that_verifies(tmp_path: Pa
     assert woke == [ev.EngineWokeUp(2, ["kv_cache"]), ev.EngineWokeUp(2, ["weights"])]
     for event in recorded:
         assert ev.decode(ev.encode(event)) == event
-    assert verify(tape).ok and tape.fold() == llm.engine.state
+    assert verify(tape).ok and tape.fold() == llm.llm_engine.engine_core.state
     assert postmortem(tape).findings == []
 
 

@@ -66,7 +66,7 @@ class ClientRequest:
 
 def tape_dump(m: EngineMachine) -> str:
     """The engine config and every event on the tape: context for a failing assertion."""
-    events = "\n".join(f"  {e!r}" for _, e in m.engine.tape.iter_events())
+    events = "\n".join(f"  {e!r}" for _, e in m.engine.engine_core.tape.iter_events())
     return f"\n{m.engine.config!r}\ntape:\n{events}"
 
 
@@ -126,14 +126,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     @property
     def engine(self):
-        return self.llm.engine
+        return self.llm.llm_engine
 
     @property
     def max_len(self) -> int:
         return self.llm.config.effective_max_model_len
 
     def expected_stream(self, prompt: list[int], params: SamplingParams) -> list[int]:
-        return self.engine.runner.expected_stream(prompt, params, max_model_len=self.max_len)
+        return self.engine.engine_core.runner.expected_stream(
+            prompt, params, max_model_len=self.max_len
+        )
 
     def take_outputs(self, outputs) -> None:
         for out in outputs:
@@ -191,7 +193,7 @@ class EngineMachine(RuleBasedStateMachine):
         pool = unfinished if use_unfinished else sorted(self.reqs)
         req_id = data.draw(st.sampled_from(pool), label="req_id")
         self.engine.abort_request(req_id)
-        assert self.engine.state.requests[req_id].is_finished
+        assert self.engine.engine_core.state.requests[req_id].is_finished
         self.commands += 1
         self.busy = False
 
@@ -208,15 +210,15 @@ class EngineMachine(RuleBasedStateMachine):
         self.busy = True
         self.engine.pause_generation(mode, clear_cache)
         assert self.engine.is_paused()
-        assert not self.engine.state.in_flight_steps, (
+        assert not self.engine.engine_core.state.in_flight_steps, (
             "pause_generation returned before the engine drained"
         )
         if mode == "abort":
-            assert not self.engine.state.unfinished
+            assert not self.engine.engine_core.state.unfinished
         if mode == "wait":
-            assert not self.engine.state.running
+            assert not self.engine.engine_core.state.running
         if clear_cache:
-            assert self.engine.kv.num_used_blocks == 0
+            assert self.engine.engine_core.kv.num_used_blocks == 0
         self.commands += 1
         self.busy = False
 
@@ -231,12 +233,12 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(reset_running=st.booleans())
     def reset_prefix_cache(self, reset_running):
         self.busy = True
-        used = self.engine.kv.num_used_blocks
+        used = self.engine.engine_core.kv.num_used_blocks
         ok = self.engine.reset_prefix_cache(reset_running_requests=reset_running)
         assert ok == (reset_running or used == 0), (ok, reset_running, used)
         if reset_running:
-            assert not self.engine.state.running
-            assert self.engine.kv.num_used_blocks == 0
+            assert not self.engine.engine_core.state.running
+            assert self.engine.engine_core.kv.num_used_blocks == 0
         self.commands += 1
         self.busy = False
 
@@ -256,7 +258,7 @@ class EngineMachine(RuleBasedStateMachine):
     def bad_input(self, kind):
         self.busy = True
         engine = self.engine
-        events_before = len(engine.tape)
+        events_before = len(engine.engine_core.tape)
         if kind == "unknown_abort":
             with pytest.raises(KeyError):
                 engine.abort_request("no-such-request")
@@ -282,8 +284,8 @@ class EngineMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError):
                 engine.pause_generation("sleep")
         # A rejected command leaves no trace and the engine keeps serving.
-        assert len(engine.tape) == events_before
-        assert engine._dead is None
+        assert len(engine.engine_core.tape) == events_before
+        assert engine.engine_core._dead is None
         self.commands += 1
         self.busy = False
 
@@ -294,7 +296,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.llm is None:
             return
         self.busy = True
-        state = self.engine.state
+        state = self.engine.engine_core.state
         for req_id, c in self.reqs.items():
             r = state.requests[req_id]
             out = r.output_token_ids
@@ -327,7 +329,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.llm is None:
             return
         self.busy = True
-        state = self.engine.state
+        state = self.engine.engine_core.state
         for r in state.requests.values():
             assert discard_count(state, r) >= 0, (r.req_id, discard_count(state, r), r)
             in_flight = [
@@ -355,7 +357,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.llm is None:
             return
         self.busy = True
-        state, kv = self.engine.state, self.engine.kv
+        state, kv = self.engine.engine_core.state, self.engine.engine_core.kv
         waiting, running = list(state.waiting), list(state.running)
         assert len(set(waiting)) == len(waiting) and len(set(running)) == len(running)
         assert not set(waiting) & set(running)
@@ -382,18 +384,20 @@ class EngineMachine(RuleBasedStateMachine):
         if self.llm is None or self.commands % FOLD_EVERY:
             return
         self.busy = True
-        folded = fold(self.engine.tape)
-        assert folded == self.engine.state, "fold(tape) differs from the live engine state"
+        folded = fold(self.engine.engine_core.tape)
+        assert folded == self.engine.engine_core.state, (
+            "fold(tape) differs from the live engine state"
+        )
         self.busy = False
 
     def record_coverage(self) -> None:
         """Hypothesis events (see --hypothesis-show-statistics): did the run reach the paths
         this machine is for?"""
-        state = self.engine.state
+        state = self.engine.engine_core.state
         event(f"requests: {min(len(state.requests) // 3 * 3, 12)}+")
         kinds = collections.Counter(
             type(e).__name__ + (f":{e.reason}" if hasattr(e, "reason") else "")
-            for _, e in self.engine.tape.iter_events()
+            for _, e in self.engine.engine_core.tape.iter_events()
         )
         for kind in (
             "RequestPreempted:kv_pressure",
@@ -423,10 +427,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.streams_are_exact()
         self.counts_never_negative()
         self.queues_and_blocks_agree()
-        state = engine.state
-        assert fold(engine.tape) == state, "fold(tape) differs from the live engine state"
+        state = engine.engine_core.state
+        assert fold(engine.engine_core.tape) == state, (
+            "fold(tape) differs from the live engine state"
+        )
         # (d) nothing leaks once everything finished
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks, engine.kv.ref_cnt
+        assert engine.engine_core.kv.num_free_blocks == engine.engine_core.kv.num_blocks, (
+            engine.engine_core.kv.ref_cnt
+        )
         for req_id, c in self.reqs.items():
             r = state.requests[req_id]
             assert r.is_finished and not r.block_ids, (req_id, r.status, r.block_ids)
@@ -436,7 +444,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert not r.num_in_flight, (req_id, r.num_in_flight)
                 assert r.num_output_placeholders == 0, (req_id, r.num_output_placeholders, r)
         # (c) the tape replays
-        result = verify(engine.tape)
+        result = verify(engine.engine_core.tape)
         assert result.ok, result.first_divergence.format() if result.first_divergence else result
         self.llm.close()
 
@@ -483,7 +491,7 @@ def test_repro_spec_decode_pipeline_not_cut_short_by_max_model_len():
     )  # max_model_len = 32
     prompt = [7, 8, 9, 10, 11, 12, 13, 14, 3, 3, 3, 3, 4]  # 13 tokens
     params = SamplingParams(max_tokens=19)  # 13 + 19 = 32 tokens: fits exactly
-    want = llm.engine.runner.expected_stream(
+    want = llm.llm_engine.engine_core.runner.expected_stream(
         prompt, params, max_model_len=llm.config.effective_max_model_len
     )
     assert len(want) == 19
@@ -506,7 +514,7 @@ def test_repro_spec_decode_pipeline_not_cut_short_below_max_model_len():
     )
     prompt = [3, 126, 3, 3, 3, 5, 14, 3, 17]
     params = SamplingParams(max_tokens=21)
-    want = llm.engine.runner.expected_stream(
+    want = llm.llm_engine.engine_core.runner.expected_stream(
         prompt, params, max_model_len=llm.config.effective_max_model_len
     )
     assert len(want) == 21
@@ -520,8 +528,8 @@ def test_repro_finished_requests_keep_output_placeholders():
     decrement for the frames of a finished request. Once idle, nothing is in flight, yet
     num_output_placeholders stays 1."""
     llm = tokentape.LLM(model="oracle", tape=None, pipeline_depth=2, block_size=4, num_kv_blocks=8)
-    engine = llm.engine
-    first = engine.runner.expected_stream([3], SamplingParams(max_tokens=1))[0]
+    engine = llm.llm_engine
+    first = engine.engine_core.runner.expected_stream([3], SamplingParams(max_tokens=1))[0]
     engine.add_request("stop", [3], SamplingParams(max_tokens=4, stop_token_ids=(first,)))
     _drain(engine)
     engine.add_request("abort", [3, 4], SamplingParams(max_tokens=4))
@@ -529,7 +537,7 @@ def test_repro_finished_requests_keep_output_placeholders():
     engine.abort_request("abort")
     _drain(engine)
     for req_id, reason in (("stop", "stop"), ("abort", "abort")):
-        req = engine.state.requests[req_id]
+        req = engine.engine_core.state.requests[req_id]
         assert req.finish_reason == reason
         assert not req.num_in_flight
         assert req.num_output_placeholders == 0, (req_id, req.num_output_placeholders)
@@ -548,20 +556,20 @@ def test_repro_counter_policy_discard_count_goes_negative():
         block_size=4,
         num_kv_blocks=8,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("r0", [3], SamplingParams(max_tokens=16))
-    req = engine.state.requests["r0"]
+    req = engine.engine_core.state.requests["r0"]
     counts = []
     for _ in range(3):
         engine.step()
     engine.reset_prefix_cache(reset_running_requests=True)  # 3 in flight: counter = 3
     engine.step()  # recompute scheduled; one stale frame dropped
     engine.reset_prefix_cache(reset_running_requests=True)  # overwrites the counter with 1
-    counts.append(discard_count(engine.state, req))
+    counts.append(discard_count(engine.engine_core.state, req))
     engine.pause_generation("keep", clear_cache=False)  # drains: two stale frames slip through
     engine.resume_generation()
     engine.step()
     engine.reset_prefix_cache(reset_running_requests=True)  # counter = placeholders (< 0)
-    counts.append(discard_count(engine.state, req))
+    counts.append(discard_count(engine.engine_core.state, req))
     _drain(engine)
     assert min(counts) >= 0, (counts, req)

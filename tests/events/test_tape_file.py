@@ -85,7 +85,7 @@ def test_a_closed_tape_is_one_self_contained_file(tmp_path: Path) -> None:
     path = tmp_path / "run" / "run.tape"
     path.parent.mkdir()
     llm = record(path)
-    n = len(llm.engine.tape)
+    n = len(llm.llm_engine.engine_core.tape)
     llm.close()
     assert files(path.parent) == ["run.tape"]
     status = tape_file_status(path)
@@ -162,11 +162,11 @@ def test_the_reader_holds_no_snapshot_between_batches(
     monkeypatch.setattr(sqlite_reader, "_READ_BATCH", 16)
     path = tmp_path / "live.tape"
     llm = LLM(model="oracle", tape=path, max_num_seqs=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
     for _ in range(20):
         engine.step()
-    engine.tape.flush()
+    engine.engine_core.tape.flush()
     reader = SQLiteTapeReader(path)
     events = reader.iter_events()
     for _ in range(20):  # into the second batch: the generator is suspended between two reads
@@ -178,10 +178,10 @@ def test_the_reader_holds_no_snapshot_between_batches(
         llm.close()
     rest = sum(1 for _ in events)  # the reader goes on where it was
     reader.close()
-    assert 20 + rest == len(engine.tape)
+    assert 20 + rest == len(engine.engine_core.tape)
     assert tape_file_status(path).self_contained
     alone = copied_alone(path, tmp_path / "elsewhere")
-    assert len(encoded_events(alone)) == len(engine.tape)
+    assert len(encoded_events(alone)) == len(engine.engine_core.tape)
 
 
 def _run_with_a_pinned_reader(path: Path, release_before_close: bool) -> tuple[int, int, float]:
@@ -189,7 +189,7 @@ def _run_with_a_pinned_reader(path: Path, release_before_close: bool) -> tuple[i
     its start (and is closed before the tape, or after). Returns (events, WAL bytes at the
     end of the run, close() seconds)."""
     llm = LLM(model="oracle", tape=path, max_num_seqs=1)
-    llm.engine.tape.flush()
+    llm.llm_engine.engine_core.tape.flush()
     pin = sqlite3.connect(path, isolation_level=None)
     pin.execute("BEGIN")
     assert pin.execute("SELECT COUNT(*) FROM events").fetchone() == (0,)
@@ -197,7 +197,7 @@ def _run_with_a_pinned_reader(path: Path, release_before_close: bool) -> tuple[i
         [[3 + i, 5, 7] for i in range(96)], SamplingParams(max_tokens=100, ignore_eos=True)
     )
     wal = os.path.getsize(f"{path}-wal")  # only grows while pinned: this is its peak
-    n = len(llm.engine.tape)
+    n = len(llm.llm_engine.engine_core.tape)
     if release_before_close:
         pin.execute("COMMIT")
         pin.close()
@@ -243,7 +243,7 @@ def test_an_idle_reader_connected_at_close_gets_the_events_into_the_file(tmp_pat
     path = tmp_path / "watched.tape"
     llm = record(path)
     reader = SQLiteTapeReader(path)
-    assert len(reader) == len(llm.engine.tape)
+    assert len(reader) == len(llm.llm_engine.engine_core.tape)
     t0 = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("error", TapeWarning)
@@ -269,17 +269,17 @@ def test_copy_a_live_tape_into_one_file(tmp_path: Path) -> None:
         block_size=4,
         num_speculative_tokens=2,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     for i in range(8):
         engine.add_request(f"r{i}", [3 + i, 4, 5, 6], SamplingParams(max_tokens=40))
     for _ in range(30):
         engine.step()
-    engine.tape.flush()
-    committed = len(engine.tape)
+    engine.engine_core.tape.flush()
+    committed = len(engine.engine_core.tape)
     for _ in range(5):
         engine.step()  # more, perhaps committed: the copy is a snapshot at some commit
     n = copy_tape(path, out / "copy.tape")
-    assert committed <= n <= len(engine.tape)
+    assert committed <= n <= len(engine.engine_core.tape)
     assert files(out) == ["copy.tape"] and tape_file_status(out / "copy.tape").finished
     assert encoded_events(out / "copy.tape") == encoded_events(path)[:n]
     result = verify(out / "copy.tape")
@@ -322,8 +322,8 @@ def test_a_killed_writer_names_the_lost_events_and_steps(
 ) -> None:
     path = tmp_path / "lost.tape"
     llm = LLM(model="oracle", tape=path, max_num_seqs=4)
-    engine = llm.engine
-    tape = engine.tape
+    engine = llm.llm_engine
+    tape = engine.engine_core.tape
     assert isinstance(tape, SQLiteTape)
     log = _recording_appends(tape, monkeypatch)
     for i in range(4):
@@ -369,8 +369,10 @@ def test_a_killed_writer_names_the_lost_events_and_steps(
 def test_a_writer_killed_with_nothing_pending_loses_nothing(tmp_path: Path) -> None:
     path = tmp_path / "nothing-lost.tape"
     llm = record(path)
-    n = len(llm.engine.tape)
-    os.kill(llm.engine.tape.writer_pid, signal.SIGKILL)  # everything was flushed by generate
+    n = len(llm.llm_engine.engine_core.tape)
+    os.kill(
+        llm.llm_engine.engine_core.tape.writer_pid, signal.SIGKILL
+    )  # everything was flushed by generate
     with pytest.raises(
         TapeWriterError, match=rf"no event was lost: the tape holds all {n}"
     ) as info:

@@ -72,7 +72,7 @@ def good_tape() -> Path:
         num_speculative_tokens=2,
         pipeline_depth=3,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     for i in range(5):
         engine.add_request(f"q{i}", list(range(3 + i, 12 + 2 * i)), SamplingParams(max_tokens=8))
     for _ in range(6):

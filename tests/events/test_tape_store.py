@@ -25,8 +25,8 @@ from terminal import run_in_terminal
 from tokentape import LLM, SamplingParams
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.factory import make_header
-from tokentape.engine.llm_engine import EngineDeadError
 from tokentape.engine.runners.oracle import OracleRunner
+from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events import sqlite_reader
 from tokentape.events.errors import ReducerError
@@ -566,25 +566,25 @@ def test_reader_in_another_process_sees_consistent_prefix(tmp_path: Path) -> Non
         num_kv_blocks=64,
         block_size=4,
     )
-    engine = llm.engine
-    boundaries = [len(engine.tape)]  # what is committed after each engine call
+    engine = llm.llm_engine
+    boundaries = [len(engine.engine_core.tape)]  # what is committed after each engine call
     for i in range(8):
         engine.add_request(
             f"r{i}", [3 + (i * 7 + j) % 200 for j in range(5 + i)], SamplingParams(max_tokens=150)
         )
-        boundaries.append(len(engine.tape))
+        boundaries.append(len(engine.engine_core.tape))
     reader = subprocess.Popen([sys.executable, str(script), str(path), str(done), str(out)])
     try:
         _wait_for(lambda: out.exists() and out.read_text().count("\n") >= 1)
         t0 = time.monotonic()
         while engine.has_unfinished_requests():
             engine.step()
-            boundaries.append(len(engine.tape))
+            boundaries.append(len(engine.engine_core.tape))
             time.sleep(0.002)
         assert time.monotonic() - t0 > 0.5  # enough time for the reader to overlap
         # A commit reaches the file up to COMMIT_INTERVAL_S later (the writer process groups
         # them; longer on a busy machine): flush, and the reader's read after `done` sees all.
-        engine.tape.flush()
+        engine.engine_core.tape.flush()
         done.touch()
         assert reader.wait(timeout=120) == 0
     finally:
@@ -619,7 +619,7 @@ _KILLED_WRITER_SCRIPT = textwrap.dedent(
 
     llm = LLM(model="oracle", tape=sys.argv[1], max_num_seqs=4, num_kv_blocks=16,
               block_size=4, num_speculative_tokens=2, max_num_batched_tokens=24)
-    engine = llm.engine
+    engine = llm.llm_engine
     n = 0
     while True:
         if engine.get_num_unfinished_requests() < 4:
@@ -627,7 +627,7 @@ _KILLED_WRITER_SCRIPT = textwrap.dedent(
                                SamplingParams(max_tokens=40))
         engine.step()
         n += 1
-        print(n, len(engine.tape), flush=True)  # everything counted here is committed
+        print(n, len(engine.engine_core.tape), flush=True)  # everything counted here is committed
     """
 )
 
@@ -786,11 +786,11 @@ def test_the_writer_process_never_preempts_the_engine(tmp_path: Path) -> None:
 def test_a_dead_writer_process_is_reported_and_stops_the_engine(tmp_path: Path) -> None:
     path = tmp_path / "dead-writer.tape"
     llm = LLM(model="oracle", tape=path)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
-    engine.tape.flush()
-    os.kill(engine.tape.writer_pid, signal.SIGKILL)
+    engine.engine_core.tape.flush()
+    os.kill(engine.engine_core.tape.writer_pid, signal.SIGKILL)
     with pytest.raises(
         TapeError, match=r"dead-writer\.tape: the tape writer process stopped \(exit code -9"
     ):
@@ -808,7 +808,7 @@ def test_a_dead_writer_process_is_reported_and_stops_the_engine(tmp_path: Path) 
 
 
 def _fail_on_third_collect(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = llm.engine.runner
+    runner = llm.llm_engine.engine_core.runner
     original = runner.collect
     calls = 0
 
@@ -833,7 +833,7 @@ def test_engine_error_recorded_before_it_propagates(
 
     def recorded() -> list[ev.Event]:
         # The file is read while the engine still holds it open: the error is committed.
-        source = llm.tape_path if store == "sqlite" else llm.engine.tape
+        source = llm.tape_path if store == "sqlite" else llm.llm_engine.engine_core.tape
         return [e for _, e in load_tape(source).events()]
 
     events = recorded()
@@ -841,20 +841,20 @@ def test_engine_error_recorded_before_it_propagates(
     assert isinstance(last, ev.EngineError)
     assert last.error_type == "RuntimeError" and last.message == "injected runner failure"
     assert sum(isinstance(e, ev.EngineError) for e in events) == 1
-    assert fold(load_tape(llm.tape_path) if store == "sqlite" else llm.engine.tape).error == (
-        "RuntimeError: injected runner failure"
-    )
+    assert fold(
+        load_tape(llm.tape_path) if store == "sqlite" else llm.llm_engine.engine_core.tape
+    ).error == ("RuntimeError: injected runner failure")
 
     with pytest.raises(EngineDeadError, match="injected runner failure"):
-        llm.engine.step()
+        llm.llm_engine.step()
     with pytest.raises(EngineDeadError):
-        llm.engine.add_request("late", [5, 6, 7])
+        llm.llm_engine.add_request("late", [5, 6, 7])
     with pytest.raises(EngineDeadError):
         llm.generate(["again"])
     with pytest.raises(EngineDeadError):
-        llm.engine.pause_generation("keep")
+        llm.llm_engine.pause_generation("keep")
     with pytest.raises(EngineDeadError):
-        llm.engine.reset_prefix_cache()
+        llm.llm_engine.reset_prefix_cache()
     assert recorded() == events  # a dead engine appends nothing more
     llm.close()
 
@@ -878,9 +878,9 @@ def test_client_errors_are_not_engine_errors(tmp_path: Path) -> None:
     """Bad arguments from the client are refused before anything reaches the tape."""
     llm = LLM(model="oracle", tape=tmp_path / "client.tape")
     with pytest.raises(ValueError, match="empty"):
-        llm.engine.add_request("a", [])
+        llm.llm_engine.add_request("a", [])
     with pytest.raises(ValueError, match="vocabulary"):
-        llm.engine.add_request("b", [10_000])
+        llm.llm_engine.add_request("b", [10_000])
     outs = llm.generate(["still fine"], SamplingParams(max_tokens=3))
     assert len(outs[0].outputs[0].token_ids) == 3
     llm.close()
@@ -894,7 +894,7 @@ def test_memory_tape_matches_sqlite_tape(tmp_path: Path) -> None:
     path = tmp_path / "twin.tape"
     on_disk = record_run(path)
     in_memory = record_run(None)
-    mem = in_memory.engine.tape
+    mem = in_memory.llm_engine.engine_core.tape
     assert isinstance(mem, MemoryTape) and mem.path is None
     on_disk.close()
     disk_tape, mem_tape = load_tape(path), load_tape(mem)

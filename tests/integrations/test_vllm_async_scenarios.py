@@ -31,21 +31,21 @@ def _llm(model: str = "oracle-random", **kw: Any) -> LLM:
 def _run(llm: LLM, limit: int = 3000) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {}
     for _ in range(limit):
-        if not llm.engine.has_unfinished_requests():
+        if not llm.llm_engine.has_unfinished_requests():
             return got
-        for out in llm.engine.step():
+        for out in llm.llm_engine.step():
             got[out.request_id] = list(out.outputs[0].token_ids)
     raise AssertionError("the engine did not finish")
 
 
 def _expected(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
-    runner = llm.engine.runner
+    runner = llm.llm_engine.engine_core.runner
     assert isinstance(runner, OracleRunner)
     return runner.expected_stream(prompt, params)
 
 
 def _events(llm: LLM) -> list[ev.Event]:
-    return [e for _, e in load_tape(llm.engine.tape).events()]
+    return [e for _, e in load_tape(llm.llm_engine.engine_core.tape).events()]
 
 
 def _scheduled_tokens(llm: LLM) -> dict[str, int]:
@@ -58,7 +58,7 @@ def _scheduled_tokens(llm: LLM) -> dict[str, int]:
 
 
 def _clean(llm: LLM) -> None:
-    report = postmortem(llm.engine.tape)
+    report = postmortem(llm.llm_engine.engine_core.tape)
     assert report.findings == [], [f.message for f in report.findings]
 
 
@@ -70,7 +70,7 @@ def test_stop_by_max_tokens_schedules_prompt_plus_max_tokens_minus_one(
     llm = _llm(pipeline_depth=depth)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(3):
-        llm.engine.add_request(f"r{i}", PROMPT[i:], params)
+        llm.llm_engine.add_request(f"r{i}", PROMPT[i:], params)
     got = _run(llm)
     for i in range(3):
         assert got[f"r{i}"] == _expected(llm, PROMPT[i:], params)
@@ -83,18 +83,18 @@ def test_abort_order_with_two_steps_in_flight() -> None:
     order = [0, 8, 3, 1, 6, 4, 2, 5, 7, 9]
     llm = _llm(pipeline_depth=2)
     for i in range(10):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             str(i), PROMPT[i % 5 :], SamplingParams(max_tokens=100, ignore_eos=True)
         )
     got: dict[str, list[int]] = {}
     for victim in order:
-        for out in llm.engine.step():  # schedules a step; from the second on, applies one
+        for out in llm.llm_engine.step():  # schedules a step; from the second on, applies one
             got[out.request_id] = list(out.outputs[0].token_ids)
-        llm.engine.abort_request(str(victim))
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
+        llm.llm_engine.abort_request(str(victim))
+    while llm.llm_engine.has_unfinished_requests():
+        for out in llm.llm_engine.step():
             got[out.request_id] = list(out.outputs[0].token_ids)
-    state = llm.engine.state
+    state = llm.llm_engine.engine_core.state
     for position, victim in enumerate(order):
         req = state.requests[str(victim)]
         assert req.finish_reason == "abort"
@@ -106,7 +106,7 @@ def test_abort_order_with_two_steps_in_flight() -> None:
 
 def _fold_checking(llm: LLM, check: Any) -> None:
     """Fold the tape event by event, calling check(state, event) after each."""
-    tape = load_tape(llm.engine.tape)
+    tape = load_tape(llm.llm_engine.engine_core.tape)
     state = tape.initial_state()
     for _, e in tape.events():
         evolve(state, e)
@@ -124,7 +124,7 @@ def test_spec_placeholders_of_unscheduled_requests_are_cleared() -> None:
     )
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     for i in range(5):
-        llm.engine.add_request(f"s{i}", PROMPT[i : i + 9], params)
+        llm.llm_engine.add_request(f"s{i}", PROMPT[i : i + 9], params)
     got = _run(llm)
     assert all(got[f"s{i}"] == _expected(llm, PROMPT[i : i + 9], params) for i in range(5))
     left_out = 0
@@ -164,8 +164,8 @@ def test_spec_placeholders_of_unscheduled_requests_are_cleared() -> None:
 def test_prefix_cache_dedup_within_a_step_and_hits_on_a_second_turn() -> None:
     llm = _llm(pipeline_depth=2)
     params = SamplingParams(max_tokens=9, ignore_eos=True)
-    llm.engine.add_request("a", PROMPT, params)
-    llm.engine.add_request("b", PROMPT, params)
+    llm.llm_engine.add_request("a", PROMPT, params)
+    llm.llm_engine.add_request("b", PROMPT, params)
     got = _run(llm)
     first = next(e for e in _events(llm) if isinstance(e, ev.StepScheduled))
     a, b = first.entries
@@ -177,7 +177,7 @@ def test_prefix_cache_dedup_within_a_step_and_hits_on_a_second_turn() -> None:
     assert got["a"] == got["b"] == _expected(llm, PROMPT, params)
     # Second turn: the conversation so far hits the cache (prompt and confirmed output).
     turn2 = PROMPT + got["a"] + [40, 41]
-    llm.engine.add_request("a2", turn2, params)
+    llm.llm_engine.add_request("a2", turn2, params)
     n = len(_events(llm))
     got2 = _run(llm)
     entry = next(x for e in _events(llm)[n:] if isinstance(e, ev.StepScheduled) for x in e.entries)
@@ -201,10 +201,10 @@ def test_no_placeholder_underflow_on_stale_spec_output(policy: str) -> None:
     )
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for i in range(4):
-        llm.engine.add_request(f"u{i}", PROMPT[i : i + 10], params)
+        llm.llm_engine.add_request(f"u{i}", PROMPT[i : i + 10], params)
     for _ in range(6):
-        llm.engine.step()
-    llm.engine.reset_prefix_cache(reset_running_requests=True)  # stale spec output in flight
+        llm.llm_engine.step()
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)  # stale spec output in flight
     got = _run(llm)
     assert all(got[f"u{i}"] == _expected(llm, PROMPT[i : i + 10], params) for i in range(4))
 
@@ -222,7 +222,7 @@ def test_a_preemption_marks_all_in_flight_output_stale() -> None:
     llm = _llm(pipeline_depth=3, num_kv_blocks=14, max_num_seqs=4)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     for i in range(3):
-        llm.engine.add_request(f"q{i}", PROMPT[i : i + 12], params)
+        llm.llm_engine.add_request(f"q{i}", PROMPT[i : i + 12], params)
     got = _run(llm)
     assert all(got[f"q{i}"] == _expected(llm, PROMPT[i : i + 12], params) for i in range(3))
     seen = 0
@@ -242,7 +242,7 @@ def test_a_preemption_marks_all_in_flight_output_stale() -> None:
 
     _fold_checking(llm, check)
     assert seen >= 2  # preempted with two steps in flight at least once
-    dropped = sum(r.num_frames_dropped for r in llm.engine.state.requests.values())
+    dropped = sum(r.num_frames_dropped for r in llm.llm_engine.engine_core.state.requests.values())
     assert dropped == seen  # every stale frame, and only those, dropped (epoch)
     _clean(llm)
 
@@ -250,15 +250,15 @@ def test_a_preemption_marks_all_in_flight_output_stale() -> None:
 def test_a_reset_preemption_drops_in_flight_output_under_deliver() -> None:
     llm = _llm(pipeline_depth=3, discard_policy="deliver")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    llm.engine.add_request("r", PROMPT, params)
+    llm.llm_engine.add_request("r", PROMPT, params)
     for _ in range(6):
-        llm.engine.step()
-    req = llm.engine.state.requests["r"]
+        llm.llm_engine.step()
+    req = llm.llm_engine.engine_core.state.requests["r"]
     in_flight = req.num_in_flight
     assert in_flight == 2
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     assert req.drop_stale_output and req.num_stale_in_flight == in_flight
-    assert discard_count(llm.engine.state, req) == in_flight
+    assert discard_count(llm.llm_engine.engine_core.state, req) == in_flight
     got = _run(llm)
     assert req.num_frames_dropped == in_flight  # dropped, not delivered
     assert got["r"] == _expected(llm, PROMPT, params)
@@ -272,13 +272,13 @@ def test_greedy_output_unchanged_by_a_reset_at_step_10() -> None:
     for reset in (False, True):
         llm = _llm("tiny", pipeline_depth=2, cpu_threads=1)
         for i, p in enumerate(prompts):
-            llm.engine.add_request(str(i), p, params)
+            llm.llm_engine.add_request(str(i), p, params)
         got: dict[str, list[int]] = {}
-        while llm.engine.has_unfinished_requests():
-            if reset and llm.engine.state.step == 10:
-                assert llm.engine.reset_prefix_cache(reset_running_requests=True)
+        while llm.llm_engine.has_unfinished_requests():
+            if reset and llm.llm_engine.engine_core.state.step == 10:
+                assert llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
                 reset = False
-            for out in llm.engine.step():
+            for out in llm.llm_engine.step():
                 got[out.request_id] = list(out.outputs[0].token_ids)
         assert not reset
         runs.append(got)

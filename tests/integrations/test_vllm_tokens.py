@@ -142,7 +142,7 @@ def test_sampling_options_equal_vllm(vllm: SideProcess) -> None:
     )
     recorded = {
         e.req_id: e.params
-        for _, e in llm.engine.tape.iter_events()
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(e, ev.RequestAdded)
     }
     ids = [o.request_id for o in ours]

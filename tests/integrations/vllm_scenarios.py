@@ -209,7 +209,7 @@ def run_tokentape(spec: dict[str, Any], model: str, tape: Path) -> dict[str, lis
     from tokentape import LLM, SamplingParams
 
     llm = LLM(model=model, seed=0, tape=str(tape), max_model_len=spec.get("max_model_len", 128))
-    engine = llm.engine
+    engine = llm.llm_engine
     for r in spec["requests"]:
         engine.add_request(
             r["id"],

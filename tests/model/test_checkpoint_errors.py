@@ -216,9 +216,9 @@ def test_update_weights_refuses_non_finite_values_and_changes_nothing(
     value: float, kind: str
 ) -> None:
     llm = LLM(model="tiny", tape=None, num_kv_blocks=64)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.pause_generation(mode="keep")
-    before = engine.runner.weights_id
+    before = engine.engine_core.runner.weights_id
     new = builtin_model("tiny", seed=1)[1].state_dict()
     name = "model.layers.2.mlp.up_proj.weight"
     new[name][7, 11] = value
@@ -228,7 +228,7 @@ def test_update_weights_refuses_non_finite_values_and_changes_nothing(
         r"value\(s\) out of \d+; nothing was changed",
     ):
         engine.update_weights(new)
-    assert engine.runner.weights_id == before
+    assert engine.engine_core.runner.weights_id == before
     new[name][7, 11] = 0.0
     assert engine.update_weights(new) != before  # the engine still takes a good update
 
@@ -251,13 +251,13 @@ def test_update_weights_from_a_folder_names_its_file(tmp_path: Path) -> None:
     write_checkpoint(folder, small_config("qwen3"))
     llm = LLM(model=str(folder), tape=None, block_size=4, num_kv_blocks=16)
     poison(float("nan"))(folder)
-    llm.engine.pause_generation(mode="keep")
+    llm.llm_engine.pause_generation(mode="keep")
     with pytest.raises(
         ValueError,
         match=rf"{re.escape(str(folder / SHARD1))}: update_weights: "
         "tensor 'model.embed_tokens.weight' holds 1 NaN value.*nothing was changed",
     ):
-        llm.engine.update_weights(str(folder))
+        llm.llm_engine.update_weights(str(folder))
 
 
 def test_a_big_finite_checkpoint_loads(tmp_path: Path) -> None:

@@ -38,7 +38,9 @@ def test_text_prompts_are_refused_and_nothing_is_recorded(folder: Path) -> None:
         "for this checkpoint; pass prompts as token ids",
     ):
         llm.generate([[5, 6, 7], "w3 w4"], GREEDY)
-    assert not llm.engine.state.requests and len(llm.engine.tape) == 0  # the header alone
+    assert (
+        not llm.llm_engine.engine_core.state.requests and len(llm.llm_engine.engine_core.tape) == 0
+    )  # the header alone
 
 
 def test_token_id_prompts_run_with_empty_text(folder: Path) -> None:
@@ -106,6 +108,6 @@ def test_a_saved_builtin_model_keeps_its_byte_tokenizer(tmp_path: Path) -> None:
     assert from_folder.outputs[0].text == builtin.outputs[0].text
     # byte_tokenizer=False: no tokenizer.json (for a model with one of its own to copy)
     no_tokenizer = save_checkpoint(
-        LLM("tiny", tape=None).engine.runner.model, tmp_path / "x", byte_tokenizer=False
+        LLM("tiny", tape=None).engine.engine_core.runner.model, tmp_path / "x", byte_tokenizer=False
     )
     assert isinstance(frontend_tokenizer(no_tokenizer), MissingTokenizer)

@@ -28,7 +28,7 @@ def test_checkpoint_generates_like_its_weights(tmp_path: Path, model_type: str, 
     loaded_config, _ = load_checkpoint(tmp_path / "ckpt")
     assert loaded_config == config
     llm = LLM(device="cpu", model=str(tmp_path / "ckpt"), tape=None, block_size=4, num_kv_blocks=64)
-    assert llm.engine.runner.eos_token_id == 1
+    assert llm.llm_engine.engine_core.runner.eos_token_id == 1
     prompt = "w3 w17 w5 w5 w42"
     assert llm.tokenizer.encode(prompt) == [5, 19, 7, 7, 44]
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]

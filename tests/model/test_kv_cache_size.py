@@ -36,7 +36,7 @@ def _resident_bytes() -> int:
 
 
 def _events(llm: LLM) -> list[ev.Event]:
-    return [e for _, e in llm.engine.tape.iter_events()]  # type: ignore[attr-defined]
+    return [e for _, e in llm.llm_engine.engine_core.tape.iter_events()]  # type: ignore[attr-defined]
 
 
 def test_default_tiny_runs_the_256_prompt_workload_without_preempting() -> None:
@@ -76,8 +76,8 @@ def test_default_budget_and_the_log(caplog: pytest.LogCaptureFixture) -> None:
         f"{llm.config.max_model_len:,} tokens per request: {concurrency:.2f}x"
     ) in caplog.text
     # the header holds the number allocated, so a replay builds the same pool
-    assert llm.engine.tape.header.config["num_kv_blocks"] == blocks
-    assert llm.engine.runner.kv_caches[0][0].shape[0] == blocks  # type: ignore[attr-defined]
+    assert llm.llm_engine.engine_core.tape.header.config["num_kv_blocks"] == blocks
+    assert llm.llm_engine.engine_core.runner.kv_caches[0][0].shape[0] == blocks  # type: ignore[attr-defined]
     llm.close()
 
 

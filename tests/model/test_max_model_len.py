@@ -113,6 +113,8 @@ def test_a_prompt_past_the_context_is_refused_in_vllms_words(tmp_path: Path) -> 
             r"tokens. Please reduce the length of the input messages.",
         ):
             llm.generate([[5] * length], SamplingParams(max_tokens=1))
-    assert not llm.engine.state.requests and len(llm.engine.tape) == 0  # nothing recorded
+    assert (
+        not llm.llm_engine.engine_core.state.requests and len(llm.llm_engine.engine_core.tape) == 0
+    )  # nothing recorded
     out = llm.generate([[5] * 255], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"

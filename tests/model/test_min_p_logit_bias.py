@@ -71,12 +71,12 @@ def test_out_of_vocab_bias_and_the_oracle_refuse_before_recording() -> None:
     llm = tiny_llm()
     with pytest.raises(ValueError, match=r"token_id\(s\) \[259\] in logit_bias contain"):
         tokens(llm, msgspec.structs.replace(GREEDY, logit_bias={259: 1.0, 3: 1.0}))
-    assert len(llm.engine.tape) == 0
+    assert len(llm.llm_engine.engine_core.tape) == 0
     oracle = LLM(model="oracle", tape=None)
     for kw in ({"min_p": 0.5}, {"logit_bias": {3: 1.0}}):
         with pytest.raises(ValueError, match=f"cannot honour {next(iter(kw))}"):
             oracle.generate([PROMPT], SamplingParams(max_tokens=4, **kw), use_tqdm=False)  # type: ignore[arg-type]
-    assert len(oracle.engine.tape) == 0
+    assert len(oracle.llm_engine.engine_core.tape) == 0
 
 
 def test_both_are_on_the_tape_and_replay(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -58,7 +58,7 @@ def test_frame_logprobs_are_the_raw_log_softmax() -> None:
     outs = llm.generate(PROMPTS[:2], params)
     frames = [
         e
-        for _, event in llm.engine.tape.iter_events()
+        for _, event in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(event, ev.FrameProduced)
         for e in event.entries
     ]
@@ -80,7 +80,7 @@ def test_no_logprobs_unless_asked() -> None:
     llm.generate(["Hi"], SamplingParams(max_tokens=3))
     frames = [
         e
-        for _, event in llm.engine.tape.iter_events()
+        for _, event in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(event, ev.FrameProduced)
         for e in event.entries
     ]
@@ -114,7 +114,7 @@ def test_sharing_a_step_over_lanes_gives_the_same_bits(lanes: int) -> None:
     kwargs = {"num_kv_blocks": 512, "max_num_batched_tokens": 64, "num_speculative_tokens": 2}
     one = tiny_llm(cpu_threads=1, **kwargs).generate(prompts, params)
     llm = tiny_llm(cpu_threads=lanes, **kwargs)
-    runner = llm.engine.runner
+    runner = llm.llm_engine.engine_core.runner
     runner.min_lane_work = 0  # share out every step, however small (see the test below)
     threads: set[str] = set()
     logits = runner._logits
@@ -142,7 +142,7 @@ def test_a_big_model_shares_its_matmuls_instead_of_the_batch(monkeypatch) -> Non
     one = tiny_llm(cpu_threads=1, **kwargs).generate(prompts, params)
     monkeypatch.setattr(input_batch, "LANES_MAX_WEIGHT_BYTES", 0)
     llm = tiny_llm(cpu_threads=2, **kwargs)
-    runner = llm.engine.runner
+    runner = llm.llm_engine.engine_core.runner
     assert runner._lanes == []
     assert runner._worker.run(torch.get_num_threads) == 2
     shared = llm.generate(prompts, params)
@@ -192,7 +192,7 @@ def test_preemptions_and_pipelining_do_not_change_tokens(depth: int) -> None:
     reference = run_tokens(tiny_llm(num_kv_blocks=256, async_scheduling=False), prompts, params)
     llm = tiny_llm(num_kv_blocks=24, pipeline_depth=depth, max_num_batched_tokens=24)
     got = run_tokens(llm, prompts, params)
-    assert sum(r.num_preemptions for r in llm.engine.state.requests.values()) > 0
+    assert sum(r.num_preemptions for r in llm.llm_engine.engine_core.state.requests.values()) > 0
     assert got == reference
 
 
@@ -204,7 +204,7 @@ def test_speculative_decoding_gives_the_same_tokens() -> None:
     assert run_tokens(llm, prompts, params) == plain
     frames = [
         e
-        for _, event in llm.engine.tape.iter_events()
+        for _, event in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(event, ev.FrameProduced)
         for e in event.entries
     ]
@@ -231,14 +231,16 @@ def test_a_model_tape_verifies_without_the_model(tmp_path) -> None:  # type: ign
 
 def test_a_runner_failure_is_recorded_and_raised() -> None:
     llm = tiny_llm(pipeline_depth=2)
-    llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8))
-    llm.engine.step()
+    llm.llm_engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8))
+    llm.llm_engine.step()
     # A KV cache that no longer fits the model: the worker thread's forward pass fails.
-    llm.engine.runner.kv_caches[0] = (torch.zeros(1), torch.zeros(1))
+    llm.llm_engine.engine_core.runner.kv_caches[0] = (torch.zeros(1), torch.zeros(1))
     with pytest.raises(ValueError, match="k_cache"):
         while True:
-            llm.engine.step()
-    errors = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.EngineError)]
+            llm.llm_engine.step()
+    errors = [
+        e for _, e in llm.llm_engine.engine_core.tape.iter_events() if isinstance(e, ev.EngineError)
+    ]
     assert len(errors) == 1 and "k_cache" in errors[0].message
 
 
@@ -250,7 +252,7 @@ def test_prefix_cache_hits_read_the_same_kv() -> None:
     cached = cached_llm.generate(prompts[:1], params) + cached_llm.generate(prompts[1:], params)
     hits = [
         e
-        for _, event in cached_llm.engine.tape.iter_events()
+        for _, event in cached_llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(event, ev.StepScheduled)
         for e in event.entries
         if e.num_computed_before > 0 and e.req_id != "0" and len(e.new_block_ids) > 1
@@ -276,7 +278,7 @@ def test_stress_preempt_abort_pause_reset_and_verify(policy: str, depth: int, sp
         max_num_batched_tokens=20,
         max_model_len=48,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     for i in range(8):
         prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, 30))]
         engine.add_request(
@@ -301,8 +303,8 @@ def test_stress_preempt_abort_pause_reset_and_verify(policy: str, depth: int, sp
             engine.resume_generation()
         if steps == 14:
             engine.reset_prefix_cache(reset_running_requests=True)
-    assert all(r.is_finished for r in engine.state.requests.values())
-    result = verify(engine.tape)
+    assert all(r.is_finished for r in engine.engine_core.state.requests.values())
+    result = verify(engine.engine_core.tape)
     assert result.ok, result.first_divergence and result.first_divergence.format()
 
 
@@ -314,7 +316,7 @@ def test_the_worker_thread_runs_on_the_engines_cpu_threads() -> None:
         pytest.skip("this torch build does not ship GNU OpenMP")
     omp_max_threads = ctypes.CDLL(libs[0]).omp_get_max_threads
     llm = tiny_llm(pipeline_depth=2, cpu_threads=2)
-    runner = llm.engine.runner
+    runner = llm.llm_engine.engine_core.runner
     runner.min_lane_work = 0  # two prompts are too little to share out otherwise
     seen: list[tuple[str, int]] = []
     forward = runner.model.forward
@@ -339,13 +341,13 @@ def test_building_an_engine_leaves_the_callers_thread_count_alone(depth: int) ->
     before = torch.get_num_threads()
     seen_in_worker: list[int] = []
     llm = tiny_llm(pipeline_depth=depth, cpu_threads=1)
-    forward = llm.engine.runner.model.forward
+    forward = llm.llm_engine.engine_core.runner.model.forward
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
         seen_in_worker.append(torch.get_num_threads())
         return forward(*args, **kwargs)
 
-    llm.engine.runner.model.forward = spy  # type: ignore[method-assign]
+    llm.llm_engine.engine_core.runner.model.forward = spy  # type: ignore[method-assign]
     llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))
     in_a_new_thread: list[int] = []
     t = threading.Thread(target=lambda: in_a_new_thread.append(torch.get_num_threads()))
@@ -361,7 +363,7 @@ def test_pipelined_steps_run_on_the_worker_thread_in_order() -> None:
     """With depth 2 the forward pass runs off the engine's thread, and the engine hands over
     step N + 1 while step N is still running (it does not wait for N's frame to plan it)."""
     llm = tiny_llm(pipeline_depth=2, cpu_threads=1)  # one lane: every forward on the worker
-    runner = llm.engine.runner
+    runner = llm.llm_engine.engine_core.runner
     threads: set[str] = set()
     overlapped: list[bool] = []
     forward = runner.model.forward

@@ -28,7 +28,7 @@ def tiny_llm(**kw: object) -> LLM:
 def frames(llm: LLM) -> list[tuple[int, ev.FrameEntry]]:
     return [
         (event.step, e)
-        for _, event in llm.engine.tape.iter_events()
+        for _, event in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(event, ev.FrameProduced)
         for e in event.entries
     ]
@@ -37,7 +37,7 @@ def frames(llm: LLM) -> list[tuple[int, ev.FrameEntry]]:
 def scheduled(llm: LLM) -> list[tuple[int, ev.ScheduledEntry]]:
     return [
         (event.step, e)
-        for _, event in llm.engine.tape.iter_events()
+        for _, event in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(event, ev.StepScheduled)
         for e in event.entries
     ]
@@ -112,10 +112,10 @@ def test_prompt_logprobs_come_in_the_first_output_only() -> None:
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
         llm = tiny_llm(max_num_batched_tokens=8)
         params = msgspec.structs.replace(PLP, max_tokens=4, output_kind=kind)
-        llm.engine.add_request("r", llm.tokenizer.encode(PROMPT), params, prompt=PROMPT)
+        llm.llm_engine.add_request("r", PROMPT, params)
         outs = []
-        while llm.engine.has_unfinished_requests():
-            outs += llm.engine.step()
+        while llm.llm_engine.has_unfinished_requests():
+            outs += llm.llm_engine.step()
         assert len(outs) == 4 and outs[-1].finished
         first = outs[0].prompt_logprobs
         assert first is not None and len(first) == len(PROMPT)
@@ -127,11 +127,11 @@ def test_a_prefill_preempted_midway_scores_the_prompt_again() -> None:
     the rows it had, and the recompute gives the whole prompt's, as an undisturbed run."""
     expected = tiny_llm(max_num_batched_tokens=8).generate([PROMPT], PLP)[0]
     llm = tiny_llm(max_num_batched_tokens=8, pipeline_depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("r", llm.tokenizer.encode(PROMPT), PLP)
     outs = engine.step() + engine.step() + engine.step()
     engine.pause_generation(mode="keep", clear_cache=True)
-    assert engine.num_preemptions == 1
+    assert engine.engine_core.num_preemptions == 1
     engine.resume_generation()
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -141,14 +141,14 @@ def test_a_prefill_preempted_midway_scores_the_prompt_again() -> None:
     params = msgspec.structs.replace(PLP, max_tokens=6)
     expected = tiny_llm().generate([PROMPT], params)[0]
     llm = tiny_llm(pipeline_depth=2)
-    llm.engine.add_request("r", llm.tokenizer.encode(PROMPT), params)
-    outs = llm.engine.step() + llm.engine.step() + llm.engine.step()
+    llm.llm_engine.add_request("r", llm.tokenizer.encode(PROMPT), params)
+    outs = llm.llm_engine.step() + llm.llm_engine.step() + llm.llm_engine.step()
     assert outs and outs[0].prompt_logprobs == expected.prompt_logprobs
-    llm.engine.pause_generation(mode="keep", clear_cache=True)
-    assert llm.engine.num_preemptions == 1
-    llm.engine.resume_generation()
-    while llm.engine.has_unfinished_requests():
-        outs += llm.engine.step()
+    llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
+    assert llm.llm_engine.engine_core.num_preemptions == 1
+    llm.llm_engine.resume_generation()
+    while llm.llm_engine.has_unfinished_requests():
+        outs += llm.llm_engine.step()
     assert sum(f.prompt_logprobs is not None for _, f in frames(llm)) == 1
     assert outs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
 
@@ -177,15 +177,15 @@ def test_a_bad_prompt_logprobs_is_refused_before_anything_is_recorded() -> None:
     with pytest.raises(TypeError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=True)  # type: ignore[arg-type]
     llm = tiny_llm(max_logprobs=5)
-    before = llm.engine.state.num_events
+    before = llm.llm_engine.engine_core.state.num_events
     with pytest.raises(ValueError, match="prompt_logprobs must be at most 5"):
-        llm.engine.add_request("r", [5, 6, 7], msgspec.structs.replace(PLP, prompt_logprobs=6))
-    assert llm.engine.state.num_events == before
+        llm.llm_engine.add_request("r", [5, 6, 7], msgspec.structs.replace(PLP, prompt_logprobs=6))
+    assert llm.llm_engine.engine_core.state.num_events == before
     assert llm.generate(["ok"], msgspec.structs.replace(PLP, prompt_logprobs=5))[0].prompt_logprobs
     oracle = LLM(model="oracle", tape=None)
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        oracle.engine.add_request("r", [5, 6, 7], SamplingParams(prompt_logprobs=0))
-    assert oracle.engine.state.num_events == 0
+        oracle.llm_engine.add_request("r", [5, 6, 7], SamplingParams(prompt_logprobs=0))
+    assert oracle.llm_engine.engine_core.state.num_events == 0
 
 
 def test_the_reducer_refuses_prompt_logprobs_that_do_not_fit_the_prompt() -> None:

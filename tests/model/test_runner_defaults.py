@@ -7,12 +7,12 @@ from tokentape import LLM, EngineConfig, SamplingParams
 
 def _mode(llm: LLM) -> tuple[bool | None, int | None, int]:
     c = llm.config
-    header = llm.engine.tape.header.config
+    header = llm.llm_engine.engine_core.tape.header.config
     assert (header["async_scheduling"], header["pipeline_depth"]) == (
         c.async_scheduling,
         c.pipeline_depth,
     )
-    return c.async_scheduling, c.pipeline_depth, llm.engine.depth
+    return c.async_scheduling, c.pipeline_depth, llm.llm_engine.engine_core.depth
 
 
 def test_a_model_on_the_cpu_is_synchronous_by_default() -> None:

@@ -109,7 +109,11 @@ def test_n_gives_n_seeded_streams_equal_to_separate_requests() -> None:
     assert len({tuple(s) for s in streams}) == 3
     # vLLM's children: "{i}_{id}" with seed + i, each recorded as an ordinary request.
     parent = out[0].request_id
-    added = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.RequestAdded)]
+    added = [
+        e
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
+        if isinstance(e, ev.RequestAdded)
+    ]
     assert [(e.req_id, e.params.seed, e.params.n) for e in added] == [
         (f"{i}_{parent}", 11 + i, 1) for i in range(3)
     ]
@@ -140,7 +144,7 @@ def test_top_k_logprobs_are_sorted_and_hold_the_sampled_token() -> None:
         assert set(d) == {tok, *want.indices.tolist()}
     frames = [
         f
-        for _, e in llm.engine.tape.iter_events()
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(e, ev.FrameProduced)
         for f in e.entries
     ]
@@ -173,9 +177,13 @@ def test_stop_strings_cut_the_text_and_are_recorded() -> None:
         assert c.token_ids == plain.token_ids[: j + 2]  # every token up to the one completing it
         head = llm.tokenizer.decode(plain.token_ids[:j])
         assert c.text == (head + stop if include else head)
-    finished = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.RequestFinished)]
+    finished = [
+        e
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
+        if isinstance(e, ev.RequestFinished)
+    ]
     assert finished[-1].stop_reason == stop and finished[-1].reason == "stop"
-    assert llm.engine.state.requests[finished[-1].req_id].stop_str == stop
+    assert llm.llm_engine.engine_core.state.requests[finished[-1].req_id].stop_str == stop
 
 
 def test_a_tape_with_every_option_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -214,10 +222,10 @@ def test_a_tampered_stop_finish_fails_verify(tmp_path) -> None:  # type: ignore[
     llm.generate([PROMPT], msgspec.structs.replace(GREEDY, stop=[stop, "zz"]), use_tqdm=False)
     from tokentape.events.store import MemoryTape
 
-    events = [e for _, e in llm.engine.tape.iter_events()]
+    events = [e for _, e in llm.llm_engine.engine_core.tape.iter_events()]
     i = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestFinished) and e.stop_reason)
     events[i] = msgspec.structs.replace(events[i], stop_reason="zz")  # a string the text lacks
-    forged = MemoryTape(llm.engine.tape.header)
+    forged = MemoryTape(llm.llm_engine.engine_core.tape.header)
     for e in events:
         forged.append(e)
     assert not verify(forged).ok

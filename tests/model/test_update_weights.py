@@ -23,16 +23,19 @@ def test_update_weights_only_while_paused_and_drained() -> None:
     llm = LLM(device="cpu", model="tiny", tape=None, pipeline_depth=2)
     new = builtin_model("tiny", seed=1)[1].state_dict()
     with pytest.raises(RuntimeError, match="pause generation first"):
-        llm.engine.update_weights(new)
-    llm.engine.add_request("r", [5, 6, 7], GREEDY)
-    llm.engine.step()
-    llm.engine.step()
-    assert llm.engine.state.in_flight_steps  # a step is in flight while running
+        llm.llm_engine.update_weights(new)
+    llm.llm_engine.add_request("r", [5, 6, 7], GREEDY)
+    llm.llm_engine.step()
+    llm.llm_engine.step()
+    assert llm.llm_engine.engine_core.state.in_flight_steps  # a step is in flight while running
     with pytest.raises(RuntimeError, match="pause generation first"):
-        llm.engine.update_weights(new)
-    llm.engine.pause_generation(mode="keep", clear_cache=True)
-    weights_id = llm.engine.update_weights(new)
-    assert weights_id.startswith("sha256:") and llm.engine.state.weights_id == weights_id
+        llm.llm_engine.update_weights(new)
+    llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
+    weights_id = llm.llm_engine.update_weights(new)
+    assert (
+        weights_id.startswith("sha256:")
+        and llm.llm_engine.engine_core.state.weights_id == weights_id
+    )
 
 
 def test_new_weights_change_the_tokens_and_match_a_fresh_model(tmp_path: Path) -> None:
@@ -50,21 +53,21 @@ def test_new_weights_change_the_tokens_and_match_a_fresh_model(tmp_path: Path) -
     )
     llm = LLM(device="cpu", model="tiny", tape=str(tmp_path / "rl.tape"))
     assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids == old
-    llm.engine.pause_generation(mode="keep")
-    llm.engine.update_weights(builtin_model("tiny", seed=1)[1].state_dict())
-    llm.engine.resume_generation()
+    llm.llm_engine.pause_generation(mode="keep")
+    llm.llm_engine.update_weights(builtin_model("tiny", seed=1)[1].state_dict())
+    llm.llm_engine.resume_generation()
     assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids == fresh != old
     llm.close()
     result = verify(tmp_path / "rl.tape")  # no weights needed: the recorded hash stands for them
     assert result.ok, result.first_divergence
-    assert fold(tmp_path / "rl.tape").weights_id == llm.engine.runner.weights_id
+    assert fold(tmp_path / "rl.tape").weights_id == llm.llm_engine.engine_core.runner.weights_id
 
 
 def test_a_bad_update_changes_nothing_and_the_engine_serves_on() -> None:
     llm = LLM(device="cpu", model="tiny", tape=None)
     before = llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
-    weights_id = llm.engine.runner.weights_id
-    llm.engine.pause_generation(mode="keep")
+    weights_id = llm.llm_engine.engine_core.runner.weights_id
+    llm.llm_engine.pause_generation(mode="keep")
     good = builtin_model("tiny", seed=1)[1].state_dict()
     wrong_shape = dict(good)
     wrong_shape["model.layers.3.mlp.down_proj.weight"] = torch.zeros(
@@ -73,14 +76,16 @@ def test_a_bad_update_changes_nothing_and_the_engine_serves_on() -> None:
     with pytest.raises(
         ValueError, match=r"'model\.layers\.3\.mlp\.down_proj\.weight' has shape \(256, 100\)"
     ):
-        llm.engine.update_weights(wrong_shape)
+        llm.llm_engine.update_weights(wrong_shape)
     with pytest.raises(ValueError, match="unknown tensor 'model.layers.9.mlp.up_proj.weight'"):
-        llm.engine.update_weights({**good, "model.layers.9.mlp.up_proj.weight": torch.zeros(3)})
+        llm.llm_engine.update_weights({**good, "model.layers.9.mlp.up_proj.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match="not a floating-point tensor"):
-        llm.engine.update_weights({"model.norm.weight": torch.ones(256, dtype=torch.int64)})
-    assert llm.engine.runner.weights_id == weights_id
-    assert llm.engine.state.weights_id is None  # nothing recorded for the refused updates
-    llm.engine.resume_generation()
+        llm.llm_engine.update_weights({"model.norm.weight": torch.ones(256, dtype=torch.int64)})
+    assert llm.llm_engine.engine_core.runner.weights_id == weights_id
+    assert (
+        llm.llm_engine.engine_core.state.weights_id is None
+    )  # nothing recorded for the refused updates
+    llm.llm_engine.resume_generation()
     assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids == before
 
 
@@ -95,10 +100,10 @@ def test_partial_update_from_a_checkpoint_folder(tmp_path: Path) -> None:
 
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
     a = LLM(device="cpu", model="tiny", tape=None)
-    a.engine.pause_generation(mode="keep")
-    a.engine.update_weights(str(tmp_path))
+    a.llm_engine.pause_generation(mode="keep")
+    a.llm_engine.update_weights(str(tmp_path))
     b = LLM(device="cpu", model="tiny", tape=None, seed=1)
-    assert a.engine.runner.weights_id == b.engine.runner.weights_id
+    assert a.llm_engine.engine_core.runner.weights_id == b.llm_engine.engine_core.runner.weights_id
 
 
 @pytest.mark.parametrize("policy,rc", [("epoch", 0), ("flag", 1)])
@@ -140,9 +145,13 @@ def test_rl_example_check_holds_and_flag_breaks_it(policy: str, rc: int, tmp_pat
 
 def test_weights_updated_is_on_the_tape() -> None:
     llm = LLM(device="cpu", model="tiny", tape=None)
-    llm.engine.pause_generation(mode="keep")
-    wid = llm.engine.update_weights(builtin_model("tiny", seed=2)[1].state_dict())
-    events = [e for _, e in llm.engine.tape.iter_events() if isinstance(e, ev.WeightsUpdated)]
+    llm.llm_engine.pause_generation(mode="keep")
+    wid = llm.llm_engine.update_weights(builtin_model("tiny", seed=2)[1].state_dict())
+    events = [
+        e
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
+        if isinstance(e, ev.WeightsUpdated)
+    ]
     assert events == [ev.WeightsUpdated(0, wid, "1")]  # numbered: no weight_version given
 
 
@@ -154,16 +163,18 @@ def test_a_chunked_transfer_of_the_model_equals_a_whole_update(tmp_path: Path) -
     fresh = LLM(device="cpu", model="tiny", tape=None, seed=1)
     expected = fresh.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
     llm = LLM(device="cpu", model="tiny", tape=str(tmp_path / "chunks.tape"))
-    llm.engine.pause_generation(mode="keep")
-    llm.engine.start_weight_update()
+    llm.llm_engine.pause_generation(mode="keep")
+    llm.llm_engine.start_weight_update()
     names = list(new)
     for i in range(0, len(names), 5):
-        llm.engine.update_weights({n: new[n] for n in names[i : i + 5]})
+        llm.llm_engine.update_weights({n: new[n] for n in names[i : i + 5]})
         if i == 0:
             with pytest.raises(ValueError, match="'model.norm.weight' has shape \\(3,\\)"):
-                llm.engine.update_weights({"model.norm.weight": torch.ones(3)})
-    assert llm.engine.finish_weight_update("v1") == fresh.engine.runner.weights_id
-    llm.engine.resume_generation()
+                llm.llm_engine.update_weights({"model.norm.weight": torch.ones(3)})
+    assert (
+        llm.llm_engine.finish_weight_update("v1") == fresh.llm_engine.engine_core.runner.weights_id
+    )
+    llm.llm_engine.resume_generation()
     out = llm.generate(["Hello"], GREEDY)[0].outputs[0]
     assert out.token_ids == expected and out.weight_versions == ["v1"] * len(expected)
     llm.close()

@@ -25,11 +25,11 @@ def closed_mid_run(path: Path) -> None:
     """An engine closed with its requests running: the tape stops mid-run (tape_truncated)."""
     llm = LLM(model="oracle", tape=str(path), pipeline_depth=2)
     for i in range(3):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=40, ignore_eos=True)
         )
     for _ in range(8):
-        llm.engine.step()
+        llm.llm_engine.step()
     llm.close()
 
 

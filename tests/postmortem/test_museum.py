@@ -86,10 +86,12 @@ def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> No
     plain = LLM(model="oracle", tape=None)
     # Nothing installed on the default path: no hooks, no wrappers (the scheduler is compiled
     # in a normal install, so nothing could be set on it; interpreted, nothing is).
-    assert not plain.engine.hooks and not plain.engine.scheduler.hooks
-    assert "preempt" not in getattr(plain.engine.scheduler, "__dict__", {})
-    assert "pause_generation" not in vars(plain.engine)
-    assert not plain.engine.state.faults
+    assert (
+        not plain.llm_engine.engine_core.hooks and not plain.llm_engine.engine_core.scheduler.hooks
+    )
+    assert "preempt" not in getattr(plain.llm_engine.engine_core.scheduler, "__dict__", {})
+    assert "pause_generation" not in vars(plain.llm_engine)
+    assert not plain.llm_engine.engine_core.state.faults
     plain.close()
     llm = LLM(model="oracle", tape=str(tmp_path / "f.tape"), faults=list(FAULTS))
     assert llm.config.faults == list(FAULTS)
@@ -112,9 +114,9 @@ def test_the_default_engine_refuses_a_request_id_used_before() -> None:
     """What makes #42492 impossible by default: an id is never added twice (the reducer
     keeps the request each step scheduled, whatever its id names later, besides)."""
     llm = LLM(model="oracle", tape=None, pipeline_depth=2)
-    llm.engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
-    llm.engine.step()
-    llm.engine.abort_request("a")
+    llm.llm_engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
+    llm.llm_engine.step()
+    llm.llm_engine.abort_request("a")
     with pytest.raises(ValueError, match="already in use"):
-        llm.engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
+        llm.llm_engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))
     llm.close()

@@ -211,10 +211,10 @@ def small_llm(tmp_path: Path, **kw: object) -> LLM:
 
 def run_steps(llm: LLM, limit: int) -> None:
     for _ in range(limit):
-        if not llm.engine.has_unfinished_requests():
+        if not llm.llm_engine.has_unfinished_requests():
             return
         try:
-            llm.engine.step()
+            llm.llm_engine.step()
         except RuntimeError:
             return  # the injected fault broke the engine: the tape holds the failure
 
@@ -240,17 +240,17 @@ class RefcountBlindKV(KVCacheManager):
 
 def with_kv(llm: LLM, kv_type: type[KVCacheManager]) -> None:
     """Swap the engine's (still empty) KV cache manager for a faulty one of the same shape."""
-    kv = llm.engine.kv
+    kv = llm.llm_engine.engine_core.kv
     assert kv.num_used_blocks == 0
     faulty = kv_type(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
-    llm.engine.kv = llm.engine.scheduler.kv = faulty
+    llm.llm_engine.engine_core.kv = llm.llm_engine.engine_core.scheduler.kv = faulty
 
 
 def test_kv_leak_is_found(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, num_kv_blocks=120, max_num_batched_tokens=16)
     with_kv(llm, LeakyKV)
     for i in range(16):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=20, ignore_eos=True)
         )
     run_steps(llm, 400)
@@ -264,11 +264,13 @@ def test_kv_block_handed_out_twice_is_found(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, max_num_batched_tokens=64, num_kv_blocks=10)
     with_kv(llm, RefcountBlindKV)
     shared = list(range(40, 52))  # three full blocks both prompts share
-    llm.engine.add_request("a", shared + [7], SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.llm_engine.add_request("a", shared + [7], SamplingParams(max_tokens=3, ignore_eos=True))
     run_steps(llm, 2)
-    llm.engine.add_request("b", shared + [8, 9], SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.llm_engine.add_request("b", shared + [8, 9], SamplingParams(max_tokens=12, ignore_eos=True))
     run_steps(llm, 4)  # a finishes and gives the shared blocks back while b holds them
-    llm.engine.add_request("c", list(range(60, 90)), SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.llm_engine.add_request(
+        "c", list(range(60, 90)), SamplingParams(max_tokens=4, ignore_eos=True)
+    )
     run_steps(llm, 50)
     llm.close()
     report = postmortem(tmp_path / "run.tape")
@@ -281,7 +283,7 @@ def test_clean_kv_runs_have_no_kv_findings(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4)
     shared = list(range(40, 48))
     for i in range(6):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             f"q{i}", shared + list(range(i, i + 5)), SamplingParams(max_tokens=12, ignore_eos=True)
         )
     run_steps(llm, 500)
@@ -293,11 +295,15 @@ def test_clean_kv_runs_have_no_kv_findings(tmp_path: Path) -> None:
 
 def test_prefix_cache_reset_while_blocks_in_use_is_found(tmp_path: Path) -> None:
     llm = small_llm(tmp_path)
-    llm.engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.llm_engine.add_request(
+        "a", list(range(10, 30)), SamplingParams(max_tokens=8, ignore_eos=True)
+    )
     run_steps(llm, 3)
     # Fault: an engine that reports a successful reset without preempting anyone.
-    with llm.engine._recorded():
-        llm.engine._emit(ev.PrefixCacheReset(llm.engine.state.step, False, True))
+    with llm.llm_engine.engine_core._recorded():
+        llm.llm_engine.engine_core._emit(
+            ev.PrefixCacheReset(llm.llm_engine.engine_core.state.step, False, True)
+        )
     run_steps(llm, 50)
     llm.close()
     report = postmortem(tmp_path / "run.tape")
@@ -314,11 +320,11 @@ class NeverAdmits(EngineHooks):
 
 def test_stuck_request_is_found(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, pipeline_depth=1)
-    llm.engine.hooks = llm.engine.scheduler.hooks = (NeverAdmits(),)
-    llm.engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=260, ignore_eos=True))
-    llm.engine.add_request("x", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.llm_engine.engine_core.hooks = llm.llm_engine.engine_core.scheduler.hooks = (NeverAdmits(),)
+    llm.llm_engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=260, ignore_eos=True))
+    llm.llm_engine.add_request("x", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
     for _ in range(260):
-        llm.engine.step()
+        llm.llm_engine.step()
     llm.close()
     report = postmortem(tmp_path / "run.tape")
     assert found(report) == [
@@ -350,7 +356,7 @@ def test_requests_queued_behind_a_head_that_does_not_fit_are_not_stuck() -> None
         max_num_batched_tokens=16,
         max_num_seqs=4,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     # 60 + 240 tokens: 15 to 75 of the 80 blocks while it runs.
     engine.add_request(
         "long", [3 + i % 200 for i in range(60)], SamplingParams(max_tokens=240, ignore_eos=True)
@@ -365,9 +371,9 @@ def test_requests_queued_behind_a_head_that_does_not_fit_are_not_stuck() -> None
     waited = 0
     while engine.has_unfinished_requests():
         engine.step()
-        waited += "small0" in engine.state.waiting
+        waited += "small0" in engine.engine_core.state.waiting
     assert waited > 200  # queued behind the head for the whole of the long request
-    report = postmortem(engine.tape)
+    report = postmortem(engine.engine_core.tape)
     assert report.findings == []
 
 
@@ -390,11 +396,13 @@ class FailingRunner:
 
 def test_engine_error_is_a_finding(tmp_path: Path) -> None:
     llm = small_llm(tmp_path)
-    llm.engine.runner = FailingRunner(llm.engine.runner)  # type: ignore[assignment]
-    llm.engine.add_request("a", list(range(10, 20)), SamplingParams(max_tokens=20, ignore_eos=True))
+    llm.llm_engine.engine_core.runner = FailingRunner(llm.llm_engine.engine_core.runner)  # type: ignore[assignment]
+    llm.llm_engine.add_request(
+        "a", list(range(10, 20)), SamplingParams(max_tokens=20, ignore_eos=True)
+    )
     with pytest.raises(RuntimeError, match="illegal memory access"):
         for _ in range(20):
-            llm.engine.step()
+            llm.llm_engine.step()
     llm.close()
     report = postmortem(tmp_path / "run.tape")
     assert [(f.kind, f.request_ids) for f in report.findings] == [("engine_error", ["a"])]
@@ -414,11 +422,13 @@ class InterruptedRunner(FailingRunner):
 
 def test_a_ctrl_c_is_an_interruption_not_an_engine_failure(tmp_path: Path) -> None:
     llm = small_llm(tmp_path)
-    llm.engine.runner = InterruptedRunner(llm.engine.runner)  # type: ignore[assignment]
-    llm.engine.add_request("a", list(range(10, 20)), SamplingParams(max_tokens=20, ignore_eos=True))
+    llm.llm_engine.engine_core.runner = InterruptedRunner(llm.llm_engine.engine_core.runner)  # type: ignore[assignment]
+    llm.llm_engine.add_request(
+        "a", list(range(10, 20)), SamplingParams(max_tokens=20, ignore_eos=True)
+    )
     with pytest.raises(KeyboardInterrupt):
         for _ in range(20):
-            llm.engine.step()
+            llm.llm_engine.step()
     llm.close()
     report = postmortem(tmp_path / "run.tape")
     assert [(f.kind, f.severity, f.request_ids) for f in report.findings] == [
@@ -442,7 +452,7 @@ def test_reference_tape(tmp_path: Path) -> None:
     # Against a reference that ran longer, the shorter finished stream is named.
     longer = tmp_path / "longer.tape"
     with LLM(model="oracle-random", tape=str(longer), block_size=4, num_kv_blocks=64) as llm:
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             "r", list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True)
         )
         run_steps(llm, 200)
@@ -482,7 +492,7 @@ def test_corrupt_event_names_where_and_keeps_the_prefix(tmp_path: Path) -> None:
 def test_truncated_tape_is_analysed_up_to_the_break(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
     for i in range(30):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             f"q{i}", list(range(3 + i, 15 + i)), SamplingParams(max_tokens=30, ignore_eos=True)
         )
     run_steps(llm, 2000)
@@ -626,12 +636,14 @@ def hostile_tape(tmp_path: Path) -> Path:
     """A flag-policy pause/resume whose request id is markup."""
     llm = small_llm(tmp_path, discard_policy="flag")
     rid = '<script>alert("x")</script>&'
-    llm.engine.add_request(rid, list(range(10, 30)), SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.llm_engine.add_request(
+        rid, list(range(10, 30)), SamplingParams(max_tokens=16, ignore_eos=True)
+    )
     for _ in range(6):
-        llm.engine.step()
-    llm.engine.pause_generation("keep", True)
-    llm.engine.step()
-    llm.engine.resume_generation()
+        llm.llm_engine.step()
+    llm.llm_engine.pause_generation("keep", True)
+    llm.llm_engine.step()
+    llm.llm_engine.resume_generation()
     run_steps(llm, 100)
     llm.close()
     return tmp_path / "run.tape"

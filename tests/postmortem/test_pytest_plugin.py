@@ -16,21 +16,23 @@ from tokentape import LLM, SamplingParams
 
 def flag_run(**kw):
     llm = LLM(model="oracle-random", discard_policy="flag", block_size=4, num_kv_blocks=64, **kw)
-    llm.engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=16, ignore_eos=True))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm.llm_engine.add_request("r", list(range(10, 30)), params)
     for _ in range(6):
-        llm.engine.step()
-    llm.engine.pause_generation("keep", True)
-    llm.engine.step()
-    llm.engine.resume_generation()
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+        llm.llm_engine.step()
+    llm.llm_engine.pause_generation("keep", True)
+    llm.llm_engine.step()
+    llm.llm_engine.resume_generation()
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
     return llm
 
 
 def test_fails_with_a_memory_tape():
     llm = flag_run()
-    expected = llm.engine.runner.expected_stream(list(range(10, 30)), SamplingParams(max_tokens=16))
-    assert llm.engine.state.requests["r"].output_token_ids == expected
+    runner = llm.llm_engine.engine_core.runner
+    expected = runner.expected_stream(list(range(10, 30)), SamplingParams(max_tokens=16))
+    assert llm.llm_engine.engine_core.state.requests["r"].output_token_ids == expected
 
 
 def test_fails_with_a_file_tape(tmp_path):

@@ -19,11 +19,11 @@ PROMPT = list(range(10, 30))
 
 def _sleep_with_a_step_in_flight(faults: tuple[str, ...]) -> LLM:
     llm = LLM(model="oracle-random", tape=None, pipeline_depth=2, faults=faults)
-    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.llm_engine.add_request("a", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
     for _ in range(4):
-        llm.engine.step()
-    assert llm.engine.state.in_flight_steps
-    llm.engine.sleep(level=1, mode="keep")
+        llm.llm_engine.step()
+    assert llm.llm_engine.engine_core.state.in_flight_steps
+    llm.llm_engine.sleep(level=1, mode="keep")
     return llm
 
 
@@ -31,11 +31,11 @@ def test_a_frame_after_the_wake_up_of_a_step_in_flight_across_the_sleep() -> Non
     """Woken before the step was collected: the frame is applied (stale: dropped), yet the
     step ran across the release of its memory."""
     llm = _sleep_with_a_step_in_flight(("sleep_without_drain",))
-    slept = llm.engine.state.in_flight_steps[0].step
-    llm.engine.wake_up()
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-    tape = llm.engine.tape
+    slept = llm.llm_engine.engine_core.state.in_flight_steps[0].step
+    llm.llm_engine.wake_up()
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    tape = llm.llm_engine.engine_core.tape
     report = postmortem(tape)  # type: ignore[arg-type]
     llm.close()
     kinds = [(f.kind, f.bug_class) for f in report.findings]
@@ -56,13 +56,13 @@ def test_a_frame_the_sleeping_engine_cannot_apply_is_named_once() -> None:
     events = [e for _, e in fault.events()]
     cut = next(i for i, e in enumerate(events) if isinstance(e, ev.EngineSlept))
     llm = LLM(model="oracle-random", tape=None, pipeline_depth=2)  # step 3's frame, for real
-    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
-    llm.engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.llm_engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.llm_engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=16, ignore_eos=True))
     for _ in range(6):
-        llm.engine.step()
+        llm.llm_engine.step()
     frame = next(
         e
-        for _, e in llm.engine.tape.iter_events()
+        for _, e in llm.llm_engine.engine_core.tape.iter_events()
         if isinstance(e, ev.FrameProduced) and e.step == 3
     )
     llm.close()
@@ -77,14 +77,14 @@ def test_a_frame_the_sleeping_engine_cannot_apply_is_named_once() -> None:
 
 def test_the_default_engine_drains_before_it_sleeps_and_serves_what_came_meanwhile() -> None:
     llm = _sleep_with_a_step_in_flight(())
-    engine = llm.engine
-    slept = [e for _, e in engine.tape.iter_events() if isinstance(e, ev.EngineSlept)]
+    engine = llm.llm_engine
+    slept = [e for _, e in engine.engine_core.tape.iter_events() if isinstance(e, ev.EngineSlept)]
     assert slept and slept[0].in_flight == []
     engine.add_request("late", PROMPT[:9], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.wake_up()
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.state.requests["late"].finish_reason == "length"
-    report = postmortem(engine.tape)  # type: ignore[arg-type]
+    assert engine.engine_core.state.requests["late"].finish_reason == "length"
+    report = postmortem(engine.engine_core.tape)  # type: ignore[arg-type]
     llm.close()
     assert report.findings == []

@@ -35,9 +35,9 @@ def rl_rounds(path: Path, clear_cache: bool, faults: tuple[str, ...] = ()) -> No
     )
     llm.generate([PROMPT], PARAMS)
     for i in (1, 2):
-        llm.engine.pause_generation(mode="keep", clear_cache=clear_cache)
-        llm.engine.update_weights(oracle_state_dict(i), weight_version=f"step-{i}")
-        llm.engine.resume_generation()
+        llm.llm_engine.pause_generation(mode="keep", clear_cache=clear_cache)
+        llm.llm_engine.update_weights(oracle_state_dict(i), weight_version=f"step-{i}")
+        llm.llm_engine.resume_generation()
         llm.generate([PROMPT], PARAMS)
     llm.close()
 

@@ -68,10 +68,10 @@ def test_tapes_of_different_requests_cannot_be_aligned() -> None:
 
 def _one_request(req_id: str, prompt: list[int]):  # type: ignore[no-untyped-def]
     llm = LLM(model="oracle-random", tape=None)
-    llm.engine.add_request(req_id, prompt, SamplingParams(max_tokens=4))
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-    return llm.engine.tape
+    llm.llm_engine.add_request(req_id, prompt, SamplingParams(max_tokens=4))
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    return llm.llm_engine.engine_core.tape
 
 
 def test_a_shorter_stream_is_a_length_divergence() -> None:
@@ -79,7 +79,7 @@ def test_a_shorter_stream_is_a_length_divergence() -> None:
     short.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
     long = LLM(model="oracle", tape=None)
     long.generate([[5, 6, 7]], SamplingParams(max_tokens=6))
-    first = diff(short.engine.tape, long.engine.tape).first
+    first = diff(short.llm_engine.engine_core.tape, long.llm_engine.engine_core.tape).first
     assert first is not None and first.what == "length" and first.position == 4
     assert "A delivered 4 tokens and finished (length); B delivered 6" == first.explanation
 
@@ -139,16 +139,16 @@ def test_whatif_sync_and_deeper_pipelines_give_the_same_streams_under_epoch() ->
 def test_recorded_commands_leave_out_what_a_pause_caused() -> None:
     llm = LLM(model="oracle", tape=None, pipeline_depth=2)
     for i in range(3):
-        llm.engine.add_request(f"q{i}", [3, 4, 5, 6], SamplingParams(max_tokens=20))
+        llm.llm_engine.add_request(f"q{i}", [3, 4, 5, 6], SamplingParams(max_tokens=20))
     for _ in range(4):
-        llm.engine.step()
-    llm.engine.pause_generation(mode="keep", clear_cache=True)
-    llm.engine.resume_generation()
-    llm.engine.reset_prefix_cache()
-    llm.engine.pause_generation(mode="abort", clear_cache=False)
-    llm.engine.resume_generation()
-    llm.engine.abort_request("q0")  # already aborted by the pause: records nothing
-    kinds = [ev.kind_of(e) for e in recorded_commands(load_tape(llm.engine.tape))]
+        llm.llm_engine.step()
+    llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
+    llm.llm_engine.resume_generation()
+    llm.llm_engine.reset_prefix_cache()
+    llm.llm_engine.pause_generation(mode="abort", clear_cache=False)
+    llm.llm_engine.resume_generation()
+    llm.llm_engine.abort_request("q0")  # already aborted by the pause: records nothing
+    kinds = [ev.kind_of(e) for e in recorded_commands(load_tape(llm.llm_engine.engine_core.tape))]
     assert kinds == ["RequestAdded"] * 3 + [
         "GenerationPaused",
         "GenerationResumed",
@@ -156,7 +156,7 @@ def test_recorded_commands_leave_out_what_a_pause_caused() -> None:
         "GenerationPaused",
         "GenerationResumed",
     ]
-    assert whatif(llm.engine.tape).diff.identical
+    assert whatif(llm.llm_engine.engine_core.tape).diff.identical
 
 
 def test_whatif_errors_are_clear() -> None:
@@ -239,7 +239,7 @@ def test_sync_against_async_runs_of_the_same_requests_are_identical() -> None:
     for kwargs in ({"async_scheduling": False}, {"pipeline_depth": 3, "num_speculative_tokens": 2}):
         llm = LLM(model="oracle", tape=None, block_size=4, num_kv_blocks=32, **kwargs)  # type: ignore[arg-type]
         llm.generate(prompts, SamplingParams(max_tokens=12))
-        tapes.append(llm.engine.tape)
+        tapes.append(llm.llm_engine.engine_core.tape)
     assert len(tapes[0]) != len(tapes[1])  # different schedules, different tapes
     assert diff(tapes[0], tapes[1]).identical
 

@@ -169,7 +169,7 @@ def test_seek_equals_fold_on_random_runs(
         max_num_batched_tokens=16,
     )
     for i, (prompt_len, max_tokens) in enumerate(requests):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             f"q{i}",
             list(range(3, 3 + prompt_len)),
             SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -179,16 +179,19 @@ def test_seek_equals_fold_on_random_runs(
         while todo and todo[0][0] == n:
             _, what = todo.pop(0)
             if what == "pause":
-                llm.engine.pause_generation(mode="keep", clear_cache=True)
-                llm.engine.resume_generation()
+                llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
+                llm.llm_engine.resume_generation()
             elif what == "reset":
-                llm.engine.reset_prefix_cache(reset_running_requests=True)
+                llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
             else:
-                llm.engine.abort_request("q0")
-        if not llm.engine.has_unfinished_requests() and not todo:
+                llm.llm_engine.abort_request("q0")
+        if not llm.llm_engine.has_unfinished_requests() and not todo:
             break
-        llm.engine.step()
-    tape = Tape(load_tape(llm.engine.tape).reader, snapshot_interval=data.draw(st.integers(1, 30)))
+        llm.llm_engine.step()
+    tape = Tape(
+        load_tape(llm.llm_engine.engine_core.tape).reader,
+        snapshot_interval=data.draw(st.integers(1, 30)),
+    )
     n = len(tape)
     for seq in data.draw(st.lists(st.integers(0, n), min_size=1, max_size=4)):
         assert tape.state_at(seq) == tape.fold(until_seq=seq)

@@ -81,7 +81,7 @@ def _flag_tapes(tmp_path):
     for policy in ("flag", "epoch"):
         path = str(tmp_path / f"{policy}.tape")
         with LLM("oracle", tape=path, discard_policy=policy, pipeline_depth=2) as llm:
-            engine = llm.engine
+            engine = llm.llm_engine
             engine.add_request(
                 "0", list(range(3, 20)), SamplingParams(max_tokens=12, ignore_eos=True)
             )
@@ -129,12 +129,12 @@ def test_missing_token_and_errors(tmp_path, capsys):
 
     path = str(tmp_path / "abort.tape")
     with LLM("oracle", tape=path) as llm:
-        llm.engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+        llm.llm_engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
         for _ in range(5):
-            llm.engine.step()
-        llm.engine.abort_request("a")
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
+            llm.llm_engine.step()
+        llm.llm_engine.abort_request("a")
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
     n = len(load_tape(path).fold().requests["a"].output_token_ids)
     res = why(path, "a", n + 1)
     assert not res.delivered and res.token is None and "finished (abort)" in res.verdict

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tokentape import LLM, SamplingParams
+from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.events import schema as ev
 from tokentape.events.sqlite_store import make_self_contained, remove_tape_files
@@ -41,7 +42,7 @@ def _llm(path: Path | None, policy: str = "epoch", depth: int = 2, k: int = 0, *
 
 
 def _drive(llm: LLM, delivered: Delivered) -> None:
-    for out in llm.engine.step():
+    for out in llm.llm_engine.step():
         delivered[out.request_id] = out.outputs[0].token_ids  # cumulative: every token so far
 
 
@@ -54,7 +55,7 @@ def _until(llm: LLM, delivered: Delivered, done: Callable[[], bool], limit: int 
 
 
 def _run_until_idle(llm: LLM, delivered: Delivered) -> None:
-    _until(llm, delivered, lambda: not llm.engine.has_unfinished_requests())
+    _until(llm, delivered, lambda: not llm.llm_engine.has_unfinished_requests())
 
 
 # -- the bug classes -----------------------------------------------------------------------
@@ -65,12 +66,12 @@ def flag_42043(path: Path) -> None:
     flight, yet the flag drops the first token after resume."""
     llm = _llm(path, "flag")
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    llm.engine.add_request("r", PROMPT, params)
+    llm.llm_engine.add_request("r", PROMPT, params)
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 8)
-    llm.engine.pause_generation(mode="keep", clear_cache=True)
+    llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
     _drive(llm, delivered)
-    llm.engine.resume_generation()
+    llm.llm_engine.resume_generation()
     _run_until_idle(llm, delivered)
     llm.close()
 
@@ -79,12 +80,12 @@ def counter_double_reset(path: Path) -> None:
     """The counter policy: a second reset overwrites a counter that still had a stale frame
     to drop, so the stale token is applied (and computed again)."""
     llm = _llm(path, "counter", depth=3)
-    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    llm.llm_engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 6)
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     _drive(llm, delivered)
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     _run_until_idle(llm, delivered)
     llm.close()
 
@@ -93,15 +94,15 @@ def counter_spec_units(path: Path) -> None:
     """The counter policy with 3 speculative tokens: a reset sets the counter to 1 + k tokens
     but each frame removes one, so fresh frames after the stale one are dropped."""
     llm = _llm(path, "counter", depth=2, k=3)
-    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    llm.llm_engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 5)
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     _run_until_idle(llm, delivered)
     llm.close()
 
 
-class _AbortRacingFinalStep(LLMEngine):
+class _AbortRacingFinalStep(EngineCore):
     """Fault injected (vLLM #26400/#29987): a request aborted while its final step is in
     flight is reported to the client as a normal finish, with the final step's token."""
 
@@ -131,16 +132,16 @@ class _AbortRacingFinalStep(LLMEngine):
 
 def abort_final_step(path: Path, clean: bool = False) -> None:
     llm = _llm(path, depth=2)
-    engine = llm.engine
-    if not clean:  # the same runner and (still empty) tape, driven by the faulty engine
-        engine = llm.engine = _AbortRacingFinalStep(
-            llm.config, llm.engine.runner, llm.engine.tape, llm.tokenizer
-        )
+    engine = llm.llm_engine
+    if not clean:  # the same runner and (still empty) tape, driven by the faulty engine core
+        core = engine.engine_core
+        faulty = _AbortRacingFinalStep(llm.config, core.runner, core.tape, llm.tokenizer)
+        engine = llm.llm_engine = LLMEngine(faulty)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request("a", PROMPT, params)
     engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
     delivered: Delivered = {}
-    req = engine.state.requests["a"]
+    req = engine.engine_core.state.requests["a"]
     # The final step is in flight: the steps in flight cover every token it may still take.
     _until(
         llm,
@@ -161,7 +162,7 @@ def kv_pressure_in_flight(path: Path, clean: bool = False) -> None:
     output placeholders go negative."""
     llm = _llm(path, "epoch" if clean else "flag", depth=3, num_kv_blocks=14, max_num_seqs=4)
     for i in range(3):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True)
         )
     delivered: Delivered = {}
@@ -182,7 +183,7 @@ def _museum_llm(
 
 def _kv_pressure(llm: LLM) -> None:
     for i in range(3):
-        llm.engine.add_request(
+        llm.llm_engine.add_request(
             f"q{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=10, ignore_eos=True)
         )
     _run_until_idle(llm, {})
@@ -211,10 +212,10 @@ def counter_spec_budget_41190(path: Path, clean: bool = False) -> None:
     speculative step in flight sets a budget of 1 + k tokens per frame; the stale frame
     returns fewer (drafts rejected), and the rest of the budget drops fresh frames."""
     llm = _museum_llm(path, clean, "counter-spec-budget", depth=2, k=3)
-    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    llm.llm_engine.add_request("r", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 5)
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     _run_until_idle(llm, delivered)
     llm.close()
 
@@ -224,10 +225,10 @@ def spec_placeholder_input_40768(path: Path, clean: bool = False) -> None:
     speculative slots in flight; its -1 draft placeholders are not cleared and become input
     ids of the step that admits it again."""
     llm = _museum_llm(path, clean, faults=("spec_placeholder_input",), depth=2, k=2)
-    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    llm.llm_engine.add_request("r", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 4)
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     _run_until_idle(llm, delivered)
     llm.close()
 
@@ -237,12 +238,12 @@ def late_stop_49860(path: Path, clean: bool = False) -> None:
     drains a step in flight without returning its placeholder; at the end the request is
     scheduled one step past max_tokens."""
     llm = _museum_llm(path, clean, faults=("late_stop_after_drain",), depth=2)
-    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.llm_engine.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 4)
-    llm.engine.pause_generation(mode="keep", clear_cache=False)
+    llm.llm_engine.pause_generation(mode="keep", clear_cache=False)
     _drive(llm, delivered)
-    llm.engine.resume_generation()
+    llm.llm_engine.resume_generation()
     _run_until_idle(llm, delivered)
     llm.close()
 
@@ -254,8 +255,8 @@ def chunk_underflow_57562(path: Path, clean: bool = False) -> None:
     llm = _museum_llm(
         path, clean, faults=("chunk_placeholder_underflow",), depth=2, max_num_batched_tokens=8
     )
-    llm.engine.add_request("a", PROMPT[:13], SamplingParams(max_tokens=6, ignore_eos=True))
-    llm.engine.add_request("b", PROMPT[3:10], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.llm_engine.add_request("a", PROMPT[:13], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.llm_engine.add_request("b", PROMPT[3:10], SamplingParams(max_tokens=6, ignore_eos=True))
     _run_until_idle(llm, {})
     llm.close()
 
@@ -272,7 +273,7 @@ def double_free_33377(path: Path, clean: bool = False) -> None:
         num_kv_blocks=12,
         enable_prefix_caching=False,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", PROMPT[:15], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.add_request("b", PROMPT[:14], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.add_request("w", PROMPT[2:16], SamplingParams(max_tokens=12, ignore_eos=True))
@@ -290,11 +291,11 @@ def crash_aborted_52969(path: Path, clean: bool = False) -> None:
     """vLLM #52969 (fault crash_on_aborted_output): a request aborted while its step is in
     flight; when the step's output comes back the engine looks the request up and crashes."""
     llm = _museum_llm(path, clean, faults=("crash_on_aborted_output",), depth=2)
-    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
-    llm.engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.llm_engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.llm_engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=16, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 3)
-    llm.engine.abort_request("a")
+    llm.llm_engine.abort_request("a")
     try:
         _run_until_idle(llm, delivered)
     except KeyError:  # the crash, recorded on the tape as an EngineError
@@ -309,7 +310,7 @@ def prefix_cache_4018(path: Path, clean: bool = False) -> None:
     from tokentape.engine.runners.oracle_weights import oracle_state_dict
 
     llm = _museum_llm(path, clean, faults=("prefix_cache_kept_across_weight_update",), depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     delivered: Delivered = {}
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
     _run_until_idle(llm, delivered)
@@ -332,10 +333,10 @@ def spec_reset_46066(path: Path, clean: bool = False) -> None:
     tokens and the placeholders of the request already scheduled again, which go below zero
     silently; the positions taken back are computed and delivered again."""
     llm = _museum_llm(path, clean, "vllm-flag", depth=2, k=2)
-    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    llm.llm_engine.add_request("r", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 4)
-    llm.engine.reset_prefix_cache(reset_running_requests=True)
+    llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
     _run_until_idle(llm, delivered)
     llm.close()
 
@@ -346,7 +347,7 @@ def omni_discard_one_5183(path: Path, clean: bool = False) -> None:
     and applies the other; a pause(keep, clear_cache=True) that drained first still drops
     one frame, the first fresh one after resume (#42043 again)."""
     llm = _museum_llm(path, clean, "omni-discard-one", depth=3)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("r", [])) >= 6)
@@ -374,7 +375,7 @@ def admission_stalled_53130(path: Path, clean: bool = False) -> None:
         max_num_seqs=3,
         enable_prefix_caching=False,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("run", list(range(40, 44)), SamplingParams(max_tokens=30, ignore_eos=True))
     engine.add_request("big", list(range(50, 78)), SamplingParams(max_tokens=6, ignore_eos=True))
     delivered: Delivered = {}
@@ -382,7 +383,7 @@ def admission_stalled_53130(path: Path, clean: bool = False) -> None:
     for name, first in (("h1", 100), ("h2", 130), ("h3", 160)):  # 7 blocks each
         prompt = list(range(first, first + 28))
         engine.add_request(name, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    _until(llm, delivered, lambda: engine.state.requests["run"].is_finished)
+    _until(llm, delivered, lambda: engine.engine_core.state.requests["run"].is_finished)
     for _ in range(10):  # the engine idles: nothing is admitted
         _drive(llm, delivered)
     for name in ("h1", "h2", "h3"):
@@ -397,10 +398,10 @@ def duplicated_token_395(path: Path, clean: bool = False) -> None:
     applied to its input, so it samples a's previous position again: the client gets that
     token twice, and every later one a place late."""
     llm = _museum_llm(path, clean, faults=("stale_overlap_input",), depth=2)
-    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.llm_engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 4)
-    llm.engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.llm_engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=8, ignore_eos=True))
     _run_until_idle(llm, delivered)
     llm.close()
 
@@ -412,7 +413,7 @@ def reused_id_42492(path: Path, clean: bool = False) -> None:
     placeholders below zero (vLLM asserted). The default engine refuses an id used before,
     so its run adds the new request as 'late-2'."""
     llm = _museum_llm(path, clean, faults=("output_on_reused_id",), depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("keep", PROMPT[:9], SamplingParams(max_tokens=12, ignore_eos=True))
     engine.add_request("late", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
     delivered: Delivered = {}
@@ -438,7 +439,7 @@ def block_reused_45357(path: Path, clean: bool = False) -> None:
         num_kv_blocks=9,
         enable_prefix_caching=False,
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("keep", PROMPT[:9], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
     delivered: Delivered = {}
@@ -455,14 +456,14 @@ def parked_while_asleep_45268(path: Path, clean: bool = False) -> None:
     again for 20 steps with room for 'late', and never admits it. The client gives up and
     aborts it (a default engine queued it and served it after the wake-up)."""
     llm = _museum_llm(path, clean, faults=("park_requests_while_asleep",), depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("run", PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
     delivered: Delivered = {}
     _until(llm, delivered, lambda: len(delivered.get("run", [])) >= 4)
     engine.sleep(level=1, mode="keep")
     engine.add_request("late", PROMPT[:9], SamplingParams(max_tokens=6, ignore_eos=True))
     engine.wake_up()
-    _until(llm, delivered, lambda: engine.state.requests["run"].is_finished)
+    _until(llm, delivered, lambda: engine.engine_core.state.requests["run"].is_finished)
     engine.abort_request("late")  # a no-op for a request already served
     _run_until_idle(llm, delivered)
     llm.close()
@@ -476,7 +477,7 @@ def sleep_in_flight_45520(path: Path, clean: bool = False) -> None:
     (vLLM: a CUDA illegal memory access). A default engine drains the step first, sleeps,
     wakes up and serves both."""
     llm = _museum_llm(path, clean, faults=("sleep_without_drain",), depth=2)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
     engine.add_request("b", PROMPT[:9], SamplingParams(max_tokens=16, ignore_eos=True))
     delivered: Delivered = {}
@@ -500,7 +501,7 @@ def clean_epoch_storm(path: Path) -> None:
     llm = _llm(
         path, "epoch", depth=3, k=2, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4
     )
-    engine = llm.engine
+    engine = llm.llm_engine
     for i in range(6):
         engine.add_request(
             f"s{i}", list(range(3 + i, 12 + 3 * i)), SamplingParams(max_tokens=14, ignore_eos=True)
@@ -526,14 +527,14 @@ def clean_epoch_storm(path: Path) -> None:
 def clean_epoch_pause_resume(path: Path) -> None:
     """The #42043 scenario itself under the epoch policy, repeated: nothing is lost."""
     llm = _llm(path, "epoch", depth=2)
-    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
-    llm.engine.add_request("s", PROMPT[:7], SamplingParams(max_tokens=30, ignore_eos=True))
+    llm.llm_engine.add_request("r", PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.llm_engine.add_request("s", PROMPT[:7], SamplingParams(max_tokens=30, ignore_eos=True))
     delivered: Delivered = {}
     for target in (6, 12, 18, 24):
         _until(llm, delivered, lambda target=target: len(delivered.get("r", [])) >= target)
-        llm.engine.pause_generation(mode="keep", clear_cache=True)
+        llm.llm_engine.pause_generation(mode="keep", clear_cache=True)
         _drive(llm, delivered)
-        llm.engine.resume_generation()
+        llm.llm_engine.resume_generation()
     _run_until_idle(llm, delivered)
     llm.close()
 

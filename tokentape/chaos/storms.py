@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.factory import build_engine
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.model_registry import ORACLE_MODELS
 from tokentape.engine.runners.oracle import OracleRunner
@@ -163,7 +162,7 @@ class StormDriver:
         self.engine = engine
         self.rng = random.Random(f"choices-{seed}")
         self.result = result
-        runner = engine.runner
+        runner = engine.engine_core.runner
         if not isinstance(runner, OracleRunner):
             raise StormError(
                 f"storms need the oracle model ({' or '.join(ORACLE_MODELS)}), "
@@ -206,7 +205,7 @@ class StormDriver:
         elif command == "add":
             self.add()
         elif command == "abort":
-            unfinished = engine.state.unfinished
+            unfinished = engine.engine_core.state.unfinished
             if unfinished:
                 engine.abort_request(self.rng.choice(unfinished).req_id)
         elif command == "abort_all":
@@ -230,7 +229,7 @@ class StormDriver:
 
     def _unless_asleep(self, call: Callable[[], None]) -> None:
         """A call the engine refuses while it sleeps: refused then, with nothing recorded."""
-        state = self.engine.state
+        state = self.engine.engine_core.state
         if state.sleep_level is None:
             call()
             return
@@ -284,7 +283,7 @@ class StormDriver:
             if not self.engine.has_unfinished_requests():
                 return
             self.step()
-        unfinished = [r.req_id for r in self.engine.state.unfinished]
+        unfinished = [r.req_id for r in self.engine.engine_core.state.unfinished]
         raise StormError(
             f"storm seed {self.result.spec.seed}: {len(unfinished)} requests still "
             f"unfinished after {limit} steps ({', '.join(unfinished[:8])})"
@@ -309,8 +308,9 @@ def run_storm(
     bad = [c for c in names if c not in COMMANDS]
     if bad:
         raise StormError(f"unknown storm command {bad[0]!r} (commands: {', '.join(COMMANDS)})")
-    engine = build_engine(EngineConfig(model=spec.model, **spec.engine_args()), tape)  # type: ignore[arg-type]
-    result = StormResult(spec, names, engine.tape)
+    config = EngineConfig(model=spec.model, **spec.engine_args())  # type: ignore[arg-type]
+    engine = LLMEngine.from_engine_args(config, tape)
+    result = StormResult(spec, names, engine.engine_core.tape)
     try:
         driver = StormDriver(engine, spec.seed, result)
         for _ in range(spec.initial_requests):
@@ -320,7 +320,7 @@ def run_storm(
         driver.drain()
     finally:
         engine.close()
-    state = engine.state
+    state = engine.engine_core.state
     result.num_events = state.num_events
     result.num_steps = state.step
     result.num_preemptions = sum(r.num_preemptions for r in state.requests.values())

@@ -24,6 +24,12 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any, Self
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.call_args import (
+    check_pause_mode,
+    check_sleep_args,
+    check_wake_tags,
+    resolve_version,
+)
 from tokentape.engine.core.client import CoreClient, InprocClient, MPClient
 from tokentape.engine.core.messages import (
     AddRequest,
@@ -44,8 +50,6 @@ from tokentape.engine.output_collector import RequestOutputCollector
 from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
-from tokentape.engine.rl_calls import PAUSE_MODES, check_sleep_args, check_wake_tags
-from tokentape.engine.weight_updates import resolve_version
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams
 from tokentape.events.tape_path import TapeSpec, check_tape_path
@@ -253,7 +257,7 @@ class AsyncLLM:
         )
 
     async def abort_all(self) -> list[str]:
-        """Abort every unfinished request (LLMEngine.abort_all, on the tape); their streams
+        """Abort every unfinished request (EngineCore.abort_all, on the tape); their streams
         end with finish_reason 'abort'. Returns the ids aborted; [] on a dead engine (a
         server's drain that ran out calls it whatever the engine's state)."""
         if self._dead is not None:
@@ -270,8 +274,7 @@ class AsyncLLM:
     async def pause_generation(self, *, mode: str = "keep", clear_cache: bool = True) -> None:
         """Pause as vLLM does ("abort", "wait" or "keep"); returns once the engine has
         drained, with the drained tokens already handed to their streams."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause_generation: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_pause_mode("pause_generation", mode)
         await self._call("pause_generation", mode, bool(clear_cache))
 
     async def resume_generation(self) -> None:
@@ -284,7 +287,7 @@ class AsyncLLM:
         return bool(await self._call("reset_prefix_cache", bool(reset_running_requests)))
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's sleep (LLMEngine.sleep): pause in `mode`, drain, release the memory (level
+        """vLLM's sleep (EngineCore.sleep): pause in `mode`, drain, release the memory (level
         1: weights to the host, KV cache dropped; 2: both dropped; 0: nothing). Returns once
         asleep, with the drained tokens already handed to their streams. Requests that
         arrive while it sleeps wait, and are served after the wake-up."""
@@ -308,7 +311,7 @@ class AsyncLLM:
         """Load new weights (a state_dict or a checkpoint folder) while paused; returns their
         content hash, which goes on the tape with `weight_version` (default: the update's
         number). Inside a transfer (`start_weight_update`): one chunk, checked and held (None).
-        Refused without any change on a bad update (LLMEngine.update_weights)."""
+        Refused without any change on a bad update (EngineCore.update_weights)."""
         if isinstance(weights, (str, os.PathLike)):
             arg: Any = os.fspath(weights)
         elif isinstance(weights, Mapping):

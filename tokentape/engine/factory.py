@@ -1,7 +1,7 @@
-"""The one engine factory: every caller that needs an engine (`LLM`, `EngineCore` behind
-`AsyncLLM` and the server, `replay whatif`, the postmortem's output check) builds its runner,
-its tape writer and its engine here, so a model name, a tape path or a bad argument means
-the same everywhere.
+"""The one engine factory: every caller that needs an engine (`LLMEngine` under `LLM`,
+`EngineCoreProc` behind `AsyncLLM` and the server, `replay whatif`, the postmortem's output
+check) builds its runner, its tape writer and its EngineCore here, so a model name, a tape
+path or a bad argument means the same everywhere.
 
 The model registry is engine/model_registry.py (re-exported here): the oracles and the
 built-in models by name; anything else is a checkpoint folder.
@@ -18,8 +18,8 @@ from collections.abc import Callable
 import msgspec
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.kv_cache_size import with_kv_cache
-from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.model_registry import BUILTIN_MODELS, MODEL_HELP, ORACLE_MODELS
 from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import HasTokenizer, ModelRunner
@@ -36,7 +36,7 @@ __all__ = [
     "ENGINE_CREATED_HOOKS",
     "MODEL_HELP",
     "ORACLE_MODELS",
-    "build_engine",
+    "build_engine_core",
     "make_header",
     "make_runner",
     "open_tape_writer",
@@ -45,7 +45,7 @@ __all__ = [
 
 # Called with every engine built here. The postmortem's pytest plugin (--tokentape-dir) uses it
 # to keep the tape of every engine a failing test created.
-ENGINE_CREATED_HOOKS: list[Callable[[LLMEngine], None]] = []
+ENGINE_CREATED_HOOKS: list[Callable[[EngineCore], None]] = []
 
 
 def make_runner(config: EngineConfig) -> ModelRunner:
@@ -100,7 +100,7 @@ def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) 
         raise OSError(f"{os.fspath(tape)}: cannot create the tape: {exc}") from exc
 
 
-def build_engine(config: EngineConfig, tape: TapeSpec) -> LLMEngine:
+def build_engine_core(config: EngineConfig, tape: TapeSpec) -> EngineCore:
     """An engine for `config` recording on `tape`: the cheap checks first (the config, the
     tape path: they fail in milliseconds), then the runner, the KV cache's size from the memory
     budget and max_model_len's default from the model, the tape writer. A failure leaves
@@ -119,7 +119,7 @@ def build_engine(config: EngineConfig, tape: TapeSpec) -> LLMEngine:
     tokenizer = runner_tokenizer(runner)
     engine_tokenizer = None if isinstance(tokenizer, MissingTokenizer) else tokenizer
     try:
-        engine = LLMEngine(config, runner, writer, engine_tokenizer)
+        engine = EngineCore(config, runner, writer, engine_tokenizer)
     except BaseException:
         runner.close()
         writer.close()

@@ -1,6 +1,6 @@
 """The injectable faults' hooks (names and upstream bugs: tokentape.events.faults).
 
-`LLMEngine` builds them (`fault_hooks`) only when its config names faults, so the default
+`EngineCore` builds them (`fault_hooks`) only when its config names faults, so the default
 path carries none of this. Each fault is an `EngineHooks` (hooks.py) acting at the places
 the engine and its scheduler offer, keeping its own notes of what the upstream code got
 wrong; request state still changes only through the reducer. Every fault is deterministic:

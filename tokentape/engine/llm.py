@@ -1,4 +1,4 @@
-"""`LLM`: vLLM's offline entry point. Gets an engine from the engine factory and generates."""
+"""`LLM`: vLLM's offline entry point, on an LLMEngine (its core built by the engine factory)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Self
 import msgspec
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.factory import build_engine, runner_tokenizer
+from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.model_registry import DEFAULT_MODEL
 from tokentape.engine.outputs import RequestOutput
+from tokentape.engine.parallel_sampling import child_request_id
 from tokentape.engine.scenario import Scenario
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
@@ -34,15 +35,20 @@ class LLM:
         self, model: str = DEFAULT_MODEL, *, tape: TapeSpec = None, **engine_args: object
     ) -> None:
         config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
-        self.engine = build_engine(config, tape)
-        self.config = self.engine.config  # with max_model_len's default from the model
+        self.llm_engine = LLMEngine.from_engine_args(config, tape)
+        self.config = self.llm_engine.config  # with max_model_len's default from the model
         # The prompts' tokenizer (a checkpoint's own; one that refuses text without one).
-        self.tokenizer: Tokenizer = runner_tokenizer(self.engine.runner)
+        self.tokenizer: Tokenizer = self.llm_engine.tokenizer
         self._next_id = 0
 
     @property
+    def engine(self) -> LLMEngine:
+        """`llm_engine` (vLLM's name), under the name earlier releases gave it."""
+        return self.llm_engine
+
+    @property
     def tape_path(self) -> str | None:
-        return self.engine.tape.path
+        return self.llm_engine.tape_path
 
     def generate(
         self,
@@ -58,8 +64,8 @@ class LLM:
         `scenario`: engine calls (pause and resume, prefix-cache resets, aborts) made at given
         steps of the run (tokentape.engine.scenario); the request ids are "0", "1", ... in
         the order of the prompts on a fresh LLM."""
-        self.engine.check_awake("generate")  # it would wait for ever
-        if self.engine.is_paused():
+        self.llm_engine.engine_core.check_awake("generate")  # it would wait for ever
+        if self.llm_engine.is_paused():
             raise RuntimeError("generate: the engine is paused; call resume_generation() first")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item,assignment]
@@ -78,7 +84,7 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 tokens = self._prompt_token_ids(i, prompt)
                 req_id = self._new_request_id()
-                self.engine.check_request(req_id, tokens, params)
+                self.llm_engine.check_request(req_id, tokens, params)
                 # As vLLM's LLM does: the caller gets the whole output at the end, so the engine
                 # builds none before (a copy of every stream at every step otherwise).
                 final_only = msgspec.structs.replace(
@@ -90,10 +96,10 @@ class LLM:
         except BaseException:
             self._next_id = first_id  # nothing was added: the ids are still free
             raise
-        with self.engine.one_commit():  # one call: one commit on the tape
+        with self.llm_engine.one_commit():  # one call: one commit on the tape
             for (req_id, tokens, params), prompt in zip(requests, prompts):
                 text = prompt if isinstance(prompt, str) else None
-                self.engine.add_request(req_id, tokens, params, prompt=text)
+                self.llm_engine.add_request(req_id, tokens, params, prompt_text=text)
         return self._run_to_completion([r[0] for r in requests], use_tqdm, scenario)
 
     def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:
@@ -108,9 +114,9 @@ class LLM:
 
     def _new_request_id(self) -> str:
         """The next number not already used on this engine (the engine API may have used some)."""
-        requests = self.engine.state.requests
-        # A parent of n > 1 leaves its children "0_<id>", ... on the engine, not its own id.
-        while str(self._next_id) in requests or f"0_{self._next_id}" in requests:
+        requests = self.llm_engine.engine_core.state.requests
+        # A parent of n > 1 leaves its children on the engine, not its own id.
+        while str(self._next_id) in requests or child_request_id(0, str(self._next_id)) in requests:
             self._next_id += 1
         self._next_id += 1
         return str(self._next_id - 1)
@@ -122,7 +128,7 @@ class LLM:
         FINAL_ONLY), and return them in the order of `ids`."""
         finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        engine = self.engine
+        engine = self.llm_engine
         processor = engine.output_processor
 
         def output_tokens() -> int:  # asked for only when the bar is redrawn
@@ -131,7 +137,7 @@ class LLM:
         with RequestProgress(len(ids), enabled=use_tqdm) as bar:
             while len(finals) < len(ids) and engine.has_unfinished_requests():
                 if scenario is not None:
-                    scenario.apply_due(engine)
+                    scenario.apply_due(engine.engine_core)
                 for out in engine.step():  # others' outputs too (added by the engine API)
                     if out.finished and out.request_id in wanted:
                         finals[out.request_id] = out
@@ -139,11 +145,11 @@ class LLM:
             # A request that stops on a token leaves the steps scheduled after it in flight;
             # with nothing else to run, collect their frames so the tape ends complete (else
             # the postmortem reads the run as one stopped mid-run: tape_truncated).
-            state = engine.state
+            state = engine.engine_core.state
             while state.in_flight_steps and not (state.waiting or state.running):
                 engine.step()
             bar.update(len(finals), output_tokens, force=True)
-        engine.tape.flush()  # the run is complete in the tape file when generate returns
+        engine.engine_core.tape.flush()  # the run is in the tape file when generate returns
         missing = [i for i in ids if i not in finals]
         if missing:  # cannot happen: a request leaves the engine only finished
             raise RuntimeError(f"generate: requests {missing} ended without a final output")
@@ -152,18 +158,18 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's LLM.reset_prefix_cache: forget the cached prefixes (recorded on the tape).
         False while requests hold blocks, unless `reset_running_requests` preempts them."""
-        return self.engine.reset_prefix_cache(reset_running_requests)
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's LLM.sleep (LLMEngine.sleep): pause, drain and release the memory."""
-        self.engine.sleep(level, mode)
+        self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's LLM.wake_up (LLMEngine.wake_up): restore what `tags` name (None: all)."""
-        self.engine.wake_up(tags)
+        self.llm_engine.wake_up(tags)
 
     def close(self) -> None:
-        self.engine.close()
+        self.llm_engine.close()
 
     def __enter__(self) -> Self:
         return self

@@ -1,5 +1,5 @@
 """Parallel sampling (`SamplingParams.n > 1`), as vLLM does it: a parent request fans out into
-n child requests "{index}_{request_id}" of n=1 (LLMEngine.add_core_request), and the output
+n child requests "{index}_{request_id}" of n=1 (EngineCore.add_request), and the output
 processor gathers their outputs into one RequestOutput per parent with the children's
 CompletionOutputs (index = the child's).
 

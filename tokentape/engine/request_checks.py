@@ -36,7 +36,7 @@ from tokentape.events.validation import check_int, check_str, shown
 
 
 class CheckedEngine(Protocol):
-    """What the checks read of the engine (LLMEngine), without importing it."""
+    """What the checks read of the engine (EngineCore), without importing it."""
 
     state: EngineState
     config: EngineConfig
@@ -132,7 +132,7 @@ def check_request(
     engine: CheckedEngine, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
 ) -> None:
     """Refuse a request the engine could not serve or the tape could not hold, before
-    anything is recorded (LLMEngine.check_request)."""
+    anything is recorded (EngineCore.check_request)."""
     check_str("request_id", request_id)
     if not request_id:
         raise ValueError("request_id must be a non-empty string, got ''")

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tokentape.engine.llm_engine import LLMEngine
-from tokentape.engine.rl_calls import PAUSE_MODES
+from tokentape.engine.core.call_args import PAUSE_MODES
+from tokentape.engine.core.engine_core import EngineCore
 from tokentape.events.validation import check_int, check_str
 
 
@@ -30,7 +30,7 @@ class Pause:
     def describe(self) -> str:
         return f"pause ({self.mode}) at step {self.step}"
 
-    def apply(self, engine: LLMEngine) -> None:
+    def apply(self, engine: EngineCore) -> None:
         engine.pause_generation(mode=self.mode, clear_cache=True)
         engine.resume_generation()
 
@@ -42,7 +42,7 @@ class Reset:
     def describe(self) -> str:
         return f"prefix-cache reset at step {self.step}"
 
-    def apply(self, engine: LLMEngine) -> None:
+    def apply(self, engine: EngineCore) -> None:
         engine.reset_prefix_cache(reset_running_requests=True)
 
 
@@ -54,7 +54,7 @@ class Abort:
     def describe(self) -> str:
         return f"abort of request {self.req_id!r} at step {self.step}"
 
-    def apply(self, engine: LLMEngine) -> None:
+    def apply(self, engine: EngineCore) -> None:
         engine.abort_request(self.req_id)  # a request that already finished: nothing to do
 
 
@@ -89,7 +89,7 @@ class Scenario:
                 shown = ", ".join(request_ids[:10]) + (", ..." if len(request_ids) > 10 else "")
                 raise ValueError(f"{call.describe()}: no such request (the requests are {shown})")
 
-    def apply_due(self, engine: LLMEngine) -> None:
+    def apply_due(self, engine: EngineCore) -> None:
         calls, step = self.calls, engine.state.step
         while self._next < len(calls) and calls[self._next].step <= step:
             call = calls[self._next]

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Query, Request
 from starlette.responses import Response
 
 from tokentape.engine.async_llm import AsyncLLM
-from tokentape.engine.rl_calls import check_wake_tags
+from tokentape.engine.core.call_args import check_wake_tags
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.refusals import APIError
 from tokentape.entrypoints.request_body import decode_body

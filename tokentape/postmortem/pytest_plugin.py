@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tokentape.engine.llm_engine import LLMEngine
+    from tokentape.engine.core.engine_core import EngineCore
     from tokentape.postmortem.findings import Report
 
 # tokentape itself is imported only when an option is on: the plugin loads in every pytest
@@ -46,7 +46,7 @@ def tape_name(nodeid: str) -> str:
 class TapeKeeper:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.engines: list[LLMEngine] = []
+        self.engines: list[EngineCore] = []
         self.kept: list[tuple[str, Path, Path | None]] = []  # (test, tape, report)
 
     @pytest.hookimpl(hookwrapper=True)
@@ -104,7 +104,7 @@ class TapeKeeper:
             terminalreporter.write_line(f"{nodeid}: {tape}{shown}")
 
 
-def _has_tape(engine: LLMEngine) -> bool:
+def _has_tape(engine: EngineCore) -> bool:
     from tokentape.events.sqlite_store import SQLiteTape
     from tokentape.events.store import MemoryTape
 
@@ -112,7 +112,7 @@ def _has_tape(engine: LLMEngine) -> bool:
     return isinstance(writer, (MemoryTape, SQLiteTape))
 
 
-def _save_tape(engine: LLMEngine, dest: Path) -> None:
+def _save_tape(engine: EngineCore, dest: Path) -> None:
     from tokentape.events.sqlite_store import SQLiteTape, copy_tape, remove_tape_files, write_tape
     from tokentape.events.store import MemoryTape
 

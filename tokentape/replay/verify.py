@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from tokentape.engine.llm_engine import LLMEngine
+from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.runners.base import ScheduledBatch, WeightChunk
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.events import schema as ev
@@ -155,7 +155,7 @@ class _LazyTokenizer:
         return self._get().decode(token_ids)
 
 
-def issue_command(engine: LLMEngine, event: ev.Event) -> None:
+def issue_command(engine: EngineCore, event: ev.Event) -> None:
     """Make the client call that a recorded command event stands for."""
     match event:
         case ev.RequestAdded(req_id=req_id, prompt_token_ids=prompt, params=params):
@@ -225,7 +225,7 @@ def verify(
     if bad_header is not None:
         return VerifyResult(False, 0, bad_header)
     stream = RecordedStream(tape.events(), progress)
-    engine = LLMEngine(
+    engine = EngineCore(
         tape.config,
         _StreamReplayRunner(stream, tape.header),
         _CheckingTape(stream, tape.header),

@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.factory import ORACLE_MODELS, make_runner, open_tape_writer
-from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape
@@ -111,7 +111,7 @@ def _make_runner(config: EngineConfig, runner: str) -> ModelRunner:
         ) from None
 
 
-def _advance_to(engine: LLMEngine, step: int, limit: int, goal: str | None = None) -> None:
+def _advance_to(engine: EngineCore, step: int, limit: int, goal: str | None = None) -> None:
     """Step the engine until it is about to schedule `step`, or can do nothing more (left
     paused, or every request finished)."""
     state = engine.state
@@ -127,7 +127,7 @@ def _advance_to(engine: LLMEngine, step: int, limit: int, goal: str | None = Non
     )
 
 
-def _issue(engine: LLMEngine, event: ev.Event, runner: str, notes: list[str]) -> None:
+def _issue(engine: EngineCore, event: ev.Event, runner: str, notes: list[str]) -> None:
     if isinstance(event, (ev.WeightsUpdated, ev.WeightUpdateStarted, ev.WeightChunkReceived)):
         # The tape names the weights (hashes) but does not hold them.
         if runner == "oracle":
@@ -201,7 +201,7 @@ def whatif(
     )
     engine_runner = _make_runner(config, runner)
     writer = open_tape_writer(None if out is None else os.fspath(out), config, engine_runner)
-    engine = LLMEngine(config, engine_runner, writer)
+    engine = EngineCore(config, engine_runner, writer)
     # Generous: a changed pipeline may need more steps than the recording, never unboundedly more.
     limit = 10 * len(original) + 10_000
     notes: list[str] = [device_note] if device_note else []

@@ -1,5 +1,5 @@
 """How AsyncLLM talks to its engine core: MPClient (a background process over ZMQ, the
-default) or InprocClient (the same EngineCore stepped in the frontend's event loop, for
+default) or InprocClient (the same EngineCoreProc stepped in the front end's event loop, for
 debugging: one thread, breakpoints work). Both hand every core message to `dispatch`.
 """
 
@@ -102,9 +102,9 @@ class CoreClient:
 class InprocClient(CoreClient):
     def __init__(self, model: str, tape: Any, engine_args: dict[str, Any]) -> None:
         super().__init__()
-        from tokentape.engine.core.engine_core import EngineCore
+        from tokentape.engine.core.engine_core_proc import EngineCoreProc
 
-        self.core = EngineCore(model, tape, engine_args)
+        self.core = EngineCoreProc(model, tape, engine_args)
         self.info = self.core.info()
         self._inbox: list[CoreRequest] = []
         self._wake: asyncio.Event | None = None
@@ -143,7 +143,8 @@ class InprocClient(CoreClient):
 
 
 class MPClient(CoreClient):
-    """Starts `python -m tokentape.engine.core.proc` and waits until its engine is built."""
+    """Starts `python -m tokentape.engine.core.engine_core_proc` and waits until its engine
+    is built."""
 
     def __init__(
         self, model: str, tape: Any, engine_args: dict[str, Any], startup_timeout_s: float = 900.0
@@ -176,7 +177,7 @@ class MPClient(CoreClient):
         # autogroup, where the core would escape the frontend's nice (a Ray actor's 15) and
         # take the CPU from the actor that reads its outputs.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokentape.engine.core.proc"],
+            [sys.executable, "-m", "tokentape.engine.core.engine_core_proc"],
             stdin=subprocess.PIPE,
             env=env,
             process_group=0,

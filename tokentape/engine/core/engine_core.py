@@ -1,227 +1,585 @@
-"""EngineCore: the engine behind AsyncLLM, as vLLM V1's EngineCore. It owns the LLMEngine and
-its tape, takes requests, aborts and calls, steps, and hands back token deltas.
+"""EngineCore, as vLLM V1's: the loop that ties decide, evolve, tape and runner together.
+It schedules a step, hands it to the runner, folds the frame that comes back into the state
+and emits the per-request deltas (`EngineCoreOutput`) a front end's output processor turns
+into `RequestOutput`s. It also takes the engine-level calls: requests added and aborted,
+pause and resume, prefix-cache resets, the sleep mode, abort-all and weight updates.
 
-The same class runs in the background process (`tokentape.engine.core.proc`) and in the
-frontend's own event loop (the in-process mode, for debugging).
+Every state change goes the same way: the core (or its scheduler) builds an event, appends it
+to the tape, and applies it through the reducer. The tape is committed at every step boundary
+and after every command, so a killed process leaves a tape that verifies up to its last
+completed step.
+
+Pause and resume are vLLM's: `pause_generation(mode, clear_cache)` with mode "abort" (abort
+every request), "wait" (admit nothing new, let the running requests finish) or "keep"
+(schedule nothing, keep every request); the steps in flight are applied (their tokens go out
+with the next `step()`), then, with `clear_cache`, the running requests are preempted and the
+prefix cache is reset.
+
+The sleep mode is vLLM's: `sleep(level, mode)` pauses in `mode` ("abort" by default) and
+drains every step in flight; at level >= 1 it resets the prefix cache with the running
+requests preempted (their KV is about to go: they are recomputed after the wake-up); then the
+runner releases its memory (runners/sleep_memory.py) and the core records EngineSlept. While
+it sleeps no step runs: requests that arrive are recorded and queued. `wake_up(tags)` restores
+what the tags name ("weights", "kv_cache"; None: everything); once nothing sleeps it resumes
+generation. A wake-up of the weights alone does not resume scheduling against a KV cache that
+is not there (vLLM's partial-wake bug, #44395).
+
+Weight updates are whole (`update_weights(weights)`) or chunked as vLLM's native transfer
+(`start_weight_update()`, `update_weights(chunk)` per chunk, `finish_weight_update()`), each
+named by a weight version (vLLM's `weight_version`: given, or the update's number). Every
+call is checked before anything is recorded: the engine must be paused with nothing in
+flight, a chunk's tensors must be the model's by name and shape (the runner holds them,
+loading nothing until the finish, so the old weights serve until then), and a transfer left
+open is refused at `resume_generation`. The tape has `WeightUpdateStarted`, a
+`WeightChunkReceived` per chunk (names, shapes and SHA-256s; not the tensors) and
+`WeightsUpdated` with the final SHA-256 and the version.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterator, Sequence
 
+import msgspec
+
+from tokentape.engine.bad_words import has_text_bad_words
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.core.messages import (
-    AbortRequests,
-    AddRequest,
-    CoreDead,
-    CoreInfo,
-    CoreMessage,
-    CoreOutputs,
-    CoreRequest,
-    SchedulerStats,
-    UtilityCall,
-    UtilityResult,
-    error_of,
+from tokentape.engine.core.call_args import (
+    check_pause_mode,
+    check_sleep_args,
+    check_wake_tags,
+    resolve_version,
 )
-from tokentape.engine.factory import build_engine
+from tokentape.engine.core_outputs import pending_outputs
+from tokentape.engine.hooks import EngineHooks
+from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import EngineCoreOutput
+from tokentape.engine.parallel_sampling import child_params, child_request_id
+from tokentape.engine.request_checks import check_request, resolved_bad_words
+from tokentape.engine.runner_defaults import with_runner_defaults
+from tokentape.engine.runners.base import ChecksParams, ModelRunner, SleepsMemory, UpdatesWeights
+from tokentape.engine.scheduler import Scheduler
+from tokentape.engine.stop_strings import find_stop_string
+from tokentape.engine.tokenizer import SplitsSafely, Tokenizer
 from tokentape.errors import EngineDeadError
-from tokentape.events.tape_path import TapeSpec
-
-SHUTDOWN = "shutdown"  # the call that ends the core
-
-# A command (an add, an abort, a call) that raises is refused: its caller gets the error's
-# type and message, and the engine serves on, unless the failure ended the engine (a broken
-# tape, or a failure inside the recorded part of the command: then it is on the tape).
-# A failure inside a step is always fatal.
-
-
-def load_weights_arg(arg: object) -> object:
-    """update_weights's argument as it travels: a folder path, or safetensors bytes."""
-    if isinstance(arg, bytes):
-        from safetensors.torch import load
-
-        return load(arg)
-    return arg
+from tokentape.events import schema as ev
+from tokentape.events.reducer import evolve, initial_state
+from tokentape.events.schema import SamplingParams
+from tokentape.events.store import TapeWriter
+from tokentape.events.validation import check_bool
 
 
 class EngineCore:
-    def __init__(self, model: str, tape: TapeSpec, engine_args: dict[str, Any]) -> None:
-        self.engine = build_engine(EngineConfig(model=model, **engine_args), tape)
-        self._closed = False
-        self._calls: dict[str, Callable[..., Any]] = {
-            "pause_generation": self.engine.pause_generation,
-            "resume_generation": self.engine.resume_generation,
-            "is_paused": self.engine.is_paused,
-            "reset_prefix_cache": self.engine.reset_prefix_cache,
-            "update_weights": lambda w, version=None: self.engine.update_weights(
-                load_weights_arg(w), version
-            ),
-            "start_weight_update": self.engine.start_weight_update,
-            "finish_weight_update": self.engine.finish_weight_update,
-            "get_weight_version": self.engine.get_weight_version,
-            "sleep": self.engine.sleep,
-            "wake_up": self.engine.wake_up,
-            "is_sleeping": self.engine.is_sleeping,
-            "abort_all": self.engine.abort_all,
-        }
+    """The engine's inner loop: it owns the engine's state (the reducer's, changed only
+    through `_emit`), the KV cache manager, the scheduler, the runner and the tape writer.
+    Commands and steps go on the tape before they take effect; `step` gives the per-request
+    deltas of the requests that got tokens or finished. The runner's optional capabilities
+    (runners.base: ChecksParams, UpdatesWeights, SleepsMemory) are read once, here."""
 
-    def info(self) -> CoreInfo:
-        e = self.engine
-        return CoreInfo(
-            e.runner.model_id,
-            e.runner.vocab_size,
-            e.config.effective_max_model_len,
-            e.runner.eos_token_id,
-            e.tape.path,
-            os.getpid(),
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tape: TapeWriter,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        config = with_runner_defaults(config, runner)  # LLM has done it; a direct caller may not
+        config.check_runnable()
+        self.config = config
+        self.runner = runner
+        # The runner's optional capabilities, checked once (runners/base.py's Protocols).
+        self.params_checker: ChecksParams | None = (
+            runner if isinstance(runner, ChecksParams) else None
         )
-
-    def stats(self) -> SchedulerStats:
-        e = self.engine
-        s, kv = e.state, e.kv
-        return SchedulerStats(
-            len(s.running),
-            len(s.waiting),
-            s.paused is not None,
-            s.step,
-            kv.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0,
-            e.num_preemptions,
-            s.sleep_level is not None,
+        self.weights_updater: UpdatesWeights | None = (
+            runner if isinstance(runner, UpdatesWeights) else None
         )
+        self.tape = tape
+        self.tokenizer = tokenizer
+        self._safe_split = tokenizer.safe_split if isinstance(tokenizer, SplitsSafely) else None
+        self.depth = config.effective_pipeline_depth
+        self.state = initial_state(
+            config.discard_policy,
+            self.depth > 1,
+            runner.eos_token_id,
+            config.effective_max_model_len,
+            config.faults,
+        )
+        num_blocks = config.num_kv_blocks
+        assert num_blocks is not None  # with_runner_defaults sized it
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
+        self._finished_since_last_batch: list[str] = []
+        # Deltas produced outside step() (e.g. by a drain), handed out by the next step.
+        self._ready: list[EngineCoreOutput] = []
+        self._dead: str | None = None
+        self._commits_held = 0  # inside one_commit(): the calls share one tape commit
+        self.num_preemptions = 0  # RequestPreempted events emitted (vLLM's preemption metric)
+        # Upstream bugs on purpose (tests, tapes), through the engine's hooks (hooks.py): the
+        # default path has none.
+        self.hooks: Sequence[EngineHooks] = ()
+        if config.faults:
+            from tokentape.engine.faults import fault_hooks
 
-    @property
-    def is_paused(self) -> bool:
-        return self.engine.is_paused()
+            self.hooks = self.scheduler.hooks = fault_hooks(config, self.scheduler, self.state)
+        # n > 1: each parent's children on the tape (the output processor gathers them).
+        self._children: dict[str, list[str]] = {}
 
-    def has_work(self) -> bool:
-        """Whether stepping can make progress (a paused engine schedules nothing)."""
-        return self.engine.has_unfinished_requests() and not self.engine.is_paused()
+    # -- the one way state changes ---------------------------------------------------------------
 
-    def add_request(self, req: AddRequest) -> EngineCoreOutput | None:
-        """Add a request (for n > 1 its children "{i}_{id}", whose deltas the frontend's
-        output processor gathers); a refused one (checked before anything is recorded) comes
-        back as an error output. EngineDeadError: the add ended the engine (on the tape)."""
+    def _emit(self, event: ev.Event) -> None:
+        self.tape.append(event)
+        evolve(self.state, event)
+        if isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
+            self._finished_since_last_batch.append(event.req_id)
+        elif isinstance(event, ev.RequestPreempted):
+            self.num_preemptions += 1  # for the server's metrics
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed earlier and cannot continue: {self._dead}")
+
+    @contextlib.contextmanager
+    def _recorded(self) -> Iterator[None]:
+        """Run an engine operation, deliver the outputs it produced and commit; record any
+        internal failure on the tape, then re-raise."""
+        self._check_alive()
         try:
-            self.engine.add_core_request(req.request_id, req.prompt_token_ids, req.params)
-        except Exception as exc:  # noqa: BLE001 - any refusal goes back to its caller
-            self._raise_if_dead()
-            return EngineCoreOutput(req.request_id, [], error=error_of(exc))
-        return None
+            yield
+            self._flush_outputs()  # whatever the operation finished or produced, deliver it
+            # A tape that cannot be written ends the run too: the state would outgrow its record.
+            if not self._commits_held:
+                self.tape.commit()
+        except BaseException as exc:
+            self._dead = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                self.tape.append(ev.EngineError(self.state.step, type(exc).__name__, str(exc)))
+                self.tape.flush()  # in the file before the exception propagates
+            raise
 
-    def abort(self, request_ids: list[str]) -> None:
-        requests = self.engine.state.requests
-        for req_id in request_ids:
-            req = requests.get(req_id)
-            if req is not None and not req.is_finished:  # unknown or done: nothing to abort
-                self.engine.abort_request(req_id)
-
-    def call(self, method: str, args: list[Any]) -> Any:
-        fn = self._calls.get(method)
-        if fn is None:
-            raise ValueError(f"unknown engine call {method!r}")
-        return fn(*args)
-
-    def run_once(self, requests: list[CoreRequest]) -> tuple[list[CoreMessage], bool]:
-        """Handle the requests that arrived, in order, then step if there is work: the
-        messages for the frontend, and whether the core is done (shut down or dead)."""
-        messages: list[CoreMessage] = []
-        pending: list[EngineCoreOutput] = []
+    @contextlib.contextmanager
+    def one_commit(self) -> Iterator[None]:
+        """The engine calls made inside go to the tape as one commit, at the end: one client
+        call made of many (LLM.generate's adds), one message to the tape writer rather than
+        one a request (half of a tiny run's messages were adds: docs/benchmarks.md)."""
+        self._commits_held += 1
         try:
-            for msg in requests:
-                if isinstance(msg, AddRequest):
-                    refused = self.add_request(msg)
-                    if refused is not None:
-                        pending.append(refused)
-                elif isinstance(msg, AbortRequests):
-                    self._abort_quietly(msg.request_ids)
-                elif isinstance(msg, UtilityCall):
-                    if msg.method == SHUTDOWN:
-                        self.shutdown()
-                        done = UtilityResult(msg.call_id, True)
-                        messages.append(CoreOutputs(pending, self.stats(), done))
-                        return messages, True
-                    result = self._call(msg)
-                    # What the call produced (a pause's drained tokens) goes before its answer.
-                    if self.is_paused:
-                        pending += self.step()
-                    messages.append(CoreOutputs(pending, self.stats(), result))
-                    pending = []
-            if self.has_work() or requests:
-                pending += self.step()
-        except Exception as exc:  # noqa: BLE001 - the engine failed: on the tape, nothing more
-            messages.append(CoreDead(self._record_failure(exc)))
-            return messages, True
-        if pending:
-            messages.append(CoreOutputs(pending, self.stats()))
-        return messages, False
+            yield
+        finally:
+            self._commits_held -= 1
+            if not self._commits_held and self._dead is None:
+                self.tape.commit()
 
-    def _raise_if_dead(self) -> None:
-        """After a command raised: re-raise as fatal when it ended the engine."""
-        reason = self.engine.dead_reason
-        if reason is not None:
-            raise EngineDeadError(f"the engine failed earlier and cannot continue: {reason}")
+    # -- requests ------------------------------------------------------------------------------
 
-    def _abort_quietly(self, request_ids: list[str]) -> None:
-        """An abort has no caller waiting for an answer: a refused one changes nothing."""
-        try:
-            self.abort(request_ids)
-        except Exception:  # noqa: BLE001 - refused, unless it ended the engine
-            self._raise_if_dead()
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[str]:
+        """Record a request, or for n > 1 its n children (parallel_sampling.py), all checked
+        before any is recorded; the engine request ids, in index order. Their deltas come
+        from `step()`."""
+        self.check_request(request_id, prompt_token_ids, params)
+        resolved = self._with_extra_eos(self._resolve_bad_words(request_id, params))
+        if params.n == 1:
+            children = [(request_id, resolved)]
+        else:
+            children = [
+                (
+                    child_request_id(i, request_id),
+                    child_params(resolved, i, self.config.seed, prompt_token_ids),
+                )
+                for i in range(params.n)
+            ]
+            self._children[request_id] = [child_id for child_id, _ in children]
+        with self._recorded():
+            for child_id, child in children:
+                self._emit(
+                    ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child)
+                )
+        ids = [child_id for child_id, _ in children]
+        for hook in self.hooks:
+            hook.after_add(ids)
+        return ids
 
-    def _record_failure(self, exc: Exception) -> str:
-        """A fatal failure, on the tape as an EngineError whatever raised it (the engine's own
-        recorded part has put it there already), with the requests as they stand."""
-        if isinstance(exc, EngineDeadError):
-            return str(exc)
-        if self.engine.dead_reason is None:
-            with contextlib.suppress(Exception):  # a tape that cannot take it is dead already
-                self.engine.fail(type(exc).__name__, f"engine core: {exc}")
-        return f"{type(exc).__name__}: {exc}"
+    def _resolve_bad_words(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """String bad words as token ids, encoded by this engine's tokenizer (bad_words.py)."""
+        if not has_text_bad_words(params):
+            return params
+        return resolved_bad_words(self, request_id, params)
 
-    def _call(self, msg: UtilityCall) -> UtilityResult:
-        try:
-            return UtilityResult(msg.call_id, self.call(msg.method, msg.args))
-        except Exception as exc:  # noqa: BLE001 - refused; the engine serves on unless it ended
-            self._raise_if_dead()
-            return UtilityResult(msg.call_id, None, error_of(exc))
+    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """The model's other EOS ids join the request's stop_token_ids (unless ignore_eos), as
+        vLLM adds a generation config's; recorded so, the tape replays without the model."""
+        extra = [i for i in self.runner.extra_eos_token_ids if i not in params.stop_token_ids]
+        if params.ignore_eos or not extra:
+            return params
+        return msgspec.structs.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+
+    def check_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Refuse a request the engine could not serve or the tape could not hold, or whose
+        per-step work would exceed the limits, before anything is recorded (request_checks.py;
+        SamplingParams checked its own fields when it was built)."""
+        check_request(self, request_id, prompt_token_ids, params)
+
+    def has_parent(self, request_id: str) -> bool:
+        """Whether `request_id` is an unfinished request of n > 1 (its children run)."""
+        children = self._children.get(request_id)
+        if children is None:
+            return False
+        requests = self.state.requests
+        if all(requests[c].is_finished for c in children):  # done: its id is free again
+            del self._children[request_id]
+            return False
+        return True
+
+    def abort_request(self, request_id: str) -> None:
+        if self.has_parent(request_id):  # n > 1: abort its children
+            for child_id in self._children[request_id]:
+                self.abort_request(child_id)
+            return
+        req = self.state.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"abort_request: unknown request id {request_id!r}")
+        if req.is_finished:
+            return  # finishing and aborting raced; nothing left to abort
+        with self._recorded():
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        s = self.state
+        return bool(s.waiting or s.running or s.in_flight_steps or self._ready)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.state.waiting) + len(self.state.running)
+
+    # -- stepping ------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        """One engine step; the deltas of every request that got output."""
-        return self.engine.step_core()
+        """Schedule one step and, once the pipeline is full (or idle), apply the oldest frame:
+        the new tokens of every request that got some or finished (what `OutputsEmitted`
+        records), for an output processor."""
+        with self._recorded():
+            self._step_once()
+        ready, self._ready = self._ready, []
+        return ready
 
-    def frontend_died(self) -> None:
-        """The frontend's process died (killed, or the actor that held it crashed): record it on
-        the tape, with the requests as they stand, when any is unfinished. The engine serves no
-        more; `shutdown` then closes the tape as it stands."""
-        engine = self.engine
-        if not self._closed and engine.has_unfinished_requests():
-            with contextlib.suppress(Exception):  # a broken tape: shutdown closes what it can
-                engine.fail(
-                    "FrontendDied",
-                    "the frontend (AsyncLLM) went away without shutdown(), with "
-                    f"{engine.get_num_unfinished_requests()} request(s) unfinished: its "
-                    "process died or was killed",
+    def _step_once(self) -> None:
+        # The steps in flight are the reducer's: StepScheduled adds one, its FrameProduced
+        # removes it, and the runner is handed every scheduled step in that order.
+        in_flight = self.state.in_flight_steps
+        scheduled = False
+        if len(in_flight) < self.depth:
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                batch.finished_req_ids, self._finished_since_last_batch = (
+                    self._finished_since_last_batch,
+                    [],
                 )
+                for hook in self.hooks:
+                    hook.before_submit(batch)
+                self.runner.submit(batch)
+                scheduled = True
+        if in_flight and (len(in_flight) >= self.depth or not scheduled):
+            self._apply_oldest_frame()
 
-    def shutdown(self) -> None:
-        """Abort what is left (on the tape), apply the frames still in flight, close the tape.
-        Idempotent; a dead engine's tape is closed as it stands."""
-        if self._closed:
+    def _apply_oldest_frame(self) -> None:
+        if self.hooks:
+            oldest = self.state.in_flight_steps[0]
+            for hook in self.hooks:
+                hook.before_frame(oldest.step)
+            ids = [e.req_id for e in oldest.entries]
+            self._apply_frame()
+            for hook in self.hooks:
+                hook.after_frame(ids)
+        else:
+            self._apply_frame()
+
+    def _apply_frame(self) -> None:
+        step = self.state.in_flight_steps[0].step
+        frame = self.runner.collect(step)
+        requests = self.state.requests
+        # Stop strings are looked for in the text the frame adds (vLLM's front end does it in
+        # its detokenizer); the output length before the frame says where that text begins.
+        before = {
+            e.req_id: len(requests[e.req_id].output_token_ids)
+            for e in frame
+            if requests[e.req_id].params.stop
+        }
+        self._emit(ev.FrameProduced(step, frame))
+        for entry in frame:
+            req = requests[entry.req_id]
+            if req.is_finished:
+                continue
+            if entry.req_id in before and req.stop_reason != "stop":  # a stop token wins
+                stop_str = find_stop_string(
+                    self._decode_for_stop,
+                    req.params,
+                    req.output_token_ids,
+                    before.pop(entry.req_id),
+                    split=self._safe_split,
+                )
+                if stop_str is not None:  # it overrides "length", as in vLLM
+                    self.scheduler.finish(req, "stop", stop_str)
+                    continue
+            if req.stop_reason is not None:
+                self.scheduler.finish(req, req.stop_reason)
+
+    def _decode_for_stop(self, token_ids: list[int]) -> str:
+        assert self.tokenizer is not None  # check_request refuses stop strings without one
+        return self.tokenizer.decode(token_ids)
+
+    def _flush_outputs(self) -> None:
+        state = self.state
+        if not state.pending_output:
             return
-        self._closed = True
-        engine = self.engine
-        try:
-            if engine.has_unfinished_requests() and engine.dead_reason is None:
-                self.abort([r.req_id for r in engine.state.unfinished])
-                for _ in range(engine.depth + 2):  # the in-flight steps, then nothing
-                    if not engine.has_unfinished_requests():
-                        break
-                    engine.step_core()
-        except Exception as exc:  # noqa: BLE001 - on the tape; the tape is closed all the same
-            self._record_failure(exc)
-        finally:
-            self.engine.close()
+        entries, deltas = pending_outputs(state)
+        self._emit(ev.OutputsEmitted(state.step, entries))
+        self._ready += deltas
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve any more (its failure is on the tape), or None."""
+        return self._dead
+
+    def fail(self, error_type: str, message: str) -> None:
+        """End the engine on a failure found outside it (its frontend died, or the engine core
+        failed around a step): recorded on the tape as an EngineError, with the requests as
+        they stand, as an internal failure is; it serves no more."""
+        if self._dead is not None:
+            return
+        self._dead = f"{error_type}: {message}"
+        self.tape.append(ev.EngineError(self.state.step, error_type, message))
+        self.tape.flush()
+
+    def close(self) -> None:
+        self.runner.close()
+        self.tape.close()
+
+    # -- pause, resume, prefix-cache reset, sleep mode, abort-all ----------------------------
+
+    def is_paused(self) -> bool:
+        return self.state.paused is not None
+
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Pause as vLLM does and return once the engine has drained.
+
+        abort: abort every request; wait: admit nothing new and let the running requests
+        finish; keep: schedule nothing and keep every request for later. In-flight steps are
+        applied (their tokens are delivered by the next `step()`), then, with `clear_cache`,
+        running requests are preempted and the prefix cache is reset.
+        """
+        check_pause_mode("pause_generation", mode)
+        check_bool("clear_cache", clear_cache)
+        self.check_awake("pause_generation")
+        for hook in self.hooks:
+            hook.before_pause()
+        with self._recorded():
+            self._emit(ev.GenerationPaused(self.state.step, mode, clear_cache))  # type: ignore[arg-type]
+            if mode == "abort":
+                for req in self.state.unfinished:
+                    self.scheduler.finish(req, "abort")
+            elif mode == "wait":
+                while self.state.running:
+                    self._step_once()
+            if all(hook.drains_on_pause() for hook in self.hooks):
+                while self.state.in_flight_steps:
+                    self._apply_oldest_frame()
+            if clear_cache and all(hook.clears_cache_on_pause() for hook in self.hooks):
+                self._reset_prefix_cache(reset_running_requests=True)
+        self.tape.flush()  # a paused engine's tape is complete in the file
+
+    def resume_generation(self) -> None:
+        if self.state.paused is None:
+            return
+        self.check_awake("resume_generation")  # wake_up() resumes a sleeping engine
+        self.check_no_open_transfer("resume_generation")
+        with self._recorded():
+            self._emit(ev.GenerationResumed(self.state.step))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache. Fails (False) while blocks are in use, unless running
+        requests are reset, in which case every running request is preempted first."""
+        check_bool("reset_running_requests", reset_running_requests)  # a bool on the tape, not 1
+        with self._recorded():
+            return self._reset_prefix_cache(reset_running_requests)
+
+    def _reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        # Waiting requests hold no blocks, so preempting every running one frees them all.
+        ok = reset_running_requests or self.kv.num_used_blocks == 0
+        self._emit(ev.PrefixCacheReset(self.state.step, reset_running_requests, ok))
+        if reset_running_requests:
+            requests = self.state.requests
+            while self.state.running:
+                self.scheduler.preempt(requests[self.state.running[-1]], "reset_prefix_cache")
+        if ok and not self.kv.reset_prefix_cache():
+            raise RuntimeError("KV blocks still in use after every running request was preempted")
+        return ok
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: True while the engine sleeps at any level, a pause included (vLLM's sleep
+        level 0 is a pause; `wake_up` then resumes it)."""
+        return self.state.sleep_level is not None or self.state.paused is not None
+
+    def check_awake(self, call: str) -> None:
+        """Refuse a call that cannot run while the engine sleeps, before it records anything."""
+        if self.state.sleep_level is not None:
+            raise RuntimeError(
+                f"{call}: the engine sleeps (level {self.state.sleep_level}); call wake_up() first"
+            )
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep: pause in `mode` and drain, then release the memory (level 1: the
+        weights offloaded to the host and the KV cache dropped; level 2: both dropped; level
+        0: nothing, scheduling only). Returns once asleep; already asleep, it does nothing,
+        as vLLM's."""
+        check_sleep_args(level, mode)
+        self._check_alive()
+        if self.state.sleep_level is not None:
+            return
+        if isinstance(self.runner, SleepsMemory):
+            self.runner.check_sleep(level)
+        self.pause_generation(mode, clear_cache=level >= 1)
+        self.fall_asleep(level)
+
+    def fall_asleep(self, level: int) -> None:
+        """The end of `sleep`, once paused and drained: release the memory and record it
+        (verify replays EngineSlept with this call; its pause replays on its own)."""
+        state = self.state
+        drained = not state.in_flight_steps or not all(h.drains_on_pause() for h in self.hooks)
+        if state.paused is None or not drained or state.sleep_level is not None:
+            raise RuntimeError("fall_asleep: only once paused and drained, awake (sleep() does it)")
+        with self._recorded():
+            in_flight = [s.step for s in state.in_flight_steps]
+            kept = [r.req_id for r in state.unfinished]
+            self._emit(ev.EngineSlept(state.step, level, in_flight, kept))
+            if isinstance(self.runner, SleepsMemory):
+                self.runner.sleep(level)
+        self.tape.flush()  # a sleeping engine's tape is complete in the file
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: restore what `tags` name (None: everything) and, once nothing
+        sleeps, resume generation (refused, as resume_generation is, while a chunked weight
+        transfer is open). On an engine that is only paused it resumes it, as vLLM's; on one
+        that is neither it does nothing. The runner restores before anything is recorded: a
+        wake-up it refuses (a checkpoint folder gone) leaves the engine asleep."""
+        wanted = check_wake_tags(tags)
+        self._check_alive()
+        state = self.state
+        if state.sleep_level is None:
+            self.resume_generation()
+            return
+        waking = [t for t in state.sleeping_tags if wanted is None or t in wanted]
+        if len(waking) == len(state.sleeping_tags):  # it resumes generation: as resume's rule
+            self.check_no_open_transfer("wake_up")
+        weights_id = None
+        if waking and isinstance(self.runner, SleepsMemory):
+            weights_id = self.runner.wake_up(waking)
+        with self._recorded():
+            self._emit(ev.EngineWokeUp(state.step, wanted, weights_id))
+            if state.sleep_level is None:
+                self._emit(ev.GenerationResumed(state.step))
+
+    def abort_all(self) -> list[str]:
+        """Abort every unfinished request, on the tape (a RequestAborted each, as
+        `abort_request`); the ids aborted, as they were added (a request of n > 1 once, for
+        its children). Frames in flight for them are discarded when they come back."""
+        unfinished = self.state.unfinished
+        if not unfinished:
+            return []
+        parent_of = {c: p for p, children in self._children.items() for c in children}
+        aborted: dict[str, None] = {}
+        with self.one_commit():  # each abort as abort_request records it (verify replays it)
+            for req in unfinished:
+                self.abort_request(req.req_id)
+                aborted[parent_of.get(req.req_id, req.req_id)] = None
+        return list(aborted)
+
+    # -- weight updates ------------------------------------------------------------------------
+
+    def get_weight_version(self) -> str:
+        """The version of the weights serving now (vLLM #49040): "default" until an update."""
+        return self.state.weight_version
+
+    def update_weights(
+        self, weights: object, weight_version: str | int | None = None
+    ) -> str | None:
+        """Load new weights (a state_dict or a checkpoint folder), for RL loops; or, inside a
+        transfer (`start_weight_update`), check and hold one chunk of them.
+
+        Allowed only while generation is paused with nothing in flight (after
+        `pause_generation`); every tensor is checked before anything changes, so a refused
+        update leaves the old weights serving. A whole update is recorded as WeightsUpdated
+        with the new weights' SHA-256, which it returns, and `weight_version` (default: the
+        update's number); a chunk as WeightChunkReceived (it returns None; its version is
+        `finish_weight_update`'s). K/V already cached were computed with the old weights:
+        pause with `clear_cache=True` to recompute them.
+        """
+        updater = self._check_can_update("update_weights")
+        if self.state.weight_update_chunks is not None:
+            if weight_version is not None:
+                raise ValueError(
+                    "update_weights: a chunk of a transfer takes no weight_version; "
+                    "give it to finish_weight_update"
+                )
+            chunk = updater.stage_weights(weights)  # raises before anything is held
+            with self._recorded():
+                self._emit(
+                    ev.WeightChunkReceived(self.state.step, chunk.names, chunk.shapes, chunk.hashes)
+                )
+            return None
+        version = resolve_version(weight_version, self.state.num_weight_updates + 1)
+        weights_id = updater.update_weights(weights)  # raises before any change on bad input
+        with self._recorded():
+            self._emit(ev.WeightsUpdated(self.state.step, weights_id, version))
+        return weights_id
+
+    def start_weight_update(self) -> None:
+        """Open a chunked transfer (vLLM RFC #31848): `update_weights(chunk)` as many times as
+        needed, then `finish_weight_update()`. The old weights serve until the finish."""
+        self._check_can_update("start_weight_update")
+        open_chunks = self.state.weight_update_chunks
+        if open_chunks is not None:
+            raise RuntimeError(
+                "start_weight_update: a weight update is already open "
+                f"({open_chunks} chunk(s) received); call finish_weight_update first"
+            )
+        with self._recorded():
+            self._emit(ev.WeightUpdateStarted(self.state.step))
+
+    def finish_weight_update(self, weight_version: str | int | None = None) -> str:
+        """Load every chunk of the open transfer at once and publish `weight_version`
+        (default: the update's number); returns the new weights' SHA-256."""
+        updater = self._check_can_update("finish_weight_update")
+        if self.state.weight_update_chunks is None:
+            raise RuntimeError(
+                "finish_weight_update: no weight update is open (start_weight_update)"
+            )
+        version = resolve_version(weight_version, self.state.num_weight_updates + 1)
+        weights_id = updater.load_staged_weights()
+        with self._recorded():
+            self._emit(ev.WeightsUpdated(self.state.step, weights_id, version))
+        return weights_id
+
+    def check_no_open_transfer(self, call: str) -> None:
+        """Refuse `call` (resume_generation) while a chunked transfer is open: the model holds
+        the old weights and the chunks wait for the finish."""
+        chunks = self.state.weight_update_chunks
+        if chunks is not None:
+            raise RuntimeError(
+                f"{call}: a weight update is open (start_weight_update, {chunks} chunk(s) "
+                "received); call finish_weight_update first"
+            )
+
+    def _check_can_update(self, call: str) -> UpdatesWeights:
+        self._check_alive()
+        if self.state.paused is None:
+            raise RuntimeError(f"{call}: pause generation first (pause_generation(mode='keep'))")
+        if self.state.in_flight_steps:
+            raise RuntimeError(f"{call}: {len(self.state.in_flight_steps)} step(s) still in flight")
+        if "weights" in self.state.sleeping_tags:  # offloaded or dropped (rl_calls.sleep)
+            raise RuntimeError(f"{call}: the weights sleep; call wake_up(['weights']) first")
+        if self.weights_updater is None:
+            raise RuntimeError(f"{call}: model {self.runner.model_id!r} has no weights to update")
+        return self.weights_updater

@@ -62,7 +62,7 @@ class ModelRunner(Protocol):
 
 
 # A runner's optional capabilities, each a Protocol the engine checks once, when it is built
-# (LLMEngine.__init__), rather than probing for attributes at every call.
+# (EngineCore.__init__), rather than probing for attributes at every call.
 
 
 @runtime_checkable

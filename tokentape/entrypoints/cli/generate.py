@@ -233,6 +233,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 )
             )
     out.flush()
-    warn_pending(scenario, llm.engine.state.step)
+    warn_pending(scenario, llm.llm_engine.engine_core.state.step)
     print(f"tape: {path}" if path else "tape: none (--no-tape)", file=sys.stderr)
     return EXIT_OK

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from tokentape.engine.rl_calls import PAUSE_MODES
+from tokentape.engine.core.call_args import PAUSE_MODES
 from tokentape.engine.scenario import Abort, Pause, Reset, Scenario
 from tokentape.entrypoints.cli.common import CLIError
 
