@@ -277,6 +277,30 @@ def test_whatif_replays_with_the_runner_that_recorded_the_tape(
     assert whatif(pause_resume("epoch")).config.model == "oracle-random"
 
 
+def test_whatif_replays_a_tape_whose_requests_stop_on_stop_strings(tmp_path: Path) -> None:
+    """What-if engines are built by the engine factory with the recording model's tokenizer,
+    so a tape of requests with stop strings (most of a server's) replays; before, its engine
+    had no tokenizer and refused them."""
+    tape = tmp_path / "stops.tape"
+    llm = LLM(model="tiny", tape=tape)
+    probe = llm.generate(["Hello"], SamplingParams(max_tokens=12))[0].outputs[0].text
+    stop = probe[3:5]  # a string the greedy stream reaches
+    params = SamplingParams(max_tokens=12, stop=[stop])
+    outs = llm.generate(["Hello", "Bonjour"], [params, SamplingParams(max_tokens=6)])
+    llm.close()
+    assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == stop
+    result = whatif(load_tape(tape), pipeline_depth=2)
+    assert result.diff.identical, result.diff.format()
+    stopped = [
+        e
+        for _, e in result.tape.events()
+        if isinstance(e, ev.RequestFinished) and e.reason == "stop"
+    ]
+    assert [e.req_id for e in stopped] == ["1"]
+    # The oracle runs the same requests' stop strings with the recording model's tokenizer.
+    assert whatif(load_tape(tape), runner="oracle").config.model == "oracle"
+
+
 def test_diff_counts_read_as_english() -> None:
     one_epoch, one_flag = pause_resume("epoch", second=False), pause_resume("flag", second=False)
     assert (

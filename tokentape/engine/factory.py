@@ -14,6 +14,7 @@ import datetime
 import os
 import sqlite3
 from collections.abc import Callable
+from typing import TypeGuard, cast
 
 import msgspec
 
@@ -100,33 +101,61 @@ def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) 
         raise OSError(f"{os.fspath(tape)}: cannot create the tape: {exc}") from exc
 
 
-def build_engine_core(config: EngineConfig, tape: TapeSpec) -> EngineCore:
-    """An engine for `config` recording on `tape`: the cheap checks first (the config, the
-    tape path: they fail in milliseconds), then the runner, the KV cache's size from the memory
-    budget and max_model_len's default from the model, the tape writer. A failure leaves
-    nothing behind: no writer process, no tape holding a header and no run."""
+def build_engine_core(
+    config: EngineConfig,
+    tape: TapeSpec | TapeWriter,
+    *,
+    runner: ModelRunner | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> EngineCore:
+    """An engine core for `config` recording on `tape`: the cheap checks first (the config,
+    the tape path: they fail in milliseconds), then the runner, the KV cache's size from the
+    memory budget and max_model_len's default from the model, the tape writer. A failure
+    leaves nothing behind: no writer process, no tape holding a header and no run.
+
+    `tape` may be a writer of the caller's own (verify's, which checks every event against
+    the recording). `runner`: one the caller built (verify's replay runner, a test's oracle);
+    it is closed with the engine. `tokenizer`: the tokenizer of the model the requests were
+    written for, when it is not the runner's (a replay of a checkpoint's tape on the oracle);
+    by default the runner's model's own. A MissingTokenizer (a checkpoint without one) leaves
+    the engine without text: it refuses stop strings and string bad words."""
     config.check_runnable()
-    check_tape_path(tape)
-    runner = make_runner(config)
+    own_writer = _is_tape_spec(tape)
+    if _is_tape_spec(tape):
+        check_tape_path(tape)
+    runner = make_runner(config) if runner is None else runner
     try:
         config = with_kv_cache(config, runner)  # blocks, max_model_len, logged
-        writer = open_tape_writer(tape, config, runner)
+        writer = (
+            open_tape_writer(tape, config, runner)
+            if _is_tape_spec(tape)
+            else cast(TapeWriter, tape)
+        )
     except BaseException:
         runner.close()
         raise
+    if tokenizer is None:
+        tokenizer = runner_tokenizer(runner)
     # A checkpoint without tokenizer.json: the engine gets none, so it refuses stop strings
     # and string bad words rather than look for them in empty text.
-    tokenizer = runner_tokenizer(runner)
-    engine_tokenizer = None if isinstance(tokenizer, MissingTokenizer) else tokenizer
+    text_tokenizer = None if isinstance(tokenizer, MissingTokenizer) else tokenizer
     try:
-        engine = EngineCore(config, runner, writer, engine_tokenizer)
+        engine = EngineCore(config, runner, writer, text_tokenizer)
     except BaseException:
         runner.close()
-        writer.close()
-        if writer.path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(writer.path)
+        if own_writer:  # a tape this build created: closed and removed
+            writer.close()
+            if writer.path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(writer.path)
         raise
     for hook in ENGINE_CREATED_HOOKS:
         hook(engine)
     return engine
+
+
+def _is_tape_spec(tape: TapeSpec | TapeWriter) -> TypeGuard[TapeSpec]:
+    """What check_tape_path judges (a path, None for memory, False for none; anything else is
+    refused there), rather than a writer of the caller's."""
+    is_writer = not isinstance(tape, (str, os.PathLike, bool)) and hasattr(tape, "append")
+    return not is_writer

@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from tokentape.engine.core.engine_core import EngineCore
+from tokentape.engine.factory import build_engine_core
 from tokentape.engine.runners.base import ScheduledBatch, WeightChunk
-from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
+from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape, TapeError
 from tokentape.replay.divergence import (
@@ -124,13 +125,15 @@ class _StreamReplayRunner:
         pass
 
 
-def tape_tokenizer(header: ev.TapeHeader) -> Tokenizer | None:
+def tape_tokenizer(header: ev.TapeHeader) -> Tokenizer:
     """The tokenizer the recording engine had, for requests with stop strings (the only part of
     a replay that reads text): the byte tokenizer of the built-in and oracle models, a
-    checkpoint folder's own (loaded when a request asks for it). None when the folder is gone:
-    a tape with stop strings then fails to verify, saying so."""
+    checkpoint folder's own (loaded when a request asks for it). A MissingTokenizer when the
+    folder is gone: a tape with stop strings then fails to replay, saying so."""
     if not os.path.isdir(header.model_id):
-        return None if os.path.isabs(header.model_id) else ByteTokenizer()
+        if os.path.isabs(header.model_id):
+            return MissingTokenizer(header.model_id)
+        return ByteTokenizer()
     return _LazyTokenizer(header.model_id)
 
 
@@ -225,11 +228,11 @@ def verify(
     if bad_header is not None:
         return VerifyResult(False, 0, bad_header)
     stream = RecordedStream(tape.events(), progress)
-    engine = EngineCore(
+    engine = build_engine_core(
         tape.config,
-        _StreamReplayRunner(stream, tape.header),
         _CheckingTape(stream, tape.header),
-        tape_tokenizer(tape.header),
+        runner=_StreamReplayRunner(stream, tape.header),
+        tokenizer=tape_tokenizer(tape.header),
     )
     try:
         while (nxt := stream.peek()) is not None:

@@ -28,13 +28,13 @@ import msgspec
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.engine_core import EngineCore
-from tokentape.engine.factory import ORACLE_MODELS, make_runner, open_tape_writer
+from tokentape.engine.factory import ORACLE_MODELS, build_engine_core, make_runner
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape
 from tokentape.replay.diff import TapeDiff, TapeSource, diff
 from tokentape.replay.tape import Tape, load_tape
-from tokentape.replay.verify import issue_command
+from tokentape.replay.verify import issue_command, tape_tokenizer
 
 RUNNERS = ("oracle", "model")
 DEFAULT_MODEL = "tiny"  # the real model served when the tape was recorded with the oracle
@@ -199,9 +199,14 @@ def whatif(
     config, device_note = on_this_machine(
         whatif_config(original, discard_policy, pipeline_depth, runner), runner
     )
-    engine_runner = _make_runner(config, runner)
-    writer = open_tape_writer(None if out is None else os.fspath(out), config, engine_runner)
-    engine = EngineCore(config, engine_runner, writer)
+    # The requests' text (their stop strings) is the recording model's, whatever runs them.
+    engine = build_engine_core(
+        config,
+        None if out is None else os.fspath(out),
+        runner=_make_runner(config, runner),
+        tokenizer=tape_tokenizer(original.header),
+    )
+    writer = engine.tape
     # Generous: a changed pipeline may need more steps than the recording, never unboundedly more.
     limit = 10 * len(original) + 10_000
     notes: list[str] = [device_note] if device_note else []
