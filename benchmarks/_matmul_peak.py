@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from tokentape.engine.model import cpu_matmul
-from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.layers import MLP_ROW_CHUNK
+from tokentape.engine.model.model_config import ModelConfig
 
 
 @dataclass

@@ -44,7 +44,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from bench_generate import workload
 
     from tokentape import LLM, SamplingParams
-    from tokentape.engine.model.config import BUILTIN_CONFIGS
+    from tokentape.engine.model.model_config import BUILTIN_CONFIGS
 
     vocab = BUILTIN_CONFIGS[spec["config"]].vocab_size
     prompts, outputs = workload(

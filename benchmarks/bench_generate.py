@@ -67,9 +67,9 @@ from baselines.client import SideError
 from baselines.locate import find_transformers, find_vllm
 
 from tokentape import LLM, SamplingParams
-from tokentape.engine.model.config import BUILTIN_CONFIGS
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import builtin_model, save_checkpoint
+from tokentape.engine.model.model_config import BUILTIN_CONFIGS
 
 HBM_BYTES_PER_S = 4.8e12
 TARGETS = {"tiny": 2.0, "qwen3-0.6b": 1.0}  # tokentape / vLLM CPU, output tok/s

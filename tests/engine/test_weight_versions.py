@@ -17,7 +17,7 @@ from tokentape.engine.outputs import RequestOutputKind
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.runners.oracle_weights import oracle_state_dict
 from tokentape.events import schema as ev
-from tokentape.events.errors import ReducerError
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.replay import load_tape, verify
 from tokentape.replay.weight_versions import delivered_weight_versions

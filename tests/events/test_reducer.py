@@ -6,7 +6,7 @@ import pytest
 
 from tokentape.events import schema as ev
 from tokentape.events.discard import discard_count
-from tokentape.events.errors import ReducerError
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.state import EngineState, RequestStatus
 

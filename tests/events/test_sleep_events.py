@@ -10,7 +10,7 @@ import pytest
 
 from tokentape import LLM, SamplingParams
 from tokentape.events import schema as ev
-from tokentape.events.errors import ReducerError
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.events.state import EngineState

@@ -29,7 +29,7 @@ from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events import sqlite_reader
-from tokentape.events.errors import ReducerError
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.sqlite_store import SQLiteTape, SQLiteTapeReader, tape_file_status
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
 from tokentape.postmortem import postmortem

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import init_weights
+from tokentape.engine.model.model_config import ModelConfig
 
 WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(62)]
 

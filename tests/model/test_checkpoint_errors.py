@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from tokentape import LLM
 from tokentape.cli import main as cli_main
-from tokentape.engine.model.config import CheckpointError
 from tokentape.engine.model.loader import builtin_model, load_checkpoint, prepare_update
+from tokentape.engine.model.model_config import CheckpointError
 
 RAW = small_config("qwen3").to_hf_dict()
 SHARD1 = "model-00001-of-00002.safetensors"

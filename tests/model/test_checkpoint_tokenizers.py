@@ -15,7 +15,7 @@ from dense_reference import dense_greedy
 
 from tokentape import LLM, AsyncLLM, SamplingParams
 from tokentape.engine.frontend_inputs import frontend_tokenizer
-from tokentape.engine.model.config import CheckpointError
+from tokentape.engine.model.model_config import CheckpointError
 from tokentape.engine.tokenizer import HFTokenizer, MissingTokenizer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -15,9 +15,9 @@ from dense_reference import dense_greedy, dense_logits
 from safetensors.torch import save_file
 
 from tokentape import LLM, SamplingParams
-from tokentape.engine.model.config import CheckpointError
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import init_weights, load_checkpoint
+from tokentape.engine.model.model_config import CheckpointError
 from tokentape.replay import verify
 
 
@@ -141,8 +141,8 @@ def test_bad_checkpoints_name_the_file_and_tensor(tmp_path: Path) -> None:
 
 
 def test_builtin_config_round_trips_through_hf_json(tmp_path: Path) -> None:
-    from tokentape.engine.model.config import TINY
     from tokentape.engine.model.hf_config import config_from_hf
+    from tokentape.engine.model.model_config import TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
     assert config_from_hf(tmp_path) == dataclasses.replace(TINY)

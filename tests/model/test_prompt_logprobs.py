@@ -189,7 +189,7 @@ def test_a_bad_prompt_logprobs_is_refused_before_anything_is_recorded() -> None:
 
 
 def test_the_reducer_refuses_prompt_logprobs_that_do_not_fit_the_prompt() -> None:
-    from tokentape.events.errors import ReducerError
+    from tokentape.events.fold_errors import ReducerError
     from tokentape.events.reducer import evolve, initial_state
 
     def run(plp: ev.PromptLogprobs, k: int | None = 0) -> None:

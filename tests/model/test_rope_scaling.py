@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from tokentape.engine.model.config import CheckpointError
 from tokentape.engine.model.hf_config import config_from_hf
+from tokentape.engine.model.model_config import CheckpointError
 from tokentape.engine.model.rope import RopeScaling, inverse_frequencies, rope_from_hf
 
 LLAMA31 = {

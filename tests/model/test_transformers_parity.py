@@ -16,9 +16,9 @@ from checkpoint_files import transformers5_form, write_checkpoint
 from dense_reference import dense_logits
 
 from tokentape import LLM, SamplingParams
-from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import load_checkpoint
+from tokentape.engine.model.model_config import ModelConfig
 from tokentape.engine.model.rope import RopeScaling
 
 transformers = pytest.importorskip("transformers")

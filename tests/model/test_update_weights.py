@@ -96,7 +96,7 @@ def test_partial_update_from_a_checkpoint_folder(tmp_path: Path) -> None:
     save_file({k: v.contiguous() for k, v in new.items()}, str(tmp_path / "model.safetensors"))
     import json
 
-    from tokentape.engine.model.config import TINY
+    from tokentape.engine.model.model_config import TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
     a = LLM(device="cpu", model="tiny", tape=None)

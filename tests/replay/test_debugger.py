@@ -367,7 +367,7 @@ def _evolve(state, event):  # type: ignore[no-untyped-def]
 
 
 def first_failing_event(tape: Tape) -> int:
-    from tokentape.events.errors import ReducerError
+    from tokentape.events.fold_errors import ReducerError
     from tokentape.events.reducer import evolve
 
     state = tape.initial_state()

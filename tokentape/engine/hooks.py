@@ -1,5 +1,5 @@
 """The places where an engine lets an injected upstream bug act (tokentape.events.faults names
-them; engine/faults.py implements them): explicit hooks the engine and its scheduler call,
+them; engine/fault_hooks.py implements them): explicit hooks the engine and its scheduler call,
 instead of methods patched from outside. An ordinary engine has none, so the default path
 only checks an empty tuple. A hook may plan (add to a step, free blocks as the upstream code
 did) but request state still changes only through the reducer."""

@@ -1,7 +1,7 @@
 """The one list of the models tokentape serves by name, read by the engine factory, the model
 loader and every command's --model: the oracles (fake models whose token streams are known
 without weights, so replays, storms and the postmortem check a run against them) and the
-built-in models (their shapes in engine/model/config.py, weights drawn from the engine seed).
+built-in models (their shapes in engine/model/model_config.py, weights drawn from the engine seed).
 Any other name is a local Hugging Face checkpoint folder. No imports: it sits below them all."""
 
 from __future__ import annotations

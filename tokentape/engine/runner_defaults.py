@@ -23,8 +23,9 @@ def runs_on_cpu(runner: ModelRunner) -> bool:
 def with_runner_defaults(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
     """num_kv_blocks as the runner allocated it; async_scheduling, when not given, off for a
     model on the CPU (as vLLM's CPU platform turns it off: there the engine thread takes a
-    core from the model's threads, and sync measured as fast or faster, docs/benchmarks.md)
-    unless a pipeline_depth > 1 asks for it, on otherwise; pipeline_depth 2 when not given."""
+    core from the model's threads, and sync measured as fast or faster: docs/benchmarks.md,
+    the async / sync rows) unless a pipeline_depth > 1 asks for it, on otherwise;
+    pipeline_depth 2 when not given."""
     changes: dict[str, object] = {}
     if config.num_kv_blocks is None:
         changes["num_kv_blocks"] = getattr(runner, "num_kv_blocks", ORACLE_NUM_KV_BLOCKS)

@@ -19,7 +19,7 @@ class StepPlan:
     preempted: bool = False
     # Sequence slots held by requests outside `running`, and where a waiting request whose KV
     # blocks fall short goes instead of stopping admission (a list): vLLM's skipped_waiting.
-    # The engine has neither; only a fault sets them (faults.py, vLLM #53130).
+    # The engine has neither; only a fault sets them (fault_hooks.py, vLLM #53130).
     held_seqs: int = 0
     skipped: list[str] | None = None
     # Waiting requests admission passes over: a fault's requests parked by a sleep (vLLM #45268).

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from tokentape.engine.checkpoint_error import CheckpointError
+from tokentape.errors import CheckpointError
 
 
 class Tokenizer(Protocol):

@@ -1,6 +1,6 @@
 """Events, tape stores and the reducer: the event-sourced core of tokentape."""
 
-from tokentape.events.errors import ReducerError
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.reducer import evolve, fold_events, initial_state
 from tokentape.events.schema import FORMAT_VERSION, SamplingParams, TapeHeader
 from tokentape.events.state import EngineState, RequestState, RequestStatus

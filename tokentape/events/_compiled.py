@@ -12,11 +12,11 @@ COMPILED_MODULES = (
     "tokentape.events.reducer",
     "tokentape.engine.kv_cache_manager",
     # The per-request Python of every step: the scheduler's plan and the outputs built from
-    # it (a decode step of 256 requests: 930 -> 610 us, docs/benchmarks.md, issue 26).
+    # it (compiled, a decode step of 256 requests takes about a third less time).
     "tokentape.engine.step_plan",
     "tokentape.engine.scheduler",
     "tokentape.engine.output_processor",
-    "tokentape.engine.core_outputs",
+    "tokentape.engine.core.core_outputs",
     # The runner's per-entry Python in every lane's pass: its inputs and its sampling.
     "tokentape.engine.runners.input_batch",
     "tokentape.engine.runners.sample_frames",

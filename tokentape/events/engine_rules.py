@@ -7,7 +7,7 @@ a sleeping engine) and raises ReducerError otherwise; reducer.py dispatches to t
 from __future__ import annotations
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import ReducerError
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.state import EngineState
 
 

@@ -3,7 +3,7 @@ reproduces. An engine built with `faults=(...)` (EngineConfig) installs them; th
 path (`faults=()`) never looks at them. They are recorded in the tape header's config, so a
 replay or a fold of the tape runs with the same faults.
 
-The installers live in `tokentape.engine.faults`; the one reducer fault is applied by the
+The installers live in `tokentape.engine.fault_hooks`; the one reducer fault is applied by the
 reducer itself (`REDUCER_FAULTS`). Each docstring line below says what is modelled: where
 the upstream issue does not state the exact mechanism, the mechanism its title describes.
 """
@@ -50,8 +50,8 @@ FAULTS: dict[str, str] = {
     "free_blocks_in_flight": "vllm#45357",
     # vLLM #45268 (the client hang its thread traced, PR #45326): a request that reaches the
     # engine core while it sleeps is parked in the waiting queue, which a sleeping engine
-    # never schedules. Here it stays parked after the wake-up too (issue 25: parked forever):
-    # the scheduler passes over it while it serves the others.
+    # never schedules. Here it stays parked after the wake-up too (parked for good): the
+    # scheduler passes over it while it serves the others.
     "park_requests_while_asleep": "vllm#45268",
     # vLLM #45520: /sleep with decodes in flight has no drain: the memory is released under
     # a running step, the engine dies on it, and /sleep has already answered 200. Here the

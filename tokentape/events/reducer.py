@@ -22,8 +22,8 @@ from tokentape.events.engine_rules import (
     on_weights_updated,
     on_woke_up,
 )
-from tokentape.events.errors import ReducerError
 from tokentape.events.faults import REDUCER_FAULTS
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.state import (
     FINISHED_STATUS,
     EngineState,

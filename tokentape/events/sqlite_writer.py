@@ -219,8 +219,8 @@ def serve(path: str, stdin_fd: int, stdout: BinaryIO, ack: mmap.mmap) -> int:
 def _yield_to_the_engine() -> None:
     """Never preempt the engine on wake-up. Each commit wakes this process through the pipe,
     and Linux tends to wake it on the engine's own core, where a normal task would preempt
-    the engine mid-step instead of running on the idle core (docs/benchmarks.md, "Measurements
-    that shaped the code").
+    the engine mid-step instead of running on the idle core (docs/benchmarks-history.md,
+    "Measurements that shaped the code").
     SCHED_BATCH turns off that wake-up preemption and keeps a fair share of the CPU."""
     if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
         try:

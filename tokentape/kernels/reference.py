@@ -24,7 +24,8 @@ from tokentape.kernels.shapes import check_attention_shapes, check_kv_write_shap
 
 # Upper bound on one score matrix (new tokens x heads x context), in elements (1 MiB fp32):
 # small enough that the mask, the softmax and the second bmm read it from the core's cache.
-# 16 MiB chunks spent 25% more CPU on tiny's 16 x 2,048-token prefill (docs/benchmarks.md).
+# 16 MiB chunks spent 25% more CPU on tiny's 16 x 2,048-token prefill
+# (docs/benchmarks-history.md).
 SCORE_ELEMENTS_PER_CHUNK = 1 << 18
 
 
@@ -192,7 +193,7 @@ def _attend_decodes(
 def _decode_loop() -> Callable[..., None]:
     """_attend_decodes compiled with TorchScript on first use: its interpreter makes the
     torch calls at a fraction of Python's cost per call (at 256 decodes of a few hundred
-    tokens, a layer's attention takes ~8% less; docs/benchmarks.md) and runs with the GIL
+    tokens, a layer's attention takes ~8% less; docs/benchmarks-history.md) and runs with the GIL
     released, so the engine thread can schedule meanwhile. It takes the GIL back to handle a
     tensor that has a Python object, hence the split inside the loop. The ops, and so the
     bits, are those of the function itself.

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from tokentape.engine.model_registry import ORACLE_MODELS
 from tokentape.events import schema as ev
-from tokentape.events.errors import FOLD_ERRORS, event_refused
+from tokentape.events.fold_errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
 from tokentape.postmortem.admission import AdmissionChecker

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import FOLD_ERRORS, ReducerError, event_refused
+from tokentape.events.fold_errors import FOLD_ERRORS, ReducerError, event_refused
 from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState
 from tokentape.progress import progress

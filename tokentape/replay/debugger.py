@@ -19,7 +19,7 @@ import sys
 from typing import TextIO
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import ReducerError
+from tokentape.events.fold_errors import ReducerError
 from tokentape.events.state import EngineState
 from tokentape.events.store import TapeError
 from tokentape.progress import is_terminal

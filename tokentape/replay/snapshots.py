@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import FOLD_ERRORS, ReducerError, event_refused, one_line
+from tokentape.events.fold_errors import FOLD_ERRORS, ReducerError, event_refused, one_line
 from tokentape.events.reducer import evolve, fold_events
 from tokentape.events.state import EngineState, InFlightStep, RequestState
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokentape.events import schema as ev
-from tokentape.events.errors import FOLD_ERRORS, one_line
+from tokentape.events.fold_errors import FOLD_ERRORS, one_line
 from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState, RequestStatus
 from tokentape.replay.divergence import Diverged, RecordedStream, VerifyResult, header_divergence

@@ -50,7 +50,7 @@ from tokentape.engine.core.call_args import (
     check_wake_tags,
     resolve_version,
 )
-from tokentape.engine.core_outputs import pending_outputs
+from tokentape.engine.core.core_outputs import pending_outputs
 from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import EngineCoreOutput
@@ -119,7 +119,7 @@ class EngineCore:
         # default path has none.
         self.hooks: Sequence[EngineHooks] = ()
         if config.faults:
-            from tokentape.engine.faults import fault_hooks
+            from tokentape.engine.fault_hooks import fault_hooks
 
             self.hooks = self.scheduler.hooks = fault_hooks(config, self.scheduler, self.state)
         # n > 1: each parent's children on the tape (the output processor gathers them).
@@ -161,7 +161,7 @@ class EngineCore:
     def one_commit(self) -> Iterator[None]:
         """The engine calls made inside go to the tape as one commit, at the end: one client
         call made of many (LLM.generate's adds), one message to the tape writer rather than
-        one a request (half of a tiny run's messages were adds: docs/benchmarks.md)."""
+        one a request (half of a tiny run's tape messages were adds)."""
         self._commits_held += 1
         try:
             yield

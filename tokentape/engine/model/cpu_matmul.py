@@ -5,7 +5,8 @@ Three libraries can do it, all in exact float32:
 - `mkl`: MKL's packed GEMM (`cblas_sgemm_pack` once, `cblas_sgemm_compute` per call), from the
   MKL that torch links in. On an Intel CPU the fastest at every shape the built-in models have,
   with a fraction of oneDNN's fixed cost per call, and a row's result does not depend on how
-  many rows the call has (docs/benchmarks.md, "Measurements that shaped the code").
+  many rows the call has (docs/benchmarks-history.md, "Measurements that shaped the
+  code").
 - `onednn`: oneDNN's linear on its blocked weight layout (`torch.ops.mkldnn`). MKL runs its
   AVX2 code on other vendors' CPUs, where oneDNN uses AVX-512.
 - `torch`: `F.linear` on the plain weight, where neither is there.

@@ -16,7 +16,6 @@ from torch import nn
 
 from tokentape import kernels
 from tokentape.engine.model import cpu_matmul
-from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.layers import (
     MLP,
     Linear,
@@ -27,6 +26,7 @@ from tokentape.engine.model.layers import (
     linear,
     matmul_for,
 )
+from tokentape.engine.model.model_config import ModelConfig
 from tokentape.kernels import cpu_layers, cpu_native
 
 

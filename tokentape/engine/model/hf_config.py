@@ -9,9 +9,9 @@ import json
 import os
 from typing import Any
 
-from tokentape.engine.checkpoint_error import CheckpointError
-from tokentape.engine.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from tokentape.engine.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from tokentape.engine.model.rope import rope_from_hf
+from tokentape.errors import CheckpointError
 
 # The fields read as integers; the first five must be in config.json.
 _REQUIRED_INTS = (

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from tokentape.engine.model.config import (
+from tokentape.engine.model.decoder import CausalLM
+from tokentape.engine.model.hf_config import config_from_hf, read_json_object
+from tokentape.engine.model.model_config import (
     BUILTIN_CONFIGS,
     CheckpointError,
     ModelConfig,
 )
-from tokentape.engine.model.decoder import CausalLM
-from tokentape.engine.model.hf_config import config_from_hf, read_json_object
 from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.tokenizer import (
     ByteTokenizer,

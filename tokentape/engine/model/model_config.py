@@ -11,7 +11,6 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tokentape.engine.checkpoint_error import CheckpointError
 from tokentape.engine.model.rope import (
     DYNAMIC_LIMIT,
     RopeScaling,
@@ -20,6 +19,7 @@ from tokentape.engine.model.rope import (
 )
 from tokentape.engine.model_registry import BUILTIN_MODELS
 from tokentape.engine.tokenizer import ByteTokenizer
+from tokentape.errors import CheckpointError
 
 _POSITIVE_INTS = (
     "vocab_size",

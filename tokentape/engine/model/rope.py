@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tokentape.engine.checkpoint_error import CheckpointError
+from tokentape.errors import CheckpointError
 
 DEFAULT_ROPE_THETA = 10000.0  # what transformers uses when a config names none
 

@@ -11,8 +11,8 @@ import torch
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.kv_cache_size import kv_bytes_per_token, num_blocks_for, used_device_bytes
-from tokentape.engine.model.config import ModelConfig
 from tokentape.engine.model.decoder import CausalLM
+from tokentape.engine.model.model_config import ModelConfig
 from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.runners.devices import cpus_available, resolve_device
 from tokentape.engine.runners.model_runner import TorchModelRunner
@@ -32,8 +32,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def build_model_runner(config: EngineConfig) -> TorchModelRunner:
     """The runner for `config.model`: a built-in name or a Hugging Face checkpoint folder."""
-    from tokentape.engine.model.config import BUILTIN_CONFIGS
     from tokentape.engine.model.loader import builtin_model, load_checkpoint, load_tokenizer
+    from tokentape.engine.model.model_config import BUILTIN_CONFIGS
 
     device = resolve_device(config.device)  # before the model is built: a ValueError naming it
     tokenizer = None

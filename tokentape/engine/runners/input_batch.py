@@ -26,8 +26,8 @@ FLOPS_PER_BYTE = 8
 # Lanes pay off while the weights stay in the caches: each lane's forward pass reads every
 # weight, so a model that must stream its weights from memory reads them once per lane. Above
 # this size a step runs as one lane whose matmuls share the threads (intra-op), each thread
-# reading its part of every weight (measured: docs/benchmarks.md, "Measurements that shaped
-# the code").
+# reading its part of every weight (measured: docs/benchmarks-history.md, "Measurements that
+# shaped the code").
 LANES_MAX_WEIGHT_BYTES = 64 << 20
 
 # A lane's forward pass costs a fixed part whatever its share: its Python and the dispatch of
@@ -36,7 +36,7 @@ LANES_MAX_WEIGHT_BYTES = 64 << 20
 # lane gets this much work (in split_over_lanes' units: about 18 decodes of tiny at a
 # context of 250, so two lanes from about 36); with less, a second lane made the step slower
 # (tiny, 1 lane against 2 at 4, 16 and 32 sequences: 6.1 vs 9.7, 8.5 vs 11.5, 11.8 vs 12.3
-# ms per step; docs/benchmarks.md).
+# ms per step; docs/benchmarks-history.md).
 MIN_LANE_WORK = 1 << 28
 
 

@@ -83,7 +83,8 @@ class TorchModelRunner(StagedWeights):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        if batch_invariant is None:  # exact and cheap on the CPU in float32 (docs/benchmarks.md)
+        # Exact and cheap on the CPU in float32 (measured: docs/benchmarks-history.md).
+        if batch_invariant is None:
             batch_invariant = self.device.type == "cpu" and dtype == torch.float32
         if batch_invariant and self.device.type != "cpu":
             # Padded matmuls alone would not do: the Triton attention path is not batch-invariant

@@ -111,7 +111,7 @@ def release(runner: SleepingRunner) -> None:
 
 
 def _has_source(model_id: str) -> bool:
-    from tokentape.engine.model.config import BUILTIN_CONFIGS
+    from tokentape.engine.model.model_config import BUILTIN_CONFIGS
 
     return model_id in BUILTIN_CONFIGS or os.path.isdir(model_id)
 
@@ -128,8 +128,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 def _rebuilt(runner: SleepingRunner) -> dict[str, torch.Tensor]:
     """The weights as the runner was built with them (runners/build.py)."""
-    from tokentape.engine.model.config import BUILTIN_CONFIGS
     from tokentape.engine.model.loader import builtin_model, load_checkpoint
+    from tokentape.engine.model.model_config import BUILTIN_CONFIGS
 
     if runner.model_id in BUILTIN_CONFIGS:
         _, model = builtin_model(runner.model_id, runner.seed)

@@ -36,7 +36,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def one_line(exc: BaseException) -> str:
-    from tokentape.events.errors import one_line as message
+    from tokentape.events.fold_errors import one_line as message
 
     return message(exc)
 

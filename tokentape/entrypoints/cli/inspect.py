@@ -55,7 +55,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _locate_fold_failure(tape: Any, exc: BaseException) -> str:
     """Fold again, event by event, to name the event the reducer refused."""
-    from tokentape.events.errors import FOLD_ERRORS, event_refused
+    from tokentape.events.fold_errors import FOLD_ERRORS, event_refused
     from tokentape.events.reducer import evolve
 
     state = tape.initial_state()
@@ -68,7 +68,7 @@ def _locate_fold_failure(tape: Any, exc: BaseException) -> str:
 
 
 def _fold(tape: Any, step: int | None) -> Any:
-    from tokentape.events.errors import FOLD_ERRORS
+    from tokentape.events.fold_errors import FOLD_ERRORS
 
     try:
         with progress(len(tape), "folding the tape") as update:

@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_why(args: argparse.Namespace) -> int:
-    from tokentape.events.errors import FOLD_ERRORS
+    from tokentape.events.fold_errors import FOLD_ERRORS
     from tokentape.replay import load_tape
     from tokentape.replay.why import WhyError, why
 
