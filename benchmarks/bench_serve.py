@@ -118,7 +118,7 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "tokentape.entrypoints.serve",
+            "tokentape.entrypoints.api_server",
             "--model",
             model,
             "--host",

@@ -1,5 +1,6 @@
-"""A `tokentape serve` process for tests: started on 127.0.0.1 on a free port (the server
-picks it: --port 0) and always stopped, by SIGTERM to its own pid."""
+"""A `tokentape serve` process for tests (`python -m tokentape.entrypoints.api_server`, the
+same arguments): started on 127.0.0.1 on a free port (the server picks it: --port 0) and
+always stopped, by SIGTERM to its own pid."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class ServerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "tokentape.entrypoints.serve",
+            "tokentape.entrypoints.api_server",
             "--host",
             "127.0.0.1",
             "--port",

@@ -5,10 +5,10 @@
     tokentape inspect tokentape-20250101T000000Z.tape --step 3 --request 0
 
 The commands live in tokentape/entrypoints/cli/ (generate, inspect, replay, debug, diff,
-export, why, bisect, chaos, postmortem) and tokentape/entrypoints/serve.py, each with
-`add_parser(subparsers)`. Expected failures (a file that is not a tape, a tape from a newer
-tokentape, a damaged tape, an unknown request, bad engine arguments, an existing output file
-without --force) print one line `error: <message>` on stderr and exit with status 2.
+export, why, bisect, chaos, postmortem, serve), each with `add_parser(subparsers)`. Expected
+failures (a file that is not a tape, a tape from a newer tokentape, a damaged tape, an unknown
+request, bad engine arguments, an existing output file without --force) print one line
+`error: <message>` on stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ __all__ = ["CLIError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokentape.entrypoints import serve
     from tokentape.entrypoints.cli import (
         bisect,
         chaos,
@@ -43,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         inspect,
         postmortem,
         replay,
+        serve,
         why,
     )
     from tokentape.version import __version__

@@ -92,7 +92,7 @@ def test_models_health_and_metrics(live: Live) -> None:
         "tokentape:engine_step",
         "tokentape:http_errors_total",
     }
-    # The engine core's lanes leave one CPU to the HTTP server (serve.server_cpu_threads).
+    # The engine core's lanes leave one CPU to the HTTP server (api_server.server_cpu_threads).
     assert load_tape(live.tape).header.config["cpu_threads"] == max(
         1, len(os.sched_getaffinity(0)) - 1
     )

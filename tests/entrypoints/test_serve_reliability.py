@@ -265,7 +265,7 @@ def test_a_port_in_use_exits_2_with_one_line(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "tokentape.entrypoints.serve",
+                "tokentape.entrypoints.api_server",
                 "--model",
                 "oracle",
                 "--host",

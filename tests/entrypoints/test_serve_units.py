@@ -14,7 +14,7 @@ from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate, ChatTemplateError, message_text
 from tokentape.entrypoints.metrics import ServerMetrics
 from tokentape.entrypoints.request_body import param_of_validation as _param_of
-from tokentape.entrypoints.serving import SSEFramer, sse_bytes
+from tokentape.entrypoints.serving_engine import SSEFramer, sse_bytes
 
 
 def test_builtin_chat_template() -> None:
@@ -132,7 +132,8 @@ def test_the_serve_parser_and_its_errors(
     import argparse
 
     from tokentape.engine.arg_utils import engine_args_from_cli as engine_args
-    from tokentape.entrypoints.serve import add_parser, main
+    from tokentape.entrypoints.api_server import main
+    from tokentape.entrypoints.cli.serve import add_parser
 
     sub = argparse.ArgumentParser(prog="tokentape").add_subparsers()
     srv = add_parser(sub)

@@ -1,14 +1,31 @@
-"""The FastAPI app of `tokentape serve`: OpenAI's /v1/completions, /v1/chat/completions and
-/v1/models; vLLM's /tokenize and /detokenize; /health and /metrics; vLLM's RL endpoints
-(rl_endpoints.py) when asked for, and API keys (auth.py). Every error is an OpenAI-style
-JSON body ({"error": {"message", "type", "param", "code"}}), and the server keeps serving.
+"""The OpenAI-compatible server: its FastAPI app and `run_server`, which runs it (as vLLM's
+`vllm/entrypoints/openai/api_server.py`).
+
+The app (build_app): OpenAI's /v1/completions, /v1/chat/completions and /v1/models; vLLM's
+/tokenize and /detokenize; /health and /metrics; vLLM's RL endpoints (rl_endpoints.py) when
+asked for, and API keys (auth.py). Every error is an OpenAI-style JSON body
+({"error": {"message", "type", "param", "code"}}), and the server keeps serving.
+
+run_server binds the socket, builds the AsyncLLM (its engine core in a background process
+writing the tape) and the app, and serves it on uvicorn until SIGTERM, Ctrl-C or a failed
+engine core (launcher.py: how it starts and stops, its exit statuses). `tokentape serve`
+(cli/serve.py) calls it; so does this module run as a program, with the same arguments
+(cli_args.py):
+
+    python -m tokentape.entrypoints.api_server --model oracle --port 0   # any free port
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import dataclasses
+import datetime
 import logging
+import os
+import sys
 import time
+from collections.abc import Sequence
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -16,16 +33,32 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from tokentape.engine.arg_utils import engine_args_from_cli
 from tokentape.engine.async_llm import AsyncLLM
+from tokentape.engine.config import EngineConfig
 from tokentape.entrypoints import protocol as p
-from tokentape.entrypoints.auth import APIKeyMiddleware
+from tokentape.entrypoints.auth import APIKeyMiddleware, api_keys_from
 from tokentape.entrypoints.chat_template import ChatTemplate
+from tokentape.entrypoints.cli.common import CLIError, check_output_path, remove_for_overwrite
+from tokentape.entrypoints.cli_args import make_arg_parser
+from tokentape.entrypoints.launcher import (
+    CORE_STOP_TIMEOUT_S,
+    EXIT_ENGINE_FAILED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    StartupError,
+    StoppedBeforeServing,
+    bind_socket,
+    make_server,
+    sigterm_stops_startup,
+)
 from tokentape.entrypoints.metrics import ServerMetrics
 from tokentape.entrypoints.request_body import decode_body
-from tokentape.entrypoints.rl_endpoints import RL_PATHS, add_rl_endpoints
-from tokentape.entrypoints.serving import APIError, ClientGone, OpenAIServing
+from tokentape.entrypoints.rl_endpoints import RL_PATHS, add_rl_endpoints, dev_mode
 from tokentape.entrypoints.serving_chat import create_chat_completion
 from tokentape.entrypoints.serving_completion import create_completion
+from tokentape.entrypoints.serving_engine import APIError, ClientGone, OpenAIServing
 from tokentape.entrypoints.serving_tokenization import (
     detokenize,
     tokenize,
@@ -180,3 +213,122 @@ def build_app(
             error=unauthorized,
         )
     return app
+
+
+# -- running the server ------------------------------------------------------------------------
+
+
+def server_cpu_threads() -> int:
+    """The engine core's lanes beside the HTTP server: one per CPU less one, which the server's
+    event loop needs for every streamed token (as vLLM's CPU backend reserves one for its
+    frontend processes). Measured on 2 cores (bench_serve, alternating): with two lanes beside
+    the server the core spent 234-256 us of CPU per output token, with one 176-193, and serving
+    cost 13% and 23% of generate's throughput against -9% and 2% in the quieter of two batches
+    (docs/benchmarks.md, Serving)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def _default_tape_path() -> str:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path, n = f"tokentape-serve-{stamp}.tape", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"tokentape-serve-{stamp}-{n}.tape"
+    return path
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """Who may call what, from the flags and the environment."""
+    for folder in args.allowed_weight_dirs:
+        if not os.path.isdir(folder):
+            raise StartupError(f"--allowed-weight-dirs: {folder} is not a directory")
+    return ServerOptions(
+        api_keys=tuple(api_keys_from(args.api_key)),
+        enable_rl_endpoints=args.enable_rl_endpoints or dev_mode(),
+        allowed_weight_dirs=tuple(args.allowed_weight_dirs),
+    )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until stopped, from the parsed arguments (cli_args.py); the exit status."""
+    import uvicorn
+
+    options = server_options(args)
+    tape: str | None = None if args.no_tape else (args.tape or _default_tape_path())
+    if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
+        # Bad arguments fail before the removal.
+        EngineConfig(model=args.model, **engine_args_from_cli(args))
+        remove_for_overwrite(args.tape)
+    kwargs = engine_args_from_cli(args)
+    if args.cpu_threads is None and not args.in_process:
+        kwargs["cpu_threads"] = server_cpu_threads()
+    sock = bind_socket(args.host, args.port)  # a port in use fails before the engine is built
+    try:
+        with sigterm_stops_startup():
+            engine = AsyncLLM(
+                args.model,
+                tape=tape,
+                multiprocess_mode=not args.in_process,
+                stream_interval=args.stream_interval,
+                **kwargs,
+            )
+    except StoppedBeforeServing:
+        sock.close()
+        return EXIT_OK
+    except BaseException:
+        sock.close()
+        raise
+
+    def close_engine() -> None:
+        engine.shutdown(CORE_STOP_TIMEOUT_S)  # aborts what is left (on the tape), closes it
+        if engine.tape_path:
+            print(f"tape: {engine.tape_path}", file=sys.stderr, flush=True)
+
+    try:
+        app = build_app(engine, args.served_model_name, options=options)
+        config = uvicorn.Config(app, log_level=args.log_level, lifespan="off")
+        server = make_server(config, args.drain_timeout, engine.abort_all, close_engine)
+        # A core that fails while serving: stop as SIGTERM does (open streams have ended with
+        # an error event), then exit 1.
+        engine.failure_callbacks.append(lambda reason: setattr(server, "should_exit", True))
+        # The engine closes inside uvicorn's shutdown, after the connections are drained (or
+        # their requests aborted). uvicorn's own loop (uvloop when installed).
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            runner.run(server.serve(sockets=[sock]))
+    finally:
+        engine.shutdown(CORE_STOP_TIMEOUT_S)  # a no-op when the server closed it
+        sock.close()
+    if engine.failure is not None:
+        print(
+            f"error: the engine core failed while serving: {engine.failure}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ENGINE_FAILED
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The server run as a program: `tokentape serve`'s arguments, errors and exit statuses."""
+    parser = make_arg_parser(
+        argparse.ArgumentParser(
+            prog="python -m tokentape.entrypoints.api_server",
+            description="tokentape's OpenAI-compatible server, as `tokentape serve` (whose "
+            "--help says what it serves, how it stops and its exit statuses).",
+        )
+    )
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    try:
+        return run_server(args)
+    except (CLIError, StartupError, ValueError, TypeError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,7 @@ from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplateError, message_text
 from tokentape.entrypoints.choices import chat_logprobs
-from tokentape.entrypoints.serving import (
+from tokentape.entrypoints.serving_engine import (
     SSE_DONE,
     APIError,
     OpenAIServing,

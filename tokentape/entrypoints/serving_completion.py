@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from tokentape.engine.outputs import CompletionOutput, RequestOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.choices import CompletionLogprobsFormatter
-from tokentape.entrypoints.serving import (
+from tokentape.entrypoints.serving_engine import (
     SSE_DONE,
     APIError,
     OpenAIServing,

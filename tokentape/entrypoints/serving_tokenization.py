@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from tokentape.entrypoints import protocol as p
-from tokentape.entrypoints.serving import APIError, OpenAIServing
 from tokentape.entrypoints.serving_chat import chat_prompt
 from tokentape.entrypoints.serving_completion import completion_prompts
+from tokentape.entrypoints.serving_engine import APIError, OpenAIServing
 
 
 def tokenize(

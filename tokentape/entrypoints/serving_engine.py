@@ -1,6 +1,8 @@
-"""What the OpenAI-compatible endpoints share over AsyncLLM: request checks, sampling params,
-the stream of each prompt (DELTA outputs of AsyncLLM's output processor), SSE framing, errors.
-The endpoints themselves are in serving_completion.py and serving_chat.py.
+"""What the OpenAI-compatible endpoints share over AsyncLLM (as vLLM's serving_engine.py):
+OpenAIServing, which every endpoint is handed, with its request checks, sampling params and
+the stream of each prompt (DELTA outputs of AsyncLLM's output processor); SSE framing;
+errors. The endpoints themselves are in serving_completion.py, serving_chat.py and
+serving_tokenization.py.
 
 A request that the checks or the engine refuse gets a 400 before any byte of the response
 is sent (the engine refuses before recording anything); a client that goes away cancels its
@@ -101,6 +103,11 @@ class PromptStream:
 
 
 class OpenAIServing:
+    """The endpoints' shared state and steps over one AsyncLLM (vLLM's OpenAIServing, which
+    there is the endpoints' base class; here each endpoint is a function handed it): the
+    served model's name, its chat template, the metrics, the request checks and the start
+    and finish of a request's streams."""
+
     def __init__(
         self, engine: AsyncLLM, model_name: str, chat_template: ChatTemplate, metrics: ServerMetrics
     ) -> None:

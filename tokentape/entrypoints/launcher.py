@@ -1,5 +1,6 @@
-"""How `tokentape serve` starts and stops: its listening socket bound before the engine is
-built (a port in use is an error at once, exit 2), uvicorn's server announcing its address,
+"""How the server (api_server.run_server, for `tokentape serve`) starts and stops, as vLLM's
+launcher.py: its listening socket bound before the engine is built (a port in use is an
+error at once, exit 2), uvicorn's server announcing its address and handling the signals,
 and the exit status of how it stopped.
 
 Stopping: SIGTERM or Ctrl-C stops taking requests and lets those in flight finish for the
