@@ -79,7 +79,7 @@ DEFAULT_PROMPTS = {"tiny": 256, "qwen3-0.6b": 64}
 
 
 def other_mode(device: str) -> tuple[str, dict[str, Any]]:
-    """The scheduling mode the engine does not default to on `device` (runner_defaults.py:
+    """The scheduling mode the engine does not default to on `device` (config.resolve_config:
     sync for a model on the CPU, async depth 2 on CUDA), as a variant."""
     if device == "cpu":
         return "async (depth 2)", {"async_scheduling": True, "pipeline_depth": 2}

@@ -9,15 +9,13 @@ import struct
 import pytest
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.core.engine_core import EngineCore
-from tokentape.engine.factory import make_header
+from tokentape.engine.factory import build_engine_core
 from tokentape.engine.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev
 from tokentape.events.schema import SamplingParams
 from tokentape.events.state import RequestState
-from tokentape.events.store import MemoryTape
 from tokentape.replay import fold, verify
 
 
@@ -121,7 +119,7 @@ def test_each_full_block_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def new_engine(config: EngineConfig, runner: OracleRunner) -> LLMEngine:
-    return LLMEngine(EngineCore(config, runner, MemoryTape(make_header(config, runner))))
+    return LLMEngine(build_engine_core(config, None, runner=runner))
 
 
 def scheduled_entries(engine: LLMEngine, req_id: str) -> list[ev.ScheduledEntry]:

@@ -23,7 +23,7 @@ import pytest
 from terminal import run_in_terminal
 
 from tokentape import LLM, SamplingParams
-from tokentape.engine.config import EngineConfig
+from tokentape.engine.config import EngineConfig, resolve_config
 from tokentape.engine.factory import make_header
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.errors import EngineDeadError
@@ -40,7 +40,8 @@ from tokentape.replay import fold, load_tape, verify
 
 def make_test_header(**config: object) -> ev.TapeHeader:
     cfg = EngineConfig(**config)  # type: ignore[arg-type]
-    return make_header(cfg, OracleRunner(seed=cfg.seed))
+    runner = OracleRunner(seed=cfg.seed)
+    return make_header(resolve_config(cfg, runner), runner)
 
 
 def synthetic_events(n: int) -> list[ev.Event]:

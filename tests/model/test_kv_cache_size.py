@@ -10,12 +10,12 @@ import time
 import pytest
 
 from tokentape import LLM, SamplingParams
+from tokentape.engine.config import ORACLE_NUM_KV_BLOCKS
 from tokentape.engine.kv_cache_size import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     kv_bytes_per_token,
     physical_memory_bytes,
 )
-from tokentape.engine.runner_defaults import ORACLE_NUM_KV_BLOCKS
 from tokentape.events import schema as ev
 
 # tiny: 4 layers x 2 x 2 KV heads x 64 x 4 bytes (float32)
@@ -64,7 +64,7 @@ def test_default_tiny_runs_the_256_prompt_workload_without_preempting() -> None:
 
 def test_default_budget_and_the_log(caplog: pytest.LogCaptureFixture) -> None:
     budget = min(DEFAULT_CPU_KV_CACHE_BYTES, physical_memory_bytes() // 4)
-    with caplog.at_level(logging.INFO, logger="tokentape.engine.kv_cache_size"):
+    with caplog.at_level(logging.INFO, logger="tokentape.engine.config"):
         llm = LLM(model="tiny", tape=False)
     blocks = budget // TINY_BLOCK_BYTES
     assert llm.config.num_kv_blocks == blocks

@@ -1,4 +1,5 @@
-"""Defaults that depend on the runner (engine/runner_defaults.py): the scheduling mode."""
+"""Defaults that depend on the runner (config.resolve_config): the scheduling mode, said by
+pipeline_depth alone once resolved (async_scheduling, vLLM's flag, agrees with it)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _mode(llm: LLM) -> tuple[bool | None, int | None, int]:
 
 def test_a_model_on_the_cpu_is_synchronous_by_default() -> None:
     with LLM(model="tiny", tape=None, num_kv_blocks=64) as llm:
-        assert _mode(llm) == (False, 2, 1)
+        assert _mode(llm) == (False, 1, 1)
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
 

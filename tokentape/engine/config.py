@@ -1,23 +1,35 @@
-"""EngineConfig: every knob that shapes scheduling. It is written into the tape header so
-that replay can rebuild the same scheduler."""
+"""EngineConfig: every knob that shapes scheduling, and `resolve_config`, the one place where
+the settings whose defaults depend on the model are settled (the KV cache's block count, the
+scheduling mode, max_model_len) before the engine is built. The resolved config is written
+into the tape header, so a replay rebuilds the same scheduler from it."""
 
 from __future__ import annotations
+
+import logging
 
 import msgspec
 import msgspec.structs
 
+from tokentape.engine.runners.base import HasModelConfig, ModelRunner
 from tokentape.events.discard import ALL_POLICIES
 from tokentape.events.faults import FAULTS
 from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_number, check_str
 
 MAX_PIPELINE_DEPTH = 4
+DEFAULT_PIPELINE_DEPTH = 2  # vLLM's async scheduling: one step planned ahead
+# The fake models have no K/V to hold: their pool keeps the size it always had.
+ORACLE_NUM_KV_BLOCKS = 2048
+
+_log = logging.getLogger(__name__)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "tiny"
-    # None: off for a model on the CPU (as vLLM's CPU platform sets it), unless a
-    # pipeline_depth > 1 asks for it; on for CUDA and the oracle (engine/runner_defaults.py,
-    # resolved before the header is written). pipeline_depth None: 2.
+    # The steps in flight at once: 1 is synchronous, 2 vLLM's async scheduling, more a
+    # deeper pipeline. `async_scheduling` is vLLM's flag for the same thing: False means a
+    # depth of 1, True a depth of 2 unless pipeline_depth says more. Both None: synchronous
+    # for a model on the CPU (as vLLM's CPU platform sets it), 2 for CUDA and the oracle.
+    # Resolved (resolve_config), pipeline_depth alone says it, and async_scheduling agrees.
     async_scheduling: bool | None = None
     pipeline_depth: int | None = None
     num_speculative_tokens: int = 0
@@ -138,8 +150,84 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def effective_pipeline_depth(self) -> int:
-        """`async_scheduling=False` means synchronous: one step in flight at a time. (Unset
-        fields, before an engine resolved them for its runner, read as the oracle's.)"""
-        depth = 2 if self.pipeline_depth is None else self.pipeline_depth
+        """The steps in flight at once. A resolved config's pipeline_depth; unresolved fields
+        read as the oracle's, and `async_scheduling=False` means 1 (tapes written before
+        resolve_config settled both record a depth of 2 beside it)."""
+        depth = DEFAULT_PIPELINE_DEPTH if self.pipeline_depth is None else self.pipeline_depth
         on = depth > 1 if self.async_scheduling is None else self.async_scheduling
         return depth if on else 1
+
+    @property
+    def is_resolved(self) -> bool:
+        return None not in (self.num_kv_blocks, self.async_scheduling, self.pipeline_depth)
+
+
+def resolve_config(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
+    """The config as the engine runs it, settled once for the runner built for it: the block
+    count its KV pool has (sized from memory when the model was built: kv_cache_size.py), the
+    scheduling mode, and max_model_len's default from the model; checked and logged as vLLM
+    logs its KV capacity."""
+    changes: dict[str, object] = {}
+    if config.num_kv_blocks is None:
+        changes["num_kv_blocks"] = getattr(runner, "num_kv_blocks", ORACLE_NUM_KV_BLOCKS)
+    depth = _pipeline_depth(config, runner)
+    changes["pipeline_depth"], changes["async_scheduling"] = depth, depth > 1
+    config = msgspec.structs.replace(config, **changes)
+    config = _with_model_max_len(config, runner)
+    config.check_runnable()
+    tokens, max_len = config.kv_capacity, config.effective_max_model_len
+    _log.info(
+        "KV cache size: %s tokens, Maximum concurrency for %s tokens per request: %.2fx",
+        f"{tokens:,}",
+        f"{max_len:,}",
+        tokens / max_len,
+    )
+    return config
+
+
+def _pipeline_depth(config: EngineConfig, runner: ModelRunner) -> int:
+    """async_scheduling, when not given, is off for a model on the CPU (as vLLM's CPU platform
+    turns it off: there the engine thread takes a core from the model's threads, and sync
+    measured as fast or faster: docs/benchmarks.md, the async / sync rows) unless a
+    pipeline_depth > 1 asks for it, and on otherwise."""
+    on = config.async_scheduling
+    if on is None:
+        asked = config.pipeline_depth is not None and config.pipeline_depth > 1
+        device = getattr(runner, "device", None)  # a real model's; the oracle has none
+        on = asked or not (device is not None and device.type == "cpu")
+    if not on:
+        return 1
+    return DEFAULT_PIPELINE_DEPTH if config.pipeline_depth is None else config.pipeline_depth
+
+
+def _with_model_max_len(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
+    """max_model_len defaulted as vLLM defaults it: the model's context length (its config's
+    derived_max_model_len), capped, with a warning, at what the KV cache holds. One above the
+    model's context length is refused. The oracle has no context length: its default stays
+    the KV capacity."""
+    if not isinstance(runner, HasModelConfig):
+        return config
+    derived = runner.config.derived_max_model_len
+    source = runner.config.context_length_source
+    if config.max_model_len is not None:
+        if config.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) is greater than the model's "
+                f"context length ({derived}: {source})"
+            )
+        return config
+    capacity = config.kv_capacity
+    if derived > capacity:
+        _log.warning(
+            "max_model_len %d: the model's context length is %d (%s), but the KV cache "
+            "holds %d tokens (num_kv_blocks=%d x block_size=%d); raise num_kv_blocks, or "
+            "give the cache more memory (kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE), to "
+            "serve the whole context",
+            capacity,
+            derived,
+            source,
+            capacity,
+            config.num_kv_blocks,
+            config.block_size,
+        )
+    return msgspec.structs.replace(config, max_model_len=min(derived, capacity))

@@ -18,11 +18,9 @@ from typing import TypeGuard, cast
 
 import msgspec
 
-from tokentape.engine.config import EngineConfig
+from tokentape.engine.config import EngineConfig, resolve_config
 from tokentape.engine.core.engine_core import EngineCore
-from tokentape.engine.kv_cache_size import with_kv_cache
 from tokentape.engine.model_registry import BUILTIN_MODELS, MODEL_HELP, ORACLE_MODELS
-from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import HasTokenizer, ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
@@ -72,9 +70,13 @@ def runner_tokenizer(runner: ModelRunner) -> Tokenizer:
 
 
 def make_header(config: EngineConfig, runner: ModelRunner) -> ev.TapeHeader:
+    """The header of a tape for an engine running `config`, resolved for `runner`
+    (config.resolve_config): the values the engine runs with, never a default left open."""
+    if not config.is_resolved:
+        raise ValueError("make_header: resolve the config for its runner first (resolve_config)")
     return ev.TapeHeader(
         format_version=ev.FORMAT_VERSION,
-        config=msgspec.to_builtins(with_runner_defaults(config, runner)),  # as the engine runs
+        config=msgspec.to_builtins(config),  # resolved: as the engine runs
         discard_policy=config.discard_policy,
         model_id=runner.model_id,
         seed=config.seed,
@@ -108,10 +110,10 @@ def build_engine_core(
     runner: ModelRunner | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> EngineCore:
-    """An engine core for `config` recording on `tape`: the cheap checks first (the config,
-    the tape path: they fail in milliseconds), then the runner, the KV cache's size from the
-    memory budget and max_model_len's default from the model, the tape writer. A failure
-    leaves nothing behind: no writer process, no tape holding a header and no run.
+    """An engine core for `config` recording on `tape`: the tape path checked first (it fails
+    in milliseconds), then the runner (a model's sizes its KV cache from the memory budget),
+    the settings resolved for it (config.resolve_config), the tape writer. A failure leaves
+    nothing behind: no writer process, no tape holding a header and no run.
 
     `tape` may be a writer of the caller's own (verify's, which checks every event against
     the recording). `runner`: one the caller built (verify's replay runner, a test's oracle);
@@ -119,13 +121,12 @@ def build_engine_core(
     written for, when it is not the runner's (a replay of a checkpoint's tape on the oracle);
     by default the runner's model's own. A MissingTokenizer (a checkpoint without one) leaves
     the engine without text: it refuses stop strings and string bad words."""
-    config.check_runnable()
     own_writer = _is_tape_spec(tape)
     if _is_tape_spec(tape):
         check_tape_path(tape)
     runner = make_runner(config) if runner is None else runner
     try:
-        config = with_kv_cache(config, runner)  # blocks, max_model_len, logged
+        config = resolve_config(config, runner)  # blocks, depth, max_model_len; logged
         writer = (
             open_tape_writer(tape, config, runner)
             if _is_tape_spec(tape)

@@ -11,8 +11,9 @@ The budget, in bytes, the first of:
 
 The number of blocks is the budget over the bytes a block holds in every layer:
 layers x 2 (K and V) x kv_heads x head_dim x dtype bytes x block_size. `num_kv_blocks` set
-by hand overrides all of it. The engine then logs the tokens that fit and how many sequences
-of max_model_len, in vLLM's words.
+by hand overrides all of it. The runner's build allocates the pool at that size, and
+config.resolve_config records it and logs the tokens that fit and how many sequences of
+max_model_len, in vLLM's words.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ import math
 import os
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.context_length import with_model_max_len
-from tokentape.engine.runner_defaults import with_runner_defaults
-from tokentape.engine.runners.base import ModelRunner
 
 _log = logging.getLogger(__name__)
 
@@ -141,19 +139,3 @@ def num_blocks_for(
         bytes_per_token,
     )
     return blocks
-
-
-def with_kv_cache(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
-    """The runner's defaults (runner_defaults.py: the block count it allocated, the
-    scheduling mode), then max_model_len defaulted against that capacity (context_length.py);
-    logs the capacity as vLLM does."""
-    config = with_model_max_len(with_runner_defaults(config, runner), runner)
-    tokens = config.kv_capacity
-    max_len = config.effective_max_model_len
-    _log.info(
-        "KV cache size: %s tokens, Maximum concurrency for %s tokens per request: %.2fx",
-        f"{tokens:,}",
-        f"{max_len:,}",
-        tokens / max_len,
-    )
-    return config

@@ -56,7 +56,6 @@ from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import EngineCoreOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
-from tokentape.engine.runner_defaults import with_runner_defaults
 from tokentape.engine.runners.base import ChecksParams, ModelRunner, SleepsMemory, UpdatesWeights
 from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.stop_strings import find_stop_string
@@ -83,8 +82,11 @@ class EngineCore:
         tape: TapeWriter,
         tokenizer: Tokenizer | None = None,
     ) -> None:
-        config = with_runner_defaults(config, runner)  # LLM has done it; a direct caller may not
-        config.check_runnable()
+        if not config.is_resolved:  # the factory resolves it for the runner, once
+            raise ValueError(
+                "EngineCore takes a config resolved for its runner: build it with "
+                "engine.factory.build_engine_core"
+            )
         self.config = config
         self.runner = runner
         # The runner's optional capabilities, checked once (runners/base.py's Protocols).
@@ -106,7 +108,7 @@ class EngineCore:
             config.faults,
         )
         num_blocks = config.num_kv_blocks
-        assert num_blocks is not None  # with_runner_defaults sized it
+        assert num_blocks is not None  # resolved
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
         self._finished_since_last_batch: list[str] = []
