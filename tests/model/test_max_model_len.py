@@ -17,7 +17,7 @@ from tokentape.events.sqlite_store import SQLiteTapeReader
 from tokentape.replay import verify
 from tokentape.replay.tape import Tape
 
-WARNING = "tokentape.engine.context_length"
+WARNING = "tokentape.engine.config"
 
 
 def test_a_checkpoint_serves_its_max_position_embeddings_not_the_kv_capacity(

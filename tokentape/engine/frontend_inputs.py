@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from tokentape.engine.context_length import check_prompt_fits
+from tokentape.engine.request_checks import check_prompt_fits
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from tokentape.events.validation import check_int, check_str, short_repr, shown
 

@@ -25,7 +25,6 @@ from typing import Protocol, cast
 
 from tokentape.engine.bad_words import resolve_bad_words
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.runners.base import ChecksParams, ModelRunner
 from tokentape.engine.tokenizer import Tokenizer
@@ -52,6 +51,18 @@ MAX_STOP_CHARS = 4096
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORDS_SIZE = 16384
 MAX_STOP_TOKEN_IDS = 1024
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt that leaves no position for output, in vLLM's words (its OpenAI
+    server's `_validate_input`; its offline LLM refuses only a longer prompt). The front ends
+    check it too, before a request is sent."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+            "input messages."
+        )
 
 
 def check_request_limits(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
@@ -120,7 +131,7 @@ def check_prompt(request_id: str, prompt: object, vocab_size: int, max_model_len
                     f"{name} must be a token id in the vocabulary [0, {vocab_size}), got {t!r}"
                 )
     try:
-        check_prompt_fits(len(prompt), max_model_len)  # vLLM's words (context_length.py)
+        check_prompt_fits(len(prompt), max_model_len)
     except ValueError as exc:
         raise ValueError(
             f"request {request_id!r}: {exc} (raise max_model_len or num_kv_blocks, "

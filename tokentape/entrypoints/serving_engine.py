@@ -21,8 +21,8 @@ from uuid import uuid4
 from starlette.requests import Request
 
 from tokentape.engine.async_llm import AsyncLLM
-from tokentape.engine.context_length import check_prompt_fits
 from tokentape.engine.outputs import RequestOutput
+from tokentape.engine.request_checks import check_prompt_fits
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
