@@ -2,7 +2,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tokentape.engine.kv_cache_manager import NO_BLOCKS
+from tokentape.engine.core.kv_cache_manager import NO_BLOCKS
 from tokentape.events._compiled import stale_builds
 from tokentape.events.schema import NO_DRAFTS
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokentape.engine.kv_cache_manager import KVCacheManager
+from tokentape.engine.core.kv_cache_manager import KVCacheManager
 from tokentape.events.schema import SamplingParams
 from tokentape.events.state import RequestState
 

@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
 from tokentape.engine.factory import build_engine_core
-from tokentape.engine.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager
 from tokentape.engine.llm_engine import LLMEngine
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.events import schema as ev

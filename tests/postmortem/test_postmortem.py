@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from tokentape import LLM, SamplingParams
 from tokentape.chaos import COMMANDS, StormSpec, run_storm
 from tokentape.cli import main
+from tokentape.engine.core.kv_cache_manager import KVCacheManager
+from tokentape.engine.core.step_plan import StepPlan
 from tokentape.engine.hooks import EngineHooks
-from tokentape.engine.kv_cache_manager import KVCacheManager
-from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.postmortem import postmortem

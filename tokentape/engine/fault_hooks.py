@@ -15,10 +15,10 @@ from collections.abc import Callable
 import msgspec.structs
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.scheduler import Scheduler
+from tokentape.engine.core.step_plan import StepPlan
 from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.runners.base import ScheduledBatch
-from tokentape.engine.scheduler import Scheduler
-from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
 from tokentape.events.faults import REDUCER_FAULTS
 from tokentape.events.state import EngineState, RequestState, RequestStatus

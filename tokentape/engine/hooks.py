@@ -6,8 +6,8 @@ did) but request state still changes only through the reducer."""
 
 from __future__ import annotations
 
+from tokentape.engine.core.step_plan import StepPlan
 from tokentape.engine.runners.base import ScheduledBatch
-from tokentape.engine.step_plan import StepPlan
 from tokentape.events.state import RequestState
 
 

@@ -10,11 +10,11 @@ COMPILED_MODULES = (
     "tokentape.events.discard",
     "tokentape.events.engine_rules",
     "tokentape.events.reducer",
-    "tokentape.engine.kv_cache_manager",
+    "tokentape.engine.core.kv_cache_manager",
     # The per-request Python of every step: the scheduler's plan and the outputs built from
     # it (compiled, a decode step of 256 requests takes about a third less time).
-    "tokentape.engine.step_plan",
-    "tokentape.engine.scheduler",
+    "tokentape.engine.core.step_plan",
+    "tokentape.engine.core.scheduler",
     "tokentape.engine.output_processor",
     "tokentape.engine.core.core_outputs",
     # The runner's per-entry Python in every lane's pass: its inputs and its sampling.

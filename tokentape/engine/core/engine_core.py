@@ -51,13 +51,13 @@ from tokentape.engine.core.call_args import (
     resolve_version,
 )
 from tokentape.engine.core.core_outputs import pending_outputs
+from tokentape.engine.core.kv_cache_manager import KVCacheManager
+from tokentape.engine.core.scheduler import Scheduler
 from tokentape.engine.hooks import EngineHooks
-from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.outputs import EngineCoreOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
 from tokentape.engine.runners.base import ChecksParams, ModelRunner, SleepsMemory, UpdatesWeights
-from tokentape.engine.scheduler import Scheduler
 from tokentape.engine.stop_strings import find_stop_string
 from tokentape.engine.tokenizer import SplitsSafely, Tokenizer
 from tokentape.errors import EngineDeadError

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.kv_cache_manager import KVCacheManager
+from tokentape.engine.core.step_plan import StepPlan
 from tokentape.engine.hooks import EngineHooks
-from tokentape.engine.kv_cache_manager import KVCacheManager
 from tokentape.engine.runners.base import NewRequest, ScheduledBatch
-from tokentape.engine.step_plan import StepPlan
 from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
 from tokentape.events.state import EngineState, RequestState, RequestStatus
