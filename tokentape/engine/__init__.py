@@ -1,4 +1,6 @@
-"""The engine: requests, KV cache manager, scheduler, engine loop, runners and the LLM API."""
+"""The engine, laid out as vLLM's: the engine core (`engine.core`: EngineCore, its scheduler
+and KV cache manager, EngineCoreProc), the front ends (LLMEngine, LLM, AsyncLLM) with their
+one output processor, the settings, the runners and the model."""
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.llm import LLM
