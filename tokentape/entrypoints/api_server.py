@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import logging
 import os
 import sys
@@ -39,7 +38,12 @@ from tokentape.engine.config import EngineConfig
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.auth import APIKeyMiddleware, api_keys_from
 from tokentape.entrypoints.chat_template import ChatTemplate
-from tokentape.entrypoints.cli.common import CLIError, check_output_path, remove_for_overwrite
+from tokentape.entrypoints.cli.common import (
+    CLIError,
+    check_output_path,
+    remove_for_overwrite,
+    timestamped_tape_path,
+)
 from tokentape.entrypoints.cli_args import make_arg_parser
 from tokentape.entrypoints.launcher import (
     CORE_STOP_TIMEOUT_S,
@@ -228,15 +232,6 @@ def server_cpu_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def _default_tape_path() -> str:
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path, n = f"tokentape-serve-{stamp}.tape", 1
-    while os.path.exists(path):
-        n += 1
-        path = f"tokentape-serve-{stamp}-{n}.tape"
-    return path
-
-
 def server_options(args: argparse.Namespace) -> ServerOptions:
     """Who may call what, from the flags and the environment."""
     for folder in args.allowed_weight_dirs:
@@ -254,7 +249,9 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     options = server_options(args)
-    tape: str | None = None if args.no_tape else (args.tape or _default_tape_path())
+    tape: str | None = (
+        None if args.no_tape else (args.tape or timestamped_tape_path("tokentape-serve"))
+    )
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
         # Bad arguments fail before the removal.
         EngineConfig(model=args.model, **engine_args_from_cli(args))

@@ -7,6 +7,7 @@ prints `error: <message>` on one line and exits with status 2.
 
 from __future__ import annotations
 
+import datetime
 import os
 import sqlite3
 from collections.abc import Sequence
@@ -43,6 +44,25 @@ def one_line(exc: BaseException) -> str:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+# -- default output paths: new ones, never an existing file --------------------------------------
+
+
+def new_tape_path(stem: str) -> str:
+    """`STEM.tape`, or `STEM-2.tape`, `STEM-3.tape`, ...: the first no file has (a second run
+    within the same second, a second what-if of one tape)."""
+    path, n = f"{stem}.tape", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{stem}-{n}.tape"
+    return path
+
+
+def timestamped_tape_path(prefix: str) -> str:
+    """A new tape in the current directory named after the UTC time: PREFIX-<stamp>.tape."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return new_tape_path(f"{prefix}-{stamp}")
 
 
 # -- the overwrite rule: an existing output file is refused unless --force ----------------------

@@ -5,7 +5,6 @@ tape; `--pause-at`, `--reset-at` and `--abort-at` script the engine calls of an 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from tokentape.entrypoints.cli.common import (
     expected_errors,
     positive_int,
     remove_for_overwrite,
+    timestamped_tape_path,
 )
 from tokentape.entrypoints.cli.generate_script import (
     add_script_arguments,
@@ -133,22 +133,12 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _default_tape_path() -> str:
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = f"tokentape-{stamp}.tape"
-    n = 1
-    while os.path.exists(path):  # a second run within the same second
-        n += 1
-        path = f"tokentape-{stamp}-{n}.tape"
-    return path
-
-
 def _tape_path(args: argparse.Namespace) -> str | None:
     """The tape to create, checked (and an existing one removed under --force) before the run."""
     if args.no_tape:
         return None  # an in-memory tape, dropped at exit
     if args.tape is None:
-        return _default_tape_path()
+        return timestamped_tape_path("tokentape")
     if check_output_path(args.tape, args.force, "--tape"):
         remove_for_overwrite(args.tape)
     return args.tape

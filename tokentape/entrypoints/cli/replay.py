@@ -4,7 +4,6 @@ commands under another configuration and diff the outputs."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -15,6 +14,7 @@ from tokentape.entrypoints.cli.common import (
     EXIT_OK,
     add_force_argument,
     check_output_path,
+    new_tape_path,
     open_tape,
     remove_for_overwrite,
 )
@@ -145,15 +145,6 @@ def _add_whatif(replay_sub: Any) -> None:
     wi.set_defaults(func=cmd_whatif)
 
 
-def _default_whatif_path(tape: str) -> str:
-    stem = tape.removesuffix(".tape")
-    path, n = f"{stem}-whatif.tape", 1
-    while os.path.exists(path):
-        n += 1
-        path = f"{stem}-whatif-{n}.tape"
-    return path
-
-
 def cmd_whatif(args: argparse.Namespace) -> int:
     from tokentape.replay.whatif import whatif, whatif_config
 
@@ -161,7 +152,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     # A bad configuration fails before --force removes anything.
     whatif_config(tape, args.discard_policy, args.pipeline_depth, args.runner)
     if args.out is None:
-        out = _default_whatif_path(args.tape)
+        out = new_tape_path(args.tape.removesuffix(".tape") + "-whatif")
     else:
         out = args.out
         if check_output_path(out, args.force, "--out", [args.tape]):
