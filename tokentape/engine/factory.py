@@ -14,7 +14,7 @@ import datetime
 import os
 import sqlite3
 from collections.abc import Callable
-from typing import TypeGuard, cast
+from typing import cast
 
 import msgspec
 
@@ -121,16 +121,16 @@ def build_engine_core(
     written for, when it is not the runner's (a replay of a checkpoint's tape on the oracle);
     by default the runner's model's own. A MissingTokenizer (a checkpoint without one) leaves
     the engine without text: it refuses stop strings and string bad words."""
-    own_writer = _is_tape_spec(tape)
-    if _is_tape_spec(tape):
-        check_tape_path(tape)
+    spec, callers_writer = _tape_arg(tape)
+    if callers_writer is None:
+        check_tape_path(spec)
     runner = make_runner(config) if runner is None else runner
     try:
         config = resolve_config(config, runner)  # blocks, depth, max_model_len; logged
         writer = (
-            open_tape_writer(tape, config, runner)
-            if _is_tape_spec(tape)
-            else cast(TapeWriter, tape)
+            callers_writer
+            if callers_writer is not None  # not `or`: an empty MemoryTape is falsy
+            else open_tape_writer(spec, config, runner)
         )
     except BaseException:
         runner.close()
@@ -144,7 +144,7 @@ def build_engine_core(
         engine = EngineCore(config, runner, writer, text_tokenizer)
     except BaseException:
         runner.close()
-        if own_writer:  # a tape this build created: closed and removed
+        if callers_writer is None:  # a tape this build created: closed and removed
             writer.close()
             if writer.path is not None:
                 with contextlib.suppress(OSError):
@@ -155,8 +155,9 @@ def build_engine_core(
     return engine
 
 
-def _is_tape_spec(tape: TapeSpec | TapeWriter) -> TypeGuard[TapeSpec]:
-    """What check_tape_path judges (a path, None for memory, False for none; anything else is
-    refused there), rather than a writer of the caller's."""
-    is_writer = not isinstance(tape, (str, os.PathLike, bool)) and hasattr(tape, "append")
-    return not is_writer
+def _tape_arg(tape: TapeSpec | TapeWriter) -> tuple[TapeSpec, TapeWriter | None]:
+    """A tape to open and no writer (a path, None for memory, False for none; check_tape_path
+    refuses anything else), or the caller's own writer."""
+    if isinstance(tape, (str, os.PathLike, bool)) or not hasattr(tape, "append"):
+        return cast(TapeSpec, tape), None
+    return None, cast(TapeWriter, tape)
