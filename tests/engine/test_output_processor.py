@@ -1,14 +1,17 @@
 """The output processor alone, on hand-made core deltas (byte tokenizer: token = byte + 3):
-the stop-string holdback and cut, a multi-byte character held until complete, n > 1 fan-in,
-stream_interval and its flush."""
+the text of a request with stop strings as the engine core sends it (held back, cut at the
+match), a multi-byte character held until complete, n > 1 fan-in, stream_interval and its
+flush."""
 
 from __future__ import annotations
 
 from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import EngineCoreOutput as Out
+from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.events.schema import RequestOutputKind as Kind
 from tokentape.events.schema import SamplingParams
+from tokentape.events.state import RequestState
 
 TOK = ByteTokenizer()
 
@@ -17,16 +20,34 @@ def ids(text: str) -> list[int]:
     return TOK.encode(text)
 
 
+def core_deltas(
+    params: SamplingParams, frames: list[list[int]], logprobs: list[list[float]] | None = None
+) -> list[Out]:
+    """The deltas of a request with stop strings as the engine core makes them: its
+    stop-string checker looks for a match after each frame and sends the text; the last
+    frame finishes the request ("stop" at a match, else "length")."""
+    checker, req = StopStringChecker(TOK), RequestState("r", [5], params, 0)
+    outs = []
+    for i, frame in enumerate(frames):
+        req.output_token_ids = req.output_token_ids + frame
+        found = checker.find(req, len(req.output_token_ids))
+        last = i == len(frames) - 1
+        if last and found is None:
+            checker.finish(req)
+        reason = "stop" if found is not None else "length" if last else None
+        lps = logprobs[i] if logprobs is not None else None
+        outs.append(Out("r", frame, lps, reason, None, found, new_text=checker.take_text("r")))
+    return outs
+
+
 def test_holdback_and_cut_at_a_stop_string_by_kind() -> None:
-    params = dict(stop=("STOP",), max_tokens=20)
     frames = [ids("ab"), ids("cS"), ids("TO"), ids("Pz")]
     for kind in (Kind.DELTA, Kind.CUMULATIVE):
         proc = OutputProcessor(TOK)
-        proc.add_request("r", [5], None, SamplingParams(output_kind=kind, **params), ["r"])
+        params = SamplingParams(output_kind=kind, stop=("STOP",), max_tokens=20)
+        proc.add_request("r", [5], None, params, ["r"])
         texts = []
-        for i, f in enumerate(frames):
-            last = i == len(frames) - 1
-            out = Out("r", f, None, "stop" if last else None, None, "STOP" if last else None)
+        for out in core_deltas(params, frames):
             (o,) = proc.process_outputs([out])
             texts.append(o.outputs[0].text)
         # Three characters (len("STOP") - 1) held back while it runs; cut before the match.
@@ -42,8 +63,10 @@ def test_include_stop_str_holds_nothing_back() -> None:
     proc = OutputProcessor(TOK)
     params = SamplingParams(stop=("STOP",), include_stop_str_in_output=True, output_kind=Kind.DELTA)
     proc.add_request("r", [5], None, params, ["r"])
-    (a,) = proc.process_outputs([Out("r", ids("abS"))])
-    (b,) = proc.process_outputs([Out("r", ids("TOPx"), None, "stop", None, "STOP")])
+    first, last = core_deltas(params, [ids("abS"), ids("TOPx")])
+    assert last.finish_reason == "stop" and last.stop_reason == "STOP"
+    (a,) = proc.process_outputs([first])
+    (b,) = proc.process_outputs([last])
     assert (a.outputs[0].text, b.outputs[0].text) == ("abS", "TOP")
 
 
@@ -97,8 +120,9 @@ def test_outputs_pickle_as_their_values_and_the_collector_does_not_track_them() 
         proc = OutputProcessor(TOK)
         params = SamplingParams(output_kind=kind, stop=("Z",), logprobs=0)
         proc.add_request("r", [5], None, params, ["r"])
-        proc.process_outputs([Out("r", ids("ab"), [-0.5, -0.25])])
-        (o,) = proc.process_outputs([Out("r", ids("cZ"), [-1.0, -2.0], "stop", None, "Z")])
+        first, last = core_deltas(params, [ids("ab"), ids("cZ")], [[-0.5, -0.25], [-1.0, -2.0]])
+        proc.process_outputs([first])
+        (o,) = proc.process_outputs([last])
         (c,) = o.outputs
         assert not gc.is_tracked(o) and not gc.is_tracked(c)
         back = pickle.loads(pickle.dumps(o))

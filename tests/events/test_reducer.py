@@ -9,6 +9,7 @@ from tokentape.events.discard import discard_count
 from tokentape.events.fold_errors import ReducerError
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.state import EngineState, RequestStatus
+from tokentape.events.stop_check import check_stop
 
 PARAMS = ev.SamplingParams(max_tokens=10)
 
@@ -130,9 +131,9 @@ def test_spec_rejections_give_back_computed_positions() -> None:
     assert r.num_output_placeholders == 0
 
 
-def test_stop_conditions_truncate_a_frame() -> None:
-    params = ev.SamplingParams(max_tokens=10, stop_token_ids=(9,))
-    s = apply(
+def _stopping_frame(params: ev.SamplingParams) -> EngineState:
+    """A decode with three drafts whose frame holds the stop token 9, then two tokens more."""
+    return apply(
         initial_state("epoch"),
         ev.RequestAdded(0, "r", [5, 6], params),
         ev.StepScheduled(0, [ev.ScheduledEntry("r", 0, 0, 2, 0, [0])]),
@@ -140,10 +141,39 @@ def test_stop_conditions_truncate_a_frame() -> None:
         decode_step(1, 0, 2, k=3),
         ev.FrameProduced(1, [ev.FrameEntry("r", [8, 9, 10, 11], [8, 9, 10])]),
     )
+
+
+def test_stop_conditions_truncate_a_frame() -> None:
+    """The reducer applies the whole frame; the scheduler's stop rule says where it stops,
+    and the RequestFinished that records it cuts the tokens after the stop."""
+    params = ev.SamplingParams(max_tokens=10, stop_token_ids=(9,))
+    s = _stopping_frame(params)
     r = s.requests["r"]
-    assert r.output_token_ids == [7, 8, 9] and r.stop_reason == "stop"
-    apply(s, ev.RequestFinished(1, "r", "stop"))
+    assert r.output_token_ids == [7, 8, 9, 10, 11] and r.finish_reason is None
+    assert s.frame_outputs == [(r, 1)]  # where the scheduler's stop check begins
+    assert check_stop(r, 1, s.eos_token_id) == ("stop", 9, 3)  # vLLM's stop_reason: the id
+    apply(s, ev.RequestFinished(1, "r", "stop", 9, 3))
+    assert r.output_token_ids == [7, 8, 9] and r.stop_reason == 9
     assert r.status is RequestStatus.FINISHED_STOPPED and s.running == [] and r.block_ids == []
+    # A length finish inside a frame, as the rule finds it: max_tokens=2 stops at 8.
+    short = _stopping_frame(ev.SamplingParams(max_tokens=2, stop_token_ids=(9,)))
+    assert check_stop(short.requests["r"], 1, None) == ("length", None, 2)
+    with pytest.raises(ReducerError, match="finished with 6 output tokens"):
+        apply(short, ev.RequestFinished(1, "r", "length", None, 6))
+    with pytest.raises(ReducerError, match="stop token 10, which is not one of"):
+        apply(short, ev.RequestFinished(1, "r", "stop", 10, 3))
+
+
+def test_a_finish_that_does_not_say_its_length_is_cut_by_the_stop_rule() -> None:
+    """A tape before format 6 (or another engine's recording) has no num_output_tokens: the
+    reducer cuts where the stop rule says, as its reducer cut the frame."""
+    s = _stopping_frame(ev.SamplingParams(max_tokens=10, stop_token_ids=(9,)))
+    apply(s, ev.RequestFinished(1, "r", "stop"))
+    r = s.requests["r"]
+    assert r.output_token_ids == [7, 8, 9] and r.stop_reason is None
+    s = _stopping_frame(ev.SamplingParams(max_tokens=2))
+    apply(s, ev.RequestFinished(1, "r", "length"))
+    assert s.requests["r"].output_token_ids == [7, 8]
 
 
 def test_inconsistent_events_are_refused() -> None:

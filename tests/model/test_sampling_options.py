@@ -183,7 +183,7 @@ def test_stop_strings_cut_the_text_and_are_recorded() -> None:
         if isinstance(e, ev.RequestFinished)
     ]
     assert finished[-1].stop_reason == stop and finished[-1].reason == "stop"
-    assert llm.llm_engine.engine_core.state.requests[finished[-1].req_id].stop_str == stop
+    assert llm.llm_engine.engine_core.state.requests[finished[-1].req_id].stop_reason == stop
 
 
 def test_a_tape_with_every_option_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -208,7 +208,7 @@ def test_a_tape_with_every_option_verifies(tmp_path) -> None:  # type: ignore[no
     result = verify(tape)
     assert result.ok, result.first_divergence
     state = tape.fold()
-    assert state.requests["4"].stop_str == stop
+    assert state.requests["4"].stop_reason == stop
     assert all(
         len(r.output_top_logprobs) == len(r.output_token_ids)
         for i, r in state.requests.items()

@@ -96,7 +96,6 @@ class LateStopAfterDrain(EngineHooks):
                 or plan.budget <= 0
                 or not req.prefill_complete
                 or req.status is not RequestStatus.RUNNING
-                or req.stop_reason is not None
             ):
                 continue
             computed = req.num_computed_tokens

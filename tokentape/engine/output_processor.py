@@ -4,11 +4,10 @@ per-request deltas (`EngineCoreOutput`, what `OutputsEmitted` records) into the
 `AsyncLLM`) all get their outputs from here.
 
 Per request it keeps every token, logprob and text piece delivered so far, and does:
-- incremental detokenization (detokenizer.py);
-- stop strings: the engine finds the match and records it as the finish's `stop_reason`
-  (stop_strings.find_stop_string); here, while the request runs, the last
-  `len(longest stop) - 1` characters are held back (none with include_stop_str_in_output:
-  nothing after a match can have been released), and the final text is cut at the match;
+- incremental detokenization (detokenizer.py), each token decoded once: here, or, for a
+  request with stop strings, in the engine core, which looks for them in the text and sends
+  it with the tokens (`EngineCoreOutput.new_text`), held back and cut at the match as the
+  client may see it (stop_strings.py);
 - output kinds: every token so far (CUMULATIVE), the new ones (DELTA), or nothing until the
   request finishes (FINAL_ONLY, whose text is decoded once, at the end);
 - n > 1 fan-in: the children "{i}_{id}" gathered into their parent's outputs (each output
@@ -23,9 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokentape.engine.detokenizer import Detokenizer, detokenizer, no_text
+from tokentape.engine.detokenizer import Detokenizer, detokenizer
 from tokentape.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
-from tokentape.engine.stop_strings import stop_text
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import PromptLogprobs, RequestOutputKind, SamplingParams
 
@@ -45,38 +43,32 @@ class _Completion:
         "pieces",
         "num_chars",
         "marks",
-        "unsent",
         "sent_tokens",
-        "sent_chars",
+        "sent_pieces",
         "started",
         "finish_reason",
         "stop_reason",
-        "holdback",
         "tokenizer",
         "versions",
     )
 
-    def __init__(
-        self, index: int, params: SamplingParams, tokenizer: Tokenizer | None, holdback: int
-    ) -> None:
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer | None) -> None:
         self.index = index
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top: list[dict[int, float]] | None = [] if params.logprobs else None
         self.tokenizer = tokenizer
         self.detok: Detokenizer = detokenizer(tokenizer)
-        self.holdback = holdback  # characters a running request holds back (stop strings)
-        self.fed = 0  # tokens given to the detokenizer
+        self.fed = 0  # tokens given to the detokenizer (or decoded by the engine core)
         self.pieces: list[str] = []  # the detokenizer's text deltas (CUMULATIVE reads them)
         self.num_chars = 0
         # Where each CUMULATIVE text read so far ends: tokens -> (pieces, characters).
         self.marks: dict[int, tuple[int, int]] = {0: (0, 0)}
-        self.unsent = ""  # DELTA: text decoded but not released (the stop-string holdback)
         self.sent_tokens = 0  # tokens given out in outputs
-        self.sent_chars = 0  # DELTA: characters given out
+        self.sent_pieces = 0  # DELTA: text pieces given out
         self.started = False  # an output was given (stream_interval releases the first at once)
         self.finish_reason: str | None = None
-        self.stop_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.versions: list[tuple[int, str]] = []  # where each weight version's tokens begin
 
     def append(self, out: EngineCoreOutput) -> None:
@@ -85,6 +77,10 @@ class _Completion:
             if not self.versions or self.versions[-1][1] != version:
                 self.versions.append((len(self.tokens), version))
         self.tokens += out.new_token_ids
+        if out.new_text is not None:  # decoded by the engine core (stop strings)
+            self._add_text(out.new_text)
+            self.fed = len(self.tokens)
+            self.marks[self.fed] = (len(self.pieces), self.num_chars)
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs += out.new_logprobs
         if self.top is not None and out.new_top_logprobs:
@@ -99,34 +95,39 @@ class _Completion:
         new = self.tokens[self.fed : end]
         self.fed = end
         piece = self.detok.add(new, self.finish_reason is not None if final is None else final)
+        self._add_text(piece)
+        return piece
+
+    def _add_text(self, piece: str) -> None:
         if piece:
             self.pieces.append(piece)
             self.num_chars += len(piece)
-        return piece
 
-    def text_at(self, end: int, final: bool, hold: int) -> str | None:
-        """The text of the first `end` tokens as the incremental detokenizer gives it there,
-        less its last `hold` characters: CUMULATIVE text, decoded when it is first read (a
-        consumer that never reads it costs no decoding). None when the tokens were decoded
-        past `end` in one go (an older output read after a newer one)."""
+    def text_at(self, end: int, final: bool) -> str | None:
+        """The text of the first `end` tokens as the incremental detokenizer gives it there:
+        CUMULATIVE text, decoded when it is first read (a consumer that never reads it costs
+        no decoding). None when the tokens were decoded past `end` in one go (an older
+        output read after a newer one)."""
         if self.fed < end:
             self._feed(end, final)
             self.marks[end] = (len(self.pieces), self.num_chars)
         mark = self.marks.get(end)
         if mark is None:
             return None
-        num_pieces, num_chars = mark
-        return "".join(self.pieces[:num_pieces])[: max(0, num_chars - hold)]
+        return "".join(self.pieces[: mark[0]])
+
+
+def _final_text(c: _Completion, end: int, finished: bool) -> str:
+    """A FINAL_ONLY output's text (CompletionOutput's text_of): every token's."""
+    c._feed()
+    return "".join(c.pieces)
 
 
 def _cumulative_text(c: _Completion, end: int, finished: bool) -> str:
-    """A CUMULATIVE output's text (CompletionOutput's text_of): the first `end` tokens',
-    less the stop-string holdback while the completion runs."""
-    hold = 0 if finished else c.holdback
-    text = c.text_at(end, finished, hold)
+    """A CUMULATIVE output's text (CompletionOutput's text_of): the first `end` tokens'."""
+    text = c.text_at(end, finished)
     if text is None:  # decoded past `end` already: decode the first `end` alone
         text = detokenizer(c.tokenizer).add(c.tokens[:end], finished)
-        text = text[: max(0, len(text) - hold)]
     return text
 
 
@@ -139,7 +140,6 @@ class _Request:
         "prompt",
         "params",
         "kind",
-        "holdback",
         "completions",
         "num_unfinished",
         "prompt_logprobs",
@@ -156,13 +156,7 @@ class _Request:
     ) -> None:
         self.request_id, self.prompt_token_ids, self.prompt = request_id, prompt_token_ids, prompt
         self.params, self.kind = params, params.output_kind
-        stops = params.stop
-        # A stop string may be completed by a later frame: its beginning must not go out yet.
-        include = params.include_stop_str_in_output
-        self.holdback = max(map(len, stops)) - 1 if stops and not include else 0
-        self.completions = [
-            _Completion(i, params, tokenizer, self.holdback) for i in range(params.n)
-        ]
+        self.completions = [_Completion(i, params, tokenizer) for i in range(params.n)]
         self.num_unfinished = params.n
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_logprobs_sent = False
@@ -200,7 +194,6 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
-        self.decode = tokenizer.decode if tokenizer is not None else no_text
         self.stream_interval = stream_interval
         self._requests: dict[str, _Request] = {}
         self._by_engine_id: dict[str, tuple[_Request, _Completion]] = {}
@@ -290,7 +283,7 @@ class OutputProcessor:
         if req.kind == _FINAL_ONLY:
             if not finished:
                 return None
-            completions = [self._final(req, c) for c in req.completions]
+            completions = [self._final(c) for c in req.completions]
         elif len(req.completions) == 1:  # the common case, without a comprehension's frame
             out = self._streamed(req, comps[0], force)
             if out is None:
@@ -316,43 +309,23 @@ class OutputProcessor:
         interval = self.stream_interval
         if interval > 1 and not (done or force) and c.started and end - c.sent_tokens < interval:
             return None
-        final = self._cut_text(req, c) if done and c.stop_reason is not None else None
         if req.kind is not _DELTA:  # CUMULATIVE: every token so far, the text when read
             c.started, c.sent_tokens = True, end
-            text_of = final if final is not None else _cumulative_text
             return CompletionOutput.of_span(
-                c.index, c, 0, end, text_of, c.finish_reason, c.stop_reason
+                c.index, c, 0, end, _cumulative_text, c.finish_reason, c.stop_reason
             )
-        # DELTA: the new tokens; the text as it comes, less the stop-string holdback
-        hold = 0 if done else req.holdback
+        # DELTA: the new tokens and the text they add
         start = c.sent_tokens
         c.started, c.sent_tokens = True, end
-        piece = c._feed()
-        if final is not None:
-            text, c.unsent = final[c.sent_chars :], ""
-        else:
-            unsent = c.unsent + piece
-            release = len(unsent) - hold
-            text, c.unsent = (unsent[:release], unsent[release:]) if release > 0 else ("", unsent)
-        c.sent_chars += len(text)
+        c._feed()
+        text = "".join(c.pieces[c.sent_pieces :])
+        c.sent_pieces = len(c.pieces)
         return CompletionOutput.of_span(
             c.index, c, start, end, text, c.finish_reason, c.stop_reason
         )
 
-    def _final(self, req: _Request, c: _Completion) -> CompletionOutput:
+    def _final(self, c: _Completion) -> CompletionOutput:
         """A FINAL_ONLY completion: every token, the text decoded when it is first read."""
-
-        def final_text(c: _Completion, end: int, finished: bool) -> str:
-            if c.stop_reason is not None:
-                return self._cut_text(req, c)
-            c._feed()
-            return "".join(c.pieces)
-
         return CompletionOutput.of_span(
-            c.index, c, 0, len(c.tokens), final_text, c.finish_reason, c.stop_reason
+            c.index, c, 0, len(c.tokens), _final_text, c.finish_reason, c.stop_reason
         )
-
-    def _cut_text(self, req: _Request, c: _Completion) -> str:
-        """The whole text cut at the stop string that finished the completion."""
-        assert c.stop_reason is not None
-        return stop_text(self.decode, req.params, c.tokens, c.stop_reason)

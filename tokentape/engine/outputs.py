@@ -31,9 +31,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     new_logprobs: list[float] | None = None
     finish_reason: str | None = None
     error: tuple[str, str] | None = None
-    # With finish_reason "stop" by a stop string: the string (the output processor cuts the
-    # text there).
-    stop_reason: str | None = None
+    # vLLM's stop_reason, with the finish: the stop string or stop token id that ended it.
+    stop_reason: str | int | None = None
     # With SamplingParams.logprobs = k > 0: per new token, the logprobs of the k most likely ids
     # and the sampled one.
     new_top_logprobs: list[dict[int, float]] | None = None
@@ -42,6 +41,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     # vLLM's weight_version (#49040) of the weights that computed the new tokens: the one in
     # force when they were delivered (an update needs a drained engine, reducer.py checks it).
     weight_version: str | None = None
+    # A request with stop strings: the text its new tokens add, decoded by the engine core,
+    # which looked for the stop strings in it (stop_strings.py); held back and cut as the
+    # client may see it. None: the output processor decodes the tokens itself.
+    new_text: str | None = None
 
 
 class SpanSource(Protocol):
@@ -90,7 +93,7 @@ class CompletionOutput(msgspec.Struct, gc=False):
     _logprobs: list[float] | None = None
     # With logprobs=k > 0, vLLM's dict per position: the sampled token, then the top k.
     _top: list[dict[int, float]] | None = None
-    stop_reason: str | None = None  # the stop string that finished it, as vLLM's
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id
     _versions: list[str] | None = None
     _source: SpanSource | None = None
     _start: int = 0
@@ -106,7 +109,7 @@ class CompletionOutput(msgspec.Struct, gc=False):
         end: int,
         text: str | TextOf,
         finish_reason: str | None,
-        stop_reason: str | None,
+        stop_reason: str | int | None,
     ) -> CompletionOutput:
         """source's tokens[start:end] (and logprobs, and the weight versions that computed
         them), copied when read; the text, or a function text(source, end, finished) giving

@@ -1,30 +1,27 @@
-"""Stop strings, as vLLM's front end checks them: in the detokenized output text, after each
-frame, once the output is longer than min_tokens; the text is cut at the match.
+"""Stop strings, as vLLM checks them: in the detokenized output text, after each frame, once
+the output is longer than min_tokens. The engine core does it (vLLM's front end does), so
+that the tape records the finish: the scheduler asks `StopStringChecker.find` after each
+frame and records a match as `RequestFinished(reason="stop", stop_reason=<the string>)`.
 
-The engine looks for a match after applying a frame (`find_stop_string`) and records what it
-found as `RequestFinished(reason="stop", stop_reason=<the string>)`, so a fold of the tape
-knows the finish without a tokenizer. The token ids stay as delivered (every token of the
-frame, as in vLLM); only the text is cut (`stop_text`, by the output processor), a pure
-function of the tokens, the params and the matched string.
-
-Decoding the whole output after every frame costs O(output) per frame; given the tokenizer's
-`safe_split` the check decodes only a window ending with the frame, with the same answer
-(tests/engine/test_stop_strings.py; at 4096 output tokens 0.8 ms -> 11 us per frame, byte
-tokenizer).
+The checker is also where such a request's text comes from: it decodes each token once, with
+the incremental detokenizer the output processor would use, and releases the text as the
+client may see it (`take_text`, carried by `EngineCoreOutput.new_text`):
+- while the request runs, the last `len(longest stop) - 1` characters are held back (none
+  with include_stop_str_in_output: nothing after a match can have been released), since a
+  later frame may complete a stop string that begins there;
+- at a match, the text is cut before the string (after it, with include_stop_str_in_output);
+  the token ids stay as delivered (every token up to the finish, as in vLLM);
+- at any other finish, everything decoded is released.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from tokentape.events.schema import SamplingParams
-
-Decode = Callable[[list[int]], str]
-# A tokenizer's safe_split(ids, pos): a k <= pos with decode(ids[:j]) == decode(ids[:k]) +
-# decode(ids[k:j]) for every k <= j <= len(ids) (0 always qualifies).
-SafeSplit = Callable[[list[int], int], int]
+from tokentape.engine.detokenizer import Detokenizer, detokenizer
+from tokentape.engine.tokenizer import Tokenizer
+from tokentape.events.state import RequestState
 
 
 def _earliest_match(text: str, start: int, stops: Sequence[str]) -> tuple[str, int] | None:
@@ -39,62 +36,100 @@ def _earliest_match(text: str, start: int, stops: Sequence[str]) -> tuple[str, i
     return best
 
 
-def find_stop_string(
-    decode: Decode,
-    params: SamplingParams,
-    output: list[int],
-    num_before: int,
-    split: SafeSplit | None = None,
-) -> str | None:
-    """The stop string completed by the output tokens after `num_before` (the frame just
-    applied), or None. Text of the first min_tokens tokens cannot complete one.
+class _Stream:
+    """One request's text: what was decoded, released and not yet taken."""
 
-    With the tokenizer's `split` (its `safe_split`) only a window of the output is decoded:
-    one that ends with the frame and holds enough text before it for any stop string to begin
-    there. The tokenizer promises the text before the window is the same in the full decode,
-    so the answer is the full decode's; without `split` the whole output is decoded."""
-    if not params.stop or len(output) <= params.min_tokens:
-        return None
-    checked = max(num_before, params.min_tokens)
-    if split is None or not checked:
-        text = decode(output)
-        found = _earliest_match(text, _stable_len(decode(output[:checked]), text), params.stop)
-        return found[0] if found else None
-    # A match ending in the frame begins at most len(stop) - 1 characters before it.
-    need = max(map(len, params.stop)) - 1
-    span = need + 1  # tokens give at least a character each, mostly (more are taken if not)
-    while True:
-        k = split(output, max(0, checked - span))
-        window = decode(output[k:])
-        start = _stable_len(decode(output[k:checked]), window)
-        if k == 0 or start >= need:
-            break
-        span *= 2
-    found = _earliest_match(window, start, params.stop)
-    return found[0] if found else None
+    __slots__ = ("detok", "fed", "tail", "keep", "hold", "num_chars", "num_released", "outbox")
+
+    def __init__(self, detok: Detokenizer, stops: Sequence[str], include: bool) -> None:
+        self.detok = detok
+        self.fed = 0  # output tokens decoded
+        # A match ending in new text begins at most len(stop) - 1 characters before it.
+        self.keep = max(map(len, stops)) - 1
+        self.hold = 0 if include else self.keep
+        self.tail = ""  # the last `keep` characters decoded
+        self.num_chars = 0  # characters decoded
+        self.num_released = 0  # characters released to the client
+        self.outbox = ""  # released, not yet taken
+
+    def push(self, piece: str, release_to: int | None = None) -> None:
+        """Add decoded text; release up to `release_to` (default: all but the holdback)."""
+        text = self.tail + piece
+        base = self.num_chars - len(self.tail)  # where `text` begins in the whole text
+        self.num_chars += len(piece)
+        end = min(self.num_chars - self.hold if release_to is None else release_to, self.num_chars)
+        if end > self.num_released:
+            self.outbox += text[self.num_released - base : end - base]
+            self.num_released = end
+        self.tail = text[-self.keep :] if self.keep else ""
 
 
-def _stable_len(before: str, after: str) -> int:
-    """How much of the text before the frame the frame left as it was: all of it, less a
-    replacement character that stood for a multi-byte character the frame completed (whose
-    new text may complete a stop string)."""
-    n = min(len(before), len(after))
-    if before[:n] == after[:n]:
-        return n
-    return len(os.path.commonprefix([before, after]))
+class StopStringChecker:
+    """The engine core's stop-string matcher and the text of the requests it follows (see the
+    module doc). One stream per request with stop strings, from its first frame to the
+    `take_text` after its finish."""
 
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+        self._finished: set[str] = set()
 
-def _cut(text: str, start: int, params: SamplingParams, stop_str: str) -> str:
-    i = text.find(stop_str, max(0, start - len(stop_str) + 1))
-    if i == -1:  # cannot happen for a recorded match; keep the text whole
+    def _stream(self, req: RequestState) -> _Stream:
+        st = self._streams.get(req.req_id)
+        if st is None:
+            params = req.params
+            st = self._streams[req.req_id] = _Stream(
+                detokenizer(self.tokenizer), params.stop, params.include_stop_str_in_output
+            )
+        return st
+
+    def find(self, req: RequestState, end: int) -> str | None:
+        """The stop string completed by the output tokens not decoded yet, up to `end` (the
+        frame just applied, less what a stop the scheduler found cuts), or None. Text of the
+        first min_tokens tokens cannot complete one."""
+        st = self._stream(req)
+        output, min_tokens = req.output_token_ids, req.params.min_tokens
+        if st.fed < min_tokens < end:
+            st.push(st.detok.add(output[st.fed : min_tokens], False))
+            st.fed = min_tokens
+        piece = st.detok.add(output[st.fed : end], False)
+        st.fed = end
+        if end <= min_tokens or not piece:
+            st.push(piece)
+            return None
+        found = _earliest_match(st.tail + piece, len(st.tail), req.params.stop)
+        if found is None:
+            st.push(piece)
+            return None
+        stop, i = found
+        cut = st.num_chars - len(st.tail) + i
+        if req.params.include_stop_str_in_output:
+            cut += len(stop)
+        st.push(piece, release_to=cut)
+        self._finished.add(req.req_id)
+        return stop
+
+    def finish(self, req: RequestState) -> None:
+        """The request finished (any reason, its output cut): release all of its text, the
+        end of a character cut between tokens included, unless a match cut it already."""
+        if req.req_id in self._finished:
+            return
+        st = self._stream(req)
+        output = req.output_token_ids
+        st.push(st.detok.add(output[st.fed :], True), release_to=sys.maxsize)
+        st.fed = len(output)
+        self._finished.add(req.req_id)
+
+    def follows(self, req_id: str) -> bool:
+        return req_id in self._streams
+
+    def take_text(self, req_id: str) -> str:
+        """The text released since the last take; a finished request's stream goes with it."""
+        st = self._streams.get(req_id)
+        if st is None:
+            return ""
+        text, st.outbox = st.outbox, ""
+        if req_id in self._finished:
+            del self._streams[req_id]
+            self._finished.discard(req_id)
         return text
-    return text[: i + len(stop_str)] if params.include_stop_str_in_output else text[:i]
-
-
-def stop_text(decode: Decode, params: SamplingParams, output: list[int], stop_str: str) -> str:
-    """The output's text cut at the stop string that finished it: before the string, or
-    after it with include_stop_str_in_output. Every check before the last found nothing, so
-    the match is the string's first occurrence that ends after the min_tokens text."""
-    text = decode(output)
-    start = _stable_len(decode(output[: params.min_tokens]), text) if params.min_tokens else 0
-    return _cut(text, start, params, stop_str)

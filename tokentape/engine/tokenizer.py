@@ -4,8 +4,7 @@ checkpoint's tokenizer.json, and the stand-in for a checkpoint that has none."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from tokentape.errors import CheckpointError
 
@@ -16,14 +15,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
-
-
-@runtime_checkable
-class SplitsSafely(Protocol):
-    """A tokenizer that can say where a token list may be cut without changing the text
-    before the cut (stop_strings.SafeSplit): stop strings are then looked for in a window."""
-
-    def safe_split(self, token_ids: list[int], pos: int) -> int: ...
 
 
 class ByteTokenizer:
@@ -39,15 +30,6 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.to_bytes(token_ids).decode("utf-8", errors="replace")
 
-    def safe_split(self, token_ids: list[int], pos: int) -> int:
-        """A split k <= pos where the text is additive (stop_strings.SafeSplit): the first
-        byte at or after it begins a UTF-8 sequence (the decoder never takes such a byte into
-        the character before; special tokens have no bytes)."""
-        lo, hi = self._OFFSET, self.vocab_size
-        return _split_before_lead(
-            token_ids, pos, lambda t: (t - lo) & 0xC0 != 0x80 if lo <= t < hi else None
-        )
-
     def to_bytes(self, token_ids: list[int]) -> bytes:
         """The bytes the ids stand for; the special tokens stand for none."""
         return bytes(t - self._OFFSET for t in token_ids if self._OFFSET <= t < self.vocab_size)
@@ -61,43 +43,12 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(file)
         self.vocab_size = self._tok.get_vocab_size()
-        self._lead_table: list[bool | None] | None = None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
-
-    def safe_split(self, token_ids: list[int], pos: int) -> int:
-        """A split k <= pos where the text is additive (stop_strings.SafeSplit). Only a
-        byte-level decoder (GPT-2's) is known to join tokens' bytes and decode them as UTF-8
-        once; with any other decoder (prefix spaces, cleanups) the split is 0."""
-        leads = self._leads()
-        if leads is None:
-            return 0
-        n = len(leads)
-        return _split_before_lead(token_ids, pos, lambda t: leads[t] if 0 <= t < n else None)
-
-    def _leads(self) -> list[bool | None] | None:
-        """Per token id: whether its first byte begins a UTF-8 sequence, None for no bytes
-        (special tokens are skipped); None for a decoder that is not byte-level."""
-        if self._lead_table is not None or type(self._tok.decoder).__name__ != "ByteLevel":
-            return self._lead_table
-        char_byte = _byte_level_alphabet()
-        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        table: list[bool | None] = []
-        for i in range(self._tok.get_vocab_size(with_added_tokens=True)):
-            tok = self._tok.id_to_token(i)
-            if tok is None or i in special or not tok:
-                table.append(None)
-                continue
-            first = char_byte.get(tok[0])
-            if first is None or any(c not in char_byte for c in tok):  # kept as its UTF-8
-                first = tok.encode("utf-8")[0]
-            table.append(first & 0xC0 != 0x80)
-        self._lead_table = table
-        return table
 
 
 def byte_tokenizer_json() -> str:
@@ -169,23 +120,3 @@ def _byte_level_alphabet() -> dict[str, int]:
             chars[b] = 256 + extra
             extra += 1
     return {chr(c): b for b, c in chars.items()}
-
-
-def _split_before_lead(
-    token_ids: Sequence[int], pos: int, lead: Callable[[int], bool | None]
-) -> int:
-    """The greatest k <= pos whose first byte-giving token at or after k begins a UTF-8
-    sequence, or after which no token gives a byte (`lead`: True, False for a continuation
-    byte, None for no bytes); 0 if none."""
-    n = len(token_ids)
-    j = pos
-    while j < n and lead(token_ids[j]) is None:
-        j += 1
-    first = lead(token_ids[j]) if j < n else True
-    k = pos
-    while not first and k > 0:
-        k -= 1
-        got = lead(token_ids[k])
-        if got is not None:
-            first = got
-    return k

@@ -157,7 +157,7 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
-    stop_reason: str | None = None  # vLLM's: the stop string that finished the choice
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class CompletionResponse(msgspec.Struct):
@@ -197,7 +197,7 @@ class ChatChoice(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None
     logprobs: ChatChoiceLogprobs | None = None
     token_ids: list[int] | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -216,7 +216,7 @@ class ChatStreamChoice(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None
     logprobs: ChatChoiceLogprobs | None = None
     token_ids: list[int] | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

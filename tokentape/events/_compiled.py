@@ -10,6 +10,7 @@ COMPILED_MODULES = (
     "tokentape.events.discard",
     "tokentape.events.engine_rules",
     "tokentape.events.reducer",
+    "tokentape.events.stop_check",
     "tokentape.engine.core.kv_cache_manager",
     # The per-request Python of every step: the scheduler's plan and the outputs built from
     # it (compiled, a decode step of 256 requests takes about a third less time).

@@ -31,6 +31,7 @@ from tokentape.events.state import (
     RequestState,
     RequestStatus,
 )
+from tokentape.events.stop_check import check_stop
 
 
 def initial_state(
@@ -75,7 +76,6 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
     _leave_queues(state, req)
     req.status = FINISHED_STATUS[reason]
     req.finish_reason = reason
-    req.stop_reason = reason  # takes no more tokens
     req.block_ids = []
     _mark_pending(state, req)
 
@@ -105,15 +105,41 @@ def _on_aborted(state: EngineState, e: ev.RequestAborted) -> None:
 
 
 def _on_finished(state: EngineState, e: ev.RequestFinished) -> None:
+    """The scheduler's decision: the request finished, its output cut to the length the
+    event gives (tokens of the last frame after the stop are not part of it)."""
     req = _request(state, e.req_id)
     if e.stop_reason is not None:
-        if e.reason != "stop" or e.stop_reason not in req.params.stop:
-            raise ReducerError(
-                f"request {e.req_id!r} finished on stop string {e.stop_reason!r}, "
-                f"which is not one of its stop strings {list(req.params.stop)}"
-            )
-        req.stop_str = e.stop_reason
+        _check_stop_reason(req, e)
+        req.stop_reason = e.stop_reason
+    output = req.output_token_ids
+    kept = e.num_output_tokens
+    if kept is None:  # a tape that does not say: where the stop rule says
+        decision = check_stop(req, 0, state.eos_token_id)
+        kept = len(output) if decision is None else decision.num_output_tokens
+    elif not 0 <= kept <= len(output):
+        raise ReducerError(
+            f"request {e.req_id!r} finished with {kept} output tokens, "
+            f"but its frames gave it {len(output)}"
+        )
+    if kept < len(output):
+        del output[kept:]
+        del req.output_logprobs[kept:]
+        del req.output_top_logprobs[kept:]
     _finish(state, req, e.reason)
+
+
+def _check_stop_reason(req: RequestState, e: ev.RequestFinished) -> None:
+    stop = e.stop_reason
+    if isinstance(stop, str):
+        known, what = stop in req.params.stop, f"stop string {stop!r}"
+        theirs = f"its stop strings {list(req.params.stop)}"
+    else:
+        known, what = stop in req.params.stop_token_ids, f"stop token {stop!r}"
+        theirs = f"its stop_token_ids {list(req.params.stop_token_ids)}"
+    if e.reason != "stop" or not known:
+        raise ReducerError(
+            f"request {e.req_id!r} finished ({e.reason}) on {what}, which is not one of {theirs}"
+        )
 
 
 def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
@@ -218,6 +244,8 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     if partial:
         answers = iter(e.entries)
         frames = [None if x.req_id in partial else next(answers) for x in scheduled.entries]
+    frame_outputs: list[tuple[RequestState, int]] = []
+    state.frame_outputs = frame_outputs
     requests: Sequence[RequestState] = scheduled.requests  # as scheduled: identity, not name
     if state.faults and "output_on_reused_id" in state.faults:
         # vLLM #42492, injected: output looked up by request id when it comes back, so an id
@@ -236,11 +264,11 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
         num_spec = entry.num_spec_tokens
         if stale:
             req.num_stale_in_flight -= 1
-            if req.stop_reason is not None:
+            if req.finish_reason is not None:
                 continue
         else:
             req.num_fresh_in_flight -= 1
-            if req.stop_reason is not None:  # too late to count, but the placeholders return
+            if req.finish_reason is not None:  # too late to count, but the placeholders return
                 req.num_output_placeholders -= 1 + num_spec
                 continue
         if not frame.token_ids:
@@ -253,24 +281,20 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
             continue
         if not (stale and delivers_stale):  # delivered stale output is not counted (#48245)
             req.num_output_placeholders -= returned
-        # Append the tokens one at a time, up to the first stop condition.
+        # Every token is applied; whether one of them stops the request is the scheduler's
+        # decision (Scheduler.update_from_output), recorded as RequestFinished, which cuts
+        # the output where it stops.
         output = req.output_token_ids
         if entry.req_id not in pending:  # _mark_pending, inlined: this loop is the hot path
             req.num_emitted = len(output)
             pending[entry.req_id] = None
         num_before = len(output)
-        for tok in frame.token_ids:
-            output.append(tok)
-            if tok in req.stop_ids and len(output) >= req.params.min_tokens:
-                req.stop_reason = "stop"
-                break
-            if len(output) >= req.max_output_tokens:
-                req.stop_reason = "length"
-                break
+        output += frame.token_ids
+        frame_outputs.append((req, num_before))
         if frame.prompt_logprobs is not None and req.prompt_logprobs is None:
             _keep_prompt_logprobs(req, frame.prompt_logprobs, e.step)
         if frame.logprobs is not None:
-            req.output_logprobs += frame.logprobs[: len(output) - num_before]
+            req.output_logprobs += frame.logprobs
         if (
             frame.top_token_ids is not None
             and frame.top_logprobs is not None

@@ -25,8 +25,12 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # version-3 tape reads unchanged, its updates named by the counter), and the chunked
 # transfer's WeightUpdateStarted and WeightChunkReceived, which an older reader cannot
 # decode. 5: the sleep-mode events EngineSlept and EngineWokeUp (a version-4 tape reads
-# unchanged; a version-4 reader refuses a version 5).
-FORMAT_VERSION = 5
+# unchanged; a version-4 reader refuses a version 5). 6: RequestFinished says the output's
+# length at the finish (num_output_tokens: a frame's tokens after its stop are cut there, no
+# longer by the reducer as it applies the frame) and takes vLLM's stop_reason, the stop
+# token id too; a version-5 tape reads unchanged, its finishes cut by the stop rule
+# (events/stop_check.py), where its reducer cut them.
+FORMAT_VERSION = 6
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -239,9 +243,23 @@ class RequestPreempted(Event, frozen=True, tag="RequestPreempted"):
 class RequestFinished(Event, frozen=True, tag="RequestFinished"):
     req_id: str
     reason: FinishReason
-    # Format 2: the stop string that finished it (reason "stop"), found by the engine in the
-    # detokenized text after a frame; None for every other finish.
-    stop_reason: str | None = None
+    # vLLM's stop_reason: the stop string (format 2) or the stop token id (format 6) that
+    # finished it; None for every other finish, EOS included.
+    stop_reason: str | int | None = None
+    # Format 6: the output's length at the finish. The frame that reached the stop may carry
+    # tokens after it (drafts accepted past a stop token, or past max_tokens): they are cut
+    # here. None (older tapes): where the stop rule (events/stop_check.py) says.
+    num_output_tokens: int | None = None
+
+
+def as_format(event: Event, format_version: int) -> Event:
+    """`event` as a tape of an older format holds it (what a replay of that tape compares
+    with its events): before format 6, a RequestFinished without its output's length, its
+    stop_reason only a stop string."""
+    if format_version < 6 and isinstance(event, RequestFinished):
+        stop = event.stop_reason if isinstance(event.stop_reason, str) else None
+        return msgspec.structs.replace(event, stop_reason=stop, num_output_tokens=None)
+    return event
 
 
 # -- facts from the runner and what the client saw ----------------------------------------

@@ -85,11 +85,9 @@ class RequestState:
     drop_stale_output: bool = False
     num_frames_dropped: int = 0  # frames thrown away by the discard policy, stale or not
     num_emitted: int = 0  # output tokens delivered to the client before its pending ones
-    stop_reason: FinishReason | None = (
-        None  # set when it takes no more tokens (stop condition or finish)
-    )
     finish_reason: FinishReason | None = None  # set when the request finished
-    stop_str: str | None = None  # the stop string that finished it (RequestFinished.stop_reason)
+    # vLLM's stop_reason: the stop string or stop token id that finished it (RequestFinished).
+    stop_reason: str | int | None = None
     # Fixed when the request is added, so the stop check per token is two comparisons.
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     max_output_tokens: int = 0  # max_tokens, capped by max_model_len
@@ -140,6 +138,9 @@ class EngineState:
     in_flight_steps: deque[InFlightStep] = field(default_factory=deque)
     # Requests with tokens or a finish the client has not been given yet, in order.
     pending_output: dict[str, None] = field(default_factory=dict)
+    # The requests the latest frame added tokens to, each with its output length before the
+    # frame: where the scheduler's stop check begins (Scheduler.update_from_output).
+    frame_outputs: list[tuple[RequestState, int]] = field(default_factory=list)
     num_prefix_cache_resets: int = 0
     weights_id: str | None = None  # the SHA-256 of the latest update; None: the initial weights
     # vLLM's weight_version (#49040): "default" until an update names one; an update without

@@ -127,6 +127,8 @@ def excerpt_of(
 def _cut(event: ev.Event, request_ids: set[str] | frozenset[str]) -> dict[str, Any]:
     data: dict[str, Any] = to_builtin(event)
     del data["step"]  # the excerpt line shows it
+    if isinstance(event, ev.RequestFinished) and event.num_output_tokens is None:
+        del data["num_output_tokens"]  # a tape before format 6: shown as it was recorded
     entries = data.get("entries")
     if entries is not None:
         kept = [x for x in entries if x["req_id"] in request_ids]

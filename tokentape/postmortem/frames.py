@@ -3,8 +3,10 @@
 - History: the scheduling event of every in-flight step, each request's latest preemption
   and the latest resume, shared through the context (the other checkers' excerpts use them).
 - Frame fate (token conservation): every frame token is applied, dropped as stale, dropped
-  as fresh (a finding), or arrives after the request stopped; a stale frame applied, a fresh
-  frame dropped and the first token after a resume dropped (vLLM #42043) are findings. Under
+  as fresh (a finding), or arrives after the request stopped (in a frame of a finished
+  request, or after the stop in the frame that reached it, cut by the finish); a stale
+  frame applied, a fresh frame dropped and the first token after a resume dropped (vLLM
+  #42043) are findings. Under
   `deliver` (vLLM since #48245) stale output is delivered by design: applying it is a
   finding only once the request was scheduled again before it drained.
 - Counts: output placeholders, the discard count and the in-flight counts must never go
@@ -66,15 +68,32 @@ class FrameChecker(Checker):
         # again while the step was in flight), and the tokens it had.
         self._renamed: list[tuple[RequestState, int] | None] = []
         self._readded: dict[str, tuple[int, ev.Event]] = {}  # the latest re-add of an id
+        self._num_output = 0  # the output length of the request finishing, before its cut
         # `deliver` (vLLM since #48245) delivers stale output by design; it is wrong only
         # once the request was scheduled again before it drained (its position recomputed).
         self._delivers_stale = get_policy(ctx.state.discard_policy).delivers_stale
 
     def before(self) -> dict[type, Hook]:
-        return {ev.FrameProduced: self._frame_before, ev.RequestAdded: self._added}
+        return {
+            ev.FrameProduced: self._frame_before,
+            ev.RequestAdded: self._added,
+            ev.RequestFinished: self._finish_before,
+        }
 
     def after(self) -> dict[type, Hook]:
-        return {ev.FrameProduced: self._frame_after}
+        return {ev.FrameProduced: self._frame_after, ev.RequestFinished: self._finish_after}
+
+    def _finish_before(self, seq: int, e: ev.RequestFinished) -> None:
+        req = self.state.requests.get(e.req_id)
+        self._num_output = len(req.output_token_ids) if req is not None else 0
+
+    def _finish_after(self, seq: int, e: ev.RequestFinished) -> None:
+        """Tokens of the last frame after the stop were applied with it and are cut here."""
+        req = self.state.requests.get(e.req_id)
+        cut = self._num_output - len(req.output_token_ids) if req is not None else 0
+        if cut > 0:
+            self.ctx.tokens["applied"] -= cut
+            self.ctx.tokens["after_stop"] += cut
 
     def _added(self, seq: int, e: ev.RequestAdded) -> None:
         if e.req_id in self.state.requests:  # an id added again (the reducer decides if it may)
@@ -92,7 +111,7 @@ class FrameChecker(Checker):
                 entry.epoch != req.epoch,
                 len(req.output_token_ids),
                 req.num_frames_dropped,
-                req.stop_reason is not None,
+                req.finish_reason is not None,
                 entry.epoch != req.epoch and self._scheduled_again(entry),
             )
             for entry, req in zip(self._step.entries, self._step.requests)
@@ -138,20 +157,17 @@ class FrameChecker(Checker):
             applied = len(req.output_token_ids) - n_out
             tokens["applied"] += applied
             if applied < produced:
-                if req.stop_reason is not None:
-                    tokens["after_stop"] += produced - applied
-                else:
-                    tokens["lost"] += produced - applied
-                    ctx.report(
-                        "token_lost",
-                        "error",
-                        [req.req_id],
-                        e.step,
-                        f"{produced - applied} of {produced} tokens of request {req.req_id!r}'s "
-                        f"frame for step {e.step} were neither applied nor dropped",
-                        [scheduled, (seq, e)],
-                        seq=seq,
-                    )
+                tokens["lost"] += produced - applied
+                ctx.report(
+                    "token_lost",
+                    "error",
+                    [req.req_id],
+                    e.step,
+                    f"{produced - applied} of {produced} tokens of request {req.req_id!r}'s "
+                    f"frame for step {e.step} were neither applied nor dropped",
+                    [scheduled, (seq, e)],
+                    seq=seq,
+                )
             if stale and again:
                 self._stale_applied(seq, e, req, scheduled, preemption)
             elif not stale and preemption is not None:

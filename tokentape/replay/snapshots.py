@@ -87,6 +87,9 @@ def _with_requests(state: EngineState, requests: dict[str, RequestState]) -> Eng
                 )
                 for s in state.in_flight_steps
             )
+        elif name == "frame_outputs":
+            # Settled requests are shared: those of the latest frame may be among them.
+            new.frame_outputs = [(requests.get(r.req_id, r), n) for r, n in state.frame_outputs]
         else:
             setattr(new, name, _copy_value(getattr(state, name)))
     return new

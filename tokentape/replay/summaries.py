@@ -94,8 +94,8 @@ def request_detail(state: EngineState, req: RequestState) -> dict[str, Any]:
             }
             for step, e in state.in_flight_entries(req.req_id)
         ],
-        "stop_reason": req.stop_reason,
         "finish_reason": req.finish_reason,
+        "stop_reason": req.stop_reason,
         "output_pending": req.req_id in state.pending_output,
     }
 

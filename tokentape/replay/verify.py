@@ -56,7 +56,7 @@ class _CheckingTape:
             raise self.stream.diverged(
                 "the replay emitted an event past the end of the tape", event
             )
-        if nxt[1] != event:
+        if nxt[1] != ev.as_format(event, self.header.format_version):
             raise self.stream.diverged(f"the replay emitted a different {ev.kind_of(event)}", event)
         self.stream.take()
 

@@ -32,6 +32,7 @@ from tokentape.events import schema as ev
 from tokentape.events.fold_errors import FOLD_ERRORS, one_line
 from tokentape.events.reducer import evolve
 from tokentape.events.state import EngineState, RequestStatus
+from tokentape.events.stop_check import check_stop
 from tokentape.replay.divergence import Diverged, RecordedStream, VerifyResult, header_divergence
 from tokentape.replay.tape import Tape
 
@@ -219,7 +220,10 @@ class ConsistencyChecker:
                 f"request {e.req_id!r} finishes ({e.reason}), but it finished before "
                 f"({req.finish_reason})"
             )
-        derived = req.stop_reason
+        # The stop rule over everything the frames gave it: a stop string (reason "stop")
+        # may finish it where the rule finds nothing.
+        decision = check_stop(req, 0, self.state.eos_token_id)
+        derived = decision.reason if decision is not None else None
         if derived is None and e.reason != "stop":
             raise self.fail(
                 f"request {e.req_id!r} finishes ({e.reason}), but its frames reach no "

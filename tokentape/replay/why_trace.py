@@ -137,6 +137,11 @@ class RequestTracer:
             if self.req.finish_reason is None:
                 self.finish = (seq, event)
             evolve(state, event)
+            # The finish cuts the tokens of the last frame after the stop.
+            kept = len(self.req.output_token_ids)
+            for f in self.frames.values():
+                if f.landed is not None and f.landed[1] > kept:
+                    f.landed = (f.landed[0], max(f.landed[0], kept))
 
     def _added_again(self, seq: int) -> None:
         """The id is added again (a finished request's, as vLLM allows; tokentape's engine only
@@ -156,7 +161,7 @@ class RequestTracer:
         before, dropped, stopped = (
             len(req.output_token_ids),
             req.num_frames_dropped,
-            req.stop_reason,
+            req.finish_reason,
         )
         evolve(self.state, event)
         after = len(req.output_token_ids)

@@ -30,7 +30,7 @@ def pending_outputs(state: EngineState) -> tuple[list[ev.EmittedOutput], list[En
                 req.output_logprobs[sent:] if logprobs is not None else None,
                 reason,
                 None,
-                req.stop_str if reason is not None else None,
+                req.stop_reason if reason is not None else None,
                 req.output_top_logprobs[sent:] if logprobs else None,
                 req.prompt_logprobs if not sent else None,  # with the first tokens
                 weight_version,

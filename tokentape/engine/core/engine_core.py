@@ -58,8 +58,8 @@ from tokentape.engine.outputs import EngineCoreOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
 from tokentape.engine.runners.base import ChecksParams, ModelRunner, SleepsMemory, UpdatesWeights
-from tokentape.engine.stop_strings import find_stop_string
-from tokentape.engine.tokenizer import SplitsSafely, Tokenizer
+from tokentape.engine.stop_strings import StopStringChecker
+from tokentape.engine.tokenizer import Tokenizer
 from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
@@ -98,7 +98,8 @@ class EngineCore:
         )
         self.tape = tape
         self.tokenizer = tokenizer
-        self._safe_split = tokenizer.safe_split if isinstance(tokenizer, SplitsSafely) else None
+        # Stop strings need text (check_request refuses them without a tokenizer).
+        self.stop_strings = StopStringChecker(tokenizer) if tokenizer is not None else None
         self.depth = config.effective_pipeline_depth
         self.state = initial_state(
             config.discard_policy,
@@ -110,7 +111,7 @@ class EngineCore:
         num_blocks = config.num_kv_blocks
         assert num_blocks is not None  # resolved
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.state, self._emit)
+        self.scheduler = Scheduler(config, self.kv, self.state, self._emit, self.stop_strings)
         self._finished_since_last_batch: list[str] = []
         # Deltas produced outside step() (e.g. by a drain), handed out by the next step.
         self._ready: list[EngineCoreOutput] = []
@@ -134,6 +135,9 @@ class EngineCore:
         evolve(self.state, event)
         if isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
             self._finished_since_last_batch.append(event.req_id)
+            req = self.state.requests[event.req_id]
+            if req.params.stop and self.stop_strings is not None:
+                self.stop_strings.finish(req)
         elif isinstance(event, ev.RequestPreempted):
             self.num_preemptions += 1  # for the server's metrics
 
@@ -299,38 +303,11 @@ class EngineCore:
             self._apply_frame()
 
     def _apply_frame(self) -> None:
+        """Fold the oldest step's frame, then let the scheduler finish the requests it
+        brought to a stop (vLLM's update_from_output)."""
         step = self.state.in_flight_steps[0].step
-        frame = self.runner.collect(step)
-        requests = self.state.requests
-        # Stop strings are looked for in the text the frame adds (vLLM's front end does it in
-        # its detokenizer); the output length before the frame says where that text begins.
-        before = {
-            e.req_id: len(requests[e.req_id].output_token_ids)
-            for e in frame
-            if requests[e.req_id].params.stop
-        }
-        self._emit(ev.FrameProduced(step, frame))
-        for entry in frame:
-            req = requests[entry.req_id]
-            if req.is_finished:
-                continue
-            if entry.req_id in before and req.stop_reason != "stop":  # a stop token wins
-                stop_str = find_stop_string(
-                    self._decode_for_stop,
-                    req.params,
-                    req.output_token_ids,
-                    before.pop(entry.req_id),
-                    split=self._safe_split,
-                )
-                if stop_str is not None:  # it overrides "length", as in vLLM
-                    self.scheduler.finish(req, "stop", stop_str)
-                    continue
-            if req.stop_reason is not None:
-                self.scheduler.finish(req, req.stop_reason)
-
-    def _decode_for_stop(self, token_ids: list[int]) -> str:
-        assert self.tokenizer is not None  # check_request refuses stop strings without one
-        return self.tokenizer.decode(token_ids)
+        self._emit(ev.FrameProduced(step, self.runner.collect(step)))
+        self.scheduler.update_from_output()
 
     def _flush_outputs(self) -> None:
         state = self.state
@@ -338,6 +315,11 @@ class EngineCore:
             return
         entries, deltas = pending_outputs(state)
         self._emit(ev.OutputsEmitted(state.step, entries))
+        stop_strings = self.stop_strings
+        if stop_strings is not None:  # the text of requests with stop strings is decoded here
+            for delta in deltas:
+                if stop_strings.follows(delta.request_id):
+                    delta.new_text = stop_strings.take_text(delta.request_id)
         self._ready += deltas
 
     @property

@@ -22,16 +22,20 @@ from tokentape.engine.core.kv_cache_manager import KVCacheManager
 from tokentape.engine.core.step_plan import StepPlan
 from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.runners.base import NewRequest, ScheduledBatch
+from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
 from tokentape.events.state import EngineState, RequestState, RequestStatus
+from tokentape.events.stop_check import check_stop
 
 
 class Scheduler:
     """The decide half of the engine: owns the planning of each step (which requests run,
     with how many tokens, which are preempted or finished) over the reducer's state and the
-    KV cache manager's blocks. It changes nothing itself: every decision is an event it
-    emits through the engine, which records it and applies it with the reducer. `hooks`:
+    KV cache manager's blocks, and whether each request the latest frame gave tokens is
+    finished (`update_from_output`). It changes nothing itself: every decision is an event
+    it emits through the engine, which records it and applies it with the reducer.
+    `stop_strings`: the engine's stop-string matcher (it decodes the output text); `hooks`:
     the engine's fault hooks (hooks.py), empty on an ordinary engine."""
 
     def __init__(
@@ -40,11 +44,13 @@ class Scheduler:
         kv: KVCacheManager,
         state: EngineState,
         emit: Callable[[ev.Event], None],
+        stop_strings: StopStringChecker | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.state = state
         self.emit = emit
+        self.stop_strings = stop_strings
         self.max_model_len = config.effective_max_model_len
         self.hooks: Sequence[EngineHooks] = ()
 
@@ -58,19 +64,53 @@ class Scheduler:
         self.kv.free(req.req_id, [*req.block_ids, *extra_blocks])
         self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, req.num_in_flight))
 
+    def update_from_output(self) -> None:
+        """After a frame is applied: finish every request it brought to a stop, as vLLM's
+        `update_from_output` does with `check_stop`. The one place a request's finish is
+        decided, but for aborts (the caller's) and the max_model_len cap of `schedule`.
+
+        Stop token or length first (events/stop_check.py); then, for a request with stop
+        strings, the text the frame's tokens add, up to that stop: a stop string found
+        there finishes it with reason "stop", over a length finish, as in vLLM."""
+        state = self.state
+        eos = state.eos_token_id
+        stop_strings = self.stop_strings
+        for req, start in state.frame_outputs:
+            if req.finish_reason is not None:
+                continue
+            decision = check_stop(req, start, eos)
+            if req.params.stop and stop_strings is not None:
+                if decision is None or decision.reason != "stop":  # a stop token wins
+                    kept = len(req.output_token_ids) if decision is None else decision[2]
+                    found = stop_strings.find(req, kept)
+                    if found is not None:
+                        self.finish(req, "stop", found, kept)
+                        continue
+            if decision is not None:
+                self.finish(req, decision.reason, decision.stop_reason, decision.num_output_tokens)
+
     def finish(
-        self, req: RequestState, reason: ev.FinishReason, stop_str: str | None = None
+        self,
+        req: RequestState,
+        reason: ev.FinishReason,
+        stop_reason: str | int | None = None,
+        num_output_tokens: int | None = None,
     ) -> None:
-        """Free the request's blocks and record its finish (with the stop string that ended
-        it, if one did)."""
+        """Free the request's blocks and record its finish: with vLLM's stop_reason (the stop
+        string or token id that ended it) and its output's length (default: every token it
+        has; a frame's tokens after the stop are cut)."""
         for hook in self.hooks:
             hook.before_finish(req, reason)
         self.kv.free(req.req_id, req.block_ids)
         self.kv.forget_request(req.req_id)
         if reason == "abort":
             self.emit(ev.RequestAborted(self.state.step, req.req_id))
-        else:
-            self.emit(ev.RequestFinished(self.state.step, req.req_id, reason, stop_str))
+            return
+        if num_output_tokens is None:
+            num_output_tokens = len(req.output_token_ids)
+        self.emit(
+            ev.RequestFinished(self.state.step, req.req_id, reason, stop_reason, num_output_tokens)
+        )
 
     def schedule(self) -> ScheduledBatch | None:
         """Plan the next step and record it; None when there is nothing to run."""
