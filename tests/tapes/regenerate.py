@@ -5,8 +5,11 @@ must yield no finding at all.
 
     python tests/tapes/regenerate.py            # rewrites every tape here
 
-Run it when the tape format changes. The expected findings below are written by hand from
-what each bug does, not taken from the postmortem's output.
+Run it when a format change leaves the stored tapes unreadable. Until then they stay in the
+format they were recorded in (format 5 today), so the tests also hold today's reader to an
+older format, while test_postmortem.py records each bug again in today's. The expected
+findings below are written by hand from what each bug does, not taken from the postmortem's
+output.
 """
 
 from __future__ import annotations
