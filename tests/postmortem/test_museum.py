@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 
 from tokentape import LLM, SamplingParams
+from tokentape.engine.core.engine_core import EngineCore
+from tokentape.engine.core.scheduler import Scheduler
+from tokentape.engine.fault_hooks import FaultInjectingEngineCore
 from tokentape.events.discard import DISCARD_POLICIES, MUSEUM_POLICIES, get_policy
 from tokentape.events.faults import FAULTS
+from tokentape.events.reducer import initial_state
 from tokentape.postmortem import postmortem
 from tokentape.postmortem.findings import BUG_CLASSES
 from tokentape.replay import load_tape
@@ -84,17 +88,20 @@ def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> No
     with pytest.raises(TypeError, match="faults must be a list"):
         LLM(model="oracle", tape=None, faults="late_stop_after_drain")
     plain = LLM(model="oracle", tape=None)
-    # Nothing installed on the default path: no hooks, no wrappers (the scheduler is compiled
-    # in a normal install, so nothing could be set on it; interpreted, nothing is).
-    assert (
-        not plain.llm_engine.engine_core.hooks and not plain.llm_engine.engine_core.scheduler.hooks
-    )
+    # Nothing installed on the default path: the plain core and scheduler, which have no hook
+    # to call, no wrappers (the scheduler is compiled in a normal install, so nothing could be
+    # set on it; interpreted, nothing is), and the reducer's own handlers.
+    assert type(plain.llm_engine.engine_core) is EngineCore
+    assert type(plain.llm_engine.engine_core.scheduler) is Scheduler
+    assert not hasattr(plain.llm_engine.engine_core, "hooks")
+    assert plain.llm_engine.engine_core.state.handlers is initial_state().handlers
     assert "preempt" not in getattr(plain.llm_engine.engine_core.scheduler, "__dict__", {})
     assert "pause_generation" not in vars(plain.llm_engine)
     assert not plain.llm_engine.engine_core.state.faults
     plain.close()
     llm = LLM(model="oracle", tape=str(tmp_path / "f.tape"), faults=list(FAULTS))
     assert llm.config.faults == list(FAULTS)
+    assert type(llm.llm_engine.engine_core) is FaultInjectingEngineCore
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
     llm.close()
     tape = load_tape(tmp_path / "f.tape")

@@ -19,8 +19,9 @@ from tokentape import LLM, SamplingParams
 from tokentape.chaos import COMMANDS, StormSpec, run_storm
 from tokentape.cli import main
 from tokentape.engine.core.kv_cache_manager import KVCacheManager
-from tokentape.engine.core.step_plan import StepPlan
+from tokentape.engine.fault_hooks import FaultInjectingEngineCore
 from tokentape.engine.hooks import EngineHooks
+from tokentape.engine.llm_engine import LLMEngine
 from tokentape.events import schema as ev
 from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.postmortem import postmortem
@@ -314,13 +315,17 @@ class NeverAdmits(EngineHooks):
     """Fault: request 'x' is never admitted, whatever room there is (admission passes over a
     parked request, as over a sleeping fault's)."""
 
-    def after_running_scheduled(self, plan: StepPlan) -> None:
-        plan.parked = frozenset({"x"})
+    def admission_candidates(self, waiting: list[str]) -> list[str]:
+        return [r for r in waiting if r != "x"]
 
 
 def test_stuck_request_is_found(tmp_path: Path) -> None:
     llm = small_llm(tmp_path, pipeline_depth=1)
-    llm.llm_engine.engine_core.hooks = llm.llm_engine.engine_core.scheduler.hooks = (NeverAdmits(),)
+    core = llm.llm_engine.engine_core  # the same engine again, with a fault of the test's own
+    faulty = FaultInjectingEngineCore(
+        core.config, core.runner, core.tape, core.tokenizer, hooks=[NeverAdmits()]
+    )
+    llm.llm_engine = LLMEngine(faulty)
     llm.llm_engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=260, ignore_eos=True))
     llm.llm_engine.add_request("x", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
     for _ in range(260):

@@ -20,6 +20,7 @@ import msgspec
 
 from tokentape.engine.config import EngineConfig, resolve_config
 from tokentape.engine.core.engine_core import EngineCore
+from tokentape.engine.fault_hooks import FaultInjectingEngineCore
 from tokentape.engine.model_registry import BUILTIN_MODELS, MODEL_HELP, ORACLE_MODELS
 from tokentape.engine.runners.base import HasTokenizer, ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
@@ -141,7 +142,9 @@ def build_engine_core(
     # and string bad words rather than look for them in empty text.
     text_tokenizer = None if isinstance(tokenizer, MissingTokenizer) else tokenizer
     try:
-        engine = EngineCore(config, runner, writer, text_tokenizer)
+        # Upstream bugs on purpose (the museum, tests) come with their own engine core.
+        core_class = FaultInjectingEngineCore if config.faults else EngineCore
+        engine = core_class(config, runner, writer, text_tokenizer)
     except BaseException:
         runner.close()
         if callers_writer is None:  # a tape this build created: closed and removed

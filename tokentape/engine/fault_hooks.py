@@ -1,27 +1,35 @@
-"""The injectable faults' hooks (names and upstream bugs: tokentape.events.faults).
+"""The injectable faults (names and upstream bugs: tokentape.events.faults) and the engine
+that carries them.
 
-`EngineCore` builds them (`fault_hooks`) only when its config names faults, so the default
-path carries none of this. Each fault is an `EngineHooks` (hooks.py) acting at the places
-the engine and its scheduler offer, keeping its own notes of what the upstream code got
-wrong; request state still changes only through the reducer. Every fault is deterministic:
-a replay of the tape (which records the faults in its header) builds them again and decides
-the same.
+The factory builds a `FaultInjectingEngineCore` only when the config names faults, so the
+default engine carries none of this. Each fault is an `EngineHooks` (hooks.py) acting at the
+places this engine and its scheduler (FaultInjectingScheduler) offer, keeping its own notes
+of what the upstream code got wrong; request state still changes only through the reducer.
+Every fault is deterministic: a replay of the tape (which records the faults in its header)
+builds them again and decides the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec.structs
 
 from tokentape.engine.config import EngineConfig
+from tokentape.engine.core.call_args import check_pause_mode
+from tokentape.engine.core.engine_core import EngineCore
+from tokentape.engine.core.fault_injecting_scheduler import FaultInjectingScheduler
 from tokentape.engine.core.scheduler import Scheduler
 from tokentape.engine.core.step_plan import StepPlan
 from tokentape.engine.hooks import EngineHooks
-from tokentape.engine.runners.base import ScheduledBatch
+from tokentape.engine.runners.base import ModelRunner, ScheduledBatch
+from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.faults import REDUCER_FAULTS
+from tokentape.events.schema import SamplingParams
 from tokentape.events.state import EngineState, RequestState, RequestStatus
+from tokentape.events.store import TapeWriter
+from tokentape.events.validation import check_bool
 
 
 class SpecPlaceholderInput(EngineHooks):
@@ -43,7 +51,7 @@ class SpecPlaceholderInput(EngineHooks):
         if spec and spec[-1]:
             self.leftover[req.req_id] = spec[-1]
 
-    def after_waiting_admitted(self, plan: StepPlan) -> None:
+    def after_waiting_admitted(self, plan: StepPlan, skipped: list[str]) -> None:
         leftover, state = self.leftover, self.state
         for req_id, entry in list(plan.entries.items()):
             n = leftover.get(req_id)
@@ -189,14 +197,16 @@ class SkippedWaitingHoldsSeats(EngineHooks):
         self.state = state
         self.skipped: dict[str, None] = {}  # in the order they were skipped
 
-    def after_running_scheduled(self, plan: StepPlan) -> None:
+    def seats_held(self) -> int:
         requests, waiting = self.state.requests, (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.skipped = {r: None for r in self.skipped if requests[r].status in waiting}
-        plan.held_seqs = len(self.skipped)
-        plan.skipped = []
+        return len(self.skipped)
 
-    def after_waiting_admitted(self, plan: StepPlan) -> None:
-        self.skipped.update(dict.fromkeys(plan.skipped or ()))
+    def skips_short_requests(self) -> bool:
+        return True
+
+    def after_waiting_admitted(self, plan: StepPlan, skipped: list[str]) -> None:
+        self.skipped.update(dict.fromkeys(skipped))
 
 
 class StaleOverlapInput(EngineHooks):
@@ -264,7 +274,7 @@ class FreeBlocksInFlight(EngineHooks):
         in_flight = {s.step for s in self.state.in_flight_steps}
         self.fenced = {b: s for b, s in self.fenced.items() if s in in_flight}
 
-    def after_waiting_admitted(self, plan: StepPlan) -> None:
+    def after_waiting_admitted(self, plan: StepPlan, skipped: list[str]) -> None:
         bs, requests = self.block_size, self.state.requests
         for req_id in plan.batch.new_requests:
             entry = plan.entries.get(req_id)
@@ -299,10 +309,10 @@ class ParkRequestsWhileAsleep(EngineHooks):
         if self.state.sleep_level is not None:
             self.parked.update(req_ids)
 
-    def after_running_scheduled(self, plan: StepPlan) -> None:
+    def admission_candidates(self, waiting: list[str]) -> list[str]:
         requests = self.state.requests
         self.parked = {r for r in self.parked if not requests[r].is_finished}
-        plan.parked = frozenset(self.parked)
+        return [r for r in waiting if r not in self.parked] if self.parked else waiting
 
 
 class SleepWithoutDrain(EngineHooks):
@@ -351,3 +361,62 @@ def fault_hooks(config: EngineConfig, sched: Scheduler, state: EngineState) -> l
     reducer faults need none."""
     hooks = [_FAULTS[name](sched, state) for name in config.faults if name not in REDUCER_FAULTS]
     return [h for h in hooks if h is not None]
+
+
+class FaultInjectingEngineCore(EngineCore):
+    """EngineCore with the hooks of its config's faults (or the `hooks` given: a test's own
+    fault) called where they act; its scheduler calls them where it decides."""
+
+    scheduler_class = FaultInjectingScheduler
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tape: TapeWriter,
+        tokenizer: Tokenizer | None = None,
+        hooks: Sequence[EngineHooks] | None = None,
+    ) -> None:
+        super().__init__(config, runner, tape, tokenizer)
+        scheduler = self.scheduler
+        assert isinstance(scheduler, FaultInjectingScheduler)
+        self.hooks = (
+            list(hooks) if hooks is not None else fault_hooks(config, scheduler, self.state)
+        )
+        scheduler.hooks = self.hooks
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[str]:
+        ids = super().add_request(request_id, prompt_token_ids, params)
+        for hook in self.hooks:
+            hook.after_add(ids)
+        return ids
+
+    def _submit(self, batch: ScheduledBatch) -> None:
+        for hook in self.hooks:
+            hook.before_submit(batch)
+        super()._submit(batch)
+
+    def _apply_frame(self) -> None:
+        oldest = self.state.in_flight_steps[0]
+        for hook in self.hooks:
+            hook.before_frame(oldest.step)
+        super()._apply_frame()
+        ids = [e.req_id for e in oldest.entries]
+        for hook in self.hooks:
+            hook.after_frame(ids)
+
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        check_pause_mode("pause_generation", mode)  # refused before any hook acts
+        check_bool("clear_cache", clear_cache)
+        self.check_awake("pause_generation")
+        for hook in self.hooks:
+            hook.before_pause()
+        super().pause_generation(mode, clear_cache)
+
+    def _drains_on_pause(self) -> bool:
+        return all(hook.drains_on_pause() for hook in self.hooks)
+
+    def _clears_cache_on_pause(self) -> bool:
+        return all(hook.clears_cache_on_pause() for hook in self.hooks)

@@ -1,8 +1,9 @@
 """The places where an engine lets an injected upstream bug act (tokentape.events.faults names
-them; engine/fault_hooks.py implements them): explicit hooks the engine and its scheduler call,
-instead of methods patched from outside. An ordinary engine has none, so the default path
-only checks an empty tuple. A hook may plan (add to a step, free blocks as the upstream code
-did) but request state still changes only through the reducer."""
+them; engine/fault_hooks.py implements them): explicit hooks, instead of methods patched from
+outside, that only an engine built with faults calls (FaultInjectingEngineCore and its
+FaultInjectingScheduler); an ordinary engine has no hook to call. A hook may plan (add to a
+step, free blocks as the upstream code did) but request state still changes only through the
+reducer."""
 
 from __future__ import annotations
 
@@ -26,8 +27,22 @@ class EngineHooks:
     def after_running_scheduled(self, plan: StepPlan) -> None:
         """The running requests are planned into the step; the waiting ones come next."""
 
-    def after_waiting_admitted(self, plan: StepPlan) -> None:
-        """Waiting requests were admitted into the step (not recorded yet)."""
+    def admission_candidates(self, waiting: list[str]) -> list[str]:
+        """The waiting requests admission looks at, front first (a fault may pass over some)."""
+        return waiting
+
+    def seats_held(self) -> int:
+        """Sequence slots (max_num_seqs) held by requests outside `running`."""
+        return 0
+
+    def skips_short_requests(self) -> bool:
+        """Whether a waiting request whose KV blocks fall short is skipped (vLLM's
+        skipped_waiting) rather than stopping admission."""
+        return False
+
+    def after_waiting_admitted(self, plan: StepPlan, skipped: list[str]) -> None:
+        """Waiting requests were admitted into the step (not recorded yet); `skipped`: those
+        passed over for want of KV blocks (see skips_short_requests)."""
 
     def before_pause(self) -> None:
         """pause_generation was called (nothing drained or recorded yet)."""

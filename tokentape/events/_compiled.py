@@ -16,6 +16,7 @@ COMPILED_MODULES = (
     # it (compiled, a decode step of 256 requests takes about a third less time).
     "tokentape.engine.core.step_plan",
     "tokentape.engine.core.scheduler",
+    "tokentape.engine.core.fault_injecting_scheduler",
     "tokentape.engine.output_processor",
     "tokentape.engine.core.core_outputs",
     # The runner's per-entry Python in every lane's pass: its inputs and its sampling.

@@ -42,12 +42,14 @@ def initial_state(
     faults: Iterable[str] = (),
 ) -> EngineState:
     get_policy(discard_policy)  # fail early on an unknown name
+    reducer_faults = frozenset(faults) & REDUCER_FAULTS
     return EngineState(
         discard_policy,
         async_scheduling,
         eos_token_id,
         max_model_len,
-        frozenset(faults) & REDUCER_FAULTS,
+        reducer_faults,
+        _handlers(reducer_faults),
     )
 
 
@@ -81,21 +83,16 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
 
 
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
-    if e.req_id in state.requests and not reusable_request_id(state, state.requests[e.req_id]):
+    if e.req_id in state.requests:
         raise ReducerError(f"request {e.req_id!r} added twice")
     req = state.requests[e.req_id] = RequestState(
         e.req_id, list(e.prompt_token_ids), e.params, e.step
     )
     eos = () if e.params.ignore_eos or state.eos_token_id is None else (state.eos_token_id,)
     req.stop_ids = frozenset((*e.params.stop_token_ids, *eos))
+    req.has_stop_strings = bool(e.params.stop)
     req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - req.num_prompt_tokens)
     state.waiting.append(e.req_id)
-
-
-def reusable_request_id(state: EngineState, req: RequestState) -> bool:
-    """vLLM #42492, injected (fault output_on_reused_id): a finished request's id may be
-    added again, as vLLM's frontend allows; tokentape refuses a request id used before."""
-    return bool(state.faults) and "output_on_reused_id" in state.faults and req.is_finished
 
 
 def _on_aborted(state: EngineState, e: ev.RequestAborted) -> None:
@@ -151,8 +148,6 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
             "no step may run until it wakes up"
         )
     get_request, running = state.requests.get, RequestStatus.RUNNING  # locals: a hot loop
-    # vLLM #57562, injected: final prefill chunks that followed earlier chunks, in a shared step.
-    chunks = _later_chunks(state, e) if state.faults else None
     scheduled: list[RequestState] = []
     add_scheduled = scheduled.append
     partial: set[str] = set()
@@ -178,26 +173,6 @@ def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
             partial.add(entry.req_id)
     state.in_flight_steps.append(InFlightStep(e.step, e.entries, scheduled, partial))
     state.step = e.step + 1
-    if chunks:  # the chunk samples, but its placeholders were never counted
-        for entry in chunks:
-            if entry.req_id not in partial:
-                state.requests[entry.req_id].num_output_placeholders -= 1 + entry.num_spec_tokens
-
-
-def _later_chunks(state: EngineState, e: ev.StepScheduled) -> list[ev.ScheduledEntry]:
-    """The fault chunk_placeholder_underflow (vLLM #57562): the entries of a step shared with
-    other requests that continue a chunked prefill (before the reducer applies the step)."""
-    if "chunk_placeholder_underflow" not in state.faults or len(e.entries) < 2:
-        return []
-    requests, running = state.requests, RequestStatus.RUNNING
-    return [
-        x
-        for x in e.entries
-        if x.num_computed_before > 0
-        and x.req_id in requests
-        and requests[x.req_id].status is running
-        and not requests[x.req_id].prefill_complete
-    ]
 
 
 def _on_preempted(state: EngineState, e: ev.RequestPreempted) -> None:
@@ -247,10 +222,6 @@ def _on_frame(state: EngineState, e: ev.FrameProduced) -> None:
     frame_outputs: list[tuple[RequestState, int]] = []
     state.frame_outputs = frame_outputs
     requests: Sequence[RequestState] = scheduled.requests  # as scheduled: identity, not name
-    if state.faults and "output_on_reused_id" in state.faults:
-        # vLLM #42492, injected: output looked up by request id when it comes back, so an id
-        # added again while the step was in flight gets the old request's output.
-        requests = [state.requests[x.req_id] for x in scheduled.entries]
     for entry, req, frame in zip(scheduled.entries, requests, frames):
         stale = entry.epoch != req.epoch
         if frame is None:  # a prefill chunk: nothing to apply
@@ -338,6 +309,71 @@ def _on_recording_stopped(state: EngineState, e: ev.RecordingStopped) -> None:
     state.recording_stopped = e.reason
 
 
+# -- the reducer faults: upstream bugs on purpose (events/faults.py), for tests and tapes ----
+# A state folded with one gets these handlers in place of the ones they wrap (`_handlers`),
+# chosen once when it is made: an ordinary fold runs none of this.
+
+
+def reusable_request_id(state: EngineState, req: RequestState) -> bool:
+    """vLLM #42492, injected (fault output_on_reused_id): a finished request's id may be
+    added again, as vLLM's frontend allows; tokentape refuses a request id used before."""
+    return "output_on_reused_id" in state.faults and req.is_finished
+
+
+def _on_added_again(state: EngineState, e: ev.RequestAdded) -> None:
+    """output_on_reused_id: a finished request's id names the new request from now on."""
+    old = state.requests.get(e.req_id)
+    if old is not None and old.is_finished:
+        del state.requests[e.req_id]  # the steps in flight keep the old request itself
+    _on_added(state, e)
+
+
+def _on_frame_by_id(state: EngineState, e: ev.FrameProduced) -> None:
+    """output_on_reused_id (vLLM #42492): output is looked up by request id when it comes
+    back, so an id added again while the step was in flight gets the old request's output."""
+    if state.in_flight_steps and state.in_flight_steps[0].step == e.step:
+        oldest = state.in_flight_steps[0]
+        oldest.requests = [state.requests[x.req_id] for x in oldest.entries]
+    _on_frame(state, e)
+
+
+def _on_scheduled_uncounted_chunks(state: EngineState, e: ev.StepScheduled) -> None:
+    """chunk_placeholder_underflow (vLLM #57562): in a step shared with other requests, a
+    final prefill chunk that followed earlier chunks samples, but its placeholders are never
+    counted (its token takes one back, below zero)."""
+    requests, running = state.requests, RequestStatus.RUNNING
+    chunks = [
+        x
+        for x in e.entries
+        if len(e.entries) > 1
+        and x.num_computed_before > 0
+        and x.req_id in requests
+        and requests[x.req_id].status is running
+        and not requests[x.req_id].prefill_complete
+    ]
+    _on_scheduled(state, e)
+    partial = state.in_flight_steps[-1].partial
+    for entry in chunks:
+        if entry.req_id not in partial:
+            requests[entry.req_id].num_output_placeholders -= 1 + entry.num_spec_tokens
+
+
+_FAULT_HANDLERS: dict[str, dict[type, Callable[[EngineState, Any], None]]] = {
+    "output_on_reused_id": {ev.RequestAdded: _on_added_again, ev.FrameProduced: _on_frame_by_id},
+    "chunk_placeholder_underflow": {ev.StepScheduled: _on_scheduled_uncounted_chunks},
+}
+
+
+def _handlers(faults: frozenset[str]) -> dict[type, Callable[[EngineState, Any], None]]:
+    """The reducer's handler per event type, with the given faults' in place of theirs."""
+    if not faults:
+        return _HANDLERS
+    handlers = dict(_HANDLERS)
+    for name in sorted(faults):
+        handlers.update(_FAULT_HANDLERS[name])
+    return handlers
+
+
 _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.RequestAdded: _on_added,
     ev.RequestAborted: _on_aborted,
@@ -361,7 +397,7 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
 
 def evolve(state: EngineState, event: ev.Event) -> EngineState:
     """Apply one event to the state (in place) and return it."""
-    _HANDLERS[type(event)](state, event)
+    state.handlers[type(event)](state, event)
     state.num_events += 1
     return state
 
@@ -371,7 +407,7 @@ def fold_events(
 ) -> EngineState:
     """Apply `(seq, event)` pairs in order, stopping before `until_seq`: `evolve` in a loop,
     with the dispatch hoisted out of it (replay folds millions of events)."""
-    handlers = _HANDLERS
+    handlers = state.handlers
     applied = 0
     until = until_seq if until_seq is not None else 1 << 62
     try:

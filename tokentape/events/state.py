@@ -7,8 +7,10 @@ engine read them to decide; replay folds a tape into the same structures.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from tokentape.events.schema import (
     FinishReason,
@@ -90,6 +92,7 @@ class RequestState:
     stop_reason: str | int | None = None
     # Fixed when the request is added, so the stop check per token is two comparisons.
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
+    has_stop_strings: bool = False  # params.stop is not empty
     max_output_tokens: int = 0  # max_tokens, capped by max_model_len
     num_prompt_tokens: int = field(init=False, default=0)
 
@@ -130,6 +133,8 @@ class EngineState:
     eos_token_id: int | None = None
     max_model_len: int = 1 << 62
     faults: frozenset[str] = frozenset()  # reducer faults (tokentape.events.faults), tests only
+    # The reducer's handler per event type, the faults' among them (reducer.initial_state).
+    handlers: dict[type, Callable[[EngineState, Any], None]] = field(default_factory=dict)
     step: int = 0  # the number of steps scheduled so far; the next step's number
     paused: PauseMode | None = None
     requests: dict[str, RequestState] = field(default_factory=dict)

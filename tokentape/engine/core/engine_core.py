@@ -53,11 +53,16 @@ from tokentape.engine.core.call_args import (
 from tokentape.engine.core.core_outputs import pending_outputs
 from tokentape.engine.core.kv_cache_manager import KVCacheManager
 from tokentape.engine.core.scheduler import Scheduler
-from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.outputs import EngineCoreOutput
 from tokentape.engine.parallel_sampling import child_params, child_request_id
 from tokentape.engine.request_checks import check_request, resolved_bad_words
-from tokentape.engine.runners.base import ChecksParams, ModelRunner, SleepsMemory, UpdatesWeights
+from tokentape.engine.runners.base import (
+    ChecksParams,
+    ModelRunner,
+    ScheduledBatch,
+    SleepsMemory,
+    UpdatesWeights,
+)
 from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.errors import EngineDeadError
@@ -73,7 +78,13 @@ class EngineCore:
     through `_emit`), the KV cache manager, the scheduler, the runner and the tape writer.
     Commands and steps go on the tape before they take effect; `step` gives the per-request
     deltas of the requests that got tokens or finished. The runner's optional capabilities
-    (runners.base: ChecksParams, UpdatesWeights, SleepsMemory) are read once, here."""
+    (runners.base: ChecksParams, UpdatesWeights, SleepsMemory) are read once, here.
+
+    Upstream bugs are injected by a subclass the factory builds for an engine with faults
+    (fault_hooks.FaultInjectingEngineCore, with its own scheduler): this one has no fault
+    path at all."""
+
+    scheduler_class: type[Scheduler] = Scheduler
 
     def __init__(
         self,
@@ -111,20 +122,15 @@ class EngineCore:
         num_blocks = config.num_kv_blocks
         assert num_blocks is not None  # resolved
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.state, self._emit, self.stop_strings)
+        self.scheduler = self.scheduler_class(
+            config, self.kv, self.state, self._emit, self.stop_strings
+        )
         self._finished_since_last_batch: list[str] = []
         # Deltas produced outside step() (e.g. by a drain), handed out by the next step.
         self._ready: list[EngineCoreOutput] = []
         self._dead: str | None = None
         self._commits_held = 0  # inside one_commit(): the calls share one tape commit
         self.num_preemptions = 0  # RequestPreempted events emitted (vLLM's preemption metric)
-        # Upstream bugs on purpose (tests, tapes), through the engine's hooks (hooks.py): the
-        # default path has none.
-        self.hooks: Sequence[EngineHooks] = ()
-        if config.faults:
-            from tokentape.engine.fault_hooks import fault_hooks
-
-            self.hooks = self.scheduler.hooks = fault_hooks(config, self.scheduler, self.state)
         # n > 1: each parent's children on the tape (the output processor gathers them).
         self._children: dict[str, list[str]] = {}
 
@@ -202,10 +208,7 @@ class EngineCore:
                 self._emit(
                     ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child)
                 )
-        ids = [child_id for child_id, _ in children]
-        for hook in self.hooks:
-            hook.after_add(ids)
-        return ids
+        return [child_id for child_id, _ in children]
 
     def _resolve_bad_words(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """String bad words as token ids, encoded by this engine's tokenizer (bad_words.py)."""
@@ -283,24 +286,13 @@ class EngineCore:
                     self._finished_since_last_batch,
                     [],
                 )
-                for hook in self.hooks:
-                    hook.before_submit(batch)
-                self.runner.submit(batch)
+                self._submit(batch)
                 scheduled = True
         if in_flight and (len(in_flight) >= self.depth or not scheduled):
-            self._apply_oldest_frame()
+            self._apply_frame()
 
-    def _apply_oldest_frame(self) -> None:
-        if self.hooks:
-            oldest = self.state.in_flight_steps[0]
-            for hook in self.hooks:
-                hook.before_frame(oldest.step)
-            ids = [e.req_id for e in oldest.entries]
-            self._apply_frame()
-            for hook in self.hooks:
-                hook.after_frame(ids)
-        else:
-            self._apply_frame()
+    def _submit(self, batch: ScheduledBatch) -> None:
+        self.runner.submit(batch)
 
     def _apply_frame(self) -> None:
         """Fold the oldest step's frame, then let the scheduler finish the requests it
@@ -357,8 +349,6 @@ class EngineCore:
         check_pause_mode("pause_generation", mode)
         check_bool("clear_cache", clear_cache)
         self.check_awake("pause_generation")
-        for hook in self.hooks:
-            hook.before_pause()
         with self._recorded():
             self._emit(ev.GenerationPaused(self.state.step, mode, clear_cache))  # type: ignore[arg-type]
             if mode == "abort":
@@ -367,12 +357,20 @@ class EngineCore:
             elif mode == "wait":
                 while self.state.running:
                     self._step_once()
-            if all(hook.drains_on_pause() for hook in self.hooks):
+            if self._drains_on_pause():
                 while self.state.in_flight_steps:
-                    self._apply_oldest_frame()
-            if clear_cache and all(hook.clears_cache_on_pause() for hook in self.hooks):
+                    self._apply_frame()
+            if clear_cache and self._clears_cache_on_pause():
                 self._reset_prefix_cache(reset_running_requests=True)
         self.tape.flush()  # a paused engine's tape is complete in the file
+
+    def _drains_on_pause(self) -> bool:
+        """A pause waits for the steps in flight (an injected fault may not)."""
+        return True
+
+    def _clears_cache_on_pause(self) -> bool:
+        """A pause with clear_cache resets the cache once drained (an injected fault may not)."""
+        return True
 
     def resume_generation(self) -> None:
         if self.state.paused is None:
@@ -431,7 +429,7 @@ class EngineCore:
         """The end of `sleep`, once paused and drained: release the memory and record it
         (verify replays EngineSlept with this call; its pause replays on its own)."""
         state = self.state
-        drained = not state.in_flight_steps or not all(h.drains_on_pause() for h in self.hooks)
+        drained = not state.in_flight_steps or not self._drains_on_pause()
         if state.paused is None or not drained or state.sleep_level is not None:
             raise RuntimeError("fall_asleep: only once paused and drained, awake (sleep() does it)")
         with self._recorded():

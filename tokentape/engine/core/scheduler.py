@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.kv_cache_manager import KVCacheManager
 from tokentape.engine.core.step_plan import StepPlan
-from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.runners.base import NewRequest, ScheduledBatch
 from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.events import schema as ev
@@ -35,8 +34,8 @@ class Scheduler:
     KV cache manager's blocks, and whether each request the latest frame gave tokens is
     finished (`update_from_output`). It changes nothing itself: every decision is an event
     it emits through the engine, which records it and applies it with the reducer.
-    `stop_strings`: the engine's stop-string matcher (it decodes the output text); `hooks`:
-    the engine's fault hooks (hooks.py), empty on an ordinary engine."""
+    `stop_strings`: the engine's stop-string matcher (it decodes the output text). Upstream
+    bugs are injected by a subclass (fault_injecting_scheduler.py), never through this one."""
 
     def __init__(
         self,
@@ -52,15 +51,12 @@ class Scheduler:
         self.emit = emit
         self.stop_strings = stop_strings
         self.max_model_len = config.effective_max_model_len
-        self.hooks: Sequence[EngineHooks] = ()
 
     def preempt(
         self, req: RequestState, reason: ev.PreemptReason, extra_blocks: Sequence[int] = ()
     ) -> None:
         """Free the request's KV (and blocks given to it in the step being planned) and
         record the preemption; the reducer requeues it."""
-        for hook in self.hooks:
-            hook.before_preempt(req)
         self.kv.free(req.req_id, [*req.block_ids, *extra_blocks])
         self.emit(ev.RequestPreempted(self.state.step, req.req_id, reason, req.num_in_flight))
 
@@ -78,10 +74,19 @@ class Scheduler:
         for req, start in state.frame_outputs:
             if req.finish_reason is not None:
                 continue
+            output = req.output_token_ids
+            num_output = len(output)
+            if (  # the common case, one token that stops nothing, without a call
+                num_output == start + 1
+                and num_output < req.max_output_tokens
+                and output[start] not in req.stop_ids
+                and not req.has_stop_strings
+            ):
+                continue
             decision = check_stop(req, start, eos)
-            if req.params.stop and stop_strings is not None:
+            if req.has_stop_strings and stop_strings is not None:
                 if decision is None or decision.reason != "stop":  # a stop token wins
-                    kept = len(req.output_token_ids) if decision is None else decision[2]
+                    kept = num_output if decision is None else decision[2]
                     found = stop_strings.find(req, kept)
                     if found is not None:
                         self.finish(req, "stop", found, kept)
@@ -99,8 +104,6 @@ class Scheduler:
         """Free the request's blocks and record its finish: with vLLM's stop_reason (the stop
         string or token id that ended it) and its output's length (default: every token it
         has; a frame's tokens after the stop are cut)."""
-        for hook in self.hooks:
-            hook.before_finish(req, reason)
         self.kv.free(req.req_id, req.block_ids)
         self.kv.forget_request(req.req_id)
         if reason == "abort":
@@ -119,12 +122,8 @@ class Scheduler:
             return None
         plan = StepPlan(ScheduledBatch(state.step, []), self.config.max_num_batched_tokens)
         self._schedule_running(plan)
-        for hook in self.hooks:
-            hook.after_running_scheduled(plan)
         if not plan.preempted and state.paused is None:  # "wait" admits nothing new
             self._admit_waiting(plan)
-            for hook in self.hooks:
-                hook.after_waiting_admitted(plan)
         if not plan.entries:
             return None
         plan.batch.entries = list(plan.entries.values())
@@ -191,17 +190,22 @@ class Scheduler:
         return new_blocks
 
     def _admit_waiting(self, plan: StepPlan) -> None:
+        self._admit(plan, list(self.state.waiting), len(self.state.running), None)
+
+    def _admit(
+        self, plan: StepPlan, waiting: list[str], num_running: int, skipped: list[str] | None
+    ) -> None:
+        """Admit `waiting` requests, front first, while the budget and `max_num_seqs` (less
+        `num_running` seats taken) allow. A request whose KV blocks fall short stops admission
+        (first come, first served), or, given `skipped`, goes there instead (vLLM's
+        skipped_waiting, which the engine itself has no use for: a fault's)."""
         state, kv = self.state, self.kv
-        num_running = len(state.running) + plan.held_seqs
         # A policy that delivers stale output (vLLM since #48245) must let it drain first, or
         # the recompute would sample a position that output delivers too.
         delivers_stale = get_policy(state.discard_policy).delivers_stale
-        parked = plan.parked
-        for req_id in list(state.waiting):
+        for req_id in waiting:
             if plan.budget <= 0 or num_running >= self.config.max_num_seqs:
                 break
-            if parked and req_id in parked:
-                continue  # a fault's request parked by a sleep (StepPlan)
             req = state.requests[req_id]
             if delivers_stale and req.num_stale_in_flight and not req.drop_stale_output:
                 break  # first come, first served: it drains within the pipeline's depth
@@ -213,9 +217,9 @@ class Scheduler:
             num_new = min(req.num_tokens - num_cached, plan.budget)
             new_blocks = kv.allocate(0, num_cached + num_new, hits)
             if new_blocks is None:
-                if plan.skipped is None:
+                if skipped is None:
                     break  # first come, first served: nobody behind it jumps the queue
-                plan.skipped.append(req_id)  # a fault's skipped_waiting (StepPlan)
+                skipped.append(req_id)
                 continue
             kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
             entry = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)

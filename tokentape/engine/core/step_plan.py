@@ -1,5 +1,5 @@
 """The step the scheduler is planning: its entries, the runner's batch and the token budget
-left (scheduler.py fills it; the fault hooks, hooks.py, may add to it)."""
+left (scheduler.py fills it; an injected fault, hooks.py, may add to it)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,6 @@ class StepPlan:
     budget: int
     entries: dict[str, ev.ScheduledEntry] = field(default_factory=dict)
     preempted: bool = False
-    # Sequence slots held by requests outside `running`, and where a waiting request whose KV
-    # blocks fall short goes instead of stopping admission (a list): vLLM's skipped_waiting.
-    # The engine has neither; only a fault sets them (fault_hooks.py, vLLM #53130).
-    held_seqs: int = 0
-    skipped: list[str] | None = None
-    # Waiting requests admission passes over: a fault's requests parked by a sleep (vLLM #45268).
-    parked: frozenset[str] = frozenset()
 
     def add(self, entry: ev.ScheduledEntry, token_ids: list[int] | None, partial: bool) -> None:
         self.entries[entry.req_id] = entry
