@@ -1,0 +1,46 @@
+"""Record tests/tapes/formats/format<N>.tape: a small run of the tiny model (preemptions on a
+small KV cache, a pause with a cache reset, a request added after the resume, an abort, and
+the options of each format: stop strings, n = 2, logprobs, penalties, min_p, logit_bias, the
+sleep mode) with the tokentape of the checkout it runs against.
+
+When FORMAT_VERSION goes up, record the format that ends with the tokentape of its last
+commit, from a worktree of it, and keep the tape here for good:
+
+    git worktree add /tmp/fmt<N> <last commit of format N>
+    PYTHONPATH=/tmp/fmt<N> python tests/tapes/formats/record.py tests/tapes/formats/format<N>.tape
+
+(also run it at the current commit for the current format). Format 1 was recorded at
+a4d3efb, 2 at b49b08d, 3 at 3d48b60, 4 at 7963c4a, 5 at b712d6d, 6 at 773b281.
+"""
+
+import sys
+
+from tokentape import LLM, SamplingParams
+from tokentape.events.schema import FORMAT_VERSION as V
+
+path = sys.argv[1]
+llm = LLM(model="tiny", tape=path, pipeline_depth=2, block_size=4, num_kv_blocks=24, seed=0)
+e = llm.engine
+e.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True))
+e.add_request("b", list(range(40, 52)), SamplingParams(max_tokens=30, temperature=0.0))
+sampling = {}
+if V >= 2:
+    sampling.update(stop=["r ", "R,"], n=2, logprobs=2, min_tokens=2, presence_penalty=0.5)
+if V >= 3:
+    sampling.update(min_p=0.05, logit_bias={70: 1.5})
+e.add_request("c", [5, 6, 7, 8], SamplingParams(max_tokens=20, seed=3, **sampling))
+for _ in range(6):
+    e.step()
+e.pause_generation(mode="keep", clear_cache=True)
+e.resume_generation()
+e.add_request("d", list(range(60, 75)), SamplingParams(max_tokens=8, stop_token_ids=[76, 101]))
+for _ in range(4):
+    e.step()
+if V >= 5:
+    e.sleep(level=1, mode="keep")
+    e.wake_up()
+e.abort_request("b")
+while e.has_unfinished_requests():
+    e.step()
+llm.close()
+print("format", V, "written", path)
