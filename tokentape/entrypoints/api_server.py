@@ -2,7 +2,8 @@
 `vllm/entrypoints/openai/api_server.py`).
 
 The app (build_app): OpenAI's /v1/completions, /v1/chat/completions and /v1/models; vLLM's
-/tokenize and /detokenize; /health and /metrics; vLLM's RL endpoints (rl_endpoints.py) when
+/tokenize and /detokenize and its tokens-in, tokens-out /inference/v1/generate
+(serving_tokens.py); /health and /metrics; vLLM's RL endpoints (rl_endpoints.py) when
 asked for, and API keys (auth.py). Every error is an OpenAI-style JSON body
 ({"error": {"message", "type", "param", "code"}}), and the server keeps serving.
 
@@ -68,12 +69,23 @@ from tokentape.entrypoints.serving_tokenization import (
     tokenize,
     tokenize_request_type,
 )
-from tokentape.entrypoints.unsupported_fields import CHAT, COMPLETION, refuse_unsupported
+from tokentape.entrypoints.serving_tokens import generate_tokens
+from tokentape.entrypoints.unsupported_fields import (
+    CHAT,
+    COMPLETION,
+    GENERATE,
+    GENERATE_SAMPLING,
+    refuse_unsupported,
+    refuse_unsupported_in,
+)
 from tokentape.errors import EngineDeadError
 
 logger = logging.getLogger("tokentape.serve")
 T = TypeVar("T")
-TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # behind the API key, as the /v1 routes
+# Behind the API key, as the /v1 routes: the tokenizer's and vLLM's tokens-in, tokens-out
+# endpoint (vLLM leaves these open; here a key guards every route that runs the model).
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+GENERATE_PATH = "/inference/v1/generate"
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
 
 
@@ -182,6 +194,17 @@ def build_app(
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 
+    @app.post(GENERATE_PATH)
+    async def generate_tokens_endpoint(request: Request) -> Response:
+        body = await request.body()
+        req = decode_body(body, p.GenerateRequest)
+        refuse_unsupported(body, GENERATE)
+        refuse_unsupported_in(body, "sampling_params", GENERATE_SAMPLING)
+        try:
+            return await generate_tokens(serving, req, request)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> Response:
         body = await request.body()
@@ -213,7 +236,7 @@ def build_app(
         app.add_middleware(
             APIKeyMiddleware,
             keys=options.api_keys,
-            protected_paths=(*RL_PATHS, *TOKENIZER_PATHS),
+            protected_paths=(*RL_PATHS, *TOKENIZER_PATHS, GENERATE_PATH),
             error=unauthorized,
         )
     return app

@@ -1,8 +1,9 @@
 """API keys, as vLLM's `--api-key`: a request to a protected route must carry
 `Authorization: Bearer <key>`, or it gets a 401 and reaches nothing.
 
-Protected: every /v1 route and the RL endpoints (rl_endpoints.RL_PATHS), whichever are
-served. /health and /metrics stay open, as vLLM's do (a load balancer and a scraper read
+Protected: every /v1 route, the RL endpoints (rl_endpoints.RL_PATHS), whichever are
+served, and the other routes that run the model or its tokenizer (api_server: /tokenize,
+/detokenize, /inference/v1/generate). /health and /metrics stay open, as vLLM's do (a load balancer and a scraper read
 them). A pure ASGI middleware: streamed responses pass through it untouched.
 """
 

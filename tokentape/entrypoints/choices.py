@@ -4,7 +4,7 @@ formats)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tokentape.engine.outputs import CompletionOutput
 from tokentape.entrypoints import protocol as p
@@ -82,7 +82,7 @@ def chat_logprobs(decode: Decode, c: CompletionOutput, k: int) -> list[p.ChatLog
     """The chat API's shape: per token its text, logprob and UTF-8 bytes, and the k most
     likely tokens (top_logprobs=k) in the same form, best first."""
     content = []
-    tops = c.top_logprobs or [None] * len(c.token_ids)
+    tops: Sequence[dict[int, float] | None] = c.top_logprobs or [None] * len(c.token_ids)
     for t, lp, top in zip(c.token_ids, c.logprobs or (), tops):
         piece = decode([t])
         alts = []
@@ -93,4 +93,18 @@ def chat_logprobs(decode: Decode, c: CompletionOutput, k: int) -> list[p.ChatLog
                     {"token": s, "logprob": alt_lp, "bytes": list(s.encode("utf-8", "replace"))}
                 )
         content.append(p.ChatLogprob(piece, lp, list(piece.encode("utf-8", "replace")), alts))
+    return content
+
+
+def token_id_logprobs(c: CompletionOutput, k: int) -> list[p.ChatLogprob]:
+    """The chat API's shape with tokens named by their ids ("token_id:<id>", no bytes), as
+    vLLM's /inference/v1/generate gives them: per token its logprob and the k most likely."""
+    content = []
+    tops: Sequence[dict[int, float] | None] = c.top_logprobs or [None] * len(c.token_ids)
+    for t, lp, top in zip(c.token_ids, c.logprobs or (), tops):
+        alts = []
+        if top and k:
+            for alt, alt_lp in sorted(top.items(), key=lambda x: (-x[1], x[0]))[:k]:
+                alts.append({"token": f"token_id:{alt}", "logprob": alt_lp, "bytes": None})
+        content.append(p.ChatLogprob(f"token_id:{t}", lp, None, alts))
     return content

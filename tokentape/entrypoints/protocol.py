@@ -23,20 +23,19 @@ class StreamOptions(msgspec.Struct):
 TemplateValue = str | int | float | bool | None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    model: str | None = None
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """vLLM's sampling fields: at the top of an OpenAI request's body, and in the
+    `sampling_params` of /inference/v1/generate."""
+
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
     n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    return_token_ids: bool = False  # vLLM: the token ids go into each choice
     # OpenAI's penalties and vLLM's extra sampling fields, passed to SamplingParams as named.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -45,7 +44,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None  # vLLM's: strings, encoded by the engine's tokenizer
     min_p: float | None = None
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> bias
+    logit_bias: dict[str, float] | None = None  # token ids as strings (JSON's keys) -> bias
+
+
+class _SamplingFields(SamplingFields, kw_only=True):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM: the token ids go into each choice
     request_id: str | None = None  # vLLM's: the response id (as the X-Request-Id header)
     user: str | None = None  # OpenAI's end-user id: no effect on the output (nor in vLLM)
 
@@ -90,6 +96,25 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, TemplateValue] | None = None
     add_special_tokens: bool = False  # vLLM's chat default: the template adds what it needs
     echo: bool = False  # vLLM's: the last message's content before the reply, roles matching
+
+
+class GenerateSamplingParams(SamplingFields, kw_only=True):
+    """vLLM's SamplingParams in a /inference/v1/generate body."""
+
+    logprobs: int | None = None  # the sampled token's, and the k most likely
+    prompt_logprobs: int | None = None
+    detokenize: bool = True  # the answer is token ids either way
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /inference/v1/generate body: token ids in, token ids out (RL loops)."""
+
+    token_ids: list[int]
+    sampling_params: GenerateSamplingParams
+    model: str | None = None
+    request_id: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
@@ -173,7 +198,7 @@ class CompletionResponse(msgspec.Struct):
 class ChatLogprob(msgspec.Struct):
     token: str
     logprob: float
-    bytes: list[int]
+    bytes: list[int] | None  # None: a token given by its id ("token_id:<id>"), as vLLM's
     top_logprobs: list[dict[str, Any]] = []
 
 
@@ -227,6 +252,25 @@ class ChatCompletionChunk(msgspec.Struct):
     usage: UsageInfo | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     system_fingerprint: str | None = None
+
+
+class GenerateChoice(msgspec.Struct):
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: ChatChoiceLogprobs | None = None
+
+
+class GenerateResponse(msgspec.Struct):
+    """vLLM's answer to /inference/v1/generate (in a stream, each chunk has the new tokens of
+    one choice, and the usage, when asked for, comes in a last chunk of no choices)."""
+
+    request_id: str
+    choices: list[GenerateChoice]
+    # vLLM's: per prompt position (None for the first), token id -> {"logprob": ...}.
+    prompt_logprobs: list[dict[str, dict[str, float]] | None] | None = None
+    kv_transfer_params: None = None
+    usage: UsageInfo | None = None
 
 
 class ModelCard(msgspec.Struct):

@@ -121,8 +121,16 @@ async def create_chat_completion(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     aliases = param_aliases(req)
-    params = serving.sampling_params(req, max_tokens, len(tokens), logprobs, aliases)
-    request_id = serving.request_id(request, req, "chatcmpl")
+    params = serving.sampling_params(
+        req,
+        max_tokens,
+        len(tokens),
+        logprobs,
+        aliases,
+        stream=req.stream,
+        stream_options=req.stream_options,
+    )
+    request_id = serving.request_id(request, req.request_id, "chatcmpl")
     streams = await serving.start(request, [tokens], params, request_id, aliases)
     created, fp = int(time.time()), serving.system_fingerprint
     tokenizer, n, k = serving.engine.tokenizer, params.n, req.top_logprobs or 0

@@ -86,7 +86,14 @@ def completion_params(
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, left))
     prompt_logprobs = req.logprobs if req.echo else None
     return serving.sampling_params(
-        req, max_tokens, num_prompt_tokens, req.logprobs, PARAM_ALIASES, prompt_logprobs
+        req,
+        max_tokens,
+        num_prompt_tokens,
+        req.logprobs,
+        PARAM_ALIASES,
+        prompt_logprobs,
+        stream=req.stream,
+        stream_options=req.stream_options,
     )
 
 
@@ -100,7 +107,7 @@ async def create_completion(
     score_only = req.echo and req.max_tokens == 0
     # Each prompt's own: its default max_tokens and its context checks, in order.
     params = [completion_params(serving, req, len(tokens), score_only) for tokens in prompts]
-    request_id = serving.request_id(request, req, "cmpl")
+    request_id = serving.request_id(request, req.request_id, "cmpl")
     streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES)
     created, fp = int(time.time()), serving.system_fingerprint
     tokenizer, n = serving.engine.tokenizer, params[0].n

@@ -131,10 +131,10 @@ class OpenAIServing:
             )
         return self._fingerprint
 
-    def request_id(self, request: Request, req: p._SamplingFields, prefix: str) -> str:
-        """The response id: vLLM's `request_id` field, else the X-Request-Id header, else a
-        new one."""
-        return req.request_id or request.headers.get("x-request-id") or f"{prefix}-{uuid4().hex}"
+    def request_id(self, request: Request, given: str | None, prefix: str) -> str:
+        """The response id: vLLM's `request_id` field (`given`), else the X-Request-Id header,
+        else a new one."""
+        return given or request.headers.get("x-request-id") or f"{prefix}-{uuid4().hex}"
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -142,25 +142,28 @@ class OpenAIServing:
 
     def sampling_params(
         self,
-        req: p._SamplingFields,
+        req: p.SamplingFields,
         max_tokens: int | None,
         num_prompt_tokens: int,
         logprobs: int | None,
         aliases: Mapping[str, str],
         prompt_logprobs: int | None = None,
+        *,
+        stream: bool = False,
+        stream_options: p.StreamOptions | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams; a refused value is a 400 naming its field (as the
         endpoint calls it: `aliases`). As vLLM's: a prompt past the context is refused in
-        vLLM's words, `max_tokens` None means the rest of the context, and an explicit
-        max_tokens past it is refused."""
+        vLLM's words, `max_tokens` None means the rest of the context, an explicit
+        max_tokens past it is refused, and stream options are refused without a stream."""
         max_model_len = self.engine.max_model_len
         if num_prompt_tokens >= max_model_len:  # before max_tokens: the prompt is the fault
             try:
                 check_prompt_fits(num_prompt_tokens, max_model_len)
             except ValueError as exc:
                 raise refusal(exc, aliases) from None
-        options = req.stream_options
-        if options is not None and not req.stream and options != p.StreamOptions():
+        options = stream_options
+        if options is not None and not stream and options != p.StreamOptions():
             raise APIError(  # vLLM's words; an empty object passes, as in vLLM
                 400,
                 "Stream options can only be defined when `stream=True`.",

@@ -100,6 +100,19 @@ CHAT: Mapping[str, tuple[tuple[Any, ...], str]] = {
     "verbosity": (_NOTHING, "verbosity is not implemented"),
 }
 
+# /inference/v1/generate: the body's own fields, and those of its sampling_params (vLLM's
+# SamplingParams, whose prompt_logprobs this endpoint implements).
+GENERATE: Mapping[str, tuple[tuple[Any, ...], str]] = {
+    name: _COMMON[name] for name in ("cache_salt", "priority", "kv_transfer_params")
+} | {"features": (_NOTHING, "multimodal features are not implemented")}
+
+GENERATE_SAMPLING: Mapping[str, tuple[tuple[Any, ...], str]] = {
+    name: entry for name, entry in _COMMON.items() if name != "prompt_logprobs"
+} | {
+    "output_kind": (_NOTHING, "the endpoint streams with stream=true"),
+    "extra_args": (_NOTHING, "extra_args (custom logits processors) are not implemented"),
+}
+
 _SHORT = 256  # a raw value longer than this is no value that asks for nothing
 
 
@@ -125,6 +138,23 @@ def refuse_unsupported(body: bytes, fields: Mapping[str, tuple[tuple[Any, ...], 
                 continue
         message = why if why.endswith(".") else f"{name} is not supported: {why}"
         raise APIError(400, message, param=name)
+
+
+def refuse_unsupported_in(
+    body: bytes, field: str, fields: Mapping[str, tuple[tuple[Any, ...], str]]
+) -> None:
+    """refuse_unsupported for the object that `body`'s `field` holds (the 400 names
+    `field.name`)."""
+    try:
+        raw = _RAW_FIELDS.decode(body).get(field)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return
+    if raw is None:
+        return
+    try:
+        refuse_unsupported(bytes(raw), fields)
+    except APIError as exc:
+        raise APIError(exc.status, exc.message, exc.type, f"{field}.{exc.param}") from None
 
 
 def _same(value: object, allowed: object) -> bool:
