@@ -3,8 +3,9 @@
 
 Protected: every /v1 route, the RL endpoints (rl_endpoints.RL_PATHS), whichever are
 served, and the other routes that run the model or its tokenizer (api_server: /tokenize,
-/detokenize, /inference/v1/generate). /health and /metrics stay open, as vLLM's do (a load balancer and a scraper read
-them). A pure ASGI middleware: streamed responses pass through it untouched.
+/detokenize, /inference/v1/generate). /health and /metrics stay open, as vLLM's do (a load
+balancer and a scraper read them). A pure ASGI middleware: streamed responses pass through
+it untouched.
 """
 
 from __future__ import annotations

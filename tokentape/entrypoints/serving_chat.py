@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokentape.engine.outputs import CompletionOutput, RequestOutput
+from tokentape.engine.outputs import CompletionOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.chat_template import ChatTemplateError, message_text
 from tokentape.entrypoints.choices import chat_logprobs
@@ -202,13 +202,7 @@ async def create_chat_completion(
         return StreamingResponse(guarded_sse(sse()), media_type="text/event-stream")
 
     async def collect() -> p.ChatCompletionResponse:
-        whole: RequestOutput | None = None  # the DELTA outputs appended
-        async for out in streams[0].outputs():
-            if whole is None:
-                whole = out
-            else:
-                whole.add(out, aggregate=True)
-        assert whole is not None  # a stream ends with its finished output
+        whole = await streams[0].whole()
         merged = whole.outputs
         choices = [
             p.ChatChoice(

@@ -10,7 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokentape.engine.outputs import CompletionOutput, RequestOutput
+from tokentape.engine.outputs import CompletionOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.choices import CompletionLogprobsFormatter
 from tokentape.entrypoints.serving_engine import (
@@ -207,13 +207,7 @@ async def create_completion(
         choices: list[p.CompletionChoice] = []
         generated = 0
         for i, s in enumerate(streams):
-            merged: RequestOutput | None = None  # the DELTA outputs appended
-            async for out in s.outputs():
-                if merged is None:
-                    merged = out
-                else:
-                    merged.add(out, aggregate=True)
-            assert merged is not None  # a stream ends with its finished output
+            merged = await s.whole()
             prompt_lps[i] = merged.prompt_logprobs
             for m in merged.outputs:
                 generated += len(m.token_ids)

@@ -88,6 +88,17 @@ class PromptStream:
             self.timer.finished(out.outputs[0].finish_reason or "abort", len(self.prompt_token_ids))
         return out
 
+    async def whole(self) -> RequestOutput:
+        """Every output of the stream in one: its DELTA outputs appended, finished."""
+        whole: RequestOutput | None = None
+        async for out in self.outputs():
+            if whole is None:
+                whole = out
+            else:
+                whole.add(out, aggregate=True)
+        assert whole is not None  # a stream ends with its finished output
+        return whole
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
             if self.first is not None:

@@ -18,7 +18,7 @@ from uuid import uuid4
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokentape.engine.outputs import CompletionOutput, RequestOutput
+from tokentape.engine.outputs import CompletionOutput
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.choices import token_id_logprobs
 from tokentape.entrypoints.serving_engine import (
@@ -120,13 +120,7 @@ async def generate_tokens(
         return StreamingResponse(guarded_sse(sse()), media_type="text/event-stream")
 
     async def collect() -> p.GenerateResponse:
-        merged: RequestOutput | None = None  # the DELTA outputs appended
-        async for out in streams[0].outputs():
-            if merged is None:
-                merged = out
-            else:
-                merged.add(out, aggregate=True)
-        assert merged is not None  # a stream ends with its finished output
+        merged = await streams[0].whole()
         choices = [_choice(c, sp.logprobs) for c in merged.outputs]
         generated = sum(len(c.token_ids) for c in merged.outputs)
         return p.GenerateResponse(
