@@ -1,8 +1,10 @@
 """EngineCore, as vLLM V1's: the loop that ties decide, evolve, tape and runner together.
-It schedules a step, hands it to the runner, folds the frame that comes back into the state
-and emits the per-request deltas (`EngineCoreOutput`) a front end's output processor turns
-into `RequestOutput`s. It also takes the engine-level calls: requests added and aborted,
-pause and resume, prefix-cache resets, the sleep mode, abort-all and weight updates.
+It schedules a step, hands it to the runner, folds the frame that comes back into the state,
+lets the scheduler finish the requests the frame brought to a stop (its update_from_output:
+the one place a finish is decided, stop strings included), and emits the per-request deltas
+(`EngineCoreOutput`) a front end's output processor turns into `RequestOutput`s. It also
+takes the engine-level calls: requests added and aborted, pause and resume, prefix-cache
+resets, the sleep mode, abort-all and weight updates.
 
 Every state change goes the same way: the core (or its scheduler) builds an event, appends it
 to the tape, and applies it through the reducer. The tape is committed at every step boundary
