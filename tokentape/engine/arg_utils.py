@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokentape.engine.config import EngineConfig
+from tokentape.engine.config import LOGPROBS_MODES, EngineConfig
 from tokentape.engine.model_registry import DEFAULT_MODEL, MODEL_HELP
 from tokentape.events.discard import DISCARD_POLICIES
 
@@ -34,8 +34,9 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 @dataclass(frozen=True, slots=True)
 class _Flag:
     help: str
-    minimum: int | None = None  # an integer flag; None: a choice of discard_policy's
+    minimum: int | None = None  # an integer flag; None: one of `choices`
     metavar: str = "N"
+    choices: tuple[str, ...] = ()
 
 
 # By EngineConfig field, in the order --help lists them.
@@ -46,7 +47,8 @@ ENGINE_FLAGS: dict[str, _Flag] = {
     "num_speculative_tokens": _Flag("n-gram speculative tokens per decode", 0, "K"),
     "discard_policy": _Flag(
         "how stale frames are recognised after a preemption: epoch, the exact one; counter "
-        "and flag reproduce vLLM's historical bugs"
+        "and flag reproduce vLLM's historical bugs",
+        choices=tuple(DISCARD_POLICIES),
     ),
     "kv_cache_memory_bytes": _Flag("the KV cache's memory budget in bytes", 1, "BYTES"),
     "num_kv_blocks": _Flag("number of paged KV cache blocks, instead of the budget", 1),
@@ -59,6 +61,12 @@ ENGINE_FLAGS: dict[str, _Flag] = {
         "the most log-probabilities a request may ask for per token (vLLM's option; -1: no "
         "limit but the vocabulary)",
         -1,
+    ),
+    "logprobs_mode": _Flag(
+        "what the sampled tokens' logprobs hold (vLLM's option): raw_* of the model's logits, "
+        "processed_* after the logits processors, temperature, min-p, top-k and top-p; "
+        "*_logprobs the log-softmax, *_logits the values",
+        choices=LOGPROBS_MODES,
     ),
 }
 _DEFAULTS = EngineConfig()
@@ -118,7 +126,7 @@ def add_engine_cli_args(
         if flag.minimum is None:
             where.add_argument(
                 option,
-                choices=list(DISCARD_POLICIES),
+                choices=list(flag.choices),
                 default=None,
                 help=f"{flag.help} ({default})",
             )

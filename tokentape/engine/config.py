@@ -19,6 +19,11 @@ MAX_PIPELINE_DEPTH = 4
 DEFAULT_PIPELINE_DEPTH = 2  # vLLM's async scheduling: one step planned ahead
 # The fake models have no K/V to hold: their pool keeps the size it always had.
 ORACLE_NUM_KV_BLOCKS = 2048
+# vLLM's logprobs_mode: what a frame's logprobs hold. Raw: of the model's logits, before any
+# processing; processed: of what the sampler draws from (after the logits processors, the
+# temperature, min-p, top-k and top-p; -inf where masked; a greedy row's are its processed
+# logits without a temperature). *_logprobs: log-softmax; *_logits: the values themselves.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 _log = logging.getLogger(__name__)
 
@@ -68,11 +73,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Upstream bugs reproduced on purpose (tokentape.events.faults), for tapes and tests;
     # empty on every ordinary engine, and then nothing looks at it.
     faults: list[str] = []  # a list, as it reads back from the header
+    # What the sampled tokens' logprobs (and the top k) hold: LOGPROBS_MODES, vLLM's default
+    # first. Prompt logprobs are always raw log-probabilities.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         # Types first (a bool is not an int here; the seed goes into the tape header and the
         # runners' 64-bit seed hashing), then the relations between fields.
-        for name in ("model", "discard_policy", "device", "dtype"):
+        for name in ("model", "discard_policy", "device", "dtype", "logprobs_mode"):
             check_str(name, getattr(self, name))
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("async_scheduling", self.async_scheduling, optional=True)
@@ -109,6 +117,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 isinstance(name, str) and name in FAULTS,
                 f"unknown fault {name!r}; the faults are {sorted(FAULTS)}",
             )
+        need(
+            self.logprobs_mode in LOGPROBS_MODES,
+            f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
+        )
         need(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",

@@ -155,15 +155,14 @@ def apply_logits_processors(
     return logits
 
 
-def top_logprobs(
-    raw_logprobs: torch.Tensor, ks: Sequence[int]
-) -> list[tuple[list[int], list[float]]]:
-    """Per row, the k most likely token ids and their logprobs, best first (ties: lower id
-    first); k = 0 gives empty lists."""
+def top_logprobs(values: torch.Tensor, ks: Sequence[int]) -> list[tuple[list[int], list[float]]]:
+    """Per row, the k most likely token ids and their values (the logprobs, or the logits
+    with a *_logits logprobs_mode), best first (ties: lower id first); k = 0 gives empty
+    lists."""
     kmax = max(ks, default=0)
     if kmax <= 0:
         return [([], []) for _ in ks]
     # A stable descending sort: equal logprobs keep the lower id first, on any device.
-    values, ids = raw_logprobs.sort(dim=-1, descending=True, stable=True)
-    values, ids = values[:, :kmax].tolist(), ids[:, :kmax].tolist()
-    return [(ids[i][:k], values[i][:k]) for i, k in enumerate(ks)]
+    best, ids = values.sort(dim=-1, descending=True, stable=True)
+    top, top_ids = best[:, :kmax].tolist(), ids[:, :kmax].tolist()
+    return [(top_ids[i][:k], top[i][:k]) for i, k in enumerate(ks)]

@@ -64,21 +64,42 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     random_rows = [i for i, t in enumerate(rows.temperatures) if t > 0]
     if not random_rows:
         return out
+    sel, x = _drawn_from(logits, rows, random_rows)
+    keys = torch.tensor([rows.keys[i] for i in random_rows], dtype=torch.int64, device=x.device)
+    out[sel] = (x + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
+    return out
+
+
+def processed_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """What `sample` draws from, per row (vLLM's processed logits): a random row's logits
+    over its temperature, -inf outside min-p, top-k and top-p; a greedy row's as given."""
+    out = logits.float()
+    random_rows = [i for i, t in enumerate(rows.temperatures) if t > 0]
+    if not random_rows:
+        return out
+    sel, x = _drawn_from(out, rows, random_rows)
+    out = out.clone()
+    out[sel] = x
+    return out
+
+
+def _drawn_from(
+    logits: torch.Tensor, rows: SamplingRows, random_rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random rows' indices, and their logits over the temperature with min-p, top-k
+    and top-p applied (-inf where masked): what the Gumbel draw takes its argmax of."""
     device = logits.device
     sel = torch.tensor(random_rows, device=device)
     x = logits[sel] / torch.tensor(
         [rows.temperatures[i] for i in random_rows], device=device
     ).unsqueeze(1)
-    keys = torch.tensor([rows.keys[i] for i in random_rows], dtype=torch.int64, device=device)
-    noise = gumbel_noise(keys, x.shape[1])
     if rows.min_ps is not None and any(rows.min_ps[i] > 0 for i in random_rows):
         x = _mask_min_p(x, [rows.min_ps[i] for i in random_rows])
     top_ks = [rows.top_ks[i] for i in random_rows]
     top_ps = [rows.top_ps[i] for i in random_rows]
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
         x = _mask_top_k_top_p(x, top_ks, top_ps)
-    out[sel] = (x + noise).argmax(dim=-1)
-    return out
+    return sel, x
 
 
 def _mask_min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
@@ -106,6 +127,12 @@ def _mask_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     return masked.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log softmax of the raw logits at the chosen tokens (vLLM's default logprobs mode)."""
-    return logits.float().log_softmax(dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
+def logprob_values(
+    raw: torch.Tensor, processed: torch.Tensor, rows: SamplingRows, mode: str
+) -> torch.Tensor:
+    """Per row and token, what vLLM's logprobs_mode (config.LOGPROBS_MODES) says a frame's
+    logprobs hold: of the raw logits or of what the sampler draws from (`processed`: the
+    logits after the logits processors, then `processed_logits`), as log-softmax
+    (*_logprobs) or as they are (*_logits)."""
+    source = raw.float() if mode.startswith("raw") else processed_logits(processed, rows)
+    return source.log_softmax(dim=-1) if mode.endswith("logprobs") else source

@@ -73,6 +73,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         batch_invariant=config.batch_invariant,
         prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
         tokenizer=tokenizer,
+        logprobs_mode=config.logprobs_mode,
     )
     return runner
 

@@ -76,10 +76,12 @@ class TorchModelRunner(StagedWeights):
         prompt_lookup: tuple[int, int] = (3, 1),
         eos_token_id: int | None = None,
         tokenizer: Tokenizer | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         # A checkpoint's own tokenizer (runners.base.HasTokenizer); the built-in models' is
         # the byte tokenizer.
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.logprobs_mode = logprobs_mode  # EngineConfig.logprobs_mode
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
@@ -356,7 +358,9 @@ class TorchModelRunner(StagedWeights):
         samplers = [e for e in entries if e.samples]
         if not samplers:
             return {}
-        return sample_frames(samplers, logits, self.eos_token_id, self._prompt_lps.take)
+        return sample_frames(
+            samplers, logits, self.eos_token_id, self._prompt_lps.take, self.logprobs_mode
+        )
 
 
 def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

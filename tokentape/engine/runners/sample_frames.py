@@ -14,7 +14,7 @@ from tokentape.engine.model.logits_processors import (
     needs_processing,
     top_logprobs,
 )
-from tokentape.engine.model.sampler import SamplingRows, position_key, sample, token_logprobs
+from tokentape.engine.model.sampler import SamplingRows, logprob_values, position_key, sample
 from tokentape.engine.runners.input_batch import EntryInputs
 from tokentape.events.schema import FrameEntry, PromptLogprobs
 
@@ -26,10 +26,12 @@ def sample_frames(
     logits: torch.Tensor,
     eos_token_id: int | None,
     prompt_logprobs: Callable[[str], PromptLogprobs | None],
+    logprobs_mode: str = "raw_logprobs",
 ) -> dict[str, FrameEntry]:
     """Each sampling entry's frame entry, from its rows of `logits` (one per position it
     samples, in `samplers`' order); the sequences take their accepted tokens.
-    `prompt_logprobs(req_id)` hands over a request's prompt logprobs once they are whole."""
+    `prompt_logprobs(req_id)` hands over a request's prompt logprobs once they are whole;
+    `logprobs_mode` (EngineConfig's) says what the sampled tokens' logprobs hold."""
     rows = SamplingRows([], [], [], [])
     contexts: list[RowContext | None] = []
     for e in samplers:
@@ -59,12 +61,18 @@ def sample_frames(
                 if needs_processing(p)
                 else None
             )
-    # vLLM's order: logprobs of the raw logits, then the processors, then sampling.
-    sampled_t = sample(apply_logits_processors(logits, contexts), rows)
+    # vLLM's order: the processors, then sampling; the logprobs of the raw logits (its
+    # default mode) or of what the sampler drew from.
+    processed = apply_logits_processors(logits, contexts)
+    sampled_t = sample(processed, rows)
     want_logprobs = any(e.seq.params.logprobs is not None for e in samplers)
-    logprobs = token_logprobs(logits, sampled_t).tolist() if want_logprobs else None
     ks = [e.seq.params.logprobs or 0 for e in samplers for _ in range(1 + len(e.drafts))]
-    tops = top_logprobs(logits.log_softmax(dim=-1), ks) if any(ks) else None
+    logprobs: list[float] | None = None
+    tops: list[tuple[list[int], list[float]]] | None = None
+    if want_logprobs:
+        values = logprob_values(logits, processed, rows, logprobs_mode)
+        logprobs = values.gather(1, sampled_t.unsqueeze(1)).squeeze(1).tolist()
+        tops = top_logprobs(values, ks) if any(ks) else None
     sampled = sampled_t.tolist()
     frames: dict[str, FrameEntry] = {}
     row = 0
