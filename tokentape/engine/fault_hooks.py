@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 import msgspec.structs
 
 from tokentape.engine.config import EngineConfig
-from tokentape.engine.core.call_args import check_pause_mode
 from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.core.fault_injecting_scheduler import FaultInjectingScheduler
 from tokentape.engine.core.scheduler import Scheduler
@@ -29,7 +28,6 @@ from tokentape.events.faults import REDUCER_FAULTS
 from tokentape.events.schema import SamplingParams
 from tokentape.events.state import EngineState, RequestState, RequestStatus
 from tokentape.events.store import TapeWriter
-from tokentape.events.validation import check_bool
 
 
 class SpecPlaceholderInput(EngineHooks):
@@ -407,13 +405,9 @@ class FaultInjectingEngineCore(EngineCore):
         for hook in self.hooks:
             hook.after_frame(ids)
 
-    def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        check_pause_mode("pause_generation", mode)  # refused before any hook acts
-        check_bool("clear_cache", clear_cache)
-        self.check_awake("pause_generation")
+    def _before_pause(self) -> None:
         for hook in self.hooks:
             hook.before_pause()
-        super().pause_generation(mode, clear_cache)
 
     def _drains_on_pause(self) -> bool:
         return all(hook.drains_on_pause() for hook in self.hooks)

@@ -88,15 +88,14 @@ class _Completion:
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
-    def _feed(self, end: int | None = None, final: bool | None = None) -> str:
+    def _feed(self, end: int | None = None, final: bool | None = None) -> None:
         """Detokenize the tokens not yet detokenized, up to `end` (default: all of them, and
-        `final` when the completion has finished); their text."""
+        `final` when the completion has finished), into `pieces`."""
         end = len(self.tokens) if end is None else end
         new = self.tokens[self.fed : end]
         self.fed = end
         piece = self.detok.add(new, self.finish_reason is not None if final is None else final)
         self._add_text(piece)
-        return piece
 
     def _add_text(self, piece: str) -> None:
         if piece:

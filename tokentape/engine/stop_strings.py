@@ -39,7 +39,17 @@ def _earliest_match(text: str, start: int, stops: Sequence[str]) -> tuple[str, i
 class _Stream:
     """One request's text: what was decoded, released and not yet taken."""
 
-    __slots__ = ("detok", "fed", "tail", "keep", "hold", "num_chars", "num_released", "outbox")
+    __slots__ = (
+        "detok",
+        "fed",
+        "tail",
+        "keep",
+        "hold",
+        "num_chars",
+        "num_released",
+        "outbox",
+        "finished",
+    )
 
     def __init__(self, detok: Detokenizer, stops: Sequence[str], include: bool) -> None:
         self.detok = detok
@@ -51,6 +61,7 @@ class _Stream:
         self.num_chars = 0  # characters decoded
         self.num_released = 0  # characters released to the client
         self.outbox = ""  # released, not yet taken
+        self.finished = False  # the text is final (a match cut it, or the request finished)
 
     def push(self, piece: str, release_to: int | None = None) -> None:
         """Add decoded text; release up to `release_to` (default: all but the holdback)."""
@@ -72,7 +83,6 @@ class StopStringChecker:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
-        self._finished: set[str] = set()
 
     def _stream(self, req: RequestState) -> _Stream:
         st = self._streams.get(req.req_id)
@@ -106,30 +116,31 @@ class StopStringChecker:
         if req.params.include_stop_str_in_output:
             cut += len(stop)
         st.push(piece, release_to=cut)
-        self._finished.add(req.req_id)
+        st.finished = True
         return stop
 
     def finish(self, req: RequestState) -> None:
         """The request finished (any reason, its output cut): release all of its text, the
         end of a character cut between tokens included, unless a match cut it already."""
-        if req.req_id in self._finished:
-            return
         st = self._stream(req)
+        if st.finished:
+            return
         output = req.output_token_ids
         st.push(st.detok.add(output[st.fed :], True), release_to=sys.maxsize)
         st.fed = len(output)
-        self._finished.add(req.req_id)
+        st.finished = True
 
-    def follows(self, req_id: str) -> bool:
-        return req_id in self._streams
+    def has_streams(self) -> bool:
+        """Whether any request's text is followed (a step without one takes no text)."""
+        return bool(self._streams)
 
-    def take_text(self, req_id: str) -> str:
-        """The text released since the last take; a finished request's stream goes with it."""
+    def take_text(self, req_id: str) -> str | None:
+        """The text released since the last take (None: a request not followed); a finished
+        request's stream goes with it."""
         st = self._streams.get(req_id)
         if st is None:
-            return ""
+            return None
         text, st.outbox = st.outbox, ""
-        if req_id in self._finished:
+        if st.finished:
             del self._streams[req_id]
-            self._finished.discard(req_id)
         return text

@@ -144,7 +144,7 @@ class EngineCore:
         if isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
             self._finished_since_last_batch.append(event.req_id)
             req = self.state.requests[event.req_id]
-            if req.params.stop and self.stop_strings is not None:
+            if req.has_stop_strings and self.stop_strings is not None:
                 self.stop_strings.finish(req)
         elif isinstance(event, ev.RequestPreempted):
             self.num_preemptions += 1  # for the server's metrics
@@ -310,10 +310,9 @@ class EngineCore:
         entries, deltas = pending_outputs(state)
         self._emit(ev.OutputsEmitted(state.step, entries))
         stop_strings = self.stop_strings
-        if stop_strings is not None:  # the text of requests with stop strings is decoded here
-            for delta in deltas:
-                if stop_strings.follows(delta.request_id):
-                    delta.new_text = stop_strings.take_text(delta.request_id)
+        if stop_strings is not None and stop_strings.has_streams():
+            for delta in deltas:  # the text of requests with stop strings is decoded here
+                delta.new_text = stop_strings.take_text(delta.request_id)
         self._ready += deltas
 
     @property
@@ -351,6 +350,7 @@ class EngineCore:
         check_pause_mode("pause_generation", mode)
         check_bool("clear_cache", clear_cache)
         self.check_awake("pause_generation")
+        self._before_pause()
         with self._recorded():
             self._emit(ev.GenerationPaused(self.state.step, mode, clear_cache))  # type: ignore[arg-type]
             if mode == "abort":
@@ -365,6 +365,10 @@ class EngineCore:
             if clear_cache and self._clears_cache_on_pause():
                 self._reset_prefix_cache(reset_running_requests=True)
         self.tape.flush()  # a paused engine's tape is complete in the file
+
+    def _before_pause(self) -> None:
+        """A pause was asked for, its arguments checked, nothing recorded yet (an injected
+        fault notes what it needs)."""
 
     def _drains_on_pause(self) -> bool:
         """A pause waits for the steps in flight (an injected fault may not)."""

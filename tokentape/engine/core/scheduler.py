@@ -86,7 +86,7 @@ class Scheduler:
             decision = check_stop(req, start, eos)
             if req.has_stop_strings and stop_strings is not None:
                 if decision is None or decision.reason != "stop":  # a stop token wins
-                    kept = num_output if decision is None else decision[2]
+                    kept = num_output if decision is None else decision.num_output_tokens
                     found = stop_strings.find(req, kept)
                     if found is not None:
                         self.finish(req, "stop", found, kept)
