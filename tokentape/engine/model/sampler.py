@@ -65,22 +65,31 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     if not random_rows:
         return out
     sel, x = _drawn_from(logits, rows, random_rows)
-    keys = torch.tensor([rows.keys[i] for i in random_rows], dtype=torch.int64, device=x.device)
-    out[sel] = (x + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
+    out[sel] = _gumbel_argmax(x, rows, random_rows)
     return out
 
 
-def processed_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """What `sample` draws from, per row (vLLM's processed logits): a random row's logits
-    over its temperature, -inf outside min-p, top-k and top-p; a greedy row's as given."""
-    out = logits.float()
+def sample_processed(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`'s token ids, with what they were drawn from (vLLM's processed logits), each
+    computed once: a random row's logits over its temperature, -inf outside min-p, top-k and
+    top-p; a greedy row's as given."""
+    drawn = logits.float()
+    tokens = drawn.argmax(dim=-1)
     random_rows = [i for i, t in enumerate(rows.temperatures) if t > 0]
     if not random_rows:
-        return out
-    sel, x = _drawn_from(out, rows, random_rows)
-    out = out.clone()
-    out[sel] = x
-    return out
+        return tokens, drawn
+    sel, x = _drawn_from(drawn, rows, random_rows)
+    tokens[sel] = _gumbel_argmax(x, rows, random_rows)
+    drawn = drawn.clone()
+    drawn[sel] = x
+    return tokens, drawn
+
+
+def _gumbel_argmax(x: torch.Tensor, rows: SamplingRows, random_rows: list[int]) -> torch.Tensor:
+    """The random rows' draws from `x` (theirs, from _drawn_from): the Gumbel-max trick,
+    with each row's noise keyed by its position."""
+    keys = torch.tensor([rows.keys[i] for i in random_rows], dtype=torch.int64, device=x.device)
+    return (x + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
 
 
 def _drawn_from(
@@ -125,14 +134,3 @@ def _mask_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     drop |= (before >= p) & (rank > 0)
     masked = torch.full_like(x, float("-inf"))
     return masked.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
-
-
-def logprob_values(
-    raw: torch.Tensor, processed: torch.Tensor, rows: SamplingRows, mode: str
-) -> torch.Tensor:
-    """Per row and token, what vLLM's logprobs_mode (config.LOGPROBS_MODES) says a frame's
-    logprobs hold: of the raw logits or of what the sampler draws from (`processed`: the
-    logits after the logits processors, then `processed_logits`), as log-softmax
-    (*_logprobs) or as they are (*_logits)."""
-    source = raw.float() if mode.startswith("raw") else processed_logits(processed, rows)
-    return source.log_softmax(dim=-1) if mode.endswith("logprobs") else source

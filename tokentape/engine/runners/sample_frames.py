@@ -14,7 +14,7 @@ from tokentape.engine.model.logits_processors import (
     needs_processing,
     top_logprobs,
 )
-from tokentape.engine.model.sampler import SamplingRows, logprob_values, position_key, sample
+from tokentape.engine.model.sampler import SamplingRows, position_key, sample, sample_processed
 from tokentape.engine.runners.input_batch import EntryInputs
 from tokentape.events.schema import FrameEntry, PromptLogprobs
 
@@ -64,13 +64,21 @@ def sample_frames(
     # vLLM's order: the processors, then sampling; the logprobs of the raw logits (its
     # default mode) or of what the sampler drew from.
     processed = apply_logits_processors(logits, contexts)
-    sampled_t = sample(processed, rows)
     want_logprobs = any(e.seq.params.logprobs is not None for e in samplers)
+    # What the logprobs are of (EngineConfig.logprobs_mode): the raw logits, or what the
+    # sampler drew from; as log-softmax (*_logprobs) or as they are (*_logits).
+    source = logits
+    if want_logprobs and logprobs_mode.startswith("processed"):
+        sampled_t, source = sample_processed(processed, rows)
+    else:
+        sampled_t = sample(processed, rows)
     ks = [e.seq.params.logprobs or 0 for e in samplers for _ in range(1 + len(e.drafts))]
     logprobs: list[float] | None = None
     tops: list[tuple[list[int], list[float]]] | None = None
     if want_logprobs:
-        values = logprob_values(logits, processed, rows, logprobs_mode)
+        values = source.float()
+        if logprobs_mode.endswith("logprobs"):
+            values = values.log_softmax(dim=-1)
         logprobs = values.gather(1, sampled_t.unsqueeze(1)).squeeze(1).tolist()
         tops = top_logprobs(values, ks) if any(ks) else None
     sampled = sampled_t.tolist()
