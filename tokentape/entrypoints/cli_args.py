@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from tokentape.engine.arg_utils import add_engine_cli_args, int_at_least
-from tokentape.entrypoints.cli.common import add_force_argument
+from tokentape.entrypoints.cli.common import add_tape_arguments
 
 
 def _seconds(text: str) -> float:
@@ -37,16 +37,7 @@ def make_arg_parser(srv: Any) -> Any:
         default=8000,
         help="port to bind; 0 picks a free one (default: 8000)",
     )
-    tape = srv.add_mutually_exclusive_group()
-    tape.add_argument(
-        "--tape",
-        metavar="PATH",
-        default=None,
-        help="tape file to create; an existing file is refused unless --force "
-        "(default: tokentape-serve-<UTC timestamp>.tape in the current directory)",
-    )
-    tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
-    add_force_argument(srv, "tape file")
+    add_tape_arguments(srv, "tokentape-serve")
     add_engine_cli_args(  # --model, --seed, --sync and the engine's flags (arg_utils.py)
         srv,
         help_overrides={

@@ -65,6 +65,21 @@ def timestamped_tape_path(prefix: str) -> str:
     return new_tape_path(f"{prefix}-{stamp}")
 
 
+def add_tape_arguments(parser: Any, prefix: str) -> None:
+    """The tape a running command writes: --tape PATH or --no-tape, and --force; unnamed,
+    timestamped_tape_path(prefix)'s."""
+    tape = parser.add_mutually_exclusive_group()
+    tape.add_argument(
+        "--tape",
+        metavar="PATH",
+        default=None,
+        help="tape file to create; an existing file is refused unless --force "
+        f"(default: {prefix}-<UTC timestamp>.tape in the current directory)",
+    )
+    tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
+    add_force_argument(parser, "tape file")
+
+
 # -- the overwrite rule: an existing output file is refused unless --force ----------------------
 
 

@@ -14,7 +14,7 @@ from tokentape.engine.arg_utils import add_engine_cli_args, engine_args_from_cli
 from tokentape.entrypoints.cli.common import (
     EXIT_OK,
     CLIError,
-    add_force_argument,
+    add_tape_arguments,
     check_output_path,
     expected_errors,
     positive_int,
@@ -81,16 +81,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=1.0,
         help="sampling temperature, recorded in each request's params (default: 1.0)",
     )
-    tape = gen.add_mutually_exclusive_group()
-    tape.add_argument(
-        "--tape",
-        metavar="PATH",
-        default=None,
-        help="tape file to create; an existing file is refused unless --force "
-        "(default: tokentape-<UTC timestamp>.tape in the current directory)",
-    )
-    tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
-    add_force_argument(gen, "tape file")
+    add_tape_arguments(gen, "tokentape")
     add_engine_cli_args(gen)  # --model, --seed, --sync and the engine's flags (arg_utils.py)
     add_script_arguments(gen)
     gen.add_argument(
