@@ -64,8 +64,8 @@ class CompletionLogprobsFormatter:
                 lps.append(None)
                 top.append(None)
                 continue
-            lps.append(max(row[t], -9999.0))
-            top.append({decode([alt]): max(lp, -9999.0) for alt, lp in row.items()})
+            lps.append(json_logprob(row[t]))
+            top.append({decode([alt]): json_logprob(lp) for alt, lp in row.items()})
         return self._shaped(pieces, lps, top)
 
     def _shaped(
@@ -81,30 +81,38 @@ class CompletionLogprobsFormatter:
 def chat_logprobs(decode: Decode, c: CompletionOutput, k: int) -> list[p.ChatLogprob]:
     """The chat API's shape: per token its text, logprob and UTF-8 bytes, and the k most
     likely tokens (top_logprobs=k) in the same form, best first."""
-    content = []
-    tops: Sequence[dict[int, float] | None] = c.top_logprobs or [None] * len(c.token_ids)
-    for t, lp, top in zip(c.token_ids, c.logprobs or (), tops):
-        piece = decode([t])
-        alts = []
-        if top and k:
-            for alt, alt_lp in sorted(top.items(), key=lambda x: (-x[1], x[0]))[:k]:
-                s = decode([alt])
-                alts.append(
-                    {"token": s, "logprob": alt_lp, "bytes": list(s.encode("utf-8", "replace"))}
-                )
-        content.append(p.ChatLogprob(piece, lp, list(piece.encode("utf-8", "replace")), alts))
-    return content
+
+    def by_text(token_id: int) -> tuple[str, list[int] | None]:
+        piece = decode([token_id])
+        return piece, list(piece.encode("utf-8", "replace"))
+
+    return _chat_content(c, k, by_text)
 
 
 def token_id_logprobs(c: CompletionOutput, k: int) -> list[p.ChatLogprob]:
     """The chat API's shape with tokens named by their ids ("token_id:<id>", no bytes), as
     vLLM's /inference/v1/generate gives them: per token its logprob and the k most likely."""
+    return _chat_content(c, k, lambda token_id: (f"token_id:{token_id}", None))
+
+
+def _chat_content(
+    c: CompletionOutput, k: int, name: Callable[[int], tuple[str, list[int] | None]]
+) -> list[p.ChatLogprob]:
+    """Per token: its `name` (the token's string and bytes), logprob and the k most likely
+    tokens in the same form, best first (ties: lower id first)."""
     content = []
     tops: Sequence[dict[int, float] | None] = c.top_logprobs or [None] * len(c.token_ids)
     for t, lp, top in zip(c.token_ids, c.logprobs or (), tops):
         alts = []
         if top and k:
             for alt, alt_lp in sorted(top.items(), key=lambda x: (-x[1], x[0]))[:k]:
-                alts.append({"token": f"token_id:{alt}", "logprob": alt_lp, "bytes": None})
-        content.append(p.ChatLogprob(f"token_id:{t}", lp, None, alts))
+                s, raw = name(alt)
+                alts.append({"token": s, "logprob": alt_lp, "bytes": raw})
+        token, raw = name(t)
+        content.append(p.ChatLogprob(token, lp, raw, alts))
     return content
+
+
+def json_logprob(lp: float) -> float:
+    """A logprob JSON can hold: -inf clamped at -9999.0, vLLM's stand-in."""
+    return max(lp, -9999.0)

@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from tokentape.engine.outputs import CompletionOutput
 from tokentape.entrypoints import protocol as p
-from tokentape.entrypoints.choices import token_id_logprobs
+from tokentape.entrypoints.choices import json_logprob, token_id_logprobs
 from tokentape.entrypoints.serving_engine import (
     SSE_DONE,
     OpenAIServing,
@@ -73,7 +73,7 @@ def _prompt_logprobs(
     if rows is None:
         return None
     return [
-        None if row is None else {str(t): {"logprob": max(lp, -9999.0)} for t, lp in row.items()}
+        None if row is None else {str(t): {"logprob": json_logprob(lp)} for t, lp in row.items()}
         for row in rows
     ]
 
