@@ -41,7 +41,6 @@ class _Completion:
         "detok",
         "fed",
         "pieces",
-        "num_chars",
         "marks",
         "sent_tokens",
         "sent_pieces",
@@ -61,9 +60,8 @@ class _Completion:
         self.detok: Detokenizer = detokenizer(tokenizer)
         self.fed = 0  # tokens given to the detokenizer (or decoded by the engine core)
         self.pieces: list[str] = []  # the detokenizer's text deltas (CUMULATIVE reads them)
-        self.num_chars = 0
-        # Where each CUMULATIVE text read so far ends: tokens -> (pieces, characters).
-        self.marks: dict[int, tuple[int, int]] = {0: (0, 0)}
+        # Where each CUMULATIVE text read so far ends: tokens -> pieces.
+        self.marks: dict[int, int] = {0: 0}
         self.sent_tokens = 0  # tokens given out in outputs
         self.sent_pieces = 0  # DELTA: text pieces given out
         self.started = False  # an output was given (stream_interval releases the first at once)
@@ -80,7 +78,7 @@ class _Completion:
         if out.new_text is not None:  # decoded by the engine core (stop strings)
             self._add_text(out.new_text)
             self.fed = len(self.tokens)
-            self.marks[self.fed] = (len(self.pieces), self.num_chars)
+            self.marks[self.fed] = len(self.pieces)
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs += out.new_logprobs
         if self.top is not None and out.new_top_logprobs:
@@ -100,7 +98,6 @@ class _Completion:
     def _add_text(self, piece: str) -> None:
         if piece:
             self.pieces.append(piece)
-            self.num_chars += len(piece)
 
     def text_at(self, end: int, final: bool) -> str | None:
         """The text of the first `end` tokens as the incremental detokenizer gives it there:
@@ -109,11 +106,11 @@ class _Completion:
         output read after a newer one)."""
         if self.fed < end:
             self._feed(end, final)
-            self.marks[end] = (len(self.pieces), self.num_chars)
-        mark = self.marks.get(end)
-        if mark is None:
+            self.marks[end] = len(self.pieces)
+        num_pieces = self.marks.get(end)
+        if num_pieces is None:
             return None
-        return "".join(self.pieces[: mark[0]])
+        return "".join(self.pieces[:num_pieces])
 
 
 def _final_text(c: _Completion, end: int, finished: bool) -> str:
