@@ -158,8 +158,8 @@ UNREADABLE = {
         "tape format version 99 is newer",
     ),
     "newer format in meta": (
-        lambda good: ("UPDATE meta SET value = 7 WHERE key = 'format_version'",),
-        "tape format version 7 is newer",
+        lambda good: ("UPDATE meta SET value = 99 WHERE key = 'format_version'",),
+        "tape format version 99 is newer",
     ),
     "absurd KV pool in the header": (
         lambda good: (

@@ -19,8 +19,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from tokentape.engine.detokenizer import Detokenizer, detokenizer
+from tokentape.engine.detokenizer import ByteDetokenizer, IncrementalDetokenizer, detokenizer
 from tokentape.engine.tokenizer import Tokenizer
+from tokentape.events.schema import StopStreamSnapshot
 from tokentape.events.state import RequestState
 
 
@@ -51,7 +52,9 @@ class _Stream:
         "finished",
     )
 
-    def __init__(self, detok: Detokenizer, stops: Sequence[str], include: bool) -> None:
+    def __init__(
+        self, detok: IncrementalDetokenizer | ByteDetokenizer, stops: Sequence[str], include: bool
+    ) -> None:
         self.detok = detok
         self.fed = 0  # output tokens decoded
         # A match ending in new text begins at most len(stop) - 1 characters before it.
@@ -144,3 +147,49 @@ class StopStringChecker:
         if st.finished:
             del self._streams[req_id]
         return text
+
+    # -- snapshots (a segment of a segmented tape opens with one) -----------------------------
+
+    def snapshot(self) -> list[StopStreamSnapshot]:
+        snaps = []
+        for req_id, st in self._streams.items():
+            detok = st.detok
+            if isinstance(detok, ByteDetokenizer):
+                pending, _ = detok.utf8.getstate()
+                offsets = (0, 0)
+            else:
+                pending, offsets = b"", (detok.prefix_offset, detok.read_offset)
+            snaps.append(
+                StopStreamSnapshot(
+                    req_id,
+                    st.fed,
+                    st.tail,
+                    st.num_chars,
+                    st.num_released,
+                    st.outbox,
+                    st.finished,
+                    detok.num_chars,
+                    *offsets,
+                    pending,
+                )
+            )
+        return snaps
+
+    def restore(self, snaps: list[StopStreamSnapshot], requests: dict[str, RequestState]) -> None:
+        """Take the streams a snapshot holds; a detokenizer's tokens are the request's output
+        up to what the stream decoded."""
+        self._streams = {}
+        for snap in snaps:
+            req = requests.get(snap.req_id)
+            if req is None:  # settled: its text was all taken
+                continue
+            st = self._stream(req)
+            st.fed, st.tail, st.num_chars = snap.fed, snap.tail, snap.num_chars
+            st.num_released, st.outbox, st.finished = snap.num_released, snap.outbox, snap.finished
+            detok = st.detok
+            detok.num_chars = snap.detok_chars
+            if isinstance(detok, ByteDetokenizer):
+                detok.utf8.setstate((snap.pending_bytes, 0))
+            else:
+                detok.tokens = list(req.output_token_ids[: snap.fed])
+                detok.prefix_offset, detok.read_offset = snap.prefix_offset, snap.read_offset

@@ -7,6 +7,7 @@ through the same function, so `fold(tape)` gives exactly the state the engine ha
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -82,16 +83,23 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
     _mark_pending(state, req)
 
 
+def _new_request(
+    state: EngineState, req_id: str, prompt: list[int], params: ev.SamplingParams, step: int
+) -> RequestState:
+    """A request as added, with what its stop check needs fixed once (its stop ids, whether
+    it has stop strings, its output limit)."""
+    req = RequestState(req_id, list(prompt), params, step)
+    eos = () if params.ignore_eos or state.eos_token_id is None else (state.eos_token_id,)
+    req.stop_ids = frozenset((*params.stop_token_ids, *eos))
+    req.has_stop_strings = bool(params.stop)
+    req.max_output_tokens = min(params.max_tokens, state.max_model_len - req.num_prompt_tokens)
+    return req
+
+
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
     if e.req_id in state.requests:
         raise ReducerError(f"request {e.req_id!r} added twice")
-    req = state.requests[e.req_id] = RequestState(
-        e.req_id, list(e.prompt_token_ids), e.params, e.step
-    )
-    eos = () if e.params.ignore_eos or state.eos_token_id is None else (state.eos_token_id,)
-    req.stop_ids = frozenset((*e.params.stop_token_ids, *eos))
-    req.has_stop_strings = bool(e.params.stop)
-    req.max_output_tokens = min(e.params.max_tokens, state.max_model_len - req.num_prompt_tokens)
+    state.requests[e.req_id] = _new_request(state, e.req_id, e.prompt_token_ids, e.params, e.step)
     state.waiting.append(e.req_id)
 
 
@@ -301,6 +309,58 @@ def _on_outputs(state: EngineState, e: ev.OutputsEmitted) -> None:
     state.pending_output.clear()
 
 
+def _on_snapshot(state: EngineState, e: ev.EngineSnapshot) -> None:
+    """Restore the state a segment opens with. Its requests replace the ones of the same id
+    (in a fold over earlier segments they are equal); settled requests stay as they are
+    (a snapshot leaves them out: nothing changes them any more)."""
+    requests = state.requests
+    for r in e.requests:
+        req = _new_request(state, r.req_id, r.prompt_token_ids, r.params, r.arrival_step)
+        req.status = RequestStatus(r.status)
+        req.output_token_ids = list(r.output_token_ids)
+        req.output_logprobs = list(r.output_logprobs)
+        req.output_top_logprobs = [dict(top) for top in r.output_top_logprobs]
+        req.prompt_logprobs = r.prompt_logprobs
+        req.num_computed_tokens = r.num_computed_tokens
+        req.num_output_placeholders = r.num_output_placeholders
+        req.epoch = r.epoch
+        req.num_preemptions = r.num_preemptions
+        req.block_ids = list(r.block_ids)
+        req.num_stale_in_flight = r.num_stale_in_flight
+        req.num_fresh_in_flight = r.num_fresh_in_flight
+        req.num_partial_in_flight = r.num_partial_in_flight
+        req.prefill_complete = r.prefill_complete
+        req.async_tokens_to_discard = r.async_tokens_to_discard
+        req.discard_latest_async_tokens = r.discard_latest_async_tokens
+        req.drop_stale_output = r.drop_stale_output
+        req.num_frames_dropped = r.num_frames_dropped
+        req.num_emitted = r.num_emitted
+        req.finish_reason = r.finish_reason
+        req.stop_reason = r.stop_reason
+        requests[r.req_id] = req
+    state.step = e.step
+    state.waiting = deque(e.waiting)
+    state.running = list(e.running)
+    state.in_flight_steps = deque(
+        InFlightStep(s.step, s.entries, [requests[x.req_id] for x in s.entries], set(s.partial))
+        for s in e.in_flight_steps
+    )
+    state.pending_output = dict.fromkeys(e.pending_output)
+    state.frame_outputs = []
+    state.paused = e.paused
+    state.sleep_level = e.sleep_level
+    state.sleeping_tags = tuple(e.sleeping_tags)
+    state.num_prefix_cache_resets = e.num_prefix_cache_resets
+    state.weights_id = e.weights_id
+    state.weight_version = e.weight_version
+    state.num_weight_updates = e.num_weight_updates
+    state.weight_update_chunks = e.weight_update_chunks
+
+
+def _on_segment_closed(state: EngineState, e: ev.SegmentClosed) -> None:
+    """The run goes on in the next segment: nothing changes."""
+
+
 def _on_error(state: EngineState, e: ev.EngineError) -> None:
     state.error = f"{e.error_type}: {e.message}"
 
@@ -392,6 +452,8 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.OutputsEmitted: _on_outputs,
     ev.EngineError: _on_error,
     ev.RecordingStopped: _on_recording_stopped,
+    ev.EngineSnapshot: _on_snapshot,
+    ev.SegmentClosed: _on_segment_closed,
 }
 
 

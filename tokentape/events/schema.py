@@ -29,8 +29,10 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # length at the finish (num_output_tokens: a frame's tokens after its stop are cut there, no
 # longer by the reducer as it applies the frame) and takes vLLM's stop_reason, the stop
 # token id too; a version-5 tape reads unchanged, its finishes cut by the stop rule
-# (events/stop_check.py), where its reducer cut them.
-FORMAT_VERSION = 6
+# (events/stop_check.py), where its reducer cut them. 7: EngineSnapshot, the event a segment of
+# a segmented tape opens with (a version-6 tape reads unchanged; a version-6 reader refuses
+# a version 7).
+FORMAT_VERSION = 7
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -331,6 +333,122 @@ class RecordingStopped(Event, frozen=True, tag="RecordingStopped"):
     reason: str
 
 
+# -- snapshots: where a segment of a segmented tape begins ---------------------------------
+
+
+class RequestSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A request the reducer still changes, as it holds it (events/state.py's RequestState,
+    field by field, but for what the reducer derives from the params when it is added)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_step: int
+    status: str  # a RequestStatus value
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    output_top_logprobs: list[dict[int, float]]
+    prompt_logprobs: PromptLogprobs | None
+    num_computed_tokens: int
+    num_output_placeholders: int
+    epoch: int
+    num_preemptions: int
+    block_ids: list[int]
+    num_stale_in_flight: int
+    num_fresh_in_flight: int
+    num_partial_in_flight: int
+    prefill_complete: bool
+    async_tokens_to_discard: int
+    discard_latest_async_tokens: bool
+    drop_stale_output: bool
+    num_frames_dropped: int
+    num_emitted: int
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+
+
+class InFlightSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A step scheduled whose frame had not come back: its entries, and the requests whose
+    entry is a prefill chunk that samples nothing."""
+
+    step: int
+    entries: list[ScheduledEntry]
+    partial: list[str]
+
+
+class KVCacheSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The KV cache manager's bookkeeping: the free queue in eviction order, as runs of
+    consecutive block ids (first id, count: a pool of 65536 blocks untouched is one run),
+    the reference count of every block in use, the prefix cache (block and the hash it
+    holds), and how many of each request's blocks are hashed. A request's hash chain is not
+    kept: it is a function of its tokens, computed again when needed."""
+
+    free_runs: list[tuple[int, int]]
+    ref_counts: list[tuple[int, int]]
+    cached_blocks: list[tuple[int, bytes]]
+    num_cached: list[tuple[str, int]]
+
+
+class StopStreamSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The stop-string checker's stream of one request (engine/stop_strings.py): the output
+    tokens decoded, the characters held back, released and not yet taken, and its
+    incremental detokenizer's position (offsets into the tokens decoded, or the bytes of a
+    character cut between tokens)."""
+
+    req_id: str
+    fed: int
+    tail: str
+    num_chars: int
+    num_released: int
+    outbox: str
+    finished: bool
+    detok_chars: int
+    prefix_offset: int = 0
+    read_offset: int = 0
+    pending_bytes: bytes = b""
+
+
+class EngineSnapshot(Event, frozen=True, tag="EngineSnapshot"):
+    """Format 7: the first event of every segment of a segmented tape: everything the
+    reducer and a replay need to start there without the segments before it. It restates
+    the state and changes nothing: the engine that takes it applies nothing, a fold that
+    starts with it restores it, and a replay that reaches one mid-tape compares it with its
+    own. `step` is the next step to schedule. Sampling carries no state of its own (a
+    request's seed and the position decide every draw), so none is kept."""
+
+    segment: int  # the segment's number in its directory, from 0
+    seq_offset: int  # events written in the segments before this one
+    wall_time: float  # seconds since the epoch when it was taken
+    requests: list[RequestSnapshot]  # every request not settled (unfinished, or owed output)
+    waiting: list[str]
+    running: list[str]
+    in_flight_steps: list[InFlightSnapshot]
+    pending_output: list[str]
+    paused: PauseMode | None
+    sleep_level: int | None
+    sleeping_tags: list[str]
+    num_prefix_cache_resets: int
+    weights_id: str | None
+    weight_version: str
+    num_weight_updates: int
+    weight_update_chunks: int | None
+    kv_cache: KVCacheSnapshot
+    stop_streams: list[StopStreamSnapshot]
+
+    def restated(self) -> EngineSnapshot:
+        """The snapshot without where and when it was taken: what two snapshots of the same
+        state share."""
+        return msgspec.structs.replace(self, segment=0, seq_offset=0, wall_time=0.0)
+
+
+class SegmentClosed(Event, frozen=True, tag="SegmentClosed"):
+    """Format 7: the last event of a segment that the run went on from: it continues in the
+    segment numbered `next_segment`, which opens with the snapshot of this step boundary.
+    Changes nothing; a segment without it at its end is where the recording stopped."""
+
+    next_segment: int
+
+
 AnyEvent = (
     RequestAdded
     | RequestAborted
@@ -349,6 +467,8 @@ AnyEvent = (
     | OutputsEmitted
     | EngineError
     | RecordingStopped
+    | EngineSnapshot
+    | SegmentClosed
 )
 
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]

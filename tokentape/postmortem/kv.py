@@ -44,7 +44,34 @@ class KVChecker(Checker):
         self.step_writes: dict[int, list[int]] = {}  # in-flight step -> the blocks it writes
 
     def after(self) -> dict[type, Hook]:
-        return {ev.FrameProduced: self._frame}
+        return {ev.FrameProduced: self._frame, ev.EngineSnapshot: self._restored}
+
+    def _restored(self, seq: int, e: ev.EngineSnapshot) -> None:
+        """A segment begins: the blocks its requests hold, and those its steps in flight
+        write for the requests still running (their frames come back in this segment).
+        Further on (segments read as one tape) the counts carried over are the truth."""
+        if seq != 0:
+            return
+        requests, bs = self.state.requests, self.block_size
+        for req in requests.values():
+            for b in req.block_ids:
+                if 0 <= b < self.num_blocks:
+                    self.used += self.refs[b] == 0
+                    self.refs[b] += 1
+                    self.holder[b] = req.req_id
+        for step in self.state.in_flight_steps:
+            for entry, req in zip(step.entries, step.requests, strict=True):
+                if req.status is not RequestStatus.RUNNING or entry.epoch != req.epoch:
+                    continue
+                start, end = (
+                    entry.num_computed_before,
+                    entry.num_computed_before + entry.num_new_tokens,
+                )
+                for i in range(start // bs, min((end - 1) // bs + 1, len(req.block_ids))):
+                    b = req.block_ids[i]
+                    slots = set(range(max(start, i * bs) - i * bs, min(end, (i + 1) * bs) - i * bs))
+                    self.writes.setdefault(b, []).append((step.step, req, i, slots))
+                    self.step_writes.setdefault(step.step, []).append(b)
 
     def _frame(self, seq: int, e: ev.FrameProduced) -> None:
         """The step came back: its writes are done."""

@@ -132,24 +132,35 @@ class ReferenceChecker(Checker):
     def after(self) -> dict[type, Hook]:
         return {
             ev.RequestAdded: self._added,
+            ev.EngineSnapshot: self._restored,
             ev.FrameProduced: self._frame,
             ev.RequestFinished: self._finished,
             ev.RequestAborted: self._finished,
         }
 
     def _added(self, seq: int, e: ev.RequestAdded) -> None:
+        self._follow(e.req_id, e.prompt_token_ids, e.params)
+
+    def _restored(self, seq: int, e: ev.EngineSnapshot) -> None:
+        """A segment's requests that were added before it: followed from here, their output
+        so far checked with the next frame that gives them tokens."""
+        for r in e.requests:
+            if r.req_id not in self.checked and r.finish_reason is None:
+                self._follow(r.req_id, r.prompt_token_ids, r.params)
+
+    def _follow(self, req_id: str, prompt: list[int], params: ev.SamplingParams) -> None:
         if self.oracle is not None:
-            longer = msgspec.structs.replace(e.params, max_tokens=e.params.max_tokens + _LOOKAHEAD)
-            self.streams[e.req_id] = self.oracle.expected_stream(
-                e.prompt_token_ids, longer, self.max_model_len + _LOOKAHEAD
+            longer = msgspec.structs.replace(params, max_tokens=params.max_tokens + _LOOKAHEAD)
+            self.streams[req_id] = self.oracle.expected_stream(
+                prompt, longer, self.max_model_len + _LOOKAHEAD
             )
-        elif self.reference is not None and e.req_id in self.reference:
-            prompt, tokens, reason = self.reference[e.req_id]
-            if prompt == e.prompt_token_ids:  # the same request id may name another request
-                self.streams[e.req_id] = tokens
+        elif self.reference is not None and req_id in self.reference:
+            ref_prompt, tokens, reason = self.reference[req_id]
+            if ref_prompt == prompt:  # the same request id may name another request
+                self.streams[req_id] = tokens
                 if reason in ("stop", "length"):
-                    self.lengths[e.req_id] = len(tokens)
-        self.checked[e.req_id] = 0
+                    self.lengths[req_id] = len(tokens)
+        self.checked[req_id] = 0
 
     def _frame(self, seq: int, e: ev.FrameProduced) -> None:
         streams, checked, requests = self.streams, self.checked, self.state.requests
@@ -188,8 +199,8 @@ class ReferenceChecker(Checker):
             self._classify(req.req_id, req.output_token_ids, ref, d)
             return
         want = self.lengths.pop(req.req_id, None)
-        if req.finish_reason not in ("stop", "length"):
-            return
+        if req.finish_reason not in ("stop", "length") or isinstance(req.stop_reason, str):
+            return  # a stop string ends it where the text matched: its tokens were compared
         if self.oracle is not None:
             # The oracle knows where the stream must end: its stop condition, within the lookahead.
             want = _oracle_length(ref, req)

@@ -65,6 +65,12 @@ def client_streams(
                     s.finish_reason, s.finish_seq = out.finish_reason, seq
         elif type(event) is ev.RequestAdded:
             streams[event.req_id] = ClientStream(event.req_id, list(event.prompt_token_ids), seq)
+        elif type(event) is ev.EngineSnapshot:  # a segment: requests added before it
+            for r in event.requests:
+                if r.req_id not in streams:
+                    s = streams[r.req_id] = ClientStream(r.req_id, list(r.prompt_token_ids), seq)
+                    s.token_ids.extend(r.output_token_ids[: r.num_emitted])
+                    s.token_seqs.extend([seq] * r.num_emitted)
     return streams
 
 

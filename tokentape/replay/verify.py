@@ -188,6 +188,22 @@ def issue_command(engine: EngineCore, event: ev.Event) -> None:
             raise TypeError(f"cannot replay command {ev.kind_of(event)}")
 
 
+def _start_or_check(
+    engine: EngineCore, stream: RecordedStream, snapshot: ev.EngineSnapshot
+) -> None:
+    """A segment's snapshot: where the tape begins, the replay starts from it; further on (a
+    directory of segments read as one tape), the replay must have reached that very state."""
+    if stream.consumed == 0:
+        engine.restore(snapshot)  # recorded on the checking tape: the snapshot itself
+        return
+    mine = engine.snapshot(snapshot.segment, snapshot.seq_offset)
+    if mine.restated() != snapshot.restated():
+        raise stream.diverged(
+            f"the replay's state differs from segment {snapshot.segment}'s snapshot", mine
+        )
+    stream.take()
+
+
 class TapeInconsistentError(ValueError):
     """A tape that fails verify's consistency checks, given to a reader that needs a consistent
     one (diff): it would draw conclusions from events that cannot follow each other."""
@@ -242,7 +258,11 @@ def verify(
                 return stream.ended_with_error()
             before = stream.consumed
             try:
-                if kind in ev.COMMAND_KINDS:
+                if isinstance(event, ev.EngineSnapshot):
+                    _start_or_check(engine, stream, event)
+                elif isinstance(event, ev.SegmentClosed):
+                    stream.take()  # the writer's record that the run goes on: nothing to redo
+                elif kind in ev.COMMAND_KINDS:
                     issue_command(engine, event)
                 else:
                     engine.step()

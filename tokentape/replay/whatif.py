@@ -31,6 +31,7 @@ from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.factory import ORACLE_MODELS, build_engine_core, make_runner
 from tokentape.engine.runners.base import ModelRunner
 from tokentape.events import schema as ev
+from tokentape.events.snapshot import for_recompute
 from tokentape.events.store import MemoryTape
 from tokentape.replay.diff import TapeDiff, TapeSource, diff
 from tokentape.replay.tape import Tape, load_tape
@@ -207,6 +208,12 @@ def whatif(
         tokenizer=tape_tokenizer(original.header),
     )
     writer = engine.tape
+    first = next(original.events(), None)
+    if first is not None and isinstance(first[1], ev.EngineSnapshot):
+        # A segment: its requests start again from their confirmed tokens (no K/V here).
+        num_blocks = engine.config.num_kv_blocks
+        assert num_blocks is not None  # resolved by the factory
+        engine.restore(for_recompute(first[1], num_blocks))
     # Generous: a changed pipeline may need more steps than the recording, never unboundedly more.
     limit = 10 * len(original) + 10_000
     notes: list[str] = [device_note] if device_note else []

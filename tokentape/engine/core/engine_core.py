@@ -40,6 +40,7 @@ open is refused at `resume_generation`. The tape has `WeightUpdateStarted`, a
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 
 import msgspec
@@ -71,7 +72,8 @@ from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
-from tokentape.events.store import TapeWriter
+from tokentape.events.snapshot import take_snapshot
+from tokentape.events.store import TakesSnapshots, TapeWriter
 from tokentape.events.validation import check_bool
 
 
@@ -135,6 +137,8 @@ class EngineCore:
         self.num_preemptions = 0  # RequestPreempted events emitted (vLLM's preemption metric)
         # n > 1: each parent's children on the tape (the output processor gathers them).
         self._children: dict[str, list[str]] = {}
+        if isinstance(tape, TakesSnapshots):  # a segmented tape: each segment opens with one
+            tape.bind_snapshots(self.snapshot)
 
     # -- the one way state changes ---------------------------------------------------------------
 
@@ -333,6 +337,32 @@ class EngineCore:
     def close(self) -> None:
         self.runner.close()
         self.tape.close()
+
+    # -- snapshots: where a segment of a segmented tape begins -------------------------------
+
+    def snapshot(self, segment: int = 0, seq_offset: int = 0) -> ev.EngineSnapshot:
+        """The engine's state at a step boundary (events/snapshot.py): what a segment opens
+        with, so that it replays without the segments before it."""
+        return take_snapshot(
+            self.state,
+            self.kv.snapshot(),
+            self.stop_strings.snapshot() if self.stop_strings is not None else [],
+            segment,
+            seq_offset,
+            time.time(),
+        )
+
+    def restore(self, snapshot: ev.EngineSnapshot) -> None:
+        """Start from a snapshot (a replay of a segment): recorded on this engine's tape and
+        applied, the KV cache manager's bookkeeping and the stop strings' streams with it.
+        Only before anything else happened."""
+        if self.state.num_events or self.state.requests:
+            raise RuntimeError("restore: only a new engine starts from a snapshot")
+        with self._recorded():
+            self._emit(snapshot)
+            self.kv.restore(snapshot.kv_cache)
+            if self.stop_strings is not None:
+                self.stop_strings.restore(snapshot.stop_streams, self.state.requests)
 
     # -- pause, resume, prefix-cache reset, sleep mode, abort-all ----------------------------
 

@@ -25,6 +25,7 @@ from collections import OrderedDict
 
 from mypy_extensions import mypyc_attr
 
+from tokentape.events.schema import KVCacheSnapshot
 from tokentape.events.state import RequestState
 
 ROOT_BLOCK_HASH = bytes(32)  # the parent of every request's first block
@@ -177,3 +178,41 @@ class KVCacheManager:
     def forget_request(self, req_id: str) -> None:
         """Drop a finished request's hash chain."""
         self._req_hashes.pop(req_id, None)
+
+    # -- snapshots (a segment of a segmented tape opens with one) -----------------------------
+
+    def snapshot(self) -> KVCacheSnapshot:
+        runs: list[tuple[int, int]] = []
+        first = count = 0
+        for b in self.free_queue:
+            if count and b == first + count:
+                count += 1
+                continue
+            if count:
+                runs.append((first, count))
+            first, count = b, 1
+        if count:
+            runs.append((first, count))
+        return KVCacheSnapshot(
+            runs,
+            [(b, n) for b, n in enumerate(self.ref_cnt) if n],
+            [(b, h) for h, b in self.cached.items()],
+            list(self._num_cached.items()),
+        )
+
+    def restore(self, snap: KVCacheSnapshot) -> None:
+        """Take the bookkeeping a snapshot holds; the hash chains are computed again from the
+        requests' tokens when needed."""
+        self.ref_cnt = [0] * self.num_blocks
+        for b, n in snap.ref_counts:
+            self.ref_cnt[b] = n
+        self.block_hash = [None] * self.num_blocks
+        self.cached = {}
+        for b, h in snap.cached_blocks:
+            self.block_hash[b] = h
+            self.cached[h] = b
+        self.free_queue = OrderedDict.fromkeys(
+            b for first, count in snap.free_runs for b in range(first, first + count)
+        )
+        self._req_hashes = {}
+        self._num_cached = dict(snap.num_cached)
