@@ -11,6 +11,7 @@ class TapeError(Exception):
 
     def __init__(self, path: str | None, message: str, position: int | None = None) -> None:
         self.path = path
+        self.message = message
         self.position = position
         where = f" at event {position}" if position is not None else ""
         super().__init__(f"{path or '<memory tape>'}: {message}{where}")

@@ -14,11 +14,37 @@ from tokentape.replay import load_tape
 from tokentape.replay.verify import verify
 
 FORMATS = Path(__file__).resolve().parents[1] / "tapes" / "formats"
-VERSIONS = sorted(int(p.stem.removeprefix("format")) for p in FORMATS.glob("format*.tape"))
+VERSIONS = sorted(
+    int(p.stem.removeprefix("format"))
+    for p in FORMATS.glob("format*.tape")
+    if p.stem.removeprefix("format").isdigit()
+)
+# From format 7 on, a segment of a segmented tape of the same run (record.py --segment).
+SEGMENT_VERSIONS = sorted(
+    int(p.stem.removeprefix("format").removesuffix("-segment"))
+    for p in FORMATS.glob("format*-segment.tape")
+)
 
 
 def test_every_format_version_has_its_tape() -> None:
     assert VERSIONS == list(range(1, ev.FORMAT_VERSION + 1))
+    assert SEGMENT_VERSIONS == list(range(7, ev.FORMAT_VERSION + 1))
+
+
+@pytest.mark.parametrize("version", SEGMENT_VERSIONS)
+def test_a_segment_of_each_format_verifies_and_gets_a_clean_postmortem_alone(
+    version: int,
+) -> None:
+    """The segment opens with a snapshot of requests in flight; nothing before it is there."""
+    path = FORMATS / f"format{version}-segment.tape"
+    tape = load_tape(path)
+    first = next(tape.events())[1]
+    assert isinstance(first, ev.EngineSnapshot) and first.requests and first.segment > 0
+    assert tape.fold().requests.keys() >= {r.req_id for r in first.requests}
+    result = verify(path)
+    assert result.ok, result.first_divergence
+    report = postmortem(path)
+    assert report.findings == [] and report.ok
 
 
 @pytest.mark.parametrize("version", VERSIONS)

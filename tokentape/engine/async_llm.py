@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any, Self
 
@@ -52,7 +53,9 @@ from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams
-from tokentape.events.tape_path import TapeSpec, check_tape_path
+from tokentape.events.segment_dir import SegmentedTapeSpec
+from tokentape.events.segmented_store import record_engine_death
+from tokentape.events.tape_path import TapeSpec, check_tape_path, with_tape_dir
 from tokentape.events.validation import check_int, check_str, shown
 from tokentape.extras import require_extra
 
@@ -67,12 +70,16 @@ class AsyncLLM:
         model: str = "tiny",
         *,
         tape: TapeSpec = None,
+        tape_dir: str | os.PathLike[str] | None = None,
         multiprocess_mode: bool = True,
         stream_interval: int = 1,
         **engine_args: Any,
     ) -> None:
         EngineConfig(model=model, **engine_args)  # a bad argument fails here, before any process
+        tape = with_tape_dir(tape, tape_dir)
         check_tape_path(tape)
+        self._tape = tape
+        self._death_record: threading.Thread | None = None  # writes how a dead core ended
         check_int("stream_interval", stream_interval, 1)
         if multiprocess_mode:  # the engine core process talks ZMQ: the `serve` extra
             require_extra("serve", "AsyncLLM's engine core process", "zmq")
@@ -159,6 +166,13 @@ class AsyncLLM:
         self._fail_all(reason)
         if first:
             self.failure = reason
+            if isinstance(self._tape, SegmentedTapeSpec):  # the flight recorder says how
+                self._death_record = threading.Thread(
+                    target=record_engine_death,
+                    args=(self._tape.directory, reason),
+                    name="tokentape-death-record",
+                )
+                self._death_record.start()
             for callback in self.failure_callbacks:
                 callback(reason)
 
@@ -350,6 +364,8 @@ class AsyncLLM:
         (MPClient.shutdown). Idempotent."""
         self.engine_core.shutdown(timeout_s)
         self._fail_all("the engine was shut down")
+        if self._death_record is not None:
+            self._death_record.join()
 
     def __enter__(self) -> Self:
         return self

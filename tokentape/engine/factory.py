@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shutil
 import sqlite3
 from collections.abc import Callable
 from typing import cast
@@ -26,7 +27,9 @@ from tokentape.engine.runners.base import HasTokenizer, ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
 from tokentape.events import schema as ev
-from tokentape.events.sqlite_store import SQLiteTape
+from tokentape.events.segment_dir import SegmentedTapeSpec
+from tokentape.events.segmented_store import SegmentedTape
+from tokentape.events.sqlite_store import SQLiteTape, remove_tape_files
 from tokentape.events.store import MemoryTape, NullTape, TapeWriter
 from tokentape.events.tape_path import TapeSpec, check_tape_path
 from tokentape.version import __version__
@@ -97,6 +100,8 @@ def open_tape_writer(tape: TapeSpec, config: EngineConfig, runner: ModelRunner) 
     if tape is False:
         return NullTape(header)
     assert not isinstance(tape, bool)  # check_tape_path refused True
+    if isinstance(tape, SegmentedTapeSpec):
+        return SegmentedTape(tape, header)
     try:
         writer: TapeWriter = SQLiteTape(tape, header)  # type: ignore[assignment]  # path: str
         return writer
@@ -151,7 +156,10 @@ def build_engine_core(
             writer.close()
             if writer.path is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(writer.path)
+                    if os.path.isdir(writer.path):  # a segmented tape's directory
+                        shutil.rmtree(writer.path)
+                    else:
+                        remove_tape_files(writer.path)
         raise
     for hook in ENGINE_CREATED_HOOKS:
         hook(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Self
 
@@ -15,7 +16,7 @@ from tokentape.engine.parallel_sampling import child_request_id
 from tokentape.engine.scenario import Scenario
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
-from tokentape.events.tape_path import TapeSpec
+from tokentape.events.tape_path import TapeSpec, with_tape_dir
 from tokentape.events.validation import check_str, shown
 from tokentape.progress import RequestProgress
 
@@ -32,10 +33,15 @@ class LLM:
     """
 
     def __init__(
-        self, model: str = DEFAULT_MODEL, *, tape: TapeSpec = None, **engine_args: object
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        tape: TapeSpec = None,
+        tape_dir: str | os.PathLike[str] | None = None,
+        **engine_args: object,
     ) -> None:
         config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
-        self.llm_engine = LLMEngine.from_engine_args(config, tape)
+        self.llm_engine = LLMEngine.from_engine_args(config, with_tape_dir(tape, tape_dir))
         self.config = self.llm_engine.config  # with max_model_len's default from the model
         # The prompts' tokenizer (a checkpoint's own; one that refuses text without one).
         self.tokenizer: Tokenizer = self.llm_engine.tokenizer

@@ -42,6 +42,7 @@ from tokentape.entrypoints.chat_template import ChatTemplate
 from tokentape.entrypoints.cli.common import (
     CLIError,
     check_output_path,
+    flight_recorder_spec,
     remove_for_overwrite,
     timestamped_tape_path,
 )
@@ -79,6 +80,7 @@ from tokentape.entrypoints.unsupported_fields import (
     refuse_unsupported_in,
 )
 from tokentape.errors import EngineDeadError
+from tokentape.events.tape_path import TapeSpec, check_tape_path
 
 logger = logging.getLogger("tokentape.serve")
 T = TypeVar("T")
@@ -272,9 +274,15 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     options = server_options(args)
-    tape: str | None = (
-        None if args.no_tape else (args.tape or timestamped_tape_path("tokentape-serve"))
-    )
+    tape: TapeSpec
+    if args.tape_dir is not None:
+        tape = flight_recorder_spec(args)
+        try:
+            check_tape_path(tape)  # a read-only or full file system: before the engine is built
+        except OSError as exc:
+            raise StartupError(str(exc)) from None
+    else:
+        tape = None if args.no_tape else (args.tape or timestamped_tape_path("tokentape-serve"))
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
         # Bad arguments fail before the removal.
         EngineConfig(model=args.model, **engine_args_from_cli(args))

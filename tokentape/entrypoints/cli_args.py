@@ -37,7 +37,7 @@ def make_arg_parser(srv: Any) -> Any:
         default=8000,
         help="port to bind; 0 picks a free one (default: 8000)",
     )
-    add_tape_arguments(srv, "tokentape-serve")
+    add_tape_arguments(srv, "tokentape-serve", flight_recorder=True)
     add_engine_cli_args(  # --model, --seed, --sync and the engine's flags (arg_utils.py)
         srv,
         help_overrides={

@@ -87,7 +87,7 @@ def account_for_loss(
         f"{end}"
     )
     try:
-        _append_to_file(
+        append_event(
             path, ev.EngineError(max(steps.values(), default=0), "TapeWriterError", message)
         )
     except (sqlite3.Error, OSError) as exc:
@@ -126,7 +126,7 @@ def append_rows(path: str, rows: list[sqlite_writer.Row]) -> None:
     _insert_past_end(path, lambda end: [r for r in rows if r[0] >= end])
 
 
-def _append_to_file(path: str, event: ev.Event) -> None:
+def append_event(path: str, event: ev.Event) -> None:
     """Append one event to a tape no process is writing (seq follows the last one)."""
     kind, data = ev.KIND_OF_TYPE[type(event)], _encode(event)
     _insert_past_end(path, lambda end: [(end, event.step, kind, data)])

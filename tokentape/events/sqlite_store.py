@@ -153,6 +153,7 @@ class SQLiteTape:
         self._from_writer = self._writer.stdout
         self._buffer: list[tuple[int, int, str, bytes]] = []
         self._next_seq = 0
+        self.num_bytes = 0  # encoded events appended (a segmented tape closes a segment on it)
         # (end seq, message) of each commit the writer has not confirmed yet: what a failure
         # report needs, trimmed against the writer's acknowledgement every _TRIM_EVERY commits.
         self._unconfirmed: deque[tuple[int, bytes]] = deque()
@@ -167,11 +168,12 @@ class SQLiteTape:
         self._finalizer = weakref.finalize(self, _stop_writer, self._writer)
 
     def append(self, event: ev.Event) -> None:
-        row = (self._next_seq, event.step, ev.KIND_OF_TYPE[type(event)], _encode(event))
+        data = _encode(event)
         # The count moves before the row goes in: an interrupt between the two must not
         # leave the next row the same seq.
         self._next_seq += 1
-        self._buffer.append(row)
+        self._buffer.append((self._next_seq - 1, event.step, ev.KIND_OF_TYPE[type(event)], data))
+        self.num_bytes += len(data)
 
     def commit(self) -> None:
         """End a transaction (a step boundary): the rows appended since go to the writer."""

@@ -10,8 +10,8 @@ pairs in order without loading the whole tape.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -32,6 +32,14 @@ class TapeWriter(Protocol):
         """Commit, and return once everything committed is stored."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class TakesSnapshots(Protocol):
+    """A writer whose segments open with a snapshot of the engine (the segmented tape): the
+    engine hands it the way to take one, `take(segment, seq_offset)`, when it is built."""
+
+    def bind_snapshots(self, take: Callable[[int, int], ev.EngineSnapshot]) -> None: ...
 
 
 class TapeReader(Protocol):

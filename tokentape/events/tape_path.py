@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import os
 
+from tokentape.events.segment_dir import SegmentedTapeSpec, check_tape_dir
 from tokentape.events.validation import short_repr, shown
 
-# A path means an SQLite tape file, None an in-memory tape, False no tape at all.
-TapeSpec = str | os.PathLike[str] | None | bool
+# A path means an SQLite tape file, a SegmentedTapeSpec a directory of segments (a flight
+# recorder), None an in-memory tape, False no tape at all.
+TapeSpec = str | os.PathLike[str] | None | bool | SegmentedTapeSpec
 
 
 def check_tape_path(tape: TapeSpec) -> None:
     """Refuse a tape path that cannot be created, naming it and why. (SQLiteTape checks again
     when it creates the file.)"""
     if tape is None or tape is False:
+        return
+    if isinstance(tape, SegmentedTapeSpec):
+        check_tape_dir(tape)
         return
     if tape is True:
         raise ValueError("tape=True is ambiguous: pass a file path, None (memory) or False (off)")
@@ -45,3 +50,15 @@ def check_tape_path(tape: TapeSpec) -> None:
         raise NotADirectoryError(f"{what}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"{what}: directory {parent} is not writable")
+
+
+def with_tape_dir(tape: TapeSpec, tape_dir: str | os.PathLike[str] | None) -> TapeSpec:
+    """`tape`, or with `tape_dir` (LLM's and AsyncLLM's argument) a segmented tape in that
+    directory, with the flight recorder's default limits (SegmentedTapeSpec for others)."""
+    if tape_dir is None:
+        return tape
+    if tape is not None:
+        raise ValueError("give tape or tape_dir, not both")
+    if not isinstance(tape_dir, (str, os.PathLike)):
+        raise TypeError(f"tape_dir must be a directory path, got {shown(tape_dir)}")
+    return SegmentedTapeSpec(os.fspath(tape_dir))

@@ -280,6 +280,8 @@ def _check_end(ctx: Context, last: Item | None) -> None:
     state = ctx.state
     if state.error is not None or state.recording_stopped is not None or last is None:
         return  # an engine_error or recording_stopped finding says why it ended
+    if isinstance(last[1], ev.SegmentClosed):
+        return  # a segment of a segmented tape: the run goes on in the next one
     unfinished = [r.req_id for r in state.unfinished]
     in_flight = [s.step for s in state.in_flight_steps]
     if not unfinished and not in_flight and not state.pending_output:

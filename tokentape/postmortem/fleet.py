@@ -6,7 +6,9 @@ then a summary with a row per engine saying how its tape ends.
     report = fleet_postmortem("tapes/", use_ray=True) # Ray tasks (tokentape.postmortem.fleet_ray)
     report.summary.engines["engine-1"].ended          # "complete", "truncated", ...
 
-A tape's engine is its file name without `.tape`. Each tape gets the single-tape postmortem
+A fleet's tapes are its `*.tape` files and its subdirectories that are segmented tapes (each
+read as one tape). A tape's engine is its file name without `.tape` (a directory's: its
+name). Each tape gets the single-tape postmortem
 (`tokentape.postmortem.postmortem`); a tape that cannot be opened at all gets an `error`
 instead of findings.
 """
@@ -24,6 +26,7 @@ from typing import Literal
 
 import msgspec
 
+from tokentape.events.segment_dir import is_segmented_tape
 from tokentape.events.store import TapeError
 from tokentape.postmortem.findings import Finding, Summary
 
@@ -105,10 +108,16 @@ def _natural_key(name: str) -> list[object]:
 
 
 def find_tapes(directory: str | os.PathLike[str]) -> list[str]:
-    """The `*.tape` files of a directory (not its subdirectories), in natural name order."""
+    """The `*.tape` files of a directory and its subdirectories that are segmented tapes
+    (not other subdirectories, nor what they hold), in natural name order."""
     directory = os.fspath(directory)
     with os.scandir(directory) as entries:
-        names = [x.name for x in entries if x.name.endswith(".tape") and x.is_file()]
+        names = [
+            x.name
+            for x in entries
+            if (x.name.endswith(".tape") and x.is_file())
+            or (x.is_dir() and is_segmented_tape(x.path))
+        ]
     return [os.path.join(directory, n) for n in sorted(names, key=_natural_key)]
 
 
@@ -149,7 +158,10 @@ def fleet_postmortem(
     the CPUs of a local Ray instance started for it). `progress` gets the tapes done so far."""
     paths = find_tapes(directory)
     if not paths:
-        raise ValueError(f"{os.fspath(directory)}: no tapes here (files named *.tape)")
+        raise ValueError(
+            f"{os.fspath(directory)}: no tapes here "
+            "(files named *.tape, or segmented tapes' directories)"
+        )
     results: dict[str, TapeResult] = {}
 
     def done(data: bytes) -> None:

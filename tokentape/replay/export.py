@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -27,7 +28,8 @@ import msgspec
 
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve
-from tokentape.events.sqlite_store import copy_tape
+from tokentape.events.sqlite_reader import SQLiteTapeReader
+from tokentape.events.sqlite_store import copy_tape, write_tape
 from tokentape.replay.tape import Tape
 from tokentape.replay.timeline import Timeline, build_timeline
 
@@ -43,6 +45,8 @@ def to_builtin(value: Any) -> Any:
         return {name: to_builtin(getattr(value, name)) for name in value.__struct_fields__}
     if isinstance(value, (list, tuple)):
         return [to_builtin(v) for v in value]
+    if isinstance(value, bytes):  # a snapshot's block hashes and undecoded text, as hex
+        return value.hex()
     return value
 
 
@@ -296,7 +300,14 @@ def export(
     writer(tape, out, progress)
 
 
-def export_sqlite(tape: str | os.PathLike[str], path: str | os.PathLike[str]) -> int:
+def export_sqlite(tape: str | os.PathLike[str] | Tape, path: str | os.PathLike[str]) -> int:
     """Copy the tape file `tape` into a new single-file tape at `path` (never overwritten),
-    consistent even while `tape` is being written. Returns the number of events copied."""
-    return copy_tape(tape, path)
+    consistent even while `tape` is being written. Returns the number of events copied.
+    A loaded Tape that is not one file (a segmented tape's directory, or a window of it; a
+    memory tape) is written event by event: its events as the Tape sees them."""
+    if not isinstance(tape, Tape):
+        return copy_tape(tape, path)
+    if isinstance(tape.reader, SQLiteTapeReader):
+        return copy_tape(tape.path, path)
+    events = itertools.islice(tape.events(), len(tape))  # as long as when it was opened
+    return write_tape(path, tape.header, (event for _, event in events))

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from tokentape.engine.config import EngineConfig
 from tokentape.events import schema as ev
 from tokentape.events.reducer import fold_events, initial_state
+from tokentape.events.segment_dir import MANIFEST, is_segmented_tape
+from tokentape.events.segmented_reader import SegmentedTapeReader, TimePoint
 from tokentape.events.sqlite_store import SQLiteTapeReader
 from tokentape.events.state import EngineState
 from tokentape.events.store import MemoryTape, TapeError, TapeReader, check_format_version
@@ -111,12 +113,29 @@ class Tape:
         return self.snapshots.state_at(seq)
 
 
-def load_tape(source: str | os.PathLike[str] | MemoryTape | Tape) -> Tape:
+def load_tape(
+    source: str | os.PathLike[str] | MemoryTape | Tape,
+    since: TimePoint | None = None,
+    until: TimePoint | None = None,
+) -> Tape:
+    """A tape file, a segmented tape's directory (its segments as one tape, or those of the
+    window `since`..`until`: seconds since the epoch, or a timedelta before the tape's end),
+    a memory tape, or a Tape as is."""
     if isinstance(source, Tape):
         return source
     if isinstance(source, MemoryTape):
         return Tape(source)
-    return Tape(SQLiteTapeReader(source))
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        if not is_segmented_tape(path):
+            raise TapeError(
+                path,
+                f"is a directory, not a tape: it has no segmented tape's manifest ({MANIFEST})",
+            )
+        return Tape(SegmentedTapeReader(path, since, until))
+    if since is not None or until is not None:
+        raise TapeError(path, "a time window (--since, --until) needs a segmented tape's directory")
+    return Tape(SQLiteTapeReader(path))
 
 
 def fold(source: str | os.PathLike[str] | MemoryTape | Tape) -> EngineState:

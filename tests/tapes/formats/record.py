@@ -10,16 +10,30 @@ commit, from a worktree of it, and keep the tape here for good:
     PYTHONPATH=/tmp/fmt<N> python tests/tapes/formats/record.py tests/tapes/formats/format<N>.tape
 
 (also run it at the current commit for the current format). Format 1 was recorded at
-a4d3efb, 2 at b49b08d, 3 at 3d48b60, 4 at 7963c4a, 5 at b712d6d, 6 at 773b281.
+a4d3efb, 2 at b49b08d, 3 at 3d48b60, 4 at 7963c4a, 5 at b712d6d, 6 at 773b281. From format 7
+on, a segment of the same run recorded as a segmented tape is kept beside it, the one that
+opens with the most requests still running:
+
+    python tests/tapes/formats/record.py tests/tapes/formats/format<N>-segment.tape --segment
 """
 
+import os
+import shutil
 import sys
+import tempfile
 
 from tokentape import LLM, SamplingParams
 from tokentape.events.schema import FORMAT_VERSION as V
 
 path = sys.argv[1]
-llm = LLM(model="tiny", tape=path, pipeline_depth=2, block_size=4, num_kv_blocks=24, seed=0)
+segmented = len(sys.argv) > 2 and sys.argv[2] == "--segment"
+tape: object = path
+if segmented:  # format 7 and later: the run as a segmented tape, a segment per step
+    from tokentape.events.segment_dir import SegmentedTapeSpec
+
+    run_dir = os.path.join(tempfile.mkdtemp(), "run")
+    tape = SegmentedTapeSpec(run_dir, segment_seconds=1e-9, retention_bytes=None)
+llm = LLM(model="tiny", tape=tape, pipeline_depth=2, block_size=4, num_kv_blocks=24, seed=0)
 e = llm.engine
 e.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True))
 e.add_request("b", list(range(40, 52)), SamplingParams(max_tokens=30, temperature=0.0))
@@ -43,4 +57,12 @@ e.abort_request("b")
 while e.has_unfinished_requests():
     e.step()
 llm.close()
+if segmented:  # keep the segment that opens with the most requests not settled
+    from tokentape.events.segment_dir import segment_files
+    from tokentape.replay import load_tape
+
+    def live(segment: str) -> int:
+        return len(next(load_tape(segment).events())[1].requests)
+
+    shutil.copyfile(max(segment_files(run_dir), key=live), path)
 print("format", V, "written", path)

@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -142,6 +143,18 @@ class InprocClient(CoreClient):
         self.core.shutdown()
 
 
+def how_it_exited(code: int) -> str:
+    """A process's end, as its exit status says: "exited with status 1", or "was killed by
+    SIGKILL" for a negative status (the signal; the OOM killer sends SIGKILL)."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name}"
+
+
 class MPClient(CoreClient):
     """Starts `python -m tokentape.engine.core.engine_core_proc` and waits until its engine
     is built."""
@@ -214,7 +227,7 @@ class MPClient(CoreClient):
             code = self.proc.poll()
             if code is not None:
                 raise RuntimeError(
-                    f"the engine core process exited with status {code} before it was ready"
+                    f"the engine core process {how_it_exited(code)} before it was ready"
                 )
         raise TimeoutError(f"the engine core was not ready after {timeout_s:.0f} s")
 
@@ -232,7 +245,7 @@ class MPClient(CoreClient):
             if not await sock.poll(1000):
                 code = self.proc.poll()
                 if code is not None:
-                    dispatch(CoreDead(f"the engine core process exited with status {code}"))
+                    dispatch(CoreDead(f"the engine core process {how_it_exited(code)}"))
                     return
                 continue
             # What has arrived, a bounded batch per wake of the loop (one message per step):
@@ -263,7 +276,7 @@ class MPClient(CoreClient):
             raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
         if not self._send_bounded(data):
             code = self.proc.poll()
-            state = "does not read its input" if code is None else f"exited with status {code}"
+            state = "does not read its input" if code is None else how_it_exited(code)
             raise EngineDeadError(f"the engine core {state}: it takes no more requests")
 
     def _send_bounded(self, data: bytes) -> bool:

@@ -15,6 +15,7 @@ import msgspec
 
 from tokentape.engine.outputs import EngineCoreOutput
 from tokentape.events.schema import SamplingParams
+from tokentape.events.segment_dir import SegmentedTapeSpec
 
 # -- frontend to core -------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class CoreSetup(msgspec.Struct, array_like=True):
     input_address: str  # the core pulls requests from here
     output_address: str  # and pushes its messages here
     model: str
-    tape: str | bool | None
+    tape: str | bool | None | SegmentedTapeSpec
     engine_args: dict[str, Any]
 
 

@@ -1,5 +1,5 @@
 """What the `tokentape` subcommands share: the expected-failure error and exit statuses,
-argument types, the one overwrite rule for output files, and opening a tape to read.
+argument types, the one overwrite rule for output files, and the tape a running command writes.
 
 Expected failures raise `CLIError` (or one of `expected_errors()`): `tokentape.cli.main`
 prints `error: <message>` on one line and exits with status 2.
@@ -7,6 +7,7 @@ prints `error: <message>` on one line and exits with status 2.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import sqlite3
@@ -15,6 +16,14 @@ from typing import Any
 
 from tokentape.engine.arg_utils import int_at_least
 from tokentape.errors import CLIError, EngineDeadError, ReducerError, TapeError
+from tokentape.events.segment_dir import (
+    DEFAULT_RETENTION_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_SEGMENT_SECONDS,
+    SegmentedTapeSpec,
+    parse_retention,
+    parse_size,
+)
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1  # also: findings (postmortem), outputs that differ (diff, whatif)
@@ -65,9 +74,10 @@ def timestamped_tape_path(prefix: str) -> str:
     return new_tape_path(f"{prefix}-{stamp}")
 
 
-def add_tape_arguments(parser: Any, prefix: str) -> None:
+def add_tape_arguments(parser: Any, prefix: str, flight_recorder: bool = False) -> None:
     """The tape a running command writes: --tape PATH or --no-tape, and --force; unnamed,
-    timestamped_tape_path(prefix)'s."""
+    timestamped_tape_path(prefix)'s. With `flight_recorder` (a server), also --tape-dir DIR:
+    a segmented tape, with its segment and retention limits."""
     tape = parser.add_mutually_exclusive_group()
     tape.add_argument(
         "--tape",
@@ -78,6 +88,66 @@ def add_tape_arguments(parser: Any, prefix: str) -> None:
     )
     tape.add_argument("--no-tape", action="store_true", help="do not write a tape file")
     add_force_argument(parser, "tape file")
+    if not flight_recorder:
+        return
+    tape.add_argument(
+        "--tape-dir",
+        metavar="DIR",
+        default=None,
+        help="write the tape as a flight recorder: a new directory of segment files, each of "
+        "which verifies and replays on its own; closed segments beyond --tape-retention are "
+        "deleted, so the tape stays bounded",
+    )
+    parser.add_argument(
+        "--segment-seconds",
+        metavar="SECONDS",
+        type=float,
+        default=DEFAULT_SEGMENT_SECONDS,
+        help="with --tape-dir: close a segment after this long "
+        f"(default: {DEFAULT_SEGMENT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--segment-bytes",
+        metavar="SIZE",
+        type=_size,
+        default=DEFAULT_SEGMENT_BYTES,
+        help="with --tape-dir: or once it holds this many bytes of events, whichever comes "
+        f"first (500KB, 64MB; default: {DEFAULT_SEGMENT_BYTES >> 20}MB)",
+    )
+    parser.add_argument(
+        "--tape-retention",
+        metavar="LIMIT",
+        type=_retention,
+        default=(None, DEFAULT_RETENTION_BYTES),
+        help="with --tape-dir: keep the closed segments of the last LIMIT: a duration (30m, "
+        "2h) or a size for the whole tape (500MB, 2GB); 0 keeps everything "
+        f"(default: {DEFAULT_RETENTION_BYTES >> 30}GB)",
+    )
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _retention(text: str) -> tuple[float | None, int | None]:
+    try:
+        return parse_retention(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def flight_recorder_spec(args: argparse.Namespace) -> SegmentedTapeSpec:
+    """--tape-dir and its limits, checked (a bad limit is a CLIError)."""
+    seconds, size = args.tape_retention
+    try:
+        return SegmentedTapeSpec(
+            args.tape_dir, args.segment_seconds, args.segment_bytes, seconds, size
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 # -- the overwrite rule: an existing output file is refused unless --force ----------------------
@@ -120,12 +190,3 @@ def remove_for_overwrite(path: str) -> None:
     from tokentape.events.sqlite_store import remove_tape_files
 
     remove_tape_files(path)
-
-
-def open_tape(path: str, snapshot_interval: int | None = None) -> Any:
-    """A tape file to read (tokentape.replay.tape.Tape)."""
-    from tokentape.events.sqlite_store import SQLiteTapeReader
-    from tokentape.replay.snapshots import DEFAULT_INTERVAL
-    from tokentape.replay.tape import Tape
-
-    return Tape(SQLiteTapeReader(path), snapshot_interval or DEFAULT_INTERVAL)

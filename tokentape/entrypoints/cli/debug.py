@@ -7,7 +7,8 @@ import argparse
 import sys
 from typing import Any
 
-from tokentape.entrypoints.cli.common import EXIT_OK, CLIError, open_tape, positive_int
+from tokentape.entrypoints.cli.common import EXIT_OK, CLIError, positive_int
+from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR, add_tape_source, open_tape
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "  printf 'break discard > 0\\ncontinue\\nprint req 0\\n' | tokentape debug run.tape"
         ),
     )
-    dbg.add_argument("tape", metavar="TAPE", help="tape file to debug")
+    add_tape_source(dbg, f"the {TAPE_OR_DIR}, to debug")
     dbg.add_argument(
         "--snapshot-interval",
         type=positive_int,
@@ -46,7 +47,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def cmd_debug(args: argparse.Namespace) -> int:
     from tokentape.replay.debugger import run_debugger
 
-    errors = run_debugger(open_tape(args.tape, args.snapshot_interval), sys.stdin, sys.stdout)
+    errors = run_debugger(open_tape(args, args.snapshot_interval), sys.stdin, sys.stdout)
     if errors:  # shown in the session already; one line on stderr for scripts, and exit 2
         failed = (
             "1 debugger command failed"

@@ -9,7 +9,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from tokentape.entrypoints.cli.common import EXIT_DIVERGED, EXIT_OK, open_tape
+from tokentape.entrypoints.cli.common import EXIT_DIVERGED, EXIT_OK
+from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR
 from tokentape.progress import progress
 from tokentape.replay.render import Output
 
@@ -31,8 +32,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
         epilog="example:\n  tokentape diff ci.tape local.tape",
     )
-    dif.add_argument("a", metavar="A", help="first tape")
-    dif.add_argument("b", metavar="B", help="second tape")
+    dif.add_argument("a", metavar="A", help=f"first {TAPE_OR_DIR}")
+    dif.add_argument("b", metavar="B", help=f"second {TAPE_OR_DIR}")
     dif.set_defaults(func=cmd_diff)
     return dif
 
@@ -76,10 +77,11 @@ class PinnedReader:
 
 
 def pinned_tapes(path_a: str, path_b: str) -> tuple[Any, Any]:
-    """Both tapes, each pinned at its length now; one file given twice is pinned once."""
-    from tokentape.replay.tape import Tape
+    """Both tapes (files or segmented tapes' directories), each pinned at its length now;
+    one tape given twice is pinned once."""
+    from tokentape.replay.tape import Tape, load_tape
 
-    a, b = open_tape(path_a), open_tape(path_b)
+    a, b = load_tape(path_a), load_tape(path_b)
     len_a, len_b = len(a), len(b)
     if os.path.samefile(path_a, path_b):
         len_a = len_b = min(len_a, len_b)

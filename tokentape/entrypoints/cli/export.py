@@ -13,9 +13,9 @@ from tokentape.entrypoints.cli.common import (
     CLIError,
     add_force_argument,
     check_output_path,
-    open_tape,
     remove_for_overwrite,
 )
+from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR, add_tape_source, open_tape
 from tokentape.progress import progress
 
 
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "  tokentape export live.tape --format sqlite -o snapshot.tape"
         ),
     )
-    exp.add_argument("tape", metavar="TAPE", help="tape file to export")
+    add_tape_source(exp, f"the {TAPE_OR_DIR}, to export")
     exp.add_argument(
         "--format",
         required=True,
@@ -68,13 +68,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.format == "sqlite" and args.output is None:
         raise CLIError("--format sqlite writes a file: give its path with --output")
-    tape = open_tape(args.tape)  # a file that is not a tape is refused before any output
+    tape = open_tape(args)  # a file that is not a tape is refused before any output
     if args.output is not None and check_output_path(
         args.output, args.force, "--output", [args.tape]
     ):
         remove_for_overwrite(args.output)
     if args.format == "sqlite":
-        n = export_sqlite(args.tape, args.output)
+        n = export_sqlite(tape, args.output)
         print(f"wrote {args.output} ({n} events)", file=sys.stderr)
         return EXIT_OK
     with progress(len(tape), f"exporting {args.format}") as update:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from tokentape.entrypoints.cli.common import EXIT_OK, CLIError, non_negative_int, one_line
+from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR, add_tape_source, open_tape
 from tokentape.progress import progress
 from tokentape.replay.render import REQUEST_COLUMNS, plural, request_row, state_view
 from tokentape.replay.summaries import engine_summary, header_summary, request_detail
@@ -33,7 +34,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "  tokentape inspect run.tape --request 0 --json"
         ),
     )
-    insp.add_argument("tape", metavar="TAPE", help="tape file to inspect")
+    add_tape_source(insp, f"the {TAPE_OR_DIR}, to inspect")
     insp.add_argument(
         "--step",
         type=non_negative_int,
@@ -84,9 +85,7 @@ def _fold(tape: Any, step: int | None) -> Any:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from tokentape.replay import load_tape
-
-    tape = load_tape(args.tape)
+    tape = open_tape(args)
     num_events = len(tape)
     state = _fold(tape, args.step)
     where = "at the end of the tape" if args.step is None else f"at step {args.step}"

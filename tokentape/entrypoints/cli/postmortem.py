@@ -1,6 +1,8 @@
 """`tokentape postmortem TAPE`: run the checkers over a tape and print (or write) the report.
-`tokentape postmortem DIR`: the same for every tape of a directory (a fleet, one tape per
-engine), in parallel, with a row per engine (tokentape/postmortem/fleet.py).
+`tokentape postmortem DIR`: a segmented tape's directory is one tape (its segments, or those
+of the window --since..--until); any other directory is a fleet (one tape per engine: *.tape
+files and segmented tapes' subdirectories), analysed in parallel, with a row per engine
+(tokentape/postmortem/fleet.py).
 
 Exit status: 0 when no finding has error severity, 1 when one has, 2 when the tape cannot be
 opened at all (not a tape, a newer format version) or cannot be read to its end (a damaged
@@ -26,6 +28,8 @@ from tokentape.entrypoints.cli.common import (
     check_output_path,
     positive_int,
 )
+from tokentape.entrypoints.cli.tape_source import add_window_options, open_tape
+from tokentape.events.segment_dir import is_segmented_tape
 from tokentape.events.store import TapeError
 from tokentape.postmortem.report_text import print_report
 from tokentape.progress import progress
@@ -50,11 +54,14 @@ def add_parser(sub: Any) -> None:
             "or freed twice, stuck requests, prefix-cache resets with blocks in use, and client\n"
             "outputs that differ from what the reducer derives. Then verify's consistency\n"
             "checks (as 'tokentape replay verify'), and where a tape that stops mid-run ends.\n"
-            "A damaged tape is analysed up to where it breaks.\n"
+            "A damaged tape is analysed up to where it breaks. A segmented tape's directory\n"
+            "(with its tokentape-tape.json) is one tape: its segments, or with --since and\n"
+            "--until those of a time window.\n"
             "\n"
-            "Given a directory (a fleet: one tape per engine, *.tape), it analyses every tape\n"
-            "in parallel (worker processes, or Ray tasks with --ray) and reports a row per\n"
-            "engine (named by its file): how and where its tape ends (complete, truncated by\n"
+            "Given any other directory (a fleet: one tape per engine, *.tape files and\n"
+            "segmented tapes' subdirectories), it analyses every tape in parallel (worker\n"
+            "processes, or Ray tasks with --ray) and reports a row per engine (named by its\n"
+            "file or subdirectory): how and where its tape ends (complete, truncated by\n"
             "a killed engine, interrupted by a Ctrl-C, engine_error, damaged, unreadable) and\n"
             'its findings; --json gives {"tapes": [...], "summary": {"tapes": N, ...,\n'
             '"engines": {...}}}.\n'
@@ -76,8 +83,11 @@ def add_parser(sub: Any) -> None:
         ),
     )
     pm.add_argument(
-        "tape", metavar="TAPE|DIR", help="tape file to analyse, or a directory of tapes"
+        "tape",
+        metavar="TAPE|DIR",
+        help="tape file, or a segmented tape's directory, to analyse; or a directory of tapes",
     )
+    add_window_options(pm)
     pm.add_argument(
         "--html",
         metavar="REPORT",
@@ -116,17 +126,16 @@ def add_parser(sub: Any) -> None:
 
 def cmd_postmortem(args: argparse.Namespace) -> int:
     from tokentape.postmortem.analysis import postmortem
-    from tokentape.replay.tape import load_tape
 
     if args.html is not None:  # refused before any analysis, unless --force
         check_output_path(
             args.html, args.force, "--html", [p for p in (args.tape, args.reference) if p]
         )
-    if os.path.isdir(args.tape):
+    if os.path.isdir(args.tape) and not is_segmented_tape(args.tape):
         return cmd_fleet(args)
     if args.jobs is not None or args.ray:
         raise CLIError("--jobs and --ray apply to a directory of tapes, not to one tape")
-    tape = load_tape(args.tape)
+    tape = open_tape(args)
     total = _length_or_none(tape)
     with progress(total, "postmortem", minimum=0) as update:
         report = postmortem(tape, reference=args.reference, progress=update)
@@ -154,6 +163,11 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from tokentape.postmortem.fleet_report import print_fleet_report, write_fleet_report
     from tokentape.replay.tape import load_tape
 
+    if args.since is not None or args.until is not None:
+        raise CLIError(
+            f"{args.tape}: --since and --until apply to a segmented tape's directory, "
+            "not to a directory of tapes"
+        )
     if args.ray and importlib.util.find_spec("ray") is None:
         raise CLIError("--ray needs Ray: pip install 'tokentape[ray]'")
     if args.reference is not None:

@@ -4,6 +4,7 @@ commands under another configuration and diff the outputs."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -15,10 +16,10 @@ from tokentape.entrypoints.cli.common import (
     add_force_argument,
     check_output_path,
     new_tape_path,
-    open_tape,
     remove_for_overwrite,
 )
 from tokentape.entrypoints.cli.diff import print_diff
+from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR, add_tape_source, open_tape
 from tokentape.progress import progress
 from tokentape.replay.render import safe_text
 
@@ -63,14 +64,14 @@ def _add_verify(replay_sub: Any) -> None:
             "2 when the tape cannot be read."
         ),
     )
-    ver.add_argument("tape", metavar="TAPE", help="tape file to verify")
+    add_tape_source(ver, f"the {TAPE_OR_DIR}, to verify")
     ver.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from tokentape.replay import verify
 
-    tape = open_tape(args.tape)
+    tape = open_tape(args)
     with progress(len(tape), "verifying") as update:
         result = verify(tape, update)
     done = "reproduced" if result.statement is None else "consistent"
@@ -121,7 +122,7 @@ def _add_whatif(replay_sub: Any) -> None:
             "  tokentape replay whatif run.tape --runner oracle"
         ),
     )
-    wi.add_argument("tape", metavar="TAPE", help="the recorded tape")
+    add_tape_source(wi, f"the recorded {TAPE_OR_DIR}")
     # The engine flags a what-if may change (arg_utils.py), the tape's when not given.
     add_engine_cli_args(
         wi, ("discard_policy", "pipeline_depth"), model=False, seed=False, default_of="the tape's"
@@ -148,11 +149,11 @@ def _add_whatif(replay_sub: Any) -> None:
 def cmd_whatif(args: argparse.Namespace) -> int:
     from tokentape.replay.whatif import whatif, whatif_config
 
-    tape = open_tape(args.tape)
+    tape = open_tape(args)
     # A bad configuration fails before --force removes anything.
     whatif_config(tape, args.discard_policy, args.pipeline_depth, args.runner)
     if args.out is None:
-        out = new_tape_path(args.tape.removesuffix(".tape") + "-whatif")
+        out = new_tape_path(os.path.normpath(args.tape).removesuffix(".tape") + "-whatif")
     else:
         out = args.out
         if check_output_path(out, args.force, "--out", [args.tape]):

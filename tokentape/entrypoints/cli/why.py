@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from tokentape.entrypoints.cli.common import EXIT_OK, CLIError, non_negative_int
+from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR, add_tape_source, open_tape
 from tokentape.replay.render import Output, safe_text
 
 _STYLES = {
@@ -45,7 +46,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "  tokentape why run.tape req-7 0 --json"
         ),
     )
-    why.add_argument("tape", metavar="TAPE", help="tape file")
+    add_tape_source(why, f"the {TAPE_OR_DIR}")
     why.add_argument("request", metavar="REQUEST", help="request id")
     why.add_argument(
         "position",
@@ -60,10 +61,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def cmd_why(args: argparse.Namespace) -> int:
     from tokentape.events.fold_errors import FOLD_ERRORS
-    from tokentape.replay import load_tape
     from tokentape.replay.why import WhyError, why
 
-    tape = load_tape(args.tape)
+    tape = open_tape(args)
     try:
         result = why(tape, args.request, args.position)
     except WhyError as exc:

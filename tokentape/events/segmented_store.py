@@ -1,0 +1,241 @@
+"""The segmented tape: a flight recorder a server can keep for weeks.
+
+`SegmentedTape` writes a tape as a sequence of segment files in one directory
+(events/segment_dir.py). A segment is an ordinary SQLite tape (`SQLiteTape`, with its writer
+process) that opens with an `EngineSnapshot` of the engine, so it verifies, replays and
+postmortems without the segments before it. The engine hands the writer a way to take that
+snapshot (`bind_snapshots`); at a step boundary (`commit`) past `segment_seconds` or
+`segment_bytes` the writer takes one, opens the next segment with it, and closes the old one
+on a background thread, so the engine waits for neither the old writer's last commit nor
+the deletion of what the retention no longer keeps.
+
+Retention: after each close, closed segments older than `retention_seconds`, or beyond
+`retention_bytes` for the whole tape, are deleted, oldest first. The open segment is never
+deleted, so the tape stays within its retention plus one segment. A reader that opened a
+segment keeps reading it after its deletion (its file stays until the reader closes it).
+
+When the engine dies the open segment's writer process commits what it was handed and
+finishes the file; closed segments are complete files already. The manifest says how the
+run ended: `close` writes it (an EngineError on the tape, or a clean close), and a front end
+that saw its engine core die writes it for the core (`record_engine_death`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from tokentape.events import schema as ev
+from tokentape.events.segment_dir import (
+    MANIFEST_KIND,
+    SegmentedTapeSpec,
+    check_tape_dir,
+    now_iso,
+    record_end,
+    segment_files,
+    segment_name,
+    write_manifest,
+)
+from tokentape.events.sqlite_reader import SQLiteTapeReader, tape_file_status
+from tokentape.events.sqlite_repair import append_event
+from tokentape.events.sqlite_store import SQLiteTape, remove_tape_files
+from tokentape.events.store import TapeError
+
+TakeSnapshot = Callable[[int, int], ev.EngineSnapshot]  # (segment, seq_offset) -> snapshot
+
+
+class SegmentedTape:
+    """A tape writer over a directory of segments (see the module doc). `path` is the
+    directory. Nothing is written until the engine binds its snapshots: the first segment
+    opens with the engine's first state."""
+
+    def __init__(self, spec: SegmentedTapeSpec, header: ev.TapeHeader) -> None:
+        check_tape_dir(spec)
+        self.spec = spec
+        self.path: str | None = spec.directory
+        self.header = header
+        os.makedirs(spec.directory, exist_ok=True)
+        write_manifest(
+            spec.directory,
+            {
+                "kind": MANIFEST_KIND,
+                "format_version": ev.FORMAT_VERSION,
+                "created_at": now_iso(),
+                "model_id": header.model_id,
+                "segment_seconds": spec.segment_seconds,
+                "segment_bytes": spec.segment_bytes,
+                "retention_seconds": spec.retention_seconds,
+                "retention_bytes": spec.retention_bytes,
+                "ended": None,
+            },
+        )
+        self._take_snapshot: TakeSnapshot | None = None
+        self._segment: SQLiteTape | None = None
+        self._index = -1
+        self._seq_offset = 0  # events in the segments before the open one
+        self._opened_at = 0.0
+        self._error: str | None = None  # the EngineError recorded, for the manifest's end
+        self._closer = ThreadPoolExecutor(1, thread_name_prefix="tokentape-segments")
+        self._closing: list[Future[None]] = []
+        self._closed = False
+
+    @property
+    def segment_path(self) -> str | None:
+        """The open segment's file."""
+        return self._segment.path if self._segment is not None else None
+
+    def bind_snapshots(self, take: TakeSnapshot) -> None:
+        """The engine's snapshot, taken at each segment's start; opens the first segment."""
+        self._take_snapshot = take
+        self._segment = self._new_segment(take(0, 0))
+        self._index, self._opened_at = 0, time.monotonic()
+
+    def _new_segment(self, snapshot: ev.EngineSnapshot) -> SQLiteTape:
+        """A new segment file, opening with the engine's snapshot (committed)."""
+        path = os.path.join(self.spec.directory, segment_name(snapshot.segment))
+        try:
+            segment = SQLiteTape(path, self.header)
+        except sqlite3.Error as exc:
+            raise OSError(f"{path}: cannot create the tape segment: {exc}") from exc
+        segment.append(snapshot)
+        segment.commit()
+        return segment
+
+    def _current(self) -> SQLiteTape:
+        if self._segment is None:
+            raise TapeError(self.path, "the segmented tape has no open segment (bind_snapshots)")
+        return self._segment
+
+    def append(self, event: ev.Event) -> None:
+        self._current().append(event)
+        if type(event) is ev.EngineError:
+            self._error = f"{event.error_type}: {event.message}"
+
+    def commit(self) -> None:
+        """A step boundary: hand the rows to the segment's writer, and open the next segment
+        when this one is due to close. (Here, not at the next event: the scheduler's KV
+        bookkeeping changes before the event that records a step is appended.)"""
+        segment = self._current()
+        segment.commit()
+        self._raise_closing_error()
+        if (
+            segment.num_bytes >= self.spec.segment_bytes
+            or time.monotonic() - self._opened_at >= self.spec.segment_seconds
+        ):
+            self._rotate(segment)
+
+    def _rotate(self, old: SQLiteTape) -> None:
+        """Open the next segment, then close the old one on the closing thread. A segment
+        that cannot be opened (a full disk) leaves the old one open: the failure is recorded
+        there."""
+        assert self._take_snapshot is not None
+        # The old segment ends with SegmentClosed: the new one's events come after it.
+        snapshot = self._take_snapshot(self._index + 1, self._seq_offset + len(old) + 1)
+        new = self._new_segment(snapshot)
+        old.append(ev.SegmentClosed(snapshot.step, snapshot.segment))
+        old.commit()
+        seq_offset = self._seq_offset + len(old)
+        self._segment = new
+        self._index, self._seq_offset, self._opened_at = (
+            self._index + 1,
+            seq_offset,
+            time.monotonic(),
+        )
+        self._closing.append(self._closer.submit(self._finish_segment, old))
+
+    def _finish_segment(self, old: SQLiteTape) -> None:
+        """On the closing thread: wait for the old segment's writer, then apply retention."""
+        old.close()
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        spec, open_path = self.spec, self.segment_path
+        if spec.retention_seconds is None and spec.retention_bytes is None:
+            return
+        files = segment_files(spec.directory)
+        sizes = {p: _size_on_disk(p) for p in files}
+        total = sum(sizes.values())
+        oldest_kept = time.time() - (spec.retention_seconds or float("inf"))
+        for path in files:
+            if path == open_path:
+                break  # never the open segment, nor anything after it
+            if tape_file_status(path).journal_mode != "rollback":
+                break  # still being finished by its writer
+            too_much = spec.retention_bytes is not None and total > spec.retention_bytes
+            too_old = os.path.getmtime(path) < oldest_kept
+            if not (too_much or too_old):
+                break
+            remove_tape_files(path)
+            total -= sizes[path]
+
+    def _raise_closing_error(self) -> None:
+        while self._closing and self._closing[0].done():
+            self._closing.pop(0).result()  # a closed segment's writer failure, raised here
+
+    def flush(self) -> None:
+        """Return once every committed event of every segment is in its file."""
+        if self._segment is not None:
+            self._segment.flush()
+        for future in self._closing:
+            future.result()
+        self._closing.clear()
+
+    def __len__(self) -> int:
+        return self._seq_offset + (len(self._segment) if self._segment is not None else 0)
+
+    def close(self) -> None:
+        """Close the open segment, wait for the closing ones, and say in the manifest how the
+        run ended."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._segment is not None:
+                self._segment.close()
+            for future in self._closing:
+                future.result()
+        finally:
+            self._closer.shutdown(wait=True)
+            with contextlib.suppress(OSError, ValueError):
+                record_end(self.spec.directory, self._error or "closed")
+
+
+def _size_on_disk(path: str) -> int:
+    total = 0
+    for p in (path, f"{path}-wal"):
+        with contextlib.suppress(OSError):
+            total += os.path.getsize(p)
+    return total
+
+
+def record_engine_death(directory: str, how: str, wait_s: float = 5.0) -> None:
+    """Say how the run ended, for an engine core that died without closing its tape (killed,
+    or out of memory): once the open segment's writer process has committed what it was
+    handed and finished the file (within `wait_s`), an EngineError there names the death,
+    unless the core recorded its own failure; the manifest says it too."""
+    files = segment_files(directory)
+    if files:
+        last = files[-1]
+        deadline = time.monotonic() + wait_s
+        while tape_file_status(last).journal_mode != "rollback" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if tape_file_status(last).journal_mode == "rollback":  # no writer any more
+            reader = SQLiteTapeReader(last)
+            try:
+                tail = _last_event(reader)
+            finally:
+                reader.close()
+            if tail is not None and not isinstance(tail, ev.EngineError):
+                append_event(last, ev.EngineError(tail.step, "EngineDeadError", how))
+    record_end(directory, how)
+
+
+def _last_event(reader: SQLiteTapeReader) -> ev.Event | None:
+    n = len(reader)
+    for _, event in reader.iter_events(max(n - 1, 0)):
+        return event
+    return None
