@@ -82,8 +82,10 @@ def parse_retention(text: str) -> tuple[float | None, int | None]:
     None; `0` keeps everything (None, None)."""
     if text.strip() == "0":
         return None, None
-    if re.search(r"[smhd]\s*$", text.strip()) and not re.search(r"B\s*$", text.strip().upper()):
+    try:
         return parse_duration(text), None
+    except ValueError:
+        pass
     try:
         return None, parse_size(text)
     except ValueError:

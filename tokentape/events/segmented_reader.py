@@ -72,11 +72,15 @@ class SegmentedTapeReader:
         except (OSError, ValueError) as exc:
             raise TapeError(self.path, f"not a segmented tape ({exc})") from None
         self.segments: list[Segment] = []
+        # A segment that cannot be opened: reading stops there (the ones before it read).
+        self.damage: TapeError | None = None
         try:
             self._open_segments(since, until)
         except BaseException:
             self.close()
             raise
+        if not self.segments and self.damage is not None:
+            raise self.damage
         if not self.segments:
             window = "" if since is None and until is None else " in the time window asked for"
             raise TapeError(self.path, f"the segmented tape has no segment{window}")
@@ -90,21 +94,25 @@ class SegmentedTapeReader:
 
     def _open_segments(self, since: TimePoint | None, until: TimePoint | None) -> None:
         opened: list[Segment] = []
-        for path in segment_files(self.path):
+        files = segment_files(self.path)
+        for path in files:
             try:
                 reader = SQLiteTapeReader(path)
             except TapeError as exc:
-                if not os.path.exists(path):  # deleted by the retention since the listing
-                    if opened:
-                        raise TapeError(
-                            path, "the segment was deleted while the tape was opened"
-                        ) from None
-                    continue
-                raise exc
-            snapshot = first_snapshot(reader)
+                if not os.path.exists(path) and not opened:
+                    continue  # deleted by the retention since the listing: the tape starts later
+                self.damage = exc  # the segments after it cannot be joined to the ones before
+                break
+            snapshot = first_snapshot(reader) if len(reader) else None
+            if snapshot is None and path == files[-1] and not len(reader):
+                reader.close()  # the next segment's file, made ahead: not opened yet
+                continue
             if snapshot is None:
                 reader.close()
-                raise TapeError(path, "not a segment of a segmented tape (no snapshot first)")
+                self.damage = TapeError(
+                    path, "not a segment of a segmented tape (no snapshot first)"
+                )
+                break
             opened.append(Segment(path, reader, snapshot, len(reader), 0.0))
         for seg, nxt in zip(opened, [*opened[1:], None], strict=True):
             seg.ends_at = nxt.starts_at if nxt is not None else _last_write(seg.path)
@@ -143,6 +151,11 @@ class SegmentedTapeReader:
         raise IndexError(seq)
 
     def iter_events(self, start: int = 0) -> Iterator[tuple[int, ev.Event]]:
+        yield from self._iter_segments(start)
+        if self.damage is not None:  # the segment that could not be opened, where it begins
+            raise TapeError(self.damage.path, self.damage.message, self._len)
+
+    def _iter_segments(self, start: int) -> Iterator[tuple[int, ev.Event]]:
         for seg, first in zip(self.segments, self._starts, strict=True):
             if start >= first + seg.num_events and seg is not self.segments[-1]:
                 continue

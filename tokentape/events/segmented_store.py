@@ -79,8 +79,11 @@ class SegmentedTape:
         self._seq_offset = 0  # events in the segments before the open one
         self._opened_at = 0.0
         self._error: str | None = None  # the EngineError recorded, for the manifest's end
-        self._closer = ThreadPoolExecutor(1, thread_name_prefix="tokentape-segments")
+        self._closer = ThreadPoolExecutor(1, thread_name_prefix="tokentape-segment-close")
+        # Its own thread: the next file is ready even while a close waits for its writer.
+        self._maker = ThreadPoolExecutor(1, thread_name_prefix="tokentape-segment-make")
         self._closing: list[Future[None]] = []
+        self._spare: Future[SQLiteTape] | None = None  # the next segment's file, being made
         self._closed = False
 
     @property
@@ -91,16 +94,22 @@ class SegmentedTape:
     def bind_snapshots(self, take: TakeSnapshot) -> None:
         """The engine's snapshot, taken at each segment's start; opens the first segment."""
         self._take_snapshot = take
-        self._segment = self._new_segment(take(0, 0))
+        self._segment = self._start_segment(self._segment_file(0), take(0, 0))
         self._index, self._opened_at = 0, time.monotonic()
+        self._spare = self._maker.submit(self._segment_file, 1)
 
-    def _new_segment(self, snapshot: ev.EngineSnapshot) -> SQLiteTape:
-        """A new segment file, opening with the engine's snapshot (committed)."""
-        path = os.path.join(self.spec.directory, segment_name(snapshot.segment))
+    def _segment_file(self, index: int) -> SQLiteTape:
+        """Segment `index`'s file, empty, with its writer process. The next one is made on the
+        thread of its own while the open one fills (a new SQLite file and a process take tens of
+        milliseconds), so opening it costs the engine only its snapshot."""
+        path = os.path.join(self.spec.directory, segment_name(index))
         try:
-            segment = SQLiteTape(path, self.header)
+            return SQLiteTape(path, self.header)
         except sqlite3.Error as exc:
             raise OSError(f"{path}: cannot create the tape segment: {exc}") from exc
+
+    @staticmethod
+    def _start_segment(segment: SQLiteTape, snapshot: ev.EngineSnapshot) -> SQLiteTape:
         segment.append(snapshot)
         segment.commit()
         return segment
@@ -132,10 +141,11 @@ class SegmentedTape:
         """Open the next segment, then close the old one on the closing thread. A segment
         that cannot be opened (a full disk) leaves the old one open: the failure is recorded
         there."""
-        assert self._take_snapshot is not None
+        assert self._take_snapshot is not None and self._spare is not None
         # The old segment ends with SegmentClosed: the new one's events come after it.
         snapshot = self._take_snapshot(self._index + 1, self._seq_offset + len(old) + 1)
-        new = self._new_segment(snapshot)
+        spare, self._spare = self._spare, None
+        new = self._start_segment(spare.result(), snapshot)  # its failure (a full disk) here
         old.append(ev.SegmentClosed(snapshot.step, snapshot.segment))
         old.commit()
         seq_offset = self._seq_offset + len(old)
@@ -145,15 +155,18 @@ class SegmentedTape:
             seq_offset,
             time.monotonic(),
         )
+        self._spare = self._maker.submit(self._segment_file, self._index + 1)
         self._closing.append(self._closer.submit(self._finish_segment, old))
 
     def _finish_segment(self, old: SQLiteTape) -> None:
         """On the closing thread: wait for the old segment's writer, then apply retention."""
         old.close()
-        self._apply_retention()
+        self._apply_retention(old.path)
 
-    def _apply_retention(self) -> None:
-        spec, open_path = self.spec, self.segment_path
+    def _apply_retention(self, last_closed: str) -> None:
+        """Delete the oldest closed segments (up to `last_closed`: the ones after it may
+        still be closing) while the tape is over its size, or they are older than its time."""
+        spec = self.spec
         if spec.retention_seconds is None and spec.retention_bytes is None:
             return
         files = segment_files(spec.directory)
@@ -161,16 +174,13 @@ class SegmentedTape:
         total = sum(sizes.values())
         oldest_kept = time.time() - (spec.retention_seconds or float("inf"))
         for path in files:
-            if path == open_path:
-                break  # never the open segment, nor anything after it
-            if tape_file_status(path).journal_mode != "rollback":
-                break  # still being finished by its writer
             too_much = spec.retention_bytes is not None and total > spec.retention_bytes
-            too_old = os.path.getmtime(path) < oldest_kept
-            if not (too_much or too_old):
+            if not (too_much or os.path.getmtime(path) < oldest_kept):
                 break
             remove_tape_files(path)
             total -= sizes[path]
+            if path == last_closed:
+                break
 
     def _raise_closing_error(self) -> None:
         while self._closing and self._closing[0].done():
@@ -199,9 +209,21 @@ class SegmentedTape:
             for future in self._closing:
                 future.result()
         finally:
+            self._discard_spare()
+            self._maker.shutdown(wait=True)
             self._closer.shutdown(wait=True)
             with contextlib.suppress(OSError, ValueError):
                 record_end(self.spec.directory, self._error or "closed")
+
+    def _discard_spare(self) -> None:
+        """The next segment's file, never opened: closed and removed."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        with contextlib.suppress(Exception):  # one that failed to be made: nothing to remove
+            segment = spare.result()
+            segment.close()
+            remove_tape_files(segment.path)
 
 
 def _size_on_disk(path: str) -> int:
@@ -218,6 +240,8 @@ def record_engine_death(directory: str, how: str, wait_s: float = 5.0) -> None:
     handed and finished the file (within `wait_s`), an EngineError there names the death,
     unless the core recorded its own failure; the manifest says it too."""
     files = segment_files(directory)
+    while files and _is_spare(files[-1], wait_s):
+        remove_tape_files(files.pop())  # the next segment's file, made ahead, never opened
     if files:
         last = files[-1]
         deadline = time.monotonic() + wait_s
@@ -232,6 +256,18 @@ def record_engine_death(directory: str, how: str, wait_s: float = 5.0) -> None:
             if tail is not None and not isinstance(tail, ev.EngineError):
                 append_event(last, ev.EngineError(tail.step, "EngineDeadError", how))
     record_end(directory, how)
+
+
+def _is_spare(path: str, wait_s: float) -> bool:
+    """A segment file with no event once its writer finished: made ahead, never opened."""
+    deadline = time.monotonic() + wait_s
+    while tape_file_status(path).journal_mode != "rollback" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    reader = SQLiteTapeReader(path)
+    try:
+        return len(reader) == 0
+    finally:
+        reader.close()
 
 
 def _last_event(reader: SQLiteTapeReader) -> ev.Event | None:

@@ -261,7 +261,7 @@ def _run(
             "error",
             [],
             state.step,
-            f"the tape cannot be read from event {where} on ({_reason(exc)}); "
+            f"the tape cannot be read from event {where} on ({_reason(exc, ctx.tape.path)}); "
             f"the {where} events before it were analysed",
             [],
             None,
@@ -399,10 +399,10 @@ def _check_replay(
     )
 
 
-def _reason(exc: TapeError) -> str:
-    text = str(exc)
-    prefix = f"{exc.path or '<memory tape>'}: "
-    text = text.removeprefix(prefix)
+def _reason(exc: TapeError, tape_path: str | None) -> str:
+    """The error without the tape's path; a segment of a segmented tape read whole is named."""
+    text = str(exc).removeprefix(f"{exc.path or '<memory tape>'}: ")
     if exc.position is not None:
         text = text.removesuffix(f" at event {exc.position}")
-    return " ".join(text.split()) or type(exc).__name__
+    segment = f"{os.path.basename(exc.path)}: " if exc.path and exc.path != tape_path else ""
+    return segment + (" ".join(text.split()) or type(exc).__name__)

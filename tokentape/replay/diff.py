@@ -45,6 +45,9 @@ class ClientStream:
     token_seqs: list[int] = field(default_factory=list)  # the OutputsEmitted of each token
     finish_reason: str | None = None
     finish_seq: int | None = None
+    # Unfinished where the tape read ends because the run went on in a later segment: what
+    # it received so far is a prefix of the whole stream, not all of it.
+    cut_by_window: bool = False
 
 
 def client_streams(
@@ -53,6 +56,7 @@ def client_streams(
     """Every request's delivered stream, in the order the requests were added. `progress`, if
     given, is called with the number of events read every 65536 events."""
     streams: dict[str, ClientStream] = {}
+    event: ev.Event | None = None
     for seq, event in tape.events():
         if progress is not None and not seq & 0xFFFF:
             progress(seq)
@@ -71,6 +75,9 @@ def client_streams(
                     s = streams[r.req_id] = ClientStream(r.req_id, list(r.prompt_token_ids), seq)
                     s.token_ids.extend(r.output_token_ids[: r.num_emitted])
                     s.token_seqs.extend([seq] * r.num_emitted)
+    if type(event) is ev.SegmentClosed:
+        for s in streams.values():
+            s.cut_by_window = s.finish_reason is None
     return streams
 
 
@@ -192,6 +199,8 @@ def _compare(a: ClientStream, b: ClientStream) -> RequestDivergence | None:
         return RequestDivergence(
             a.req_id, p, "token", ta[p], tb[p], seq_of(a, p), seq_of(b, p), _explain(ta, tb, p)
         )
+    if (a.cut_by_window and len(ta) <= len(tb)) or (b.cut_by_window and len(tb) <= len(ta)):
+        return None  # the shorter one is a prefix the window cut: as far as it goes, the same
     if len(ta) != len(tb):
         longer, shorter = ("A", "B") if len(ta) > len(tb) else ("B", "A")
         short = b if len(ta) > len(tb) else a
