@@ -34,7 +34,7 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 @dataclass(frozen=True, slots=True)
 class _Flag:
     help: str
-    minimum: int | None = None  # an integer flag; None: one of `choices`
+    minimum: int | None = None  # an integer flag; None: one of `choices`, or text without any
     metavar: str = "N"
     choices: tuple[str, ...] = ()
 
@@ -68,6 +68,10 @@ ENGINE_FLAGS: dict[str, _Flag] = {
         "*_logprobs the log-softmax, *_logits the values",
         choices=LOGPROBS_MODES,
     ),
+    "worker_extension_cls": _Flag(
+        "a class mixed into the worker (vLLM's option): collective_rpc calls its methods",
+        metavar="MODULE.CLASS",
+    ),
 }
 _DEFAULTS = EngineConfig()
 _NONE_DEFAULTS = {
@@ -77,6 +81,7 @@ _NONE_DEFAULTS = {
     "num_kv_blocks": "what the memory budget holds",
     "max_model_len": "the model's context length, capped at the KV capacity",
     "cpu_threads": "one per CPU",
+    "worker_extension_cls": "none",
 }
 
 
@@ -123,7 +128,11 @@ def add_engine_cli_args(
             default = f"engine default: {getattr(_DEFAULTS, name)}"
         option = "--" + name.replace("_", "-")
         where = group if name == "pipeline_depth" else parser
-        if flag.minimum is None:
+        if flag.minimum is None and not flag.choices:  # free text
+            where.add_argument(
+                option, default=None, metavar=flag.metavar, help=f"{flag.help} ({default})"
+            )
+        elif flag.minimum is None:
             where.add_argument(
                 option,
                 choices=list(flag.choices),

@@ -24,6 +24,8 @@ import threading
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any, Self
 
+import msgspec
+
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.call_args import (
     check_pause_mode,
@@ -351,6 +353,35 @@ class AsyncLLM:
         if weight_version is not None:
             resolve_version(weight_version, 0)
         return str(await self._call("finish_weight_update", weight_version))
+
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's AsyncLLM.collective_rpc: call `method` on every worker, in the engine core
+        (a list of one result). Across the process boundary `method` is a worker method's
+        name (worker_extension_cls's among them) and the arguments and results plain values
+        (msgpack); in process (multiprocess_mode=False) a function taking the worker first
+        works too. On the tape as CollectiveRPC."""
+        in_process = isinstance(self.engine_core, InprocClient)
+        if not isinstance(method, str) and not in_process:
+            raise TypeError(
+                "collective_rpc: the engine core runs in another process; pass the name of a "
+                "worker method (worker_extension_cls adds methods), not a function"
+            )
+        call_args = [method, timeout, list(args), dict(kwargs or {})]
+        if not in_process:
+            try:
+                msgspec.msgpack.encode(call_args)
+            except TypeError as exc:
+                raise TypeError(
+                    f"collective_rpc: the arguments cannot travel to the engine core process "
+                    f"({exc}); pass plain values (tensors go through shared memory or a file)"
+                ) from None
+        return list(await self._call("collective_rpc", *call_args))
 
     async def get_weight_version(self) -> str:
         """The version of the weights serving now (vLLM #49040): "default" until an update."""

@@ -76,6 +76,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # What the sampled tokens' logprobs (and the top k) hold: LOGPROBS_MODES, vLLM's default
     # first. Prompt logprobs are always raw log-probabilities.
     logprobs_mode: str = "raw_logprobs"
+    # vLLM's worker_extension_cls: "module.Class", a class mixed into the worker, whose
+    # methods collective_rpc calls (an RL framework's weight loading); None: none.
+    worker_extension_cls: str | None = None
 
     def __post_init__(self) -> None:
         # Types first (a bool is not an int here; the seed goes into the tape header and the
@@ -116,6 +119,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             need(
                 isinstance(name, str) and name in FAULTS,
                 f"unknown fault {name!r}; the faults are {sorted(FAULTS)}",
+            )
+        if self.worker_extension_cls is not None:
+            check_str("worker_extension_cls", self.worker_extension_cls)
+            parts = self.worker_extension_cls.split(".")
+            need(
+                len(parts) > 1 and all(part.isidentifier() for part in parts),
+                "worker_extension_cls must name a class as module.Class, got "
+                f"{self.worker_extension_cls!r}",
             )
         need(
             self.logprobs_mode in LOGPROBS_MODES,

@@ -26,6 +26,7 @@ from tokentape.engine.model_registry import BUILTIN_MODELS, MODEL_HELP, ORACLE_M
 from tokentape.engine.runners.base import HasTokenizer, ModelRunner
 from tokentape.engine.runners.oracle import OracleRunner
 from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
+from tokentape.engine.worker import worker_class
 from tokentape.events import schema as ev
 from tokentape.events.segment_dir import SegmentedTapeSpec
 from tokentape.events.segmented_store import SegmentedTape
@@ -130,6 +131,7 @@ def build_engine_core(
     spec, callers_writer = _tape_arg(tape)
     if callers_writer is None:
         check_tape_path(spec)
+    worker_class(config.worker_extension_cls)  # a bad extension fails before the model loads
     runner = make_runner(config) if runner is None else runner
     try:
         config = resolve_config(config, runner)  # blocks, depth, max_model_len; logged

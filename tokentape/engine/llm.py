@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Self
+from collections.abc import Callable, Sequence
+from typing import Any, Self
 
 import msgspec
 
@@ -173,6 +173,19 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's LLM.wake_up (LLMEngine.wake_up): restore what `tags` name (None: all)."""
         self.llm_engine.wake_up(tags)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's LLM.collective_rpc: call `method` on every worker (tokentape runs one: a
+        list of one result). `method` is a worker method's name, one of the class given as
+        `worker_extension_cls` among them, or a function called with the worker first. On
+        the tape as CollectiveRPC (engine/core/engine_core.py)."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def close(self) -> None:
         self.llm_engine.close()

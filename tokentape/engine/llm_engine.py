@@ -16,8 +16,8 @@ updates) are the core's, made here as vLLM's LLMEngine makes them through its cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
-from typing import Self
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Self
 
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.engine_core import EngineCore
@@ -151,6 +151,16 @@ class LLMEngine:
 
     def get_weight_version(self) -> str:
         return self.engine_core.get_weight_version()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's: call a worker method (worker_extension_cls's too) on every worker."""
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def close(self) -> None:
         self.engine_core.close()

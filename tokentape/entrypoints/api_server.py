@@ -61,7 +61,13 @@ from tokentape.entrypoints.launcher import (
 )
 from tokentape.entrypoints.metrics import ServerMetrics
 from tokentape.entrypoints.request_body import decode_body
-from tokentape.entrypoints.rl_endpoints import RL_PATHS, add_rl_endpoints, dev_mode
+from tokentape.entrypoints.rl_endpoints import (
+    COLLECTIVE_RPC_PATH,
+    RL_PATHS,
+    add_collective_rpc_endpoint,
+    add_rl_endpoints,
+    dev_mode,
+)
 from tokentape.entrypoints.serving_chat import create_chat_completion
 from tokentape.entrypoints.serving_completion import create_completion
 from tokentape.entrypoints.serving_engine import APIError, ClientGone, OpenAIServing
@@ -110,11 +116,14 @@ class ServerOptions:
     one of them for every /v1 route and RL endpoint (none: no key asked for);
     `enable_rl_endpoints`: serve the RL endpoints (rl_endpoints.RL_PATHS: pause, resume,
     reset, weights, sleep mode, abort); `allowed_weight_dirs`: the folders /update_weights may
-    load from."""
+    load from; `enable_collective_rpc`: serve POST /collective_rpc (dev mode)."""
 
     api_keys: tuple[str, ...] = ()
     enable_rl_endpoints: bool = False
     allowed_weight_dirs: tuple[str, ...] = ()
+    # POST /collective_rpc runs worker code the caller names: vLLM serves it in dev mode only
+    # (VLLM_SERVER_DEV_MODE=1), and so does tokentape.
+    enable_collective_rpc: bool = False
 
 
 def build_app(
@@ -234,11 +243,13 @@ def build_app(
 
     if options.enable_rl_endpoints:
         add_rl_endpoints(app, engine, options.allowed_weight_dirs, json_response)
+    if options.enable_collective_rpc:
+        add_collective_rpc_endpoint(app, engine, json_response)
     if options.api_keys:
         app.add_middleware(
             APIKeyMiddleware,
             keys=options.api_keys,
-            protected_paths=(*RL_PATHS, *TOKENIZER_PATHS, GENERATE_PATH),
+            protected_paths=(*RL_PATHS, COLLECTIVE_RPC_PATH, *TOKENIZER_PATHS, GENERATE_PATH),
             error=unauthorized,
         )
     return app
@@ -265,6 +276,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(
         api_keys=tuple(api_keys_from(args.api_key)),
         enable_rl_endpoints=args.enable_rl_endpoints or dev_mode(),
+        enable_collective_rpc=dev_mode(),
         allowed_weight_dirs=tuple(args.allowed_weight_dirs),
     )
 

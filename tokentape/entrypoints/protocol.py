@@ -152,6 +152,15 @@ class FinishWeightUpdateRequest(msgspec.Struct):
     weight_version: str | None = None  # as vLLM's finish_weight_update takes it
 
 
+class CollectiveRPCRequest(msgspec.Struct):
+    """vLLM's dev-mode /collective_rpc body: a worker method by name, and its arguments."""
+
+    method: str
+    timeout: float | None = None
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
 class AbortRequest(msgspec.Struct):
     """SGLang's /abort_request body (AbortReq): one request's id, or every request."""
 

@@ -4,7 +4,8 @@ then /update_weights per chunk, then POST /finish_weight_update (vLLM #39212, it
 `weight_version` in the body: #49040), and GET /weight_info (the version serving now);
 vLLM's sleep mode: POST /sleep?level=N&mode=M, POST /wake_up?tags=T (repeated; none:
 everything), GET /is_sleeping; and SGLang's POST /abort_request ({"rid": ID} or
-{"abort_all": true}), which vLLM has no endpoint for.
+{"abort_all": true}), which vLLM has no endpoint for. POST /collective_rpc (worker code by
+name, worker_extension_cls's) is served in vLLM's dev mode only.
 
 They change what every client gets (a pause freezes every stream; new weights change every
 later token), so a server attaches them only when asked (`--enable-rl-endpoints`, or vLLM's
@@ -45,6 +46,7 @@ RL_PATHS = (
     "/is_sleeping",
     "/abort_request",
 )
+COLLECTIVE_RPC_PATH = "/collective_rpc"
 DEV_MODE_ENV_VAR = "VLLM_SERVER_DEV_MODE"
 T = TypeVar("T")
 
@@ -183,6 +185,34 @@ def add_rl_endpoints(
     @app.get("/weight_info")
     async def weight_info() -> Response:
         return json_response({"weight_version": await engine.get_weight_version()})
+
+
+def add_collective_rpc_endpoint(
+    app: FastAPI, engine: AsyncLLM, json_response: Callable[[object], Response]
+) -> None:
+    """vLLM's dev-mode POST /collective_rpc: {"method", "timeout", "args", "kwargs"} ->
+    {"results": [...]} (a result that is not JSON's dict, list or null as its str, as vLLM
+    answers). A call that fails (no such method, or the method raised: that is on the tape)
+    is a 500 with the error's type and message, as vLLM's; the engine serves on."""
+
+    @app.post(COLLECTIVE_RPC_PATH)
+    async def collective_rpc(request: Request) -> Response:
+        req = decode_body(await request.body(), p.CollectiveRPCRequest)
+        try:
+            results = await engine.collective_rpc(
+                req.method, req.timeout, tuple(req.args), req.kwargs
+            )
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - refused, or the method raised: as vLLM, a 500
+            raise APIError(500, f"{type(exc).__name__}: {exc}", "InternalServerError") from None
+        return json_response(
+            {
+                "results": [
+                    r if r is None or isinstance(r, (dict, list)) else str(r) for r in results
+                ]
+            }
+        )
 
 
 async def _refused_as_400(call: Awaitable[T], param: str | None) -> T:

@@ -95,3 +95,9 @@ def on_woke_up(state: EngineState, e: ev.EngineWokeUp) -> None:
         state.weight_version = "default"
     if not state.sleeping_tags:
         state.sleep_level = None
+
+
+def on_collective_rpc(state: EngineState, e: ev.CollectiveRPC) -> None:
+    """A worker call: the weights serving from here on, when it changed them."""
+    if e.weights_id is not None:
+        state.weights_id = e.weights_id

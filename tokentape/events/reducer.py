@@ -14,6 +14,7 @@ from typing import Any
 from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
 from tokentape.events.engine_rules import (
+    on_collective_rpc,
     on_paused,
     on_prefix_cache_reset,
     on_resumed,
@@ -454,6 +455,7 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.RecordingStopped: _on_recording_stopped,
     ev.EngineSnapshot: _on_snapshot,
     ev.SegmentClosed: _on_segment_closed,
+    ev.CollectiveRPC: on_collective_rpc,
 }
 
 

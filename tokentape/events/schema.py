@@ -220,6 +220,20 @@ class EngineWokeUp(Event, frozen=True, tag="EngineWokeUp"):
     weights_id: str | None = None
 
 
+class CollectiveRPC(Event, frozen=True, tag="CollectiveRPC"):
+    """Format 7: vLLM's `collective_rpc(method, args, kwargs)` ran on the worker (a method of
+    tokentape's worker, or of the `worker_extension_cls` mixed into it). The call's code and
+    arguments are not on the tape: a digest of the arguments is. `weights_id` is the
+    weights' SHA-256 after the call when it changed them (None: unchanged), so a replay can
+    tell which calls changed the weights; `error` is how the method failed ("Type: message";
+    the engine serves on)."""
+
+    method: str
+    args_digest: str
+    weights_id: str | None = None
+    error: str | None = None
+
+
 # -- decisions of the scheduler -----------------------------------------------------------
 
 
@@ -469,6 +483,7 @@ AnyEvent = (
     | RecordingStopped
     | EngineSnapshot
     | SegmentClosed
+    | CollectiveRPC
 )
 
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
@@ -488,6 +503,7 @@ COMMAND_KINDS = frozenset(
         "WeightChunkReceived",
         "EngineSlept",  # the release that ends a sleep call (its pause is recorded before it)
         "EngineWokeUp",
+        "CollectiveRPC",
     }
 )
 

@@ -184,6 +184,8 @@ def issue_command(engine: EngineCore, event: ev.Event) -> None:
             engine.fall_asleep(level)  # its pause is a command of its own, replayed before it
         case ev.EngineWokeUp(tags=tags):
             engine.wake_up(tags)
+        case ev.CollectiveRPC():
+            engine.replay_rpc(event)  # the call's code is not on the tape: what it did is
         case _:
             raise TypeError(f"cannot replay command {ev.kind_of(event)}")
 

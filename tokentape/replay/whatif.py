@@ -2,7 +2,9 @@
 
 The commands are the client's calls, as recorded: `RequestAdded`, `RequestAborted`,
 `GenerationPaused`, `GenerationResumed`, `PrefixCacheReset`, `WeightsUpdated`, and the sleep
-mode's `EngineSlept` (after the pause a sleep starts with) and `EngineWokeUp`. Each is
+mode's `EngineSlept` (after the pause a sleep starts with) and `EngineWokeUp`. A
+`CollectiveRPC` is not repeated (its code is not on the tape): noted, or refused with the
+model when it changed the weights. Each is
 issued to a fresh engine at the step it was recorded at (the engine is stepped until it
 reaches that step, or has nothing left to do), and the engine runs to completion afterwards.
 Events that a pause causes (its aborts under `mode="abort"`, its prefix-cache reset under
@@ -129,6 +131,16 @@ def _advance_to(engine: EngineCore, step: int, limit: int, goal: str | None = No
 
 
 def _issue(engine: EngineCore, event: ev.Event, runner: str, notes: list[str]) -> None:
+    if isinstance(event, ev.CollectiveRPC):
+        # Its code and arguments are not on the tape, only what it did to the weights.
+        if event.weights_id is not None and runner != "oracle":
+            raise WhatIfError(
+                f"collective_rpc {event.method!r} at step {event.step} changed the weights; "
+                "the tape does not hold its code or the weights, so a run with the model "
+                "cannot repeat it (use --runner oracle)"
+            )
+        notes.append(f"collective_rpc {event.method!r} at step {event.step} not repeated")
+        return
     if isinstance(event, (ev.WeightsUpdated, ev.WeightUpdateStarted, ev.WeightChunkReceived)):
         # The tape names the weights (hashes) but does not hold them.
         if runner == "oracle":

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import msgspec
 
@@ -62,19 +63,21 @@ from tokentape.engine.request_checks import check_request, resolved_bad_words
 from tokentape.engine.runners.base import (
     ChecksParams,
     ModelRunner,
+    RunsWorkerCalls,
     ScheduledBatch,
     SleepsMemory,
     UpdatesWeights,
 )
 from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.engine.tokenizer import Tokenizer
+from tokentape.engine.worker import args_digest, resolve_method, worker_class
 from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.snapshot import take_snapshot
 from tokentape.events.store import TakesSnapshots, TapeWriter
-from tokentape.events.validation import check_bool
+from tokentape.events.validation import check_bool, check_number, shown
 
 
 class EngineCore:
@@ -111,6 +114,11 @@ class EngineCore:
         self.weights_updater: UpdatesWeights | None = (
             runner if isinstance(runner, UpdatesWeights) else None
         )
+        self.worker_calls: RunsWorkerCalls | None = (
+            runner if isinstance(runner, RunsWorkerCalls) else None
+        )
+        # vLLM's worker, with the RL framework's class mixed in: collective_rpc calls it.
+        self.worker = worker_class(config.worker_extension_cls)(runner)
         self.tape = tape
         self.tokenizer = tokenizer
         # Stop strings need text (check_request refuses them without a tokenizer).
@@ -513,6 +521,50 @@ class EngineCore:
                 self.abort_request(req.req_id)
                 aborted[parent_of.get(req.req_id, req.req_id)] = None
         return list(aborted)
+
+    # -- collective_rpc: the RL framework's code on the worker ----------------------------------
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's collective_rpc: call `method` (a worker method by name, one of
+        `worker_extension_cls` among them, or a function taking the worker first) on every
+        worker, and return their results (tokentape has one worker: a list of one). It runs
+        after the steps handed to the runner, before any later one. Recorded as
+        CollectiveRPC: the method, a digest of the arguments, the weights' hash when the
+        call changed them. A method that raises is recorded, and its exception comes back
+        to the caller; the engine serves on."""
+        self._check_alive()
+        if timeout is not None:
+            check_number("timeout", timeout, 0, lo_open=True)
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"collective_rpc: args must be a tuple, got {shown(args)}")
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise TypeError(f"collective_rpc: kwargs must be a dict of names, got {shown(kwargs)}")
+        name, call = resolve_method(self.worker, method)
+        digest = args_digest(tuple(args), kwargs)
+        if self.worker_calls is None:
+            raise RuntimeError(f"collective_rpc: model {self.runner.model_id!r} runs no worker")
+        result, error, weights_id = self.worker_calls.run_worker_call(
+            lambda: call(*args, **kwargs), timeout
+        )
+        failed = None if error is None else f"{type(error).__name__}: {error}"
+        with self._recorded():
+            self._emit(ev.CollectiveRPC(self.state.step, name, digest, weights_id, failed))
+        if error is not None:
+            raise error
+        return [result]
+
+    def replay_rpc(self, record: ev.CollectiveRPC) -> None:
+        """A recorded collective_rpc, for a replay: its code and arguments are not on the
+        tape, so it is recorded again as it was (what it did to the weights with it)."""
+        with self._recorded():
+            self._emit(record)
 
     # -- weight updates ------------------------------------------------------------------------
 

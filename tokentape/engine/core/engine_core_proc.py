@@ -97,7 +97,27 @@ class EngineCoreProc:
             "wake_up": self.engine_core.wake_up,
             "is_sleeping": self.engine_core.is_sleeping,
             "abort_all": self.engine_core.abort_all,
+            "collective_rpc": self.collective_rpc,
         }
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """EngineCore.collective_rpc, its results checked to travel back (msgpack: plain
+        values; a tensor does not)."""
+        results = self.engine_core.collective_rpc(method, timeout, tuple(args), kwargs)
+        try:
+            msgspec.msgpack.encode(results)
+        except TypeError as exc:
+            raise TypeError(
+                f"collective_rpc: {method!r} ran (it is on the tape), but its result cannot "
+                f"travel back to the front end ({exc}); return plain values"
+            ) from None
+        return results
 
     def info(self) -> CoreInfo:
         e = self.engine_core

@@ -8,6 +8,7 @@ checkpoint's state_dict loads as is and this model's state_dict loads into trans
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -177,6 +178,16 @@ class CausalLM(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
         )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """vLLM's model interface, for the code collective_rpc runs: load (name, tensor)
+        pairs, every one checked first (names, shapes, finite values: loader.prepare_update),
+        so a refused load changes nothing. The names loaded."""
+        from tokentape.engine.model.loader import apply_update, prepare_update
+
+        tensors = prepare_update(self, dict(weights))
+        apply_update(self, tensors)
+        return set(tensors)
 
     def set_batch_invariant(self, pad_rows_to: int) -> None:
         """Pad every matmul's rows to a multiple of `pad_rows_to` (0: off); see layers.py."""

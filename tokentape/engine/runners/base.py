@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import FrameEntry, SamplingParams, ScheduledEntry
@@ -99,6 +99,18 @@ class UpdatesWeights(Protocol):
     def load_staged_weights(self) -> str:
         """Load every chunk held (a later chunk's tensor replaces an earlier one of the same
         name), forget them; the new weights' content hash."""
+
+
+@runtime_checkable
+class RunsWorkerCalls(Protocol):
+    """A runner that runs collective_rpc's calls where its steps run (engine/worker.py)."""
+
+    def run_worker_call(
+        self, call: Callable[[], Any], timeout: float | None
+    ) -> tuple[Any, BaseException | None, str | None]:
+        """Run `call` after the steps submitted, before any later one, waiting up to
+        `timeout` seconds (TimeoutError). Its result, the exception it raised (None), and
+        the weights' content hash after it when it changed them (None: unchanged)."""
 
 
 @runtime_checkable

@@ -14,8 +14,8 @@ import functools
 import math
 import mmap
 import os
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -246,6 +246,24 @@ class TorchModelRunner(StagedWeights):
         if self._weights_id is None:
             self._weights_id = weights_hash(self.model)
         return self._weights_id
+
+    def _forget_weights_id(self) -> None:
+        self._weights_id = None
+
+    def run_worker_call(
+        self, call: Callable[[], Any], timeout: float | None
+    ) -> tuple[Any, BaseException | None, str | None]:
+        """collective_rpc's call, on the worker thread that runs the steps, in their order."""
+
+        def job() -> tuple[Any, BaseException | None, str | None]:
+            result, error, changed = self.call_and_rehash(call)
+            if changed is not None and self.device.type == "cpu":
+                # Written through `.data` (vLLM's weight loaders do), no version counter
+                # moved: the matmul's packed copies are made again.
+                self.model.prepack()
+            return result, error, changed
+
+        return self._worker.call(job, timeout)  # type: ignore[no-any-return]
 
     # -- execution -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ produce, and a what-if replay with the oracle would then report a difference tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +142,12 @@ class OracleRunner:
             )
 
     # -- weight updates (runners.base.UpdatesWeights; oracle_weights.py) -----------------------
+
+    def run_worker_call(
+        self, call: Callable[[], Any], timeout: float | None
+    ) -> tuple[Any, BaseException | None, str | None]:
+        """collective_rpc's call, here (the oracle's steps run when they are submitted)."""
+        return self.weights.call_and_rehash(call)
 
     def update_weights(self, weights: object) -> str:
         return self.weights.update_weights(weights)

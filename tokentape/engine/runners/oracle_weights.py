@@ -74,6 +74,9 @@ class OracleWeights(StagedWeights):
         self._weights_id = None
         return self.weights_id
 
+    def _forget_weights_id(self) -> None:
+        self._weights_id = None
+
     @property
     def weights_id(self) -> str:
         """sha256 over every parameter (as loader.weights_hash: name, dtype, shape, bytes)."""

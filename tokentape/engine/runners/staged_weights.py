@@ -5,7 +5,8 @@ runner and the oracle's weights, which say how to check and how to load."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tokentape.engine.runners.base import WeightChunk
 
@@ -36,3 +37,26 @@ class StagedWeights:
     def load_staged_weights(self) -> str:
         staged, self._staged = self._staged, {}
         return self._load(staged)
+
+    @property
+    def weights_id(self) -> str:
+        raise NotImplementedError
+
+    def _forget_weights_id(self) -> None:
+        raise NotImplementedError
+
+    def call_and_rehash(
+        self, call: Callable[[], Any]
+    ) -> tuple[Any, BaseException | None, str | None]:
+        """Run a worker call (collective_rpc) and hash the weights again: code that may
+        change them in place. (result, its exception, the new hash if they changed)."""
+        before = self.weights_id
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 (the caller gets it back, as vLLM's does)
+            error = exc
+        self._forget_weights_id()
+        after = self.weights_id
+        return result, error, after if after != before else None

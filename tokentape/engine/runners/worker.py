@@ -14,6 +14,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,13 @@ import torch
 @dataclass(slots=True)
 class _Failure:
     error: BaseException
+
+
+class _SideJob:
+    """What a job run by `call` returns: its outcome went to its caller, not the outbox."""
+
+
+_SIDE_JOB = _SideJob()
 
 
 class ModelWorker:
@@ -70,6 +78,22 @@ class ModelWorker:
         self.submit(job)
         return self.result()
 
+    def call(self, job: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run `job` on the worker after the jobs submitted before it, and wait for it (up to
+        `timeout` seconds: TimeoutError, the job still runs). Its outcome is its own: the
+        steps' results, which `result()` takes in order, are left as they are."""
+        done: Future[Any] = Future()
+
+        def side_job() -> _SideJob:
+            try:
+                done.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 (raised to the caller below)
+                done.set_exception(exc)
+            return _SIDE_JOB
+
+        self._inbox.put(side_job)
+        return done.result(timeout)
+
     def close(self) -> None:
         self._stop()
 
@@ -81,9 +105,11 @@ class ModelWorker:
             torch.set_num_threads(num_threads)
         while (job := self._inbox.get()) is not None:
             try:
-                self._outbox.put(job())
+                outcome = job()
             except BaseException as exc:  # noqa: BLE001 (handed to the caller of result())
-                self._outbox.put(_Failure(exc))
+                outcome = _Failure(exc)
+            if outcome is not _SIDE_JOB:
+                self._outbox.put(outcome)
 
 
 def _set_count_for_new_threads(count: int) -> None:
