@@ -111,7 +111,10 @@ def test_every_segment_verifies_and_gets_a_clean_postmortem_alone(
     whole = load_tape(tmp_path / "run")
     assert len(whole) == sum(len(load_tape(p)) for p in files)
     assert verify(whole).ok
-    assert postmortem(tmp_path / "run").findings == []
+    report = postmortem(tmp_path / "run")
+    assert report.findings == []
+    assert report.summary.segments == [os.path.basename(p) for p in files]
+    assert report.summary.ended is not None and report.summary.ended.startswith("closed (at ")
     assert read_manifest(str(tmp_path / "run"))["ended"]["how"] == "closed"
 
 

@@ -18,6 +18,7 @@ from tokentape.engine.model_registry import ORACLE_MODELS
 from tokentape.events import schema as ev
 from tokentape.events.fold_errors import FOLD_ERRORS, event_refused
 from tokentape.events.reducer import evolve
+from tokentape.events.segmented_reader import SegmentedTapeReader
 from tokentape.events.store import MemoryTape, TapeError, TapeFormatError
 from tokentape.postmortem.admission import AdmissionChecker
 from tokentape.postmortem.base import Checker, Hook
@@ -198,6 +199,7 @@ def postmortem(
         },
         complete=complete and "tape_truncated" not in counts,
         read_to_end=complete,
+        **_segmented_summary(tape),
     )
     return Report(findings, summary)
 
@@ -272,6 +274,17 @@ def _run(
         if progress is not None:
             progress(seq + 1)
     return True, (seq, event) if event is not None else None
+
+
+def _segmented_summary(tape: Tape) -> dict[str, object]:
+    """The segment files a segmented tape's directory was read from, and the run's end as
+    its manifest records it; nothing for a tape file."""
+    reader = tape.reader
+    if not isinstance(reader, SegmentedTapeReader):
+        return {}
+    ended = reader.manifest.get("ended")
+    how = f"{ended.get('how')} (at {ended.get('at')})" if isinstance(ended, dict) else None
+    return {"segments": [os.path.basename(s.path) for s in reader.segments], "ended": how}
 
 
 def _check_end(ctx: Context, last: Item | None) -> None:

@@ -60,6 +60,8 @@ BUG_CLASSES: dict[str, str] = {
     "waiting queue and never scheduled, after the wake-up too",
     "vllm#45520": "vLLM #45520: a sleep with decodes in flight does not drain them: the memory "
     "is released under a running step, the engine dies on it, and /sleep answered 200",
+    "vllm#44395": "vLLM #44395 (fixed by #44483): a wake-up of the weights alone resumes "
+    "scheduling, and steps run on the KV cache still released (an illegal memory access)",
 }
 
 
@@ -99,6 +101,10 @@ class Summary(msgspec.Struct):
     # tape_truncated finding). A summary never says "complete" beside a truncated tape.
     complete: bool
     read_to_end: bool = True  # the pass read and folded every event (a damaged tape: False)
+    # A segmented tape's directory: the segment files read, and how the run ended as its
+    # manifest says ("closed", an engine error, how the core died; None: not recorded).
+    segments: list[str] = []
+    ended: str | None = None
 
 
 class Report(msgspec.Struct):

@@ -21,6 +21,12 @@ def print_report(report: Report, stream: TextIO) -> None:
         f"{plural(s.num_requests, 'request')}, policy {s.discard_policy}, model {s.model_id}, "
         f"reference {s.reference or 'none'}\n"
     )
+    if s.segments:
+        ended = s.ended or "not recorded (the server still runs, or its machine stopped)"
+        out.write(
+            f"segments: {plural(len(s.segments), 'segment')} ({s.segments[0]} to "
+            f"{s.segments[-1]}); the run ended: {ended}\n"
+        )
     t = s.tokens
     out.write(
         f"tokens: {t['produced']} produced, {t['applied']} applied, {t['dropped_stale']} "
