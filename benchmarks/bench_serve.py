@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -107,11 +108,14 @@ def _engine_kwargs(engine_args: list[str]) -> dict[str, Any]:
 
 
 class Server:
+    """`tokentape serve` on a free port, started and stopped with SIGTERM; `tape_args` the
+    tape's options (["--tape", PATH], ["--no-tape"], ["--tape-dir", DIR, ...])."""
+
     def __init__(
         self,
         model: str,
-        tape: str,
-        engine_args: list[str],
+        tape_args: list[str],
+        engine_args: list[str] = [],  # noqa: B006 - read only
         stream_interval: int = 1,
         cpu_threads: int | None = None,
     ) -> None:
@@ -125,8 +129,7 @@ class Server:
             "127.0.0.1",
             "--port",
             "0",
-            "--tape",
-            tape,
+            *tape_args,
             "--drain-timeout",
             "1",
             *engine_args,
@@ -152,7 +155,7 @@ class Server:
         threading.Thread(target=read, daemon=True).start()
         if not ready.wait(300):
             self.stop()
-            raise RuntimeError("the server did not start")
+            raise RuntimeError(f"the server did not start: {shlex.join(cmd)}")
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far of the server (HTTP frontend), its engine core and tape writer."""
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         server = Server(
             args.model,
-            os.path.join(tmp, "serve.tape"),
+            ["--tape", os.path.join(tmp, "serve.tape")],
             engine_args,
             args.stream_interval,
             args.serve_cpu_threads,
