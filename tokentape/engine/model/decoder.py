@@ -28,6 +28,7 @@ from tokentape.engine.model.layers import (
     matmul_for,
 )
 from tokentape.engine.model.model_config import ModelConfig
+from tokentape.engine.model.weight_checks import apply_update, checked_update
 from tokentape.kernels import cpu_layers, cpu_native
 
 
@@ -181,13 +182,14 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's model interface, for the code collective_rpc runs: load (name, tensor)
-        pairs, every one checked first (names, shapes, finite values: loader.prepare_update),
+        pairs, every one checked first (names, shapes, finite values: weight_checks.py),
         so a refused load changes nothing. The names loaded."""
-        from tokentape.engine.model.loader import apply_update, prepare_update
-
-        tensors = prepare_update(self, dict(weights))
-        apply_update(self, tensors)
-        return set(tensors)
+        tensors = dict(weights)
+        if self.config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)  # the embedding is the head
+        checked = checked_update(dict(self.named_parameters()), tensors, {})
+        apply_update(self, checked)
+        return set(checked)
 
     def set_batch_invariant(self, pad_rows_to: int) -> None:
         """Pad every matmul's rows to a multiple of `pad_rows_to` (0: off); see layers.py."""

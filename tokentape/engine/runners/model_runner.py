@@ -23,12 +23,8 @@ from tokentape import kernels
 from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import calibrate_batch_invariant_rows
-from tokentape.engine.model.loader import (
-    WeightsSource,
-    apply_update,
-    prepare_update,
-    weights_hash,
-)
+from tokentape.engine.model.loader import WeightsSource, prepare_update, weights_hash
+from tokentape.engine.model.weight_checks import apply_update
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
 from tokentape.engine.runners.input_batch import (

@@ -50,8 +50,9 @@ class OracleWeights(StagedWeights):
 
     def _checked(self, weights: object) -> dict[str, torch.Tensor]:
         """A state_dict, or a folder of *.safetensors (no config.json: the oracle has none),
-        checked against the parameters (loader.checked_update)."""
-        from tokentape.engine.model.loader import checked_update, read_weight_files
+        checked against the parameters (weight_checks.checked_update)."""
+        from tokentape.engine.model.loader import read_weight_files
+        from tokentape.engine.model.weight_checks import checked_update
 
         origin: dict[str, str] = {}
         tensors: Mapping[str, Any]
