@@ -51,6 +51,7 @@ MUSEUM = {
     # The sleep races of issue 25.
     "parked_while_asleep_45268": "vllm#45268",
     "sleep_in_flight_45520": "vllm#45520",
+    "partial_wake_44395": "vllm#44395",
 }
 
 
@@ -106,7 +107,11 @@ def test_faults_are_checked_recorded_and_absent_by_default(tmp_path: Path) -> No
     llm.close()
     tape = load_tape(tmp_path / "f.tape")
     assert tape.config.faults == list(FAULTS)  # a replay installs them again
-    assert tape.initial_state().faults == {"chunk_placeholder_underflow", "output_on_reused_id"}
+    assert tape.initial_state().faults == {
+        "chunk_placeholder_underflow",
+        "output_on_reused_id",
+        "resume_on_partial_wake",
+    }
     assert verify(tape).ok
 
 

@@ -21,6 +21,7 @@ CASES = [
     ("omni_discard_one_5183", "r", 15, "1 fresh frame(s) dropped before it"),
     ("parked_while_asleep_45268", "late", 0, "while the engine slept (level 1) and was never"),
     ("sleep_in_flight_45520", "a", 3, "Step 3 was in flight when the engine fell asleep"),
+    ("partial_wake_44395", "b", 0, "Step 4 was scheduled while the KV cache slept"),
 ]
 
 
@@ -49,3 +50,15 @@ def test_why_names_the_sleep_races() -> None:
     # The request's own fold does not see the sleep: it joins the chain; the frame never came.
     assert ("slept", "EngineSlept") in roles
     assert not any(kind == "FrameProduced" for _, kind in roles)
+
+
+def test_why_names_the_step_on_the_sleeping_kv_cache() -> None:
+    said = why(TAPES / "partial_wake_44395.tape", "a", 4)  # 'a' kept across the sleep
+    assert "woke only the weights, generation resumed anyway" in said.verdict
+    assert "the engine failed on it" in said.verdict and "vLLM #44395" in said.verdict
+    roles = [(x.role, x.kind, x.step) for x in said.chain]
+    # The wake-up of the weights alone joins the chain, before the step it let run.
+    assert roles[-2:] == [("woke", "EngineWokeUp", 4), ("scheduled", "StepScheduled", 4)]
+    assert not any(kind == "FrameProduced" for _, kind, _ in roles)  # it never came back
+    before = why(TAPES / "partial_wake_44395.tape", "a", 1)  # served before the sleep
+    assert "44395" not in before.verdict and all(x.role != "woke" for x in before.chain)

@@ -495,6 +495,33 @@ def sleep_in_flight_45520(path: Path, clean: bool = False) -> None:
     llm.close()
 
 
+def partial_wake_44395(path: Path, clean: bool = False) -> None:
+    """vLLM #44395 (fault resume_on_partial_wake): an RL trainer's staged wake-up. 'a' runs,
+    the engine sleeps (level 1, mode keep) and wakes its weights alone to take an update, the
+    KV cache still released; the wake-up resumes generation anyway, 'b' arrives, and the
+    engine core schedules 'a' and 'b' onto the released KV cache: the step fails the engine
+    (vLLM: a CUDA illegal memory access). A default engine schedules nothing until
+    wake_up(["kv_cache"]), after the update, and serves both then."""
+    from tokentape.engine.runners.oracle_weights import oracle_state_dict
+
+    llm = _museum_llm(path, clean, faults=("resume_on_partial_wake",), depth=2)
+    engine = llm.llm_engine
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    delivered: Delivered = {}
+    _until(llm, delivered, lambda: len(delivered.get("a", [])) >= 3)
+    engine.sleep(level=1, mode="keep")
+    engine.wake_up(["weights"])
+    engine.add_request("b", list(range(60, 69)), SamplingParams(max_tokens=6, ignore_eos=True))
+    try:
+        _drive(llm, delivered)  # the core's loop, between the two wake-ups
+        engine.update_weights(oracle_state_dict(1), weight_version="step-1")
+        engine.wake_up(["kv_cache"])
+        _run_until_idle(llm, delivered)
+    except RuntimeError:  # the failure, on the tape as an EngineError
+        pass
+    llm.close()
+
+
 # -- clean tapes: no finding at all --------------------------------------------------------
 
 
@@ -723,6 +750,15 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
             # The sleep released the memory with step 3 in flight; the engine failed on it.
             _finding("step_in_flight_across_sleep", ["a", "b"], "vllm#45520"),
             _finding("engine_error", ["a", "b"], "vllm#45520"),
+        ],
+    ),
+    "partial_wake_44395": (
+        partial_wake_44395,
+        [
+            # The step scheduled on the KV cache the partial wake-up left asleep; the engine
+            # failed on it.
+            _finding("step_on_sleeping_kv_cache", ["a", "b"], "vllm#44395"),
+            _finding("engine_error", ["a", "b"], "vllm#44395"),
         ],
     ),
     "clean_epoch_storm": (clean_epoch_storm, []),

@@ -24,7 +24,7 @@ from tokentape.engine.hooks import EngineHooks
 from tokentape.engine.runners.base import ModelRunner, ScheduledBatch
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events import schema as ev
-from tokentape.events.faults import REDUCER_FAULTS
+from tokentape.events.reducer import kv_cache_alone_asleep
 from tokentape.events.schema import SamplingParams
 from tokentape.events.state import EngineState, RequestState, RequestStatus
 from tokentape.events.store import TapeWriter
@@ -333,6 +333,28 @@ class SleepWithoutDrain(EngineHooks):
             )
 
 
+class ResumeOnPartialWake(EngineHooks):
+    """vLLM #44395 (fixed by #44483): a wake-up of the weights alone (the RL order: sleep,
+    wake_up(["weights"]), update the weights, wake_up(["kv_cache"])) resumes generation as a
+    full one does, so the scheduler schedules steps while the KV cache is still released
+    (FaultInjectingEngineCore.wake_up records the GenerationResumed; the reducer fault of the
+    same name accepts it and those steps). vLLM's next forward pass wrote the released KV
+    cache and the engine died of an illegal memory access; here the first such step fails
+    the engine when it goes to the runner, whatever the runner (the oracle holds no KV memory
+    that could fault): the tape ends on that StepScheduled and the EngineError, the clearest
+    record of what vLLM did (no frame, no output of a step on a KV cache that is not there)."""
+
+    def __init__(self, sched: Scheduler, state: EngineState) -> None:
+        self.state = state
+
+    def before_submit(self, batch: ScheduledBatch) -> None:
+        if "kv_cache" in self.state.sleeping_tags:
+            raise RuntimeError(
+                f"illegal memory access: step {batch.step} writes the KV cache, which the "
+                "sleep released and the wake-up left asleep (only the weights woke)"
+            )
+
+
 def _spec_placeholder_input(sched: Scheduler, state: EngineState) -> EngineHooks | None:
     # Only with speculative decoding: without draft slots there is nothing to keep.
     return SpecPlaceholderInput(sched, state) if sched.config.num_speculative_tokens else None
@@ -351,13 +373,14 @@ _FAULTS: dict[str, Callable[[Scheduler, EngineState], EngineHooks | None]] = {
     "free_blocks_in_flight": FreeBlocksInFlight,
     "park_requests_while_asleep": ParkRequestsWhileAsleep,
     "sleep_without_drain": SleepWithoutDrain,
+    "resume_on_partial_wake": ResumeOnPartialWake,
 }
 
 
 def fault_hooks(config: EngineConfig, sched: Scheduler, state: EngineState) -> list[EngineHooks]:
-    """The hooks of the engine's faults (its config's `faults`), in the config's order;
-    reducer faults need none."""
-    hooks = [_FAULTS[name](sched, state) for name in config.faults if name not in REDUCER_FAULTS]
+    """The hooks of the engine's faults (its config's `faults`), in the config's order; a
+    fault of the reducer alone needs none (resume_on_partial_wake is the engine's too)."""
+    hooks = [_FAULTS[name](sched, state) for name in config.faults if name in _FAULTS]
     return [h for h in hooks if h is not None]
 
 
@@ -414,3 +437,18 @@ class FaultInjectingEngineCore(EngineCore):
 
     def _clears_cache_on_pause(self) -> bool:
         return all(hook.clears_cache_on_pause() for hook in self.hooks)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """As the engine's, and with resume_on_partial_wake (vLLM #44395) a wake-up that
+        leaves the KV cache asleep, the weights awake, resumes generation anyway: its
+        GenerationResumed follows the EngineWokeUp in the same commit."""
+        with self.one_commit():
+            super().wake_up(tags)
+            state = self.state
+            if (
+                any(isinstance(hook, ResumeOnPartialWake) for hook in self.hooks)
+                and state.paused is not None
+                and kv_cache_alone_asleep(state)
+            ):
+                with self._recorded():
+                    self._emit(ev.GenerationResumed(state.step))

@@ -3,9 +3,10 @@ reproduces. An engine built with `faults=(...)` (EngineConfig) installs them; th
 path (`faults=()`) never looks at them. They are recorded in the tape header's config, so a
 replay or a fold of the tape runs with the same faults.
 
-The installers live in `tokentape.engine.fault_hooks`; the one reducer fault is applied by the
-reducer itself (`REDUCER_FAULTS`). Each docstring line below says what is modelled: where
-the upstream issue does not state the exact mechanism, the mechanism its title describes.
+The installers live in `tokentape.engine.fault_hooks`; the reducer faults are applied by the
+reducer itself (`REDUCER_FAULTS`; resume_on_partial_wake is an engine fault too). Each
+comment below says what is modelled: where the upstream issue does not state the exact
+mechanism, the mechanism its title describes.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ FAULTS: dict[str, str] = {
     # pause before the sleep does not wait for the steps in flight, and EngineSlept records
     # them; collecting one of them while the memory is released fails the engine.
     "sleep_without_drain": "vllm#45520",
+    # vLLM #44395 (fixed by #44483): a partial wake-up, wake_up(tags=["weights"]) as RL
+    # frameworks call it before a weight update, resumes scheduling with the KV cache still
+    # released, and the next forward pass writes it (an illegal memory access). Here the
+    # engine records GenerationResumed after such an EngineWokeUp, the scheduler schedules
+    # steps while "kv_cache" sleeps, and the first one fails the engine when it goes to the
+    # runner. Also a reducer fault: the reducer accepts that resume and those steps.
+    "resume_on_partial_wake": "vllm#44395",
 }
 
-REDUCER_FAULTS = frozenset({"chunk_placeholder_underflow", "output_on_reused_id"})
+REDUCER_FAULTS = frozenset(
+    {"chunk_placeholder_underflow", "output_on_reused_id", "resume_on_partial_wake"}
+)

@@ -151,7 +151,7 @@ def _check_stop_reason(req: RequestState, e: ev.RequestFinished) -> None:
 def _on_scheduled(state: EngineState, e: ev.StepScheduled) -> None:
     if e.step != state.step:
         raise ReducerError(f"step {e.step} scheduled when step {state.step} was expected")
-    if state.sleep_level is not None:
+    if state.sleep_level is not None and not scheduled_on_sleeping_kv_cache(state):
         raise ReducerError(
             f"step {e.step} scheduled while the engine sleeps (level {state.sleep_level}): "
             "no step may run until it wakes up"
@@ -419,9 +419,43 @@ def _on_scheduled_uncounted_chunks(state: EngineState, e: ev.StepScheduled) -> N
             requests[entry.req_id].num_output_placeholders -= 1 + entry.num_spec_tokens
 
 
+def kv_cache_alone_asleep(state: EngineState) -> bool:
+    """The engine sleeps with its weights awake and its KV cache still released: between
+    wake_up(["weights"]) and wake_up(["kv_cache"])."""
+    tags = state.sleeping_tags
+    return state.sleep_level is not None and "kv_cache" in tags and "weights" not in tags
+
+
+def resumes_on_partial_wake(state: EngineState) -> bool:
+    """vLLM #44395, injected (fault resume_on_partial_wake): whether the reducer accepts a
+    GenerationResumed now, the KV cache still asleep after a wake-up of the weights alone
+    (tokentape's engine resumes only once every tag is awake, and its reducer refuses it)."""
+    return "resume_on_partial_wake" in state.faults and kv_cache_alone_asleep(state)
+
+
+def scheduled_on_sleeping_kv_cache(state: EngineState) -> bool:
+    """vLLM #44395, injected (fault resume_on_partial_wake): generation resumed on a wake-up
+    of the weights alone, so a step may be scheduled while the KV cache sleeps. Asked only of
+    a step scheduled while the engine sleeps, which the reducer refuses otherwise (in
+    `_on_scheduled` itself, so the fault composes with chunk_placeholder_underflow's handler
+    of the same event)."""
+    return resumes_on_partial_wake(state) and state.paused is None
+
+
+def _on_resumed_on_partial_wake(state: EngineState, e: ev.GenerationResumed) -> None:
+    """resume_on_partial_wake (vLLM #44395): generation resumes after a wake-up of the
+    weights alone; the engine still sleeps (sleep_level, sleeping_tags: the KV cache) until
+    the wake-up of the KV cache."""
+    if resumes_on_partial_wake(state):
+        state.paused = None
+    else:
+        on_resumed(state, e)
+
+
 _FAULT_HANDLERS: dict[str, dict[type, Callable[[EngineState, Any], None]]] = {
     "output_on_reused_id": {ev.RequestAdded: _on_added_again, ev.FrameProduced: _on_frame_by_id},
     "chunk_placeholder_underflow": {ev.StepScheduled: _on_scheduled_uncounted_chunks},
+    "resume_on_partial_wake": {ev.GenerationResumed: _on_resumed_on_partial_wake},
 }
 
 

@@ -6,6 +6,9 @@
   came back after the release, and an engine without its memory cannot apply it (vLLM #45520;
   step_in_flight_across_sleep). The request's own fold does not see the sleep, so the sleep
   joins the chain here, and the frame's link, if one came back, says what it ran across.
+- A step of the request scheduled after a wake-up that woke the weights alone, the KV cache
+  still released: generation resumed on a partial wake-up and the step ran on the released
+  KV cache (vLLM #44395; step_on_sleeping_kv_cache). The wake-up joins the chain.
 
 The sleep events are few: one query by kind on an SQLite tape; a tape without sleeps changes
 nothing.
@@ -51,6 +54,8 @@ class SleepFacts:
     # step of the request in flight at a memory release -> that EngineSlept's (seq, event)
     across: dict[int, Item] = field(default_factory=dict)
     error: Item | None = None  # the engine's failure, if the tape records one
+    # a wake-up that left the KV cache asleep (the weights awake) -> the seq its window ends
+    kv_asleep: list[tuple[Item, int]] = field(default_factory=list)
 
     @classmethod
     def read(cls, tape: Tape, tracer: RequestTracer) -> SleepFacts | None:
@@ -60,13 +65,19 @@ class SleepFacts:
         facts, added = cls(), tracer.added[0]
         asleep: ev.EngineSlept | None = None
         tags: set[str] = set()
+        partial: Item | None = None  # the wake-up of the weights alone, the KV cache asleep
         for seq, e in events:
+            if partial is not None and type(e) in (ev.EngineSlept, ev.EngineWokeUp):
+                facts.kv_asleep.append((partial, seq))  # a sleep or wake-up ends its window
+                partial = None
             if type(e) is ev.EngineSlept:
                 asleep, tags = e, set(ev.MEMORY_TAGS if e.level else ())
                 if e.level:
                     facts.across.update({s: (seq, e) for s in e.in_flight if s in tracer.frames})
             elif type(e) is ev.EngineWokeUp and asleep is not None:
                 tags = set() if e.tags is None else tags - set(e.tags)
+                if tags == {"kv_cache"}:
+                    partial = (seq, e)
                 if not tags:
                     asleep = None
                     if facts.slept_at_add is not None and facts.woke is None and seq > added:
@@ -75,6 +86,8 @@ class SleepFacts:
                 facts.error = (seq, e)
             if seq < added:
                 facts.slept_at_add = asleep
+        if partial is not None:
+            facts.kv_asleep.append((partial, 1 << 62))
         return facts
 
     def parked_note(self, tracer: RequestTracer) -> str | None:
@@ -93,8 +106,9 @@ class SleepFacts:
         )
 
     def add_in_flight(self, tracer: RequestTracer, res: WhyResult) -> None:
-        """The request's steps that compute the position and ran across a release of memory:
-        the sleep joins the chain, the frame's link says so, and so does the verdict."""
+        """The request's steps that compute the position and ran across a release of memory
+        (the sleep joins the chain, the frame's link says so, and so does the verdict), or
+        were scheduled on a KV cache still asleep (`_on_sleeping_kv_cache`)."""
         p = res.position
         steps = sorted(
             f.step
@@ -114,14 +128,36 @@ class SleepFacts:
             for link in res.chain:
                 if link.kind == "FrameProduced" and link.step == step:
                     link.detail += f"; the step ran across the release of its memory (event {seq})"
-            failed = ""
-            if self.error is not None and self.error[0] > seq:
-                err = self.error[1]
-                assert isinstance(err, ev.EngineError)
-                failed = f"; the engine failed on it (event {self.error[0]}: {err.error_type})"
+            failed = self._failed_after(seq)
             res.verdict += (
                 f" Step {step} was in flight when the engine fell asleep in step {slept.step} "
                 f"(event {seq}, level {slept.level}): the sleep did not drain it and released "
                 f"the memory it ran on{failed} (step_in_flight_across_sleep, vLLM #45520)."
             )
+        for step in steps:
+            self._on_sleeping_kv_cache(tracer.frames[step].sched_seq, step, res)
         res.chain.sort(key=lambda x: x.seq)
+
+    def _failed_after(self, seq: int) -> str:
+        if self.error is None or self.error[0] <= seq:
+            return ""
+        err = self.error[1]
+        assert isinstance(err, ev.EngineError)
+        return f"; the engine failed on it (event {self.error[0]}: {err.error_type})"
+
+    def _on_sleeping_kv_cache(self, sched_seq: int, step: int, res: WhyResult) -> None:
+        """The step was scheduled after a wake-up of the weights alone, before the KV cache
+        woke: the wake-up joins the chain, and the verdict says what the step ran on."""
+        for (seq, woke), end in self.kv_asleep:
+            if not seq < sched_seq < end:
+                continue
+            res.chain.append(
+                Link(seq, woke.step, "EngineWokeUp", "woke", "weights only: the KV cache asleep")
+            )
+            res.verdict += (
+                f" Step {step} was scheduled while the KV cache slept: the wake-up of step "
+                f"{woke.step} (event {seq}) woke only the weights, generation resumed anyway, "
+                f"and the step ran on the KV cache the sleep released{self._failed_after(seq)} "
+                "(step_on_sleeping_kv_cache, vLLM #44395)."
+            )
+            return
