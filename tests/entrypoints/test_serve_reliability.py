@@ -304,7 +304,7 @@ def test_a_core_that_dies_mid_stream_ends_each_stream_cleanly(tmp_path: Path) ->
         code = server.stop()
     error = json.loads(rest[-2][len("data: ") :])["error"]
     assert rest[-1] == "data: [DONE]" and error["code"] == 503, rest[-3:]
-    assert error["type"] == "ServiceUnavailableError" and "exited" in error["message"]
+    assert error["type"] == "ServiceUnavailableError" and "was killed by SIGKILL" in error["message"]
     assert code == 1, server.stderr
     assert "engine core failed while serving" in server.stderr
     assert "response already started" not in server.stderr and "Traceback" not in server.stderr
@@ -339,7 +339,7 @@ def test_health_turns_503_when_the_core_dies() -> None:
         asyncio.run(main())
     finally:
         engine.shutdown()
-    assert engine.failure is not None and "exited" in engine.failure
+    assert engine.failure is not None and "was killed by SIGKILL" in engine.failure
 
 
 def test_a_missing_allowed_weight_dir_is_one_error_line(

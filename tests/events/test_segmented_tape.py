@@ -199,9 +199,12 @@ def test_a_missing_or_damaged_segment_is_named(tmp_path: Path) -> None:
     gap = tmp_path / "gap"
     shutil.copytree(tmp_path / "run", gap)
     os.remove(gap / os.path.basename(files[2]))
+    tape = load_tape(gap)  # the segments before the gap read; reading stops there
     with pytest.raises(TapeError, match="segment 2 is missing") as info:
-        load_tape(gap)
+        list(tape.events())
     assert os.path.basename(files[3]) in str(info.value)
+    found = [f for f in postmortem(gap).findings if f.kind == "tape_damaged"]
+    assert found and os.path.basename(files[3]) in found[0].message
     # A segment cut short: the commands analyse up to the damage and name the segment.
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "run", cut)

@@ -11,8 +11,9 @@ time from its snapshot to the next segment's (the last one, to its last commit).
 therefore begins at a snapshot, at most a segment before `since`.
 
 Every segment file is opened when the reader is made, so a segment that the retention
-deletes afterwards stays readable to the end. Segments must follow each other: a segment
-missing in the middle (deleted by hand) is named, as is a segment that is damaged.
+deletes afterwards stays readable to the end. Segments must follow each other: reading
+stops at a segment missing in the middle (deleted by hand), cut short (its writer killed
+before its last commit) or damaged, and names it; the segments before it read.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Segment:
     snapshot: ev.EngineSnapshot
     num_events: int
     ends_at: float  # when its last event was committed (the next segment's start, or mtime)
+    last: ev.Event | None = None  # SegmentClosed when the run went on from it
 
     @property
     def starts_at(self) -> float:
@@ -48,6 +50,12 @@ def first_snapshot(reader: SQLiteTapeReader) -> ev.EngineSnapshot | None:
     """The snapshot a segment opens with; None for a tape that is not a segment."""
     for _, event in reader.iter_events(0):
         return event if isinstance(event, ev.EngineSnapshot) else None
+    return None
+
+
+def _last_event(reader: SQLiteTapeReader) -> ev.Event | None:
+    for _, event in reader.iter_events(max(len(reader) - 1, 0)):
+        return event
     return None
 
 
@@ -74,6 +82,7 @@ class SegmentedTapeReader:
         self.segments: list[Segment] = []
         # A segment that cannot be opened: reading stops there (the ones before it read).
         self.damage: TapeError | None = None
+        self.continues = False
         try:
             self._open_segments(since, until)
         except BaseException:
@@ -113,8 +122,8 @@ class SegmentedTapeReader:
                     path, "not a segment of a segmented tape (no snapshot first)"
                 )
                 break
-            opened.append(Segment(path, reader, snapshot, len(reader), 0.0))
-        for seg, nxt in zip(opened, [*opened[1:], None], strict=True):
+            opened.append(Segment(path, reader, snapshot, len(reader), 0.0, _last_event(reader)))
+        for seg, nxt in zip(opened, [*opened[1:], None], strict=False):
             seg.ends_at = nxt.starts_at if nxt is not None else _last_write(seg.path)
         end = opened[-1].ends_at if opened else 0.0
         if isinstance(since, timedelta):
@@ -129,16 +138,25 @@ class SegmentedTapeReader:
                 self.segments.append(seg)
             else:
                 seg.reader.close()
-        for prev, seg in zip(self.segments, self.segments[1:], strict=False):
+        # The run goes on after the last segment read: a window that --until ends early.
+        self.continues = bool(self.segments) and self.segments[-1] is not opened[-1]
+        for i, (prev, seg) in enumerate(zip(self.segments, self.segments[1:], strict=False)):
             expected = prev.snapshot.seq_offset + prev.num_events
             follows = (prev.snapshot.segment + 1, expected)
-            if (seg.snapshot.segment, seg.snapshot.seq_offset) != follows:
-                raise TapeError(
+            closed = isinstance(prev.last, ev.SegmentClosed)
+            if not closed or (seg.snapshot.segment, seg.snapshot.seq_offset) != follows:
+                # Reading stops at the gap, as at any damage: the segments before it read.
+                self.damage = TapeError(
                     seg.path,
                     f"does not follow {os.path.basename(prev.path)}: segment "
-                    f"{prev.snapshot.segment + 1} is missing or cut short; read the segments "
-                    "on either side of the gap on their own",
+                    f"{prev.snapshot.segment + 1} is missing or cut short (its writer killed "
+                    "before its last commit, or deleted by hand); read the segments from "
+                    f"{os.path.basename(seg.path)} on with --since, or each on its own",
                 )
+                for later in self.segments[i + 1 :]:
+                    later.reader.close()
+                del self.segments[i + 1 :]
+                break
 
     def __len__(self) -> int:
         return self._len

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,9 +111,28 @@ class SegmentedTape:
 
     @staticmethod
     def _start_segment(segment: SQLiteTape, snapshot: ev.EngineSnapshot) -> SQLiteTape:
+        """The segment, opened with the snapshot and that in its file before anything else
+        is handed over: a segment in the directory always has its snapshot (its writer, up
+        long since, commits it in a millisecond or two)."""
         segment.append(snapshot)
-        segment.commit()
+        segment.flush()
         return segment
+
+    def _open_next(self, snapshot: ev.EngineSnapshot) -> SQLiteTape:
+        """The next segment: the file made ahead, or, if it could not be made or its writer
+        died waiting (killed), a new one made now in its place."""
+        spare, self._spare = self._spare, None
+        try:
+            assert spare is not None
+            return self._start_segment(spare.result(), snapshot)
+        except (TapeError, OSError, AssertionError):
+            with contextlib.suppress(Exception):
+                broken = spare.result() if spare is not None else None
+                if broken is not None:
+                    with contextlib.suppress(Exception):
+                        broken.close()
+                    remove_tape_files(broken.path)
+        return self._start_segment(self._segment_file(snapshot.segment), snapshot)
 
     def _current(self) -> SQLiteTape:
         if self._segment is None:
@@ -138,16 +158,17 @@ class SegmentedTape:
             self._rotate(segment)
 
     def _rotate(self, old: SQLiteTape) -> None:
-        """Open the next segment, then close the old one on the closing thread. A segment
-        that cannot be opened (a full disk) leaves the old one open: the failure is recorded
-        there."""
-        assert self._take_snapshot is not None and self._spare is not None
-        # The old segment ends with SegmentClosed: the new one's events come after it.
+        """Close the old segment, open the next, and let the closing thread wait for the old
+        one's writer."""
+        assert self._take_snapshot is not None
+        # The old segment ends with SegmentClosed, handed to its writer before the new one
+        # opens: a directory never holds a segment whose predecessor lacks it (a death in
+        # between leaves the old one closed and no next one, which readers see). A new
+        # segment that cannot open (a full disk) leaves the failure recorded in the old one.
         snapshot = self._take_snapshot(self._index + 1, self._seq_offset + len(old) + 1)
-        spare, self._spare = self._spare, None
-        new = self._start_segment(spare.result(), snapshot)  # its failure (a full disk) here
         old.append(ev.SegmentClosed(snapshot.step, snapshot.segment))
         old.commit()
+        new = self._open_next(snapshot)
         seq_offset = self._seq_offset + len(old)
         self._segment = new
         self._index, self._seq_offset, self._opened_at = (
@@ -238,31 +259,41 @@ def record_engine_death(directory: str, how: str, wait_s: float = 5.0) -> None:
     """Say how the run ended, for an engine core that died without closing its tape (killed,
     or out of memory): once the open segment's writer process has committed what it was
     handed and finished the file (within `wait_s`), an EngineError there names the death,
-    unless the core recorded its own failure; the manifest says it too."""
-    files = segment_files(directory)
-    while files and _is_spare(files[-1], wait_s):
-        remove_tape_files(files.pop())  # the next segment's file, made ahead, never opened
-    if files:
-        last = files[-1]
-        deadline = time.monotonic() + wait_s
-        while tape_file_status(last).journal_mode != "rollback" and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if tape_file_status(last).journal_mode == "rollback":  # no writer any more
-            reader = SQLiteTapeReader(last)
-            try:
-                tail = _last_event(reader)
-            finally:
-                reader.close()
-            if tail is not None and not isinstance(tail, ev.EngineError):
-                append_event(last, ev.EngineError(tail.step, "EngineDeadError", how))
-    record_end(directory, how)
+    unless the core recorded its own failure; the manifest says it too. The next segment's
+    file, made ahead and never opened, is removed. What cannot be done is said in one line on
+    stderr: the server is going down, this must not stop it."""
+    try:
+        for name in os.listdir(directory):
+            if name.endswith(".creating"):  # a file the core was making when it died
+                remove_tape_files(os.path.join(directory, name))
+        files = segment_files(directory)
+        while files and _is_spare(files[-1]):
+            remove_tape_files(files.pop())
+        if files:
+            _append_death(files[-1], how, wait_s)
+        record_end(directory, how)
+    except (OSError, ValueError, TapeError, sqlite3.Error) as exc:
+        print(f"{directory}: how the engine ended was not recorded: {exc}", file=sys.stderr)
 
 
-def _is_spare(path: str, wait_s: float) -> bool:
-    """A segment file with no event once its writer finished: made ahead, never opened."""
+def _append_death(path: str, how: str, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while tape_file_status(path).journal_mode != "rollback" and time.monotonic() < deadline:
         time.sleep(0.02)
+    if tape_file_status(path).journal_mode != "rollback":
+        return  # its writer still holds it: the manifest alone says how the run ended
+    reader = SQLiteTapeReader(path)
+    try:
+        tail = _last_event(reader)
+    finally:
+        reader.close()
+    if tail is not None and not isinstance(tail, ev.EngineError):
+        append_event(path, ev.EngineError(tail.step, "EngineDeadError", how))
+
+
+def _is_spare(path: str) -> bool:
+    """A segment file with no event: made ahead, never opened (a segment is opened with its
+    snapshot in the file)."""
     reader = SQLiteTapeReader(path)
     try:
         return len(reader) == 0

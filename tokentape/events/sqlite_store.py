@@ -77,7 +77,16 @@ class TapeWarning(UserWarning):
 
 def _create_tape_file(path: str, header: ev.TapeHeader) -> None:
     """The empty tape, in rollback-journal mode (the writer switches it to WAL, so a WAL-mode
-    file with no -wal beside it is never a live tape): both tables, triggers, the header."""
+    file with no -wal beside it is never a live tape): both tables, triggers, the header.
+    Made under another name and renamed into place, so a process killed halfway never leaves
+    a file at `path` without its header (a segmented tape's readers list such paths)."""
+    part = f"{path}.creating"
+    remove_tape_files(part)  # what an earlier death halfway left
+    _build_tape_file(part, header)
+    os.replace(part, path)
+
+
+def _build_tape_file(path: str, header: ev.TapeHeader) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         db = sqlite_utils.Database(conn)
@@ -330,8 +339,9 @@ def write_tape(
 
 
 def remove_tape_files(path: str | os.PathLike[str]) -> None:
-    """Delete a tape file and the -wal / -shm files SQLite may keep beside it."""
-    for p in (os.fspath(path), f"{os.fspath(path)}-wal", f"{os.fspath(path)}-shm"):
+    """Delete a tape file and the -wal / -shm / -journal files SQLite may keep beside it."""
+    path = os.fspath(path)
+    for p in (path, f"{path}-wal", f"{path}-shm", f"{path}-journal"):
         try:
             os.remove(p)
         except FileNotFoundError:

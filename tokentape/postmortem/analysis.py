@@ -276,6 +276,14 @@ def _run(
     return True, (seq, event) if event is not None else None
 
 
+def _goes_on(tape: Tape) -> bool:
+    """Whether a tape that ends with SegmentClosed is followed by its next segment: a segment
+    file read alone is taken at its word; a directory read to its last segment, whose next
+    one never opened (the engine killed as it changed segments), is not."""
+    reader = tape.reader
+    return not isinstance(reader, SegmentedTapeReader) or reader.continues
+
+
 def _segmented_summary(tape: Tape) -> dict[str, object]:
     """The segment files a segmented tape's directory was read from, and the run's end as
     its manifest records it; nothing for a tape file."""
@@ -293,7 +301,7 @@ def _check_end(ctx: Context, last: Item | None) -> None:
     state = ctx.state
     if state.error is not None or state.recording_stopped is not None or last is None:
         return  # an engine_error or recording_stopped finding says why it ended
-    if isinstance(last[1], ev.SegmentClosed):
+    if isinstance(last[1], ev.SegmentClosed) and _goes_on(ctx.tape):
         return  # a segment of a segmented tape: the run goes on in the next one
     unfinished = [r.req_id for r in state.unfinished]
     in_flight = [s.step for s in state.in_flight_steps]
