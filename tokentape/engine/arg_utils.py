@@ -13,6 +13,7 @@ from typing import Any
 
 from tokentape.engine.config import LOGPROBS_MODES, EngineConfig
 from tokentape.engine.model_registry import DEFAULT_MODEL, MODEL_HELP
+from tokentape.engine.weight_transfer import parse_weight_transfer_config
 from tokentape.events.discard import DISCARD_POLICIES
 
 
@@ -31,12 +32,25 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def json_value(parse_text: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: a JSON value read by `parse_text`, with a one-line error otherwise."""
+
+    def parse(text: str) -> Any:
+        try:
+            return parse_text(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 @dataclass(frozen=True, slots=True)
 class _Flag:
     help: str
     minimum: int | None = None  # an integer flag; None: one of `choices`, or text without any
     metavar: str = "N"
     choices: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None  # a flag of JSON: its value as the engine takes it
 
 
 # By EngineConfig field, in the order --help lists them.
@@ -72,6 +86,12 @@ ENGINE_FLAGS: dict[str, _Flag] = {
         "a class mixed into the worker (vLLM's option): collective_rpc calls its methods",
         metavar="MODULE.CLASS",
     ),
+    "weight_transfer_config": _Flag(
+        "the transport of update_weights(update_info) (vLLM's option), as JSON: "
+        '\'{"backend": "shm"}\', shared memory on this machine (vLLM\'s nccl and ipc need GPUs)',
+        metavar="JSON",
+        parse=json_value(parse_weight_transfer_config),
+    ),
 }
 _DEFAULTS = EngineConfig()
 _NONE_DEFAULTS = {
@@ -82,6 +102,7 @@ _NONE_DEFAULTS = {
     "max_model_len": "the model's context length, capped at the KV capacity",
     "cpu_threads": "one per CPU",
     "worker_extension_cls": "none",
+    "weight_transfer_config": "none: weights come as state_dicts or checkpoint folders",
 }
 
 
@@ -128,7 +149,15 @@ def add_engine_cli_args(
             default = f"engine default: {getattr(_DEFAULTS, name)}"
         option = "--" + name.replace("_", "-")
         where = group if name == "pipeline_depth" else parser
-        if flag.minimum is None and not flag.choices:  # free text
+        if flag.parse is not None:  # JSON
+            where.add_argument(
+                option,
+                type=flag.parse,
+                default=None,
+                metavar=flag.metavar,
+                help=f"{flag.help} ({default})",
+            )
+        elif flag.minimum is None and not flag.choices:  # free text
             where.add_argument(
                 option, default=None, metavar=flag.metavar, help=f"{flag.help} ({default})"
             )

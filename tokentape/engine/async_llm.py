@@ -53,6 +53,7 @@ from tokentape.engine.output_collector import RequestOutputCollector
 from tokentape.engine.output_processor import OutputProcessor
 from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.parallel_sampling import child_request_id
+from tokentape.engine.weight_transfer import check_update_info, is_update_info
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import SamplingParams
 from tokentape.events.segment_dir import SegmentedTapeSpec
@@ -326,10 +327,14 @@ class AsyncLLM:
     ) -> str | None:
         """Load new weights (a state_dict or a checkpoint folder) while paused; returns their
         content hash, which goes on the tape with `weight_version` (default: the update's
-        number). Inside a transfer (`start_weight_update`): one chunk, checked and held (None).
+        number). Inside a transfer (`start_weight_update`): one chunk, checked and held (None),
+        or with weight_transfer_config a bucket's update_info (weight_transfer.py: its
+        tensors stay in the trainer's shared memory; only the dict goes to the engine core).
         Refused without any change on a bad update (EngineCore.update_weights)."""
         if isinstance(weights, (str, os.PathLike)):
             arg: Any = os.fspath(weights)
+        elif is_update_info(weights):  # a bucket: the small dict crosses, its tensors are in shm
+            arg = check_update_info(weights).as_dict()
         elif isinstance(weights, Mapping):
             arg = (
                 weights if isinstance(self.engine_core, InprocClient) else state_dict_bytes(weights)
@@ -342,6 +347,13 @@ class AsyncLLM:
             resolve_version(weight_version, 0)
         weights_id = await self._call("update_weights", arg, weight_version)
         return None if weights_id is None else str(weights_id)
+
+    async def init_weight_transfer_engine(self, init_info: Mapping[str, Any] | None = None) -> None:
+        """vLLM's: ready the weight transfer engine (weight_transfer_config), once before the
+        training loop; refused without one."""
+        if init_info is not None and not isinstance(init_info, Mapping):
+            raise ValueError(f"init_info must be a mapping, got {shown(init_info)}")
+        await self._call("init_weight_transfer_engine", dict(init_info or {}))
 
     async def start_weight_update(self) -> None:
         """Open a chunked transfer (vLLM RFC #31848): `update_weights(chunk)` per chunk, then

@@ -11,6 +11,7 @@ import msgspec
 import msgspec.structs
 
 from tokentape.engine.runners.base import HasModelConfig, ModelRunner
+from tokentape.engine.weight_transfer import WeightTransferConfig, weight_transfer_config
 from tokentape.events.discard import ALL_POLICIES
 from tokentape.events.faults import FAULTS
 from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_number, check_str
@@ -79,6 +80,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's worker_extension_cls: "module.Class", a class mixed into the worker, whose
     # methods collective_rpc calls (an RL framework's weight loading); None: none.
     worker_extension_cls: str | None = None
+    # vLLM's weight_transfer_config: the transport of update_weights(update_info), "shm"
+    # (engine/weight_transfer.py); None: weights come as state_dicts or checkpoint folders.
+    weight_transfer_config: WeightTransferConfig | None = None
 
     def __post_init__(self) -> None:
         # Types first (a bool is not an int here; the seed goes into the tape header and the
@@ -115,6 +119,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(self.faults, str) or not isinstance(self.faults, (tuple, list)):
             raise TypeError(f"faults must be a list of fault names, got {self.faults!r}")
         msgspec.structs.force_setattr(self, "faults", list(self.faults))  # equal after a round trip
+        # A mapping (JSON, the tape header, the engine core process's setup) becomes the struct.
+        transfer = weight_transfer_config(self.weight_transfer_config)
+        msgspec.structs.force_setattr(self, "weight_transfer_config", transfer)
         for name in self.faults:
             need(
                 isinstance(name, str) and name in FAULTS,

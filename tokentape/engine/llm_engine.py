@@ -16,7 +16,7 @@ updates) are the core's, made here as vLLM's LLMEngine makes them through its cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 from tokentape.engine.config import EngineConfig
@@ -140,8 +140,14 @@ class LLMEngine:
         self, weights: object, weight_version: str | int | None = None
     ) -> str | None:
         """Load new weights (a state_dict or a folder) while paused, or one chunk of a transfer
-        opened by `start_weight_update`; the new weights' SHA-256 (None for a chunk)."""
+        opened by `start_weight_update` (a state_dict, a folder, or with weight_transfer_config
+        a bucket's update_info); the new weights' SHA-256 (None for a chunk)."""
         return self.engine_core.update_weights(weights, weight_version)
+
+    def init_weight_transfer_engine(self, init_info: Mapping[str, Any] | None = None) -> None:
+        """vLLM's: ready the weight transfer engine (weight_transfer_config), once; then
+        `update_weights(update_info)` takes a bucket inside a transfer."""
+        self.engine_core.init_weight_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
         self.engine_core.start_weight_update()

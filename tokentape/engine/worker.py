@@ -95,7 +95,7 @@ def _encodable(value: Any) -> Any:
 
     if isinstance(value, torch.Tensor):
         t = value.detach().contiguous().cpu()
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        data = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
         return ["tensor", str(t.dtype), list(t.shape), hashlib.sha256(data).hexdigest()]
     return ["object", type(value).__qualname__, repr(value)]
 

@@ -144,8 +144,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class UpdateWeightsRequest(msgspec.Struct):
-    path: str  # a checkpoint folder on the server's machine (inside a transfer: one chunk)
+    # One of: a checkpoint folder on the server's machine (inside a transfer: one chunk), or
+    # with --weight-transfer-config a bucket's update_info, as vLLM's weight transfer engine
+    # sends it ({"shm_name", "names", "dtype_names", "shapes", "offsets"}: one chunk).
+    path: str | None = None
     weight_version: str | None = None  # vLLM #49040's label; default: the update's number
+    update_info: dict[str, Any] | None = None
+
+
+class InitWeightTransferEngineRequest(msgspec.Struct):
+    init_info: dict[str, Any] = {}  # vLLM's; the shm backend takes at most {"backend": "shm"}
 
 
 class FinishWeightUpdateRequest(msgspec.Struct):

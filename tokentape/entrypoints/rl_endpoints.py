@@ -5,7 +5,11 @@ then /update_weights per chunk, then POST /finish_weight_update (vLLM #39212, it
 vLLM's sleep mode: POST /sleep?level=N&mode=M, POST /wake_up?tags=T (repeated; none:
 everything), GET /is_sleeping; and SGLang's POST /abort_request ({"rid": ID} or
 {"abort_all": true}), which vLLM has no endpoint for. POST /collective_rpc (worker code by
-name, worker_extension_cls's) is served in vLLM's dev mode only.
+name, worker_extension_cls's) is served in vLLM's dev mode only. With
+--weight-transfer-config, vLLM's weight transfer engine's POST /init_weight_transfer_engine
+{"init_info": {...}} too, and /update_weights takes a bucket's {"update_info": {...}}
+(engine/weight_transfer.py: the tensors are in the trainer's shared memory, named by the
+update_info; no folder is read).
 
 They change what every client gets (a pause freezes every stream; new weights change every
 later token), so a server attaches them only when asked (`--enable-rl-endpoints`, or vLLM's
@@ -27,6 +31,7 @@ from starlette.responses import Response
 
 from tokentape.engine.async_llm import AsyncLLM
 from tokentape.engine.core.call_args import check_wake_tags
+from tokentape.engine.weight_transfer import check_update_info
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.refusals import APIError
 from tokentape.entrypoints.request_body import decode_body
@@ -38,6 +43,7 @@ RL_PATHS = (
     "/is_paused",
     "/reset_prefix_cache",
     "/update_weights",
+    "/init_weight_transfer_engine",
     "/start_weight_update",
     "/finish_weight_update",
     "/weight_info",
@@ -156,9 +162,32 @@ def add_rl_endpoints(
             }
         )
 
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> Response:
+        body = await request.body()
+        req = decode_body(body, p.InitWeightTransferEngineRequest) if body.strip() else None
+        init_info = req.init_info if req is not None else {}
+        await _refused_as_400(engine.init_weight_transfer_engine(init_info), "init_info")
+        return json_response({"status": "ok"})
+
     @app.post("/update_weights")
     async def update_weights(request: Request) -> Response:
         req = decode_body(await request.body(), p.UpdateWeightsRequest)
+        if (req.path is None) == (req.update_info is None):
+            raise APIError(
+                400,
+                "give a checkpoint folder (path) or, with --weight-transfer-config, a "
+                "bucket's update_info; one of them",
+                param="path" if req.path is None else "update_info",
+            )
+        if req.update_info is not None:  # a bucket of the weight transfer engine: a chunk
+            try:
+                info = check_update_info(req.update_info).as_dict()
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="update_info") from None
+            await _refused_as_400(engine.update_weights(info, req.weight_version), "update_info")
+            return json_response({"status": "ok"})
+        assert req.path is not None
         folder = allowed_weights_path(req.path, allowed)
         weights_id = await _refused_as_400(
             engine.update_weights(folder, req.weight_version), "path"

@@ -34,7 +34,10 @@ flight, a chunk's tensors must be the model's by name and shape (the runner hold
 loading nothing until the finish, so the old weights serve until then), and a transfer left
 open is refused at `resume_generation`. The tape has `WeightUpdateStarted`, a
 `WeightChunkReceived` per chunk (names, shapes and SHA-256s; not the tensors) and
-`WeightsUpdated` with the final SHA-256 and the version.
+`WeightsUpdated` with the final SHA-256 and the version. With a `weight_transfer_config`
+(vLLM's weight transfer engine, weight_transfer.py: "shm", shared memory), a chunk may also
+come as a bucket's update_info, after `init_weight_transfer_engine`: the same chunk, its
+tensors read from the trainer's shared-memory block.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from tokentape.engine.runners.base import (
 )
 from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.engine.tokenizer import Tokenizer
+from tokentape.engine.weight_transfer import ShmWeightTransferEngine, is_update_info
 from tokentape.engine.worker import args_digest, resolve_method, worker_class
 from tokentape.errors import EngineDeadError
 from tokentape.events import schema as ev
@@ -117,6 +121,9 @@ class EngineCore:
         self.worker_calls: RunsWorkerCalls | None = (
             runner if isinstance(runner, RunsWorkerCalls) else None
         )
+        # vLLM's weight transfer engine (weight_transfer.py): how a bucket's tensors arrive.
+        transfer = config.weight_transfer_config
+        self.weight_transfer = None if transfer is None else ShmWeightTransferEngine(transfer)
         # vLLM's worker, with the RL framework's class mixed in: collective_rpc calls it.
         self.worker = worker_class(config.worker_extension_cls)(runner)
         self.tape = tape
@@ -586,6 +593,9 @@ class EngineCore:
         `finish_weight_update`'s). K/V already cached were computed with the old weights:
         pause with `clear_cache=True` to recompute them.
         """
+        if is_update_info(weights):
+            self._receive_bucket(weights, weight_version)
+            return None
         updater = self._check_can_update("update_weights")
         if self.state.weight_update_chunks is not None:
             if weight_version is not None:
@@ -604,6 +614,46 @@ class EngineCore:
         with self._recorded():
             self._emit(ev.WeightsUpdated(self.state.step, weights_id, version))
         return weights_id
+
+    def init_weight_transfer_engine(self, init_info: object = None) -> None:
+        """vLLM's: make the weight transfer engine ready, once before the training loop (for
+        "shm": the engine checks it can attach shared memory). Refused without
+        `weight_transfer_config`. Not on the tape: the buckets' chunks are."""
+        self._check_alive()
+        transfer = self._transfer_engine("init_weight_transfer_engine")
+        transfer.init_transfer_engine({} if init_info is None else init_info)  # type: ignore[arg-type]
+
+    def _transfer_engine(self, call: str) -> ShmWeightTransferEngine:
+        if self.weight_transfer is None:
+            raise RuntimeError(
+                f"{call}: the engine has no weight transfer engine; build it with "
+                "weight_transfer_config=WeightTransferConfig(backend='shm') (serve: "
+                '--weight-transfer-config \'{"backend": "shm"}\')'
+            )
+        return self.weight_transfer
+
+    def _receive_bucket(self, update_info: object, weight_version: str | int | None) -> None:
+        """update_weights(update_info): one bucket of the weight transfer engine, inside an
+        open transfer, taken as a chunk (checked, held, recorded as WeightChunkReceived)."""
+        transfer = self._transfer_engine("update_weights")
+        if not transfer.initialized:
+            raise RuntimeError("update_weights: call init_weight_transfer_engine first")
+        updater = self._check_can_update("update_weights")
+        if self.state.weight_update_chunks is None:
+            raise RuntimeError(
+                "update_weights: an update_info is a bucket of a transfer; call "
+                "start_weight_update first (and finish_weight_update after the last bucket)"
+            )
+        if weight_version is not None:
+            raise ValueError(
+                "update_weights: a bucket of a transfer takes no weight_version; "
+                "give it to finish_weight_update"
+            )
+        chunk = transfer.receive_weights(update_info, updater.stage_weights)
+        with self._recorded():
+            self._emit(
+                ev.WeightChunkReceived(self.state.step, chunk.names, chunk.shapes, chunk.hashes)
+            )
 
     def start_weight_update(self) -> None:
         """Open a chunked transfer (vLLM RFC #31848): `update_weights(chunk)` as many times as

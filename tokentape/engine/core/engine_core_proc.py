@@ -65,7 +65,8 @@ SHUTDOWN = "shutdown"  # the call that ends the core
 
 
 def load_weights_arg(arg: object) -> object:
-    """update_weights's argument as it travels: a folder path, or safetensors bytes."""
+    """update_weights's argument as it travels: a folder path, safetensors bytes, or a
+    bucket's update_info (a small dict: its tensors are in shared memory)."""
     if isinstance(arg, bytes):
         from safetensors.torch import load
 
@@ -90,6 +91,7 @@ class EngineCoreProc:
             "update_weights": lambda w, version=None: self.engine_core.update_weights(
                 load_weights_arg(w), version
             ),
+            "init_weight_transfer_engine": self.engine_core.init_weight_transfer_engine,
             "start_weight_update": self.engine_core.start_weight_update,
             "finish_weight_update": self.engine_core.finish_weight_update,
             "get_weight_version": self.engine_core.get_weight_version,

@@ -220,7 +220,7 @@ def tensor_sha256(name: str, t: torch.Tensor) -> str:
     """sha256 over one tensor's name, dtype, shape and bytes (a chunk's record on the tape)."""
     t = t.detach().contiguous().cpu()
     h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"")
     return "sha256:" + h.hexdigest()
 
 
@@ -242,7 +242,7 @@ def weights_hash(model: CausalLM) -> str:
     for name, p in sorted(model.named_parameters()):
         t = p.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"")
     return "sha256:" + h.hexdigest()
 
 
