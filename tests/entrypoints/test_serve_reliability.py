@@ -304,7 +304,9 @@ def test_a_core_that_dies_mid_stream_ends_each_stream_cleanly(tmp_path: Path) ->
         code = server.stop()
     error = json.loads(rest[-2][len("data: ") :])["error"]
     assert rest[-1] == "data: [DONE]" and error["code"] == 503, rest[-3:]
-    assert error["type"] == "ServiceUnavailableError" and "was killed by SIGKILL" in error["message"]
+    assert (
+        error["type"] == "ServiceUnavailableError" and "was killed by SIGKILL" in error["message"]
+    )
     assert code == 1, server.stderr
     assert "engine core failed while serving" in server.stderr
     assert "response already started" not in server.stderr and "Traceback" not in server.stderr
