@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import assert_one_line_error, run
 
-from tokentape import LLM, SamplingParams, cli
+from tokentape import LLM, SamplingParams
 from tokentape.engine.tokenizer import ByteTokenizer
 from tokentape.entrypoints.cli.generate import DEFAULT_PROMPTS
 from tokentape.events import schema as ev
@@ -22,22 +23,6 @@ from tokentape.events.sqlite_store import SQLiteTape
 from tokentape.replay import load_tape, verify
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = cli.main(list(argv))
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def assert_one_line_error(rc: int, err: str, *fragments: str) -> None:
-    assert rc == 2
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, err)
 
 
 def expected_tokens(prompts: list[str], max_tokens: int, **engine_args: object) -> list[list[int]]:

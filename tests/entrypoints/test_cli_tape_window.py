@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_run import assert_one_line_error, run
 
-from tokentape import LLM, SamplingParams, cli
+from tokentape import LLM, SamplingParams
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.factory import build_engine_core
 from tokentape.entrypoints.cli.tape_source import parse_time_point
@@ -22,22 +23,6 @@ from tokentape.events.segment_dir import SegmentedTapeSpec
 from tokentape.events.segmented_reader import SegmentedTapeReader
 from tokentape.postmortem.fleet import find_tapes
 from tokentape.replay import load_tape, verify
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = cli.main(list(argv))
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def assert_one_line_error(rc: int, err: str, *fragments: str) -> None:
-    assert rc == 2
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, err)
 
 
 def record_segmented(directory: Path) -> Path:
@@ -237,3 +222,23 @@ def test_fleet_with_a_segmented_engine(capsys: pytest.CaptureFixture[str], tmp_p
 
     rc, _, err = run(capsys, "postmortem", str(fleet), "--since", "10m")
     assert_one_line_error(rc, err, "--since and --until apply to a segmented tape's directory")
+
+
+def test_diff_takes_a_window_of_both_and_why_names_a_request_added_before_it(
+    capsys: pytest.CaptureFixture[str], segmented: Path
+) -> None:
+    starts = segments(segmented)
+    since = iso(starts[1][0] + 1e-6)
+    rc, out, _ = run(capsys, "diff", str(segmented), str(segmented), "--since", since)
+    assert rc == 0 and "identical" in out
+    # A request the window's first snapshot holds was added before it: why says so.
+    reader = SegmentedTapeReader(segmented, since=starts[1][0] + 1e-6)
+    try:
+        first = reader.segments[0]
+        held = [r.req_id for r in first.snapshot.requests]
+        path = first.path
+    finally:
+        reader.close()
+    assert held
+    rc, _, err = run(capsys, "why", path, held[0], "0")
+    assert_one_line_error(rc, err, "was added before this segment")

@@ -30,6 +30,15 @@ from tokentape.replay.why_trace import RequestTracer, project
 from tokentape.replay.why_weights import add_weights
 
 
+def _held_by_first_snapshot(tape: Tape, req_id: str) -> bool:
+    first = next(tape.events(), None)
+    return (
+        first is not None
+        and type(first[1]) is ev.EngineSnapshot
+        and any(r.req_id == req_id for r in first[1].requests)
+    )
+
+
 def trace_request(
     tape: Tape, req_id: str, source: WhySource | None = None, position: int | None = None
 ) -> RequestTracer:
@@ -38,6 +47,13 @@ def trace_request(
     own = source or WhySource(tape)
     try:
         start = own.added_seq(req_id)
+        if start is None and _held_by_first_snapshot(tape, req_id):
+            raise WhyError(
+                f"{tape.path or 'the tape'}: request {req_id!r} was added before this segment "
+                "(its opening snapshot holds it); why follows a request from its RequestAdded: "
+                "give the segmented tape's directory, or a window from the segment it was "
+                "added in"
+            )
         if start is None:
             known = own.request_ids()
             listed = ", ".join(map(repr, known)) + (", ..." if len(known) == 10 else "")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tokentape.entrypoints.cli.common import EXIT_DIVERGED, EXIT_OK
-from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR
+from tokentape.entrypoints.cli.tape_source import TAPE_OR_DIR, add_window_options
 from tokentape.progress import progress
 from tokentape.replay.render import Output
 
@@ -34,6 +34,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     dif.add_argument("a", metavar="A", help=f"first {TAPE_OR_DIR}")
     dif.add_argument("b", metavar="B", help=f"second {TAPE_OR_DIR}")
+    add_window_options(dif, "each segmented tape's directory")
     dif.set_defaults(func=cmd_diff)
     return dif
 
@@ -76,12 +77,12 @@ class PinnedReader:
         self._reader.close()
 
 
-def pinned_tapes(path_a: str, path_b: str) -> tuple[Any, Any]:
-    """Both tapes (files or segmented tapes' directories), each pinned at its length now;
-    one tape given twice is pinned once."""
+def pinned_tapes(path_a: str, path_b: str, since: Any = None, until: Any = None) -> tuple[Any, Any]:
+    """Both tapes (files or segmented tapes' directories, over the window `since`..`until`),
+    each pinned at its length now; one tape given twice is pinned once."""
     from tokentape.replay.tape import Tape, load_tape
 
-    a, b = load_tape(path_a), load_tape(path_b)
+    a, b = load_tape(path_a, since, until), load_tape(path_b, since, until)
     len_a, len_b = len(a), len(b)
     if os.path.samefile(path_a, path_b):
         len_a = len_b = min(len_a, len_b)
@@ -94,7 +95,7 @@ def pinned_tapes(path_a: str, path_b: str) -> tuple[Any, Any]:
 def cmd_diff(args: argparse.Namespace) -> int:
     from tokentape.replay.diff import diff
 
-    a, b = pinned_tapes(args.a, args.b)
+    a, b = pinned_tapes(args.a, args.b, args.since, args.until)
     with progress(2 * (len(a) + len(b)), "checking and reading the tapes") as update:
         result = diff(a, b, update)
     print_diff(result.format())
