@@ -36,3 +36,8 @@ class EngineDeadError(RuntimeError):
 
 class CLIError(Exception):
     """A command's expected failure: printed as `error: <message>`, exit status 2."""
+
+
+class WorkerCallRefused(AttributeError, ValueError):
+    """collective_rpc refused before it ran (no such worker method, bad arguments): nothing
+    was called or recorded. An AttributeError, as vLLM's, and a ValueError (a bad argument)."""

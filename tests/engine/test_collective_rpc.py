@@ -139,6 +139,8 @@ def test_async_llm_calls_the_worker_in_the_engine_core(tmp_path: Path, multiproc
         assert (await engine.collective_rpc("load_seeded", args=(2,)))[0] > 0
         with pytest.raises(ValueError, match="from the worker"):
             await engine.collective_rpc("fail", args=("from the worker",))
+        with pytest.raises(AttributeError, match="no method 'nope'"):  # refused, as itself
+            await engine.collective_rpc("nope")
         if multiprocess:
             with pytest.raises(TypeError, match="name of a worker method"):
                 await engine.collective_rpc(lambda w: None)
@@ -180,7 +182,7 @@ def test_the_dev_mode_endpoint(tmp_path: Path) -> None:
             r = await http.post("/collective_rpc", json={"method": "fail", "args": ["oops"]})
             assert r.status_code == 500 and "ValueError: oops" in r.text
             r = await http.post("/collective_rpc", json={"method": "nope"})
-            assert r.status_code == 500 and "no method 'nope'" in r.text
+            assert r.status_code == 400 and "no method 'nope'" in r.text
             r = await http.post("/collective_rpc", json={"args": []})
             assert r.status_code == 422 and "method" in r.text  # a body without the method
             r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})

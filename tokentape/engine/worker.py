@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from tokentape.engine.runners.base import ModelRunner
+from tokentape.errors import WorkerCallRefused
 
 
 class Worker:
@@ -78,10 +79,12 @@ def resolve_method(
         name = getattr(method, "__qualname__", None) or type(method).__name__
         return name, lambda *args, **kwargs: method(worker, *args, **kwargs)
     if not isinstance(method, str):
-        raise TypeError(f"collective_rpc: method must be a name or a callable, got {method!r}")
+        raise WorkerCallRefused(
+            f"collective_rpc: method must be a name or a callable, got {method!r}"
+        )
     bound = getattr(worker, method, None) if not method.startswith("_") else None
     if bound is None or not callable(bound):
-        raise AttributeError(
+        raise WorkerCallRefused(
             f"collective_rpc: the worker has no method {method!r} "
             "(worker_extension_cls adds methods)"
         )

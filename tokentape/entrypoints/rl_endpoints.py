@@ -35,7 +35,7 @@ from tokentape.engine.weight_transfer import check_update_info
 from tokentape.entrypoints import protocol as p
 from tokentape.entrypoints.refusals import APIError
 from tokentape.entrypoints.request_body import decode_body
-from tokentape.errors import EngineDeadError
+from tokentape.errors import EngineDeadError, WorkerCallRefused
 
 RL_PATHS = (
     "/pause",
@@ -221,8 +221,9 @@ def add_collective_rpc_endpoint(
 ) -> None:
     """vLLM's dev-mode POST /collective_rpc: {"method", "timeout", "args", "kwargs"} ->
     {"results": [...]} (a result that is not JSON's dict, list or null as its str, as vLLM
-    answers). A call that fails (no such method, or the method raised: that is on the tape)
-    is a 500 with the error's type and message, as vLLM's; the engine serves on."""
+    answers). A call refused before it ran (no such method, bad arguments) is a 400; a
+    method that raised (on the tape) a 500 with the error's type and message; the engine
+    serves on."""
 
     @app.post(COLLECTIVE_RPC_PATH)
     async def collective_rpc(request: Request) -> Response:
@@ -233,7 +234,9 @@ def add_collective_rpc_endpoint(
             )
         except EngineDeadError:
             raise
-        except Exception as exc:  # noqa: BLE001 - refused, or the method raised: as vLLM, a 500
+        except WorkerCallRefused as exc:  # no such method, bad arguments: nothing ran
+            raise APIError(400, str(exc), param="method") from None
+        except Exception as exc:  # noqa: BLE001 - the method raised (on the tape): a 500
             raise APIError(500, f"{type(exc).__name__}: {exc}", "InternalServerError") from None
         return json_response(
             {

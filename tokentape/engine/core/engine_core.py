@@ -75,13 +75,13 @@ from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.engine.weight_transfer import ShmWeightTransferEngine, is_update_info
 from tokentape.engine.worker import args_digest, resolve_method, worker_class
-from tokentape.errors import EngineDeadError
+from tokentape.errors import EngineDeadError, WorkerCallRefused
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.snapshot import take_snapshot
 from tokentape.events.store import TakesSnapshots, TapeWriter
-from tokentape.events.validation import check_bool, check_number, shown
+from tokentape.events.validation import check_bool, shown
 
 
 class EngineCore:
@@ -546,13 +546,17 @@ class EngineCore:
         call changed them. A method that raises is recorded, and its exception comes back
         to the caller; the engine serves on."""
         self._check_alive()
-        if timeout is not None:
-            check_number("timeout", timeout, 0, lo_open=True)
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise WorkerCallRefused(f"collective_rpc: timeout must be > 0, got {shown(timeout)}")
         if not isinstance(args, (tuple, list)):
-            raise TypeError(f"collective_rpc: args must be a tuple, got {shown(args)}")
+            raise WorkerCallRefused(f"collective_rpc: args must be a tuple, got {shown(args)}")
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise TypeError(f"collective_rpc: kwargs must be a dict of names, got {shown(kwargs)}")
+            raise WorkerCallRefused(
+                f"collective_rpc: kwargs must be a dict of names, got {shown(kwargs)}"
+            )
         name, call = resolve_method(self.worker, method)
         digest = args_digest(tuple(args), kwargs)
         if self.worker_calls is None:

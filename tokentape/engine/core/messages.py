@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from tokentape.engine.outputs import EngineCoreOutput
+from tokentape.errors import WorkerCallRefused
 from tokentape.events.schema import SamplingParams
 from tokentape.events.segment_dir import SegmentedTapeSpec
 
@@ -120,6 +121,7 @@ setup_decoder = msgspec.msgpack.Decoder(CoreSetup)
 _ERROR_TYPES: dict[str, type[Exception]] = {
     t.__name__: t
     for t in (
+        WorkerCallRefused,  # before its bases: it crosses as itself
         ValueError,
         TypeError,
         KeyError,
