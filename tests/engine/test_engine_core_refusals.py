@@ -103,7 +103,7 @@ def test_an_add_that_raises_anything_is_refused_and_records_nothing(tmp_path: Pa
         assert errors == {"odd": ("AttributeError", "'list' object has no attribute 'get'")}
         assert tokens_of(messages, "ok") == OracleRunner().expected_stream([5, 6], PARAMS)
         # An unknown call is refused the same way.
-        messages = run_until_done(core, [UtilityCall(7, "collective_rpc", [])])
+        messages = run_until_done(core, [UtilityCall(7, "no_such_call", [])])
         (answer,) = [m.utility for m in messages if isinstance(m, CoreOutputs) and m.utility]
         assert answer.error is not None and "unknown engine call" in answer.error[1]
     finally:
