@@ -41,3 +41,9 @@ class CLIError(Exception):
 class WorkerCallRefused(AttributeError, ValueError):
     """collective_rpc refused before it ran (no such worker method, bad arguments): nothing
     was called or recorded. An AttributeError, as vLLM's, and a ValueError (a bad argument)."""
+
+
+class LoRAError(ValueError):
+    """A LoRA adapter that cannot serve: its folder is missing or damaged, its rank is above
+    max_lora_rank, it was trained for another base model, or the engine has no room or no
+    LoRA. Raised before anything is recorded; the engine keeps serving the others."""

@@ -5,8 +5,8 @@ Exit 1, naming each offending edge, when
 - two modules import each other, directly or through others (a module cycle);
 - two top-level parts import each other (a package cycle: `engine` <-> `kernels`);
 - a module imports one from a higher layer, in this order from the bottom:
-  version, errors (and progress, extras) -> events -> engine, kernels -> replay -> postmortem ->
-  chaos, integrations -> entrypoints, the CLI and the package's facade (`tokentape`);
+  version, errors (and progress, extras) -> events -> engine, kernels, lora -> replay ->
+  postmortem -> chaos, integrations -> entrypoints, the CLI and the package's facade (`tokentape`);
 - a module below the entrypoints imports a facade (`tokentape`, `tokentape.engine`'s package,
   `LLM`'s or `AsyncLLM`'s module), other than a facade itself.
 
@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "events": 1,
     "engine": 2,
     "kernels": 2,
+    "lora": 2,
     "replay": 3,
     "postmortem": 4,
     "chaos": 5,

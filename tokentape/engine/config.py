@@ -17,6 +17,8 @@ from tokentape.events.faults import FAULTS
 from tokentape.events.validation import INT64_MAX, check_bool, check_int, check_number, check_str
 
 MAX_PIPELINE_DEPTH = 4
+# vLLM's largest max_lora_rank (the CPU kernel keeps a row's rank-sized product on its stack).
+MAX_LORA_RANK = 512
 DEFAULT_PIPELINE_DEPTH = 2  # vLLM's async scheduling: one step planned ahead
 # The fake models have no K/V to hold: their pool keeps the size it always had.
 ORACLE_NUM_KV_BLOCKS = 2048
@@ -83,6 +85,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's weight_transfer_config: the transport of update_weights(update_info), "shm"
     # (engine/weight_transfer.py); None: weights come as state_dicts or checkpoint folders.
     weight_transfer_config: WeightTransferConfig | None = None
+    # vLLM's LoRA options: adapters per request (LoRARequest) when enable_lora; at most
+    # max_loras different adapters in one step, each of rank <= max_lora_rank, and at most
+    # max_cpu_loras loaded at once (None: max_loras, as vLLM's default).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         # Types first (a bool is not an int here; the seed goes into the tape header and the
@@ -107,6 +116,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         check_int("cpu_threads", self.cpu_threads, 0, optional=True)
         check_int("max_logprobs", self.max_logprobs, -1)
+        check_bool("enable_lora", self.enable_lora)
+        check_int("max_loras", self.max_loras, 1)
+        check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK)
+        check_int("max_cpu_loras", self.max_cpu_loras, 1, optional=True)
 
         def need(ok: bool, message: str) -> None:
             if not ok:
@@ -156,6 +169,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             self.prompt_lookup_min <= self.prompt_lookup_max,
             "need 1 <= prompt_lookup_min <= prompt_lookup_max",
         )
+
+    @property
+    def lora_capacity(self) -> int:
+        """How many LoRA adapters may be loaded at once (0: LoRA is off)."""
+        if not self.enable_lora:
+            return 0
+        return max(self.max_cpu_loras or self.max_loras, self.max_loras)
 
     def check_runnable(self) -> None:
         """What tokentape's engine needs beyond a config a tape can hold: room in the KV cache

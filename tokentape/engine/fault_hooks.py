@@ -28,6 +28,7 @@ from tokentape.events.reducer import kv_cache_alone_asleep
 from tokentape.events.schema import SamplingParams
 from tokentape.events.state import EngineState, RequestState, RequestStatus
 from tokentape.events.store import TapeWriter
+from tokentape.lora.request import LoRARequest
 
 
 class SpecPlaceholderInput(EngineHooks):
@@ -407,9 +408,13 @@ class FaultInjectingEngineCore(EngineCore):
         scheduler.hooks = self.hooks
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
-        ids = super().add_request(request_id, prompt_token_ids, params)
+        ids = super().add_request(request_id, prompt_token_ids, params, lora_request)
         for hook in self.hooks:
             hook.after_add(ids)
         return ids

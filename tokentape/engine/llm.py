@@ -18,6 +18,7 @@ from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import RequestOutputKind, SamplingParams
 from tokentape.events.tape_path import TapeSpec, with_tape_dir
 from tokentape.events.validation import check_str, shown
+from tokentape.lora.request import LoRARequest
 from tokentape.progress import RequestProgress
 
 __all__ = ["LLM", "TapeSpec"]
@@ -61,12 +62,15 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         scenario: Scenario | None = None,
     ) -> list[RequestOutput]:
         """Run the prompts to completion; outputs come back in the order of the prompts.
 
         `use_tqdm`: a progress bar on stderr, as vLLM's, drawn only when stderr is a terminal.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model), as vLLM's; an adapter not loaded yet is loaded first (add_lora).
         `scenario`: engine calls (pause and resume, prefix-cache resets, aborts) made at given
         steps of the run (tokentape.engine.scenario); the request ids are "0", "1", ... in
         the order of the prompts on a fresh LLM."""
@@ -83,6 +87,12 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         # Every request is checked before the first is added: a bad prompt adds none of them.
         requests = []
         first_id = self._next_id
@@ -99,13 +109,18 @@ class LLM:
                 requests.append((req_id, tokens, final_only))
             if scenario is not None:
                 scenario.check_requests([r[0] for r in requests])
+            # The adapters first (each its own command): one that cannot load adds no request.
+            for adapter in dict.fromkeys(x for x in loras if x is not None):
+                self.llm_engine.add_lora(adapter)
         except BaseException:
             self._next_id = first_id  # nothing was added: the ids are still free
             raise
         with self.llm_engine.one_commit():  # one call: one commit on the tape
-            for (req_id, tokens, params), prompt in zip(requests, prompts):
+            for (req_id, tokens, params), prompt, lora in zip(requests, prompts, loras):
                 text = prompt if isinstance(prompt, str) else None
-                self.llm_engine.add_request(req_id, tokens, params, prompt_text=text)
+                self.llm_engine.add_request(
+                    req_id, tokens, params, prompt_text=text, lora_request=lora
+                )
         return self._run_to_completion([r[0] for r in requests], use_tqdm, scenario)
 
     def _prompt_token_ids(self, index: int, prompt: object) -> list[int]:

@@ -27,6 +27,7 @@ from tokentape.engine.outputs import RequestOutput
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.events.schema import SamplingParams
 from tokentape.events.tape_path import TapeSpec
+from tokentape.lora.request import LoRARequest
 
 
 class LLMEngine:
@@ -62,15 +63,29 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prompt_text: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Add a request: a text prompt (tokenized here) or its token ids (`prompt_text`: the
-        text they came from, for the outputs). Its outputs come from `step()`."""
+        text they came from, for the outputs), with a LoRA adapter or none. Its outputs come
+        from `step()`."""
         params = params if params is not None else SamplingParams()
         if isinstance(prompt, str):
             prompt_text, prompt = prompt, self.tokenizer.encode(prompt)
         # The core checks the ids (a sequence of ints in the vocabulary) before it records.
-        ids = self.engine_core.add_request(request_id, prompt, params)
+        ids = self.engine_core.add_request(request_id, prompt, params, lora_request)
         self.output_processor.add_request(request_id, list(prompt), prompt_text, params, ids)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: load a LoRA adapter (False if it is loaded already)."""
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's: unload a LoRA adapter (False if none has that id)."""
+        return self.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """vLLM's: the ids of the LoRA adapters loaded."""
+        return self.engine_core.list_loras()
 
     def check_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams

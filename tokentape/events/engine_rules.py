@@ -101,3 +101,23 @@ def on_collective_rpc(state: EngineState, e: ev.CollectiveRPC) -> None:
     """A worker call: the weights serving from here on, when it changed them."""
     if e.weights_id is not None:
         state.weights_id = e.weights_id
+
+
+def on_lora_added(state: EngineState, e: ev.LoRAAdded) -> None:
+    if e.lora_int_id < 1:
+        raise ReducerError(f"LoRA adapter added in step {e.step} with id {e.lora_int_id} (< 1)")
+    if e.lora_int_id in state.loras:
+        raise ReducerError(f"LoRA adapter {e.lora_int_id} added in step {e.step} twice")
+    state.loras[e.lora_int_id] = e
+
+
+def on_lora_removed(state: EngineState, e: ev.LoRARemoved) -> None:
+    if e.lora_int_id not in state.loras:
+        raise ReducerError(f"LoRA adapter {e.lora_int_id} removed in step {e.step}: not loaded")
+    users = [r.req_id for r in state.unfinished if r.lora_int_id == e.lora_int_id]
+    if users:
+        raise ReducerError(
+            f"LoRA adapter {e.lora_int_id} removed in step {e.step} while {len(users)} "
+            f"unfinished request(s) run with it ({users[0]!r} first)"
+        )
+    del state.loras[e.lora_int_id]

@@ -15,6 +15,8 @@ from tokentape.events import schema as ev
 from tokentape.events.discard import get_policy
 from tokentape.events.engine_rules import (
     on_collective_rpc,
+    on_lora_added,
+    on_lora_removed,
     on_paused,
     on_prefix_cache_reset,
     on_resumed,
@@ -85,11 +87,24 @@ def _finish(state: EngineState, req: RequestState, reason: ev.FinishReason) -> N
 
 
 def _new_request(
-    state: EngineState, req_id: str, prompt: list[int], params: ev.SamplingParams, step: int
+    state: EngineState,
+    req_id: str,
+    prompt: list[int],
+    params: ev.SamplingParams,
+    step: int,
+    lora_int_id: int = 0,
 ) -> RequestState:
     """A request as added, with what its stop check needs fixed once (its stop ids, whether
-    it has stop strings, its output limit)."""
+    it has stop strings, its output limit, its LoRA adapter's content hash)."""
     req = RequestState(req_id, list(prompt), params, step)
+    if lora_int_id:
+        lora = state.loras.get(lora_int_id)
+        if lora is None:
+            raise ReducerError(
+                f"request {req_id!r} runs with LoRA adapter {lora_int_id}, which is not loaded"
+            )
+        req.lora_int_id = lora_int_id
+        req.lora_adapter_id = lora.adapter_id
     eos = () if params.ignore_eos or state.eos_token_id is None else (state.eos_token_id,)
     req.stop_ids = frozenset((*params.stop_token_ids, *eos))
     req.has_stop_strings = bool(params.stop)
@@ -100,7 +115,9 @@ def _new_request(
 def _on_added(state: EngineState, e: ev.RequestAdded) -> None:
     if e.req_id in state.requests:
         raise ReducerError(f"request {e.req_id!r} added twice")
-    state.requests[e.req_id] = _new_request(state, e.req_id, e.prompt_token_ids, e.params, e.step)
+    state.requests[e.req_id] = _new_request(
+        state, e.req_id, e.prompt_token_ids, e.params, e.step, e.lora_int_id
+    )
     state.waiting.append(e.req_id)
 
 
@@ -315,8 +332,11 @@ def _on_snapshot(state: EngineState, e: ev.EngineSnapshot) -> None:
     (in a fold over earlier segments they are equal); settled requests stay as they are
     (a snapshot leaves them out: nothing changes them any more)."""
     requests = state.requests
+    state.loras = {lora.lora_int_id: lora for lora in e.loras}
     for r in e.requests:
-        req = _new_request(state, r.req_id, r.prompt_token_ids, r.params, r.arrival_step)
+        req = _new_request(
+            state, r.req_id, r.prompt_token_ids, r.params, r.arrival_step, r.lora_int_id
+        )
         req.status = RequestStatus(r.status)
         req.output_token_ids = list(r.output_token_ids)
         req.output_logprobs = list(r.output_logprobs)
@@ -490,6 +510,8 @@ _HANDLERS: dict[type, Callable[[EngineState, Any], None]] = {
     ev.EngineSnapshot: _on_snapshot,
     ev.SegmentClosed: _on_segment_closed,
     ev.CollectiveRPC: on_collective_rpc,
+    ev.LoRAAdded: on_lora_added,
+    ev.LoRARemoved: on_lora_removed,
 }
 
 

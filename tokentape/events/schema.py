@@ -31,8 +31,11 @@ from tokentape.events.validation import check_bool, check_int, check_number, sho
 # token id too; a version-5 tape reads unchanged, its finishes cut by the stop rule
 # (events/stop_check.py), where its reducer cut them. 7: EngineSnapshot, the event a segment of
 # a segmented tape opens with (a version-6 tape reads unchanged; a version-6 reader refuses
-# a version 7).
-FORMAT_VERSION = 7
+# a version 7). 8: LoRA adapters: LoRAAdded and LoRARemoved, the adapter a request runs with
+# (RequestAdded.lora_int_id, RequestSnapshot.lora_int_id) and the adapters an EngineSnapshot
+# holds, each last with a default (a version-7 tape reads unchanged; a version-7 reader
+# refuses a version 8).
+FORMAT_VERSION = 8
 
 PreemptReason = Literal["kv_pressure", "reset_prefix_cache"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -154,6 +157,9 @@ class RequestAdded(Event, frozen=True, tag="RequestAdded"):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Format 8: the LoRA adapter it runs with (a LoRAAdded's lora_int_id); 0: the base model,
+    # as vLLM's lora_int_id 0 means no adapter.
+    lora_int_id: int = 0
 
 
 class RequestAborted(Event, frozen=True, tag="RequestAborted"):
@@ -232,6 +238,28 @@ class CollectiveRPC(Event, frozen=True, tag="CollectiveRPC"):
     args_digest: str
     weights_id: str | None = None
     error: str | None = None
+
+
+class LoRAAdded(Event, frozen=True, tag="LoRAAdded"):
+    """Format 8: vLLM's add_lora(LoRARequest): a PEFT adapter loaded, under vLLM's name and
+    integer id, from `lora_path`. `adapter_id` is the SHA-256 of its files (adapter_config.json,
+    then adapter_model.safetensors): a replay that loads the adapter again checks it against
+    this. Its rank, scaling and the modules it changes are recorded for the reader."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    adapter_id: str
+    rank: int
+    scaling: float
+    target_modules: list[str]
+
+
+class LoRARemoved(Event, frozen=True, tag="LoRARemoved"):
+    """Format 8: vLLM's remove_lora(lora_int_id): the adapter no longer serves; no request
+    still running used it."""
+
+    lora_int_id: int
 
 
 # -- decisions of the scheduler -----------------------------------------------------------
@@ -379,6 +407,7 @@ class RequestSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_emitted: int
     finish_reason: FinishReason | None
     stop_reason: str | int | None
+    lora_int_id: int = 0  # format 8
 
 
 class InFlightSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -448,6 +477,7 @@ class EngineSnapshot(Event, frozen=True, tag="EngineSnapshot"):
     weight_update_chunks: int | None
     kv_cache: KVCacheSnapshot
     stop_streams: list[StopStreamSnapshot]
+    loras: list[LoRAAdded] = []  # format 8: the adapters loaded, in the order they were added
 
     def restated(self) -> EngineSnapshot:
         """The snapshot without where and when it was taken: what two snapshots of the same
@@ -484,6 +514,8 @@ AnyEvent = (
     | EngineSnapshot
     | SegmentClosed
     | CollectiveRPC
+    | LoRAAdded
+    | LoRARemoved
 )
 
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
@@ -504,6 +536,8 @@ COMMAND_KINDS = frozenset(
         "EngineSlept",  # the release that ends a sleep call (its pause is recorded before it)
         "EngineWokeUp",
         "CollectiveRPC",
+        "LoRAAdded",
+        "LoRARemoved",
     }
 )
 

@@ -52,6 +52,7 @@ def request_snapshot(req: RequestState) -> ev.RequestSnapshot:
         req.num_emitted,
         req.finish_reason,
         req.stop_reason,
+        req.lora_int_id,
     )
 
 
@@ -85,6 +86,7 @@ def take_snapshot(
         state.weight_update_chunks,
         kv_cache,
         stop_streams,
+        list(state.loras.values()),
     )
 
 

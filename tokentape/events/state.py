@@ -14,6 +14,7 @@ from typing import Any
 
 from tokentape.events.schema import (
     FinishReason,
+    LoRAAdded,
     PauseMode,
     PromptLogprobs,
     SamplingParams,
@@ -94,6 +95,10 @@ class RequestState:
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     has_stop_strings: bool = False  # params.stop is not empty
     max_output_tokens: int = 0  # max_tokens, capped by max_model_len
+    # The LoRA adapter it runs with (0: none), and that adapter's content hash: its KV
+    # differs from the base model's, so its prefix-cache hashes are salted with it.
+    lora_int_id: int = 0
+    lora_adapter_id: str = ""
     num_prompt_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -160,6 +165,8 @@ class EngineState:
     # EngineWokeUp that wakes the last tag) and the memory still released (MEMORY_TAGS).
     sleep_level: int | None = None
     sleeping_tags: tuple[str, ...] = ()
+    # The LoRA adapters loaded (LoRAAdded, less LoRARemoved), by lora_int_id, in load order.
+    loras: dict[int, LoRAAdded] = field(default_factory=dict)
     num_events: int = 0
     error: str | None = None
     recording_stopped: str | None = None  # why another engine's recorder stopped (its last event)

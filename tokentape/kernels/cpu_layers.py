@@ -1,5 +1,6 @@
 """The decoder's per-row operations as compiled CPU kernels (`cpu/layers.c`): RMSNorm with the
-residual add folded in, Qwen3's q/k norms with RoPE, and SwiGLU's silu(gate) * up.
+residual add folded in, Qwen3's q/k norms with RoPE, SwiGLU's silu(gate) * up, and LoRA's
+per-row product with each row's own adapter (`cpu/lora.c`).
 
 A decoder layer makes a handful of these calls where the torch modules make a few dozen ops,
 each with its allocation, its dispatch and its trip through the GIL (which the model's lanes
@@ -94,3 +95,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     _lib().tt_silu_mul_f32(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
+
+
+def lora_add(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    slots: torch.Tensor,
+    a_ptrs: object,
+    b_ptrs: object,
+    ranks: object,
+    num_threads: int,
+) -> None:
+    """reference.lora_add_ref's contract over the first slots.numel() rows of contiguous x
+    and y, with the adapters given as C arrays by slot (tokentape/lora/layers.py keeps them):
+    pointers to each A^T and scaled B^T (NULL: no adapter on this layer), and their ranks."""
+    assert x.is_contiguous() and y.is_contiguous() and slots.dtype == torch.int32
+    code = _lib().tt_lora_add_f32(
+        x.data_ptr(),
+        y.data_ptr(),
+        slots.numel(),
+        x.shape[1],
+        y.shape[1],
+        slots.data_ptr(),
+        a_ptrs,
+        b_ptrs,
+        ranks,
+        num_threads,
+    )
+    if code:
+        raise ValueError("lora_add: an adapter's rank is above 512")

@@ -32,10 +32,10 @@ from tokentape.kernels.reference import prefill_attention_ref
 from tokentape.kernels.shapes import check_kv_write_shapes
 
 # Compiled into one library: the attention and KV write (here), the layers' row operations
-# (cpu_layers.py).
+# and LoRA's per-row product (cpu_layers.py).
 SOURCES = tuple(
     Path(__file__).with_name("cpu") / name
-    for name in ("paged_attention.c", "prefill_attention.c", "layers.c")
+    for name in ("paged_attention.c", "prefill_attention.c", "layers.c", "lora.c")
 )
 HEADERS = (Path(__file__).with_name("cpu") / "vec.h",)  # their shared vector helpers
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
@@ -131,6 +131,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tt_qk_norm_rope_f32.restype = ctypes.c_int
     lib.tt_silu_mul_f32.argtypes = [ptr] * 3 + [i64]
     lib.tt_silu_mul_f32.restype = None
+    lib.tt_lora_add_f32.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 4 + [ctypes.c_int]
+    lib.tt_lora_add_f32.restype = ctypes.c_int
     return lib
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 
 import torch
@@ -262,3 +262,22 @@ def _attend_chunks(
         o = torch.bmm(torch.softmax(scores, dim=-1), vc)  # [Hkv, G * n, D]
         o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
         out[j0:j1] = o.reshape(n, num_heads, head_dim)
+
+
+def lora_add_ref(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    slots: torch.Tensor,
+    a: Sequence[torch.Tensor | None],
+    b: Sequence[torch.Tensor | None],
+) -> None:
+    """In place, for each row t of x [T, in] whose slot s = slots[t] >= 0 has an adapter:
+    y[t] += (x[t] @ a[s]) @ b[s], with a[s] [in, r] (LoRA's A transposed) and b[s] [r, out]
+    (B transposed, times the adapter's scaling). The oracle of cpu_layers.lora_add; also what
+    runs off the CPU."""
+    for s in torch.unique(slots[slots >= 0]).tolist():
+        a_s, b_s = a[s], b[s]
+        if a_s is None or b_s is None:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        y.index_add_(0, rows, (x[rows] @ a_s) @ b_s)

@@ -15,10 +15,11 @@ from typing import TypeVar
 
 from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.factory import build_engine_core
-from tokentape.engine.runners.base import ScheduledBatch, WeightChunk
+from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, WeightChunk
 from tokentape.engine.tokenizer import ByteTokenizer, MissingTokenizer, Tokenizer
 from tokentape.events import schema as ev
 from tokentape.events.store import MemoryTape, TapeError
+from tokentape.lora.request import LoRARequest
 from tokentape.replay.divergence import (
     Diverged,
     Divergence,
@@ -121,6 +122,17 @@ class _StreamReplayRunner:
             raise self.stream.diverged("the replay wakes the engine up here", None)
         return nxt[1].weights_id
 
+    # LoRA (runners.base.ServesLoRA): no adapters here; the recorded facts stand for them.
+    def add_lora(self, lora_int_id: int, lora_path: str, max_rank: int) -> LoadedLoRA:
+        lora = self._recorded(ev.LoRAAdded)
+        return LoadedLoRA(lora.adapter_id, lora.rank, lora.scaling, lora.target_modules)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        pass
+
+    def restore_lora(self, record: ev.LoRAAdded) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -158,11 +170,17 @@ class _LazyTokenizer:
         return self._get().decode(token_ids)
 
 
+def recorded_lora_request(record: ev.LoRAAdded) -> LoRARequest:
+    """The LoRARequest a recorded adapter was loaded by."""
+    return LoRARequest(record.lora_name, record.lora_int_id, record.lora_path)
+
+
 def issue_command(engine: EngineCore, event: ev.Event) -> None:
     """Make the client call that a recorded command event stands for."""
     match event:
         case ev.RequestAdded(req_id=req_id, prompt_token_ids=prompt, params=params):
-            engine.add_request(req_id, prompt, params)
+            lora = engine.state.loras.get(event.lora_int_id) if event.lora_int_id else None
+            engine.add_request(req_id, prompt, params, lora and recorded_lora_request(lora))
         case ev.RequestAborted(req_id=req_id):
             engine.abort_request(req_id)
         case ev.GenerationPaused(mode=mode, clear_cache=clear_cache):
@@ -186,6 +204,10 @@ def issue_command(engine: EngineCore, event: ev.Event) -> None:
             engine.wake_up(tags)
         case ev.CollectiveRPC():
             engine.replay_rpc(event)  # the call's code is not on the tape: what it did is
+        case ev.LoRAAdded():
+            engine.add_lora(recorded_lora_request(event))
+        case ev.LoRARemoved(lora_int_id=lora_int_id):
+            engine.remove_lora(lora_int_id)
         case _:
             raise TypeError(f"cannot replay command {ev.kind_of(event)}")
 

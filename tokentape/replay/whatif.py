@@ -1,8 +1,10 @@
 """what-if replay: run a tape's recorded commands again under another configuration.
 
 The commands are the client's calls, as recorded: `RequestAdded`, `RequestAborted`,
-`GenerationPaused`, `GenerationResumed`, `PrefixCacheReset`, `WeightsUpdated`, and the sleep
-mode's `EngineSlept` (after the pause a sleep starts with) and `EngineWokeUp`. A
+`GenerationPaused`, `GenerationResumed`, `PrefixCacheReset`, `WeightsUpdated`, the sleep
+mode's `EngineSlept` (after the pause a sleep starts with) and `EngineWokeUp`, and the LoRA
+adapters' `LoRAAdded` (loaded again from the recorded folder, which must still hold the
+adapter of the recorded SHA-256) and `LoRARemoved`. A
 `CollectiveRPC` is not repeated (its code is not on the tape): noted, or refused with the
 model when it changed the weights. Each is
 issued to a fresh engine at the step it was recorded at (the engine is stepped until it
@@ -32,6 +34,7 @@ from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.factory import ORACLE_MODELS, build_engine_core, make_runner
 from tokentape.engine.runners.base import ModelRunner
+from tokentape.errors import LoRAError
 from tokentape.events import schema as ev
 from tokentape.events.snapshot import for_recompute
 from tokentape.events.store import MemoryTape
@@ -157,12 +160,20 @@ def _issue(engine: EngineCore, event: ev.Event, runner: str, notes: list[str]) -
         )
     try:
         issue_command(engine, event)
-    except TypeError as exc:
+    except (TypeError, LoRAError) as exc:
         raise WhatIfError(str(exc)) from None
     except ValueError as exc:  # the oracle refuses options it cannot honour (penalties, ...)
         if runner == "oracle" and isinstance(event, ev.RequestAdded):
             raise WhatIfError(f"{exc} (replay with --runner model)") from None
         raise
+    if isinstance(event, ev.LoRAAdded):  # loaded again from its folder: the same adapter?
+        loaded = engine.state.loras[event.lora_int_id].adapter_id
+        if loaded != event.adapter_id:
+            raise WhatIfError(
+                f"LoRA adapter {event.lora_name!r}: {event.lora_path} holds another adapter "
+                f"than the one recorded (SHA-256 {loaded[:16]}..., recorded "
+                f"{event.adapter_id[:16]}...)"
+            )
 
 
 def recorded_commands(tape: Tape) -> list[ev.Event]:

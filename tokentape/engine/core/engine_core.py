@@ -68,6 +68,7 @@ from tokentape.engine.runners.base import (
     ModelRunner,
     RunsWorkerCalls,
     ScheduledBatch,
+    ServesLoRA,
     SleepsMemory,
     UpdatesWeights,
 )
@@ -75,13 +76,14 @@ from tokentape.engine.stop_strings import StopStringChecker
 from tokentape.engine.tokenizer import Tokenizer
 from tokentape.engine.weight_transfer import ShmWeightTransferEngine, is_update_info
 from tokentape.engine.worker import args_digest, resolve_method, worker_class
-from tokentape.errors import EngineDeadError, WorkerCallRefused
+from tokentape.errors import EngineDeadError, LoRAError, WorkerCallRefused
 from tokentape.events import schema as ev
 from tokentape.events.reducer import evolve, initial_state
 from tokentape.events.schema import SamplingParams
 from tokentape.events.snapshot import take_snapshot
 from tokentape.events.store import TakesSnapshots, TapeWriter
 from tokentape.events.validation import check_bool, shown
+from tokentape.lora.request import LoRARequest
 
 
 class EngineCore:
@@ -120,6 +122,9 @@ class EngineCore:
         )
         self.worker_calls: RunsWorkerCalls | None = (
             runner if isinstance(runner, RunsWorkerCalls) else None
+        )
+        self.lora_runner: ServesLoRA | None = (
+            runner if isinstance(runner, ServesLoRA) and config.enable_lora else None
         )
         # vLLM's weight transfer engine (weight_transfer.py): how a bucket's tensors arrive.
         transfer = config.weight_transfer_config
@@ -206,13 +211,24 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         """Record a request, or for n > 1 its n children (parallel_sampling.py), all checked
         before any is recorded; the engine request ids, in index order. Their deltas come
-        from `step()`."""
+        from `step()`. With `lora_request` it runs with that adapter, loaded first
+        (add_lora) unless it is loaded already."""
         self.check_request(request_id, prompt_token_ids, params)
         resolved = self._with_extra_eos(self._resolve_bad_words(request_id, params))
+        lora_int_id = 0
+        if lora_request is not None:
+            self._check_lora_request(lora_request)
+            if lora_request.lora_int_id not in self.state.loras:
+                self.add_lora(lora_request)  # the request's last check: it records
+            lora_int_id = lora_request.lora_int_id
         if params.n == 1:
             children = [(request_id, resolved)]
         else:
@@ -227,7 +243,9 @@ class EngineCore:
         with self._recorded():
             for child_id, child in children:
                 self._emit(
-                    ev.RequestAdded(self.state.step, child_id, list(prompt_token_ids), child)
+                    ev.RequestAdded(
+                        self.state.step, child_id, list(prompt_token_ids), child, lora_int_id
+                    )
                 )
         return [child_id for child_id, _ in children]
 
@@ -373,6 +391,11 @@ class EngineCore:
         Only before anything else happened."""
         if self.state.num_events or self.state.requests:
             raise RuntimeError("restore: only a new engine starts from a snapshot")
+        if snapshot.loras and self.lora_runner is None:
+            raise LoRAError("the snapshot holds LoRA adapters: build the engine with enable_lora")
+        for lora in snapshot.loras:
+            assert self.lora_runner is not None
+            self.lora_runner.restore_lora(lora)
         with self._recorded():
             self._emit(snapshot)
             self.kv.restore(snapshot.kv_cache)
@@ -528,6 +551,101 @@ class EngineCore:
                 self.abort_request(req.req_id)
                 aborted[parent_of.get(req.req_id, req.req_id)] = None
         return list(aborted)
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's add_lora: load a PEFT adapter under its name and id, checked first (its
+        folder, its rank against max_lora_rank, its shapes against the model; LoRAError) and
+        recorded as LoRAAdded with its SHA-256. False if that adapter is loaded already. With
+        max_cpu_loras adapters loaded, the one loaded longest ago that no unfinished request
+        runs with is removed first (LoRARemoved), as vLLM's cache evicts."""
+        runner = self._check_lora_request(lora_request)
+        loaded = self.state.loras.get(lora_request.lora_int_id)
+        if loaded is not None:
+            return False
+        evict = None
+        if len(self.state.loras) >= self.config.lora_capacity:
+            in_use = {r.lora_int_id for r in self.state.unfinished}
+            evict = next((i for i in self.state.loras if i not in in_use), None)
+            if evict is None:
+                raise LoRAError(
+                    f"LoRA adapter {lora_request.lora_name!r}: the {self.config.lora_capacity} "
+                    "adapters loaded (max_cpu_loras) all serve unfinished requests"
+                )
+            self.remove_lora(evict)
+        info = runner.add_lora(
+            lora_request.lora_int_id, lora_request.lora_path, self.config.max_lora_rank
+        )
+        with self._recorded():
+            self._emit(
+                ev.LoRAAdded(
+                    self.state.step,
+                    lora_request.lora_name,
+                    lora_request.lora_int_id,
+                    lora_request.lora_path,
+                    info.adapter_id,
+                    info.rank,
+                    info.scaling,
+                    info.target_modules,
+                )
+            )
+        return True
+
+    def _check_lora_request(self, lora_request: object) -> ServesLoRA:
+        """The runner that serves LoRA, once `lora_request` may be served by it: a
+        LoRARequest whose id and name are not taken by another adapter."""
+        self._check_alive()
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {shown(lora_request)}")
+        if self.lora_runner is None:
+            raise LoRAError(
+                "LoRA is not enabled: build the engine with enable_lora=True (serve: --enable-lora)"
+            )
+        loaded = self.state.loras.get(lora_request.lora_int_id)
+        if loaded is not None and loaded.lora_name != lora_request.lora_name:
+            raise LoRAError(
+                f"LoRA id {lora_request.lora_int_id} is adapter {loaded.lora_name!r}, not "
+                f"{lora_request.lora_name!r}"
+            )
+        for other in self.state.loras.values():
+            if other.lora_name == lora_request.lora_name and other is not loaded:
+                raise LoRAError(
+                    f"LoRA adapter {lora_request.lora_name!r} is loaded already, with id "
+                    f"{other.lora_int_id}"
+                )
+        if loaded is None and not lora_request.lora_path:
+            raise LoRAError(
+                f"LoRA adapter {lora_request.lora_name!r} is not loaded and has no lora_path"
+            )
+        return self.lora_runner
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's remove_lora: False if no adapter has that id; LoRAError while an
+        unfinished request runs with it. Recorded as LoRARemoved."""
+        self._check_alive()
+        if self.lora_runner is None:
+            raise LoRAError("LoRA is not enabled: build the engine with enable_lora=True")
+        if isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int):
+            raise TypeError(
+                f"remove_lora: lora_int_id must be an integer, got {shown(lora_int_id)}"
+            )
+        if lora_int_id not in self.state.loras:
+            return False
+        users = [r.req_id for r in self.state.unfinished if r.lora_int_id == lora_int_id]
+        if users:
+            raise LoRAError(
+                f"LoRA adapter {lora_int_id} serves {len(users)} unfinished request(s) "
+                f"({users[0]!r} first); abort them or let them finish first"
+            )
+        self.lora_runner.remove_lora(lora_int_id)
+        with self._recorded():
+            self._emit(ev.LoRARemoved(self.state.step, lora_int_id))
+        return True
+
+    def list_loras(self) -> set[int]:
+        """vLLM's list_loras: the ids of the adapters loaded."""
+        return set(self.state.loras)
 
     # -- collective_rpc: the RL framework's code on the worker ----------------------------------
 

@@ -10,7 +10,10 @@ A hit is trusted on the hash alone, so the hash is SHA-256, as vLLM's after CVE-
 with a 64-bit hash (Python's `hash()`), prompts can be crafted whose blocks collide, and one
 request would read another's K/V. A block's hash is
 `sha256(parent hash || its tokens as little-endian int64)`, the first block's parent being 32
-zero bytes; it is computed once per full block and kept with the request.
+zero bytes; it is computed once per full block and kept with the request. A request that runs
+with a LoRA adapter computes other K/V for the same tokens: its first block's parent is
+`sha256(32 zero bytes || the adapter's content hash)` instead, as vLLM keys its blocks by the
+adapter too.
 
 This is resource bookkeeping on the decide side. Which blocks a request holds is request
 state and lives in the reducer (`RequestState.block_ids`); the scheduler records every
@@ -58,6 +61,7 @@ class KVCacheManager:
             f"<{block_size}q"
         ).pack  # a full block's tokens, fixed width
         self._num_cached: dict[str, int] = {}  # how many of a request's held blocks are hashed
+        self._lora_roots: dict[str, bytes] = {}  # LoRA adapter content hash -> root (_root)
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,7 +79,7 @@ class KVCacheManager:
             bs = self.block_size
             start = len(hashes) * bs  # only the blocks not hashed yet
             tokens = req.token_ids_between(start, num_full_blocks * bs)
-            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            parent = hashes[-1] if hashes else self._root(req.lora_adapter_id)
             pack = self._pack_block
             for i in range(0, len(tokens), bs):
                 # Fixed-width fields: the bytes hashed determine the parent and the tokens.
@@ -84,6 +88,16 @@ class KVCacheManager:
         # The chain may already be longer (a preempted request whose length is a multiple of
         # the block size): callers get exactly the blocks they asked for.
         return hashes if len(hashes) <= num_full_blocks else hashes[:num_full_blocks]
+
+    def _root(self, adapter_id: str) -> bytes:
+        """The parent hash of a request's first block: salted with its LoRA adapter's."""
+        if not adapter_id:
+            return ROOT_BLOCK_HASH
+        root = self._lora_roots.get(adapter_id)
+        if root is None:
+            root = hashlib.sha256(ROOT_BLOCK_HASH + bytes.fromhex(adapter_id)).digest()
+            self._lora_roots[adapter_id] = root
+        return root
 
     def get_computed_blocks(self, req: RequestState) -> list[int]:
         """Cached blocks holding a prefix of the request's confirmed tokens.

@@ -203,12 +203,19 @@ class Scheduler:
         # A policy that delivers stale output (vLLM since #48245) must let it drain first, or
         # the recompute would sample a position that output delivers too.
         delivers_stale = get_policy(state.discard_policy).delivers_stale
+        # As vLLM: at most max_loras different adapters in a step; a request whose adapter
+        # would be one too many waits, and the ones behind it may go first.
+        max_loras = self.config.max_loras if self.config.enable_lora else 0
+        loras = {state.requests[r].lora_int_id for r in plan.entries} - {0} if max_loras else set()
         for req_id in waiting:
             if plan.budget <= 0 or num_running >= self.config.max_num_seqs:
                 break
             req = state.requests[req_id]
             if delivers_stale and req.num_stale_in_flight and not req.drop_stale_output:
                 break  # first come, first served: it drains within the pipeline's depth
+            lora = req.lora_int_id
+            if lora and lora not in loras and len(loras) >= max_loras:
+                continue
             # As vLLM: a request asking for prompt logprobs computes every prompt position
             # (cached blocks have no logits), so it takes no prefix-cache hits.
             wants_prompt_lps = req.params.prompt_logprobs is not None
@@ -222,12 +229,15 @@ class Scheduler:
                 skipped.append(req_id)
                 continue
             kv.cache_full_blocks(req, [], new_blocks, num_cached + num_new)
+            if lora:
+                loras.add(lora)
             entry = ev.ScheduledEntry(req_id, req.epoch, num_cached, num_new, 0, new_blocks)
             # It (re)enters the batch: the runner gets its tokens from position 0.
             plan.batch.new_requests[req_id] = NewRequest(
                 req.prompt_token_ids,
                 req.params,
                 wants_prompt_lps and req.prompt_logprobs is None,
+                req.lora_int_id,
             )
             plan.add(
                 entry,

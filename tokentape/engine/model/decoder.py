@@ -30,6 +30,7 @@ from tokentape.engine.model.layers import (
 from tokentape.engine.model.model_config import ModelConfig
 from tokentape.engine.model.weight_checks import apply_update, checked_update
 from tokentape.kernels import cpu_layers, cpu_native
+from tokentape.lora.layers import LoRABatch
 
 
 @dataclass(slots=True)
@@ -65,11 +66,13 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
+        q = q_proj.add_lora(x, q_proj(x), lora).view(t, self.num_heads, self.head_dim)
+        k = k_proj.add_lora(x, k_proj(x), lora).view(t, self.num_kv_heads, self.head_dim)
+        v = v_proj.add_lora(x, v_proj(x), lora).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
@@ -84,7 +87,8 @@ class Attention(nn.Module):
             block_tables=meta.block_tables,
             scale=self.scale,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        return self.o_proj.add_lora(out, self.o_proj(out), lora)
 
     def forward_fused(
         self,
@@ -96,6 +100,7 @@ class Attention(nn.Module):
         num_tokens: int,
         matmul: LinearFn,
         packed: bool,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """forward() on the CPU in float32: the q/k norms and RoPE in one compiled call, the
         KV write and attention by the compiled kernels over `batch` (made once per pass), the
@@ -104,9 +109,9 @@ class Attention(nn.Module):
         and row operations, not into the cache or attention."""
         rows, t = x.shape[0], num_tokens
         q_proj, k_proj, v_proj, o_proj = self.q_proj, self.k_proj, self.v_proj, self.o_proj
-        q = matmul(x, q_proj.weight_for(packed), q_proj.bias)
-        k = matmul(x, k_proj.weight_for(packed), k_proj.bias)
-        v = matmul(x, v_proj.weight_for(packed), v_proj.bias)
+        q = q_proj.add_lora(x, matmul(x, q_proj.weight_for(packed), q_proj.bias), lora)
+        k = k_proj.add_lora(x, matmul(x, k_proj.weight_for(packed), k_proj.bias), lora)
+        v = v_proj.add_lora(x, matmul(x, v_proj.weight_for(packed), v_proj.bias), lora)
         q = q.view(rows, self.num_heads, self.head_dim)
         k = k.view(rows, self.num_kv_heads, self.head_dim)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
@@ -124,7 +129,7 @@ class Attention(nn.Module):
             out[t:].zero_()
         attn = out[:t].view(t, self.num_heads, self.head_dim)
         cpu_native.attend(batch, q[:t], k_cache, v_cache, self.scale, attn)
-        return matmul(out, o_proj.weight_for(packed), o_proj.bias)
+        return o_proj.add_lora(out, matmul(out, o_proj.weight_for(packed), o_proj.bias), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -141,11 +146,12 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         # The residual adds go into the sublayers' fresh outputs (a sum is the same either way
         # round), saving two [T, hidden] tensors per layer.
-        h = self.self_attn(self.input_layernorm(h), rope, kv_cache, meta).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        h = self.self_attn(self.input_layernorm(h), rope, kv_cache, meta, lora).add_(h)
+        return self.mlp(self.post_attention_layernorm(h), lora).add_(h)
 
 
 class DecoderModel(nn.Module):
@@ -227,17 +233,18 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+        """Hidden states [T, hidden] after the final norm; `lora`: the rows' LoRA adapters."""
         h = self.model.embed_tokens(input_ids)
         # The fused pass calls the compiled CPU kernels directly: only where the kernels'
         # dispatch (TOKENTAPE_KERNELS, else auto) chooses them, which implies a float32 CPU
         # tensor and a built library (what the row operations need too).
         if self.fused and kernels.resolve_backend(h.device, None, h.dtype) == "cpu":
-            return self._forward_fused(h, positions, kv_caches, meta)
+            return self._forward_fused(h, positions, kv_caches, meta, lora)
         rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = layer(h, rope, kv, meta)
+            h = layer(h, rope, kv, meta, lora)
         return self.model.norm(h)
 
     def _forward_fused(
@@ -246,6 +253,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoRABatch | None,
     ) -> torch.Tensor:
         """forward() on the CPU in float32 through the compiled row operations
         (kernels/cpu_layers.py): a residual stream updated in place, each norm fused with the
@@ -271,10 +279,10 @@ class CausalLM(nn.Module):
         x = cpu_layers.rms_norm(residual, first.weight, first.eps)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             attn = layer.self_attn
-            a = attn.forward_fused(x, positions, rope_tables, kv, batch, t, matmul, packed)
+            a = attn.forward_fused(x, positions, rope_tables, kv, batch, t, matmul, packed, lora)
             post = layer.post_attention_layernorm
             x = cpu_layers.add_rms_norm(a, residual, post.weight, post.eps)
-            m = layer.mlp.forward_fused(x, matmul, packed)
+            m = layer.mlp.forward_fused(x, matmul, packed, lora)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = cpu_layers.add_rms_norm(m, residual, norm.weight, norm.eps)
         return x[:t] if pad else x

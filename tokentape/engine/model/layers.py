@@ -12,6 +12,7 @@ from torch import nn
 from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.cpu_matmul import LinearFn
 from tokentape.engine.model.rope import RopeScaling, inverse_frequencies
+from tokentape.lora.layers import LoRABatch, LoRASlots
 
 
 def matmul_for(x: torch.Tensor) -> tuple[LinearFn, bool]:
@@ -94,10 +95,18 @@ class Linear(nn.Linear):
     the plain weight would pack it at every call."""
 
     pad_rows_to: int = 0
+    lora: LoRASlots | None = None  # the LoRA adapters' weights on it, with LoRA enabled
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.packed_weight = cpu_matmul.PackedWeight()
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """y (this layer's output for x) plus the LoRA products of the rows that run with
+        an adapter, in place."""
+        if lora is not None and self.lora is not None:
+            self.lora.apply(x, y, lora)
+        return y
 
     def prepack(self) -> None:
         """Keep the weight's packed copy for float32 CPU inputs (cpu_matmul.PackedWeight)."""
@@ -225,16 +234,25 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if x.shape[0] <= MLP_ROW_CHUNK or x.device.type != "cpu":
-            return self._swiglu(x)
-        return torch.cat([self._swiglu(rows) for rows in x.split(MLP_ROW_CHUNK)])
+            return self._swiglu(x, lora)
+        return torch.cat(
+            [
+                self._swiglu(rows, lora and lora.rows(i, i + MLP_ROW_CHUNK))
+                for rows, i in zip(x.split(MLP_ROW_CHUNK), range(0, x.shape[0], MLP_ROW_CHUNK))
+            ]
+        )
 
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        act = F.silu(self.gate_proj(x), inplace=True)
-        return self.down_proj(act.mul_(self.up_proj(x)))
+    def _swiglu(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        act = F.silu(gate.add_lora(x, gate(x), lora), inplace=True)
+        act.mul_(up.add_lora(x, up(x), lora))
+        return down.add_lora(act, down(act), lora)
 
-    def forward_fused(self, x: torch.Tensor, matmul: LinearFn, packed: bool) -> torch.Tensor:
+    def forward_fused(
+        self, x: torch.Tensor, matmul: LinearFn, packed: bool, lora: LoRABatch | None = None
+    ) -> torch.Tensor:
         """forward() with silu(gate) * up in one compiled call (CPU, float32), the layers'
         matmuls called directly (matmul_for; the rows come padded, see linear)."""
         from tokentape.kernels.cpu_layers import silu_mul
@@ -242,10 +260,17 @@ class MLP(nn.Module):
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         w_gate, w_up, w_down = (m.weight_for(packed) for m in (gate, up, down))
 
-        def swiglu(rows: torch.Tensor) -> torch.Tensor:
-            middle = silu_mul(matmul(rows, w_gate, gate.bias), matmul(rows, w_up, up.bias))
-            return matmul(middle, w_down, down.bias)
+        def swiglu(rows: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+            g = gate.add_lora(rows, matmul(rows, w_gate, gate.bias), lora)
+            u = up.add_lora(rows, matmul(rows, w_up, up.bias), lora)
+            middle = silu_mul(g, u)
+            return down.add_lora(middle, matmul(middle, w_down, down.bias), lora)
 
         if x.shape[0] <= MLP_ROW_CHUNK:
-            return swiglu(x)
-        return torch.cat([swiglu(rows) for rows in x.split(MLP_ROW_CHUNK)])
+            return swiglu(x, lora)
+        return torch.cat(
+            [
+                swiglu(rows, lora and lora.rows(i, i + MLP_ROW_CHUNK))
+                for rows, i in zip(x.split(MLP_ROW_CHUNK), range(0, x.shape[0], MLP_ROW_CHUNK))
+            ]
+        )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from tokentape.engine.tokenizer import Tokenizer
-from tokentape.events.schema import FrameEntry, SamplingParams, ScheduledEntry
+from tokentape.events.schema import FrameEntry, LoRAAdded, SamplingParams, ScheduledEntry
 
 
 def prompt_seed(seed: int, prompt_token_ids: Sequence[int]) -> int:
@@ -27,6 +27,7 @@ class NewRequest:
     # Compute the prompt's logprobs as it is prefilled: it asks (prompt_logprobs) and has
     # none on the tape yet (a request re-entering after a preemption usually has them).
     prompt_logprobs: bool = False
+    lora_int_id: int = 0  # the LoRA adapter it runs with (0: none)
 
 
 @dataclass(slots=True)
@@ -99,6 +100,32 @@ class UpdatesWeights(Protocol):
     def load_staged_weights(self) -> str:
         """Load every chunk held (a later chunk's tensor replaces an earlier one of the same
         name), forget them; the new weights' content hash."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedLoRA:
+    """What loading a LoRA adapter found, as LoRAAdded records it."""
+
+    adapter_id: str  # SHA-256 of its files
+    rank: int
+    scaling: float
+    target_modules: list[str]
+
+
+@runtime_checkable
+class ServesLoRA(Protocol):
+    """A runner that serves LoRA adapters per request (built with enable_lora)."""
+
+    def add_lora(self, lora_int_id: int, lora_path: str, max_rank: int) -> LoadedLoRA:
+        """Read and check the PEFT folder, then load it under `lora_int_id`, after the
+        steps submitted; LoRAError (before any change) if it cannot serve."""
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload it, after the steps submitted (no request still runs with it)."""
+
+    def restore_lora(self, record: LoRAAdded) -> None:
+        """Load a recorded adapter again (an engine starting from a snapshot); LoRAError if
+        its folder no longer holds the adapter recorded."""
 
 
 @runtime_checkable

@@ -74,6 +74,7 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         prompt_lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
         tokenizer=tokenizer,
         logprobs_mode=config.logprobs_mode,
+        lora_capacity=config.lora_capacity,
     )
     return runner
 

@@ -57,6 +57,7 @@ class SeqState:
     block_ids: list[int]
     num_computed: int = 0
     num_prompt: int = 0  # the prompt's length: tokens after it are output (penalties, min_tokens)
+    lora_slot: int = -1  # its LoRA adapter's slot in the runner's table (-1: none)
 
 
 @dataclass(slots=True)
@@ -88,6 +89,8 @@ class ForwardBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the hidden states whose logits are sampled
+    # The LoRA adapter slot of every row (int32), None when no entry runs with an adapter.
+    lora_slots: torch.Tensor | None = None
 
 
 def build_forward_batch(
@@ -105,6 +108,11 @@ def build_forward_batch(
     sample_rows: list[int] = []
     width = max(len(e.seq.block_ids) for e in entries)
     tables: list[int] = []
+    lora_slots: list[int] | None = None
+    if any(e.seq.lora_slot >= 0 for e in entries):
+        lora_slots = []
+        for e in entries:
+            lora_slots += [e.seq.lora_slot] * len(e.inputs)
     rows = 0
     for e in entries:
         blocks, inputs, start = e.seq.block_ids, e.inputs, e.start
@@ -152,6 +160,7 @@ def build_forward_batch(
             block_tables=tensor(tables, torch.int32).view(len(entries), width),
         ),
         sample_rows=tensor(sample_rows, torch.int64),
+        lora_slots=None if lora_slots is None else tensor(lora_slots, torch.int32),
     )
 
 

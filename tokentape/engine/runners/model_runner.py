@@ -26,7 +26,7 @@ from tokentape.engine.model.layers import calibrate_batch_invariant_rows
 from tokentape.engine.model.loader import WeightsSource, prepare_update, weights_hash
 from tokentape.engine.model.weight_checks import apply_update
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch, prompt_seed
+from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, prompt_seed
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
     EntryInputs,
@@ -45,7 +45,11 @@ from tokentape.engine.runners.sleep_memory import RunnerMemory, release
 from tokentape.engine.runners.staged_weights import StagedWeights
 from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
-from tokentape.events.schema import NO_DRAFTS, FrameEntry, SamplingParams
+from tokentape.errors import LoRAError
+from tokentape.events.schema import NO_DRAFTS, FrameEntry, LoRAAdded, SamplingParams
+from tokentape.lora.layers import LoRABatch
+from tokentape.lora.model_manager import LoRAModelManager
+from tokentape.lora.peft_adapter import load_peft_adapter
 from tokentape.progress import LOUD_BYTES, gigabytes, say
 
 
@@ -73,6 +77,7 @@ class TorchModelRunner(StagedWeights):
         eos_token_id: int | None = None,
         tokenizer: Tokenizer | None = None,
         logprobs_mode: str = "raw_logprobs",
+        lora_capacity: int = 0,
     ) -> None:
         # A checkpoint's own tokenizer (runners.base.HasTokenizer); the built-in models' is
         # the byte tokenizer.
@@ -163,6 +168,8 @@ class TorchModelRunner(StagedWeights):
         )
         self._flops_per_token = 2 * sum(p.numel() for p in self.model.parameters())
         self.memory = RunnerMemory()  # sleep mode (sleep_memory.py)
+        # LoRA adapters (enable_lora): a table of `lora_capacity` slots on the target layers.
+        self._lora = LoRAModelManager(self.model, lora_capacity) if lora_capacity else None
         self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
@@ -261,6 +268,36 @@ class TorchModelRunner(StagedWeights):
 
         return self._worker.call(job, timeout)  # type: ignore[no-any-return]
 
+    # -- LoRA adapters (runners.base.ServesLoRA) -----------------------------------------------
+
+    def add_lora(self, lora_int_id: int, lora_path: str, max_rank: int) -> LoadedLoRA:
+        manager = self._lora_manager()
+        adapter = load_peft_adapter(lora_path, max_rank)
+        manager.check(adapter)  # before the step order: a refused one waits for nothing
+        self._worker.call(lambda: manager.add(lora_int_id, adapter))
+        return LoadedLoRA(
+            adapter.adapter_id, adapter.rank, adapter.scaling, list(adapter.target_modules)
+        )
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        manager = self._lora_manager()
+        self._worker.call(lambda: manager.remove(lora_int_id))
+
+    def restore_lora(self, record: LoRAAdded) -> None:
+        loaded = self.add_lora(record.lora_int_id, record.lora_path, record.rank)
+        if loaded.adapter_id != record.adapter_id:
+            self.remove_lora(record.lora_int_id)
+            raise LoRAError(
+                f"LoRA adapter {record.lora_name!r}: {record.lora_path} holds another adapter "
+                f"than the one recorded (SHA-256 {loaded.adapter_id[:16]}..., recorded "
+                f"{record.adapter_id[:16]}...)"
+            )
+
+    def _lora_manager(self) -> LoRAModelManager:
+        if self._lora is None:
+            raise LoRAError("LoRA is not enabled: build the engine with enable_lora=True")
+        return self._lora
+
     # -- execution -----------------------------------------------------------------------------
 
     def _run_on_stream(self, batch: ScheduledBatch) -> list[FrameEntry]:
@@ -292,6 +329,7 @@ class TorchModelRunner(StagedWeights):
                     list(e.new_block_ids),
                     e.num_computed_before,
                     len(new.prompt_token_ids),
+                    self._lora.slot(new.lora_int_id) if self._lora is not None else -1,
                 )
                 prompt_lps.enter(req_id, new)
             else:
@@ -336,7 +374,10 @@ class TorchModelRunner(StagedWeights):
         """One forward pass over `entries`: float32 logits of their sample rows, in order,
         and the scored rows of those computing prompt logprobs."""
         batch = build_forward_batch(entries, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        lora = None
+        if batch.lora_slots is not None:
+            lora = LoRABatch(batch.lora_slots, torch.get_num_threads())  # the lane's threads
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, lora)
         scored = score_prompts(entries, hidden, self.model.compute_logits)
         if not batch.sample_rows.numel():  # prefill chunks short of the end sample nothing
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scored

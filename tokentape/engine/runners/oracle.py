@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import ScheduledBatch, WeightChunk, prompt_seed
+from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, WeightChunk, prompt_seed
 from tokentape.engine.runners.oracle_weights import OracleWeights
 from tokentape.engine.tokenizer import ByteTokenizer
-from tokentape.events.schema import NO_DRAFTS, FrameEntry, SamplingParams
+from tokentape.events.schema import NO_DRAFTS, FrameEntry, LoRAAdded, SamplingParams
 
 _MASK = (1 << 64) - 1
 # Emit only the byte tokens of printable ASCII (never bos, eos or pad), so decoded text reads.
@@ -77,6 +77,22 @@ class OracleRunner:
         self._seqs: dict[str, _DeviceSeq] = {}
         self._results: dict[int, list[FrameEntry]] = {}
         self.weights = OracleWeights(seed)  # replaced by updates, ignored by the tokens
+
+    # -- LoRA adapters (runners.base.ServesLoRA): read and checked, ignored by the tokens ------
+
+    def add_lora(self, lora_int_id: int, lora_path: str, max_rank: int) -> LoadedLoRA:
+        from tokentape.lora.peft_adapter import load_peft_adapter  # torch: only when used
+
+        adapter = load_peft_adapter(lora_path, max_rank)  # no model: no shapes to check
+        return LoadedLoRA(
+            adapter.adapter_id, adapter.rank, adapter.scaling, list(adapter.target_modules)
+        )
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        pass
+
+    def restore_lora(self, record: LoRAAdded) -> None:
+        pass
 
     # -- the pure function ---------------------------------------------------------------------
 
