@@ -86,7 +86,15 @@ def test_jsonl_is_one_event_per_line_with_field_names() -> None:
     for record, (_, event) in zip(records, tape.events()):
         assert record["kind"] == ev.kind_of(event) and record["step"] == event.step
     added = next(r for r in records if r["kind"] == "RequestAdded")
-    assert set(added) == {"seq", "kind", "step", "req_id", "prompt_token_ids", "params"}
+    assert set(added) == {
+        "seq",
+        "kind",
+        "step",
+        "req_id",
+        "prompt_token_ids",
+        "params",
+        "lora_int_id",
+    }
     assert added["params"]["max_tokens"] == 20
     scheduled = next(r for r in records if r["kind"] == "StepScheduled")
     assert set(scheduled["entries"][0]) == {

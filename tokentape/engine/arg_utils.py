@@ -51,6 +51,7 @@ class _Flag:
     metavar: str = "N"
     choices: tuple[str, ...] = ()
     parse: Callable[[str], Any] | None = None  # a flag of JSON: its value as the engine takes it
+    switch: bool = False  # a flag without a value: True when given
 
 
 # By EngineConfig field, in the order --help lists them.
@@ -92,7 +93,13 @@ ENGINE_FLAGS: dict[str, _Flag] = {
         metavar="JSON",
         parse=json_value(parse_weight_transfer_config),
     ),
+    "enable_lora": _Flag("serve LoRA adapters per request (vLLM's option)", switch=True),
+    "max_loras": _Flag("most different LoRA adapters in one step", 1),
+    "max_lora_rank": _Flag("highest rank of a LoRA adapter", 1),
+    "max_cpu_loras": _Flag("most LoRA adapters loaded at once", 1),
 }
+# The LoRA flags: for a server, which names its adapters (serve's --lora-modules).
+LORA_FLAGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 _DEFAULTS = EngineConfig()
 _NONE_DEFAULTS = {
     "pipeline_depth": "synchronous for a model on the CPU, 2 on CUDA and for the oracle",
@@ -103,6 +110,8 @@ _NONE_DEFAULTS = {
     "cpu_threads": "one per CPU",
     "worker_extension_cls": "none",
     "weight_transfer_config": "none: weights come as state_dicts or checkpoint folders",
+    "enable_lora": "off",
+    "max_cpu_loras": "max_loras",
 }
 
 
@@ -149,7 +158,11 @@ def add_engine_cli_args(
             default = f"engine default: {getattr(_DEFAULTS, name)}"
         option = "--" + name.replace("_", "-")
         where = group if name == "pipeline_depth" else parser
-        if flag.parse is not None:  # JSON
+        if flag.switch:
+            where.add_argument(
+                option, action="store_true", default=None, help=f"{flag.help} ({default})"
+            )
+        elif flag.parse is not None:  # JSON
             where.add_argument(
                 option,
                 type=flag.parse,

@@ -61,6 +61,7 @@ from tokentape.events.segmented_store import record_engine_death
 from tokentape.events.tape_path import TapeSpec, check_tape_path, with_tape_dir
 from tokentape.events.validation import check_int, check_str, shown
 from tokentape.extras import require_extra
+from tokentape.lora.request import LoRARequest
 
 __all__ = ["AsyncLLM", "PromptType", "frontend_tokenizer"]
 
@@ -194,9 +195,13 @@ class AsyncLLM:
         prompt: PromptType,
         sampling_params: SamplingParams | None,
         request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; the last has `finished=True`. The engine checks the
-        request before recording anything: a refused one raises here (ValueError, TypeError).
+        request before recording anything: a refused one raises here (ValueError, TypeError;
+        LoRAError for an adapter that cannot serve). `lora_request`: its LoRA adapter, loaded
+        first unless it is loaded already.
 
         With n > 1 the engine runs n children "{i}_{request_id}" (parallel_sampling.py) and
         this one stream gathers them, as vLLM's: each output holds the completions (index i)
@@ -206,6 +211,8 @@ class AsyncLLM:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {shown(params)}")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {shown(lora_request)}")
         check_str("request_id", request_id)
         if request_id in self._streams or request_id in self._engine_ids:
             raise ValueError(f"request id {request_id!r} is already in use on this engine")
@@ -226,7 +233,7 @@ class AsyncLLM:
         finished = False
         try:
             try:
-                self.engine_core.add_request(AddRequest(request_id, tokens, params))
+                self.engine_core.add_request(AddRequest(request_id, tokens, params, lora_request))
             except EngineDeadError as exc:  # the core is gone, though its death is not read yet
                 self._core_failed(str(exc))
                 raise
@@ -394,6 +401,21 @@ class AsyncLLM:
                     f"({exc}); pass plain values (tensors go through shared memory or a file)"
                 ) from None
         return list(await self._call("collective_rpc", *call_args))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: load a LoRA adapter in the engine core (False if it is loaded already);
+        LoRAError if it cannot serve. On the tape as LoRAAdded."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"add_lora: expected a LoRARequest, got {shown(lora_request)}")
+        return bool(await self._call("add_lora", lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's: unload a LoRA adapter (False if none has that id). LoRARemoved."""
+        return bool(await self._call("remove_lora", lora_id))
+
+    async def list_loras(self) -> set[int]:
+        """vLLM's: the ids of the LoRA adapters loaded."""
+        return set(await self._call("list_loras"))
 
     async def get_weight_version(self) -> str:
         """The version of the weights serving now (vLLM #49040): "default" until an update."""

@@ -59,6 +59,7 @@ from tokentape.entrypoints.launcher import (
     make_server,
     sigterm_stops_startup,
 )
+from tokentape.entrypoints.lora_endpoints import add_lora_endpoints, runtime_lora_updating
 from tokentape.entrypoints.metrics import ServerMetrics
 from tokentape.entrypoints.request_body import decode_body
 from tokentape.entrypoints.rl_endpoints import (
@@ -85,7 +86,7 @@ from tokentape.entrypoints.unsupported_fields import (
     refuse_unsupported,
     refuse_unsupported_in,
 )
-from tokentape.errors import EngineDeadError
+from tokentape.errors import EngineDeadError, LoRAError
 from tokentape.events.tape_path import TapeSpec, check_tape_path
 
 logger = logging.getLogger("tokentape.serve")
@@ -124,6 +125,11 @@ class ServerOptions:
     # POST /collective_rpc runs worker code the caller names: vLLM serves it in dev mode only
     # (VLLM_SERVER_DEV_MODE=1), and so does tokentape.
     enable_collective_rpc: bool = False
+    # The LoRA adapters served by name from the start (--lora-modules: name -> folder), and
+    # whether /v1/load_lora_adapter and /v1/unload_lora_adapter are served
+    # (VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM gates them).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_runtime_lora: bool = False
 
 
 def build_app(
@@ -141,6 +147,8 @@ def build_app(
     )
     app = FastAPI(title="tokentape", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
+    for lora_name, lora_path in options.lora_modules:
+        serving.add_lora_module(lora_name, lora_path)  # loaded by its first request
 
     def error(status: int, message: str, type: str, param: str | None = None) -> Response:
         metrics.errors.labels(status=str(status)).inc()
@@ -228,8 +236,15 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = p.ModelCard(name, int(time.time()), engine.max_model_len)
-        return json_response(p.ModelList([card]))
+        created = int(time.time())
+        cards = [p.ModelCard(name, created, engine.max_model_len)]
+        cards += [
+            p.ModelCard(
+                lora.lora_name, created, engine.max_model_len, root=lora.lora_path, parent=name
+            )
+            for lora in serving.lora_requests.values()
+        ]
+        return json_response(p.ModelList(cards))
 
     @app.get("/health")
     async def health() -> Response:
@@ -245,6 +260,8 @@ def build_app(
         add_rl_endpoints(app, engine, options.allowed_weight_dirs, json_response)
     if options.enable_collective_rpc:
         add_collective_rpc_endpoint(app, engine, json_response)
+    if options.enable_runtime_lora:
+        add_lora_endpoints(app, engine, serving, json_response)
     if options.api_keys:
         app.add_middleware(
             APIKeyMiddleware,
@@ -273,12 +290,35 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     for folder in args.allowed_weight_dirs:
         if not os.path.isdir(folder):
             raise StartupError(f"--allowed-weight-dirs: {folder} is not a directory")
+    check_lora_modules(args)
     return ServerOptions(
         api_keys=tuple(api_keys_from(args.api_key)),
         enable_rl_endpoints=args.enable_rl_endpoints or dev_mode(),
         enable_collective_rpc=dev_mode(),
         allowed_weight_dirs=tuple(args.allowed_weight_dirs),
+        lora_modules=tuple(args.lora_modules),
+        enable_runtime_lora=runtime_lora_updating(),
     )
+
+
+def check_lora_modules(args: argparse.Namespace) -> None:
+    """--lora-modules, read and checked before the engine is built (their shapes against the
+    model when the first request loads them)."""
+    if not args.lora_modules:
+        return
+    if not args.enable_lora:
+        raise StartupError("--lora-modules needs --enable-lora")
+    names = [name for name, _ in args.lora_modules]
+    if len(set(names)) < len(names) or args.served_model_name in names:
+        raise StartupError(f"--lora-modules: every name must be unique, got {', '.join(names)}")
+    from tokentape.lora.peft_adapter import load_peft_adapter
+
+    max_rank = args.max_lora_rank or EngineConfig().max_lora_rank
+    for name, path in args.lora_modules:
+        try:
+            load_peft_adapter(path, max_rank)
+        except LoRAError as exc:
+            raise StartupError(f"--lora-modules {name}: {exc}") from None
 
 
 def run_server(args: argparse.Namespace) -> int:

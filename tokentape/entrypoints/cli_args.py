@@ -22,6 +22,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """An argparse type: NAME=PATH, as vLLM's --lora-modules takes it."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def make_arg_parser(srv: Any) -> Any:
     """Add the server's arguments to `srv` (an argparse parser) and return it."""
     srv.add_argument(
@@ -44,6 +52,15 @@ def make_arg_parser(srv: Any) -> Any:
             "cpu_threads": "default: one per CPU less one, left to the HTTP server, at least "
             "one; one per CPU with --in-process"
         },
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served under their names, with --enable-lora: a "
+        "request whose model is NAME runs with that adapter (vLLM's option; default: none)",
     )
     srv.add_argument(
         "--stream-interval",

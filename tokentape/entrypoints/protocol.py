@@ -169,6 +169,20 @@ class CollectiveRPCRequest(msgspec.Struct):
     kwargs: dict[str, Any] = {}
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct):
+    """vLLM's /v1/load_lora_adapter body: the adapter's served name and its PEFT folder."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct):
+    """vLLM's /v1/unload_lora_adapter body (lora_int_id, when given, must match)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class AbortRequest(msgspec.Struct):
     """SGLang's /abort_request body (AbortReq): one request's id, or every request."""
 
@@ -296,6 +310,9 @@ class ModelCard(msgspec.Struct):
     max_model_len: int
     owned_by: str = "tokentape"
     object: Literal["model"] = "model"
+    # vLLM's: a LoRA adapter's card names its folder and the base model it runs on.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct):

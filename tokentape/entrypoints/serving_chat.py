@@ -131,7 +131,8 @@ async def create_chat_completion(
         stream_options=req.stream_options,
     )
     request_id = serving.request_id(request, req.request_id, "chatcmpl")
-    streams = await serving.start(request, [tokens], params, request_id, aliases)
+    streams = await serving.start(request, [tokens], params, request_id, aliases, req.model)
+    model_name = req.model or serving.model_name  # a LoRA adapter's name, as vLLM answers
     created, fp = int(time.time()), serving.system_fingerprint
     tokenizer, n, k = serving.engine.tokenizer, params.n, req.top_logprobs or 0
     head = echoed_content(req)  # before each choice's content (echo)
@@ -154,14 +155,12 @@ async def create_chat_completion(
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
             return sse_bytes(
                 p.ChatCompletionChunk(
-                    request_id, created, serving.model_name, [ch], usage, system_fingerprint=fp
+                    request_id, created, model_name, [ch], usage, system_fingerprint=fp
                 )
             )
 
         framer = SSEFramer(
-            p.ChatCompletionChunk(
-                request_id, created, serving.model_name, [], None, system_fingerprint=fp
-            )
+            p.ChatCompletionChunk(request_id, created, model_name, [], None, system_fingerprint=fp)
         )
 
         async def sse() -> AsyncIterator[bytes]:
@@ -191,7 +190,7 @@ async def create_chat_completion(
                     p.ChatCompletionChunk(
                         request_id,
                         created,
-                        serving.model_name,
+                        model_name,
                         [],
                         usage_of(streams, generated),
                         system_fingerprint=fp,
@@ -218,7 +217,7 @@ async def create_chat_completion(
         return p.ChatCompletionResponse(
             request_id,
             created,
-            serving.model_name,
+            model_name,
             choices,
             usage_of(streams, sum(len(m.token_ids) for m in merged)),
             system_fingerprint=fp,

@@ -108,7 +108,8 @@ async def create_completion(
     # Each prompt's own: its default max_tokens and its context checks, in order.
     params = [completion_params(serving, req, len(tokens), score_only) for tokens in prompts]
     request_id = serving.request_id(request, req.request_id, "cmpl")
-    streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES)
+    streams = await serving.start(request, prompts, params, request_id, PARAM_ALIASES, req.model)
+    model_name = req.model or serving.model_name  # a LoRA adapter's name, as vLLM answers
     created, fp = int(time.time()), serving.system_fingerprint
     tokenizer, n = serving.engine.tokenizer, params[0].n
     # By choice index (prompt i's completion j is i * n + j): its logprobs' text offsets.
@@ -162,7 +163,7 @@ async def create_completion(
             generated = 0
             framer = SSEFramer(
                 p.CompletionResponse(
-                    request_id, created, serving.model_name, [], None, system_fingerprint=fp
+                    request_id, created, model_name, [], None, system_fingerprint=fp
                 )
             )
             async for i, out in merge_streams(streams):
@@ -186,7 +187,7 @@ async def create_completion(
                         p.CompletionResponse(
                             request_id,
                             created,
-                            serving.model_name,
+                            model_name,
                             [ch],
                             usage,
                             system_fingerprint=fp,
@@ -196,7 +197,7 @@ async def create_completion(
                 usage = usage_of(streams, generated)
                 yield sse_bytes(
                     p.CompletionResponse(
-                        request_id, created, serving.model_name, [], usage, system_fingerprint=fp
+                        request_id, created, model_name, [], usage, system_fingerprint=fp
                     )
                 )
             yield SSE_DONE
@@ -218,7 +219,7 @@ async def create_completion(
         return p.CompletionResponse(
             request_id,
             created,
-            serving.model_name,
+            model_name,
             choices,
             usage_of(streams, generated),
             system_fingerprint=fp,

@@ -29,6 +29,7 @@ from tokentape.entrypoints.metrics import RequestTimer, ServerMetrics
 from tokentape.entrypoints.refusals import APIError, check_fits_context, refusal
 from tokentape.errors import EngineDeadError
 from tokentape.events.schema import RequestOutputKind, SamplingParams
+from tokentape.lora.request import LoRARequest
 from tokentape.version import __version__
 
 __all__ = ["APIError", "ClientGone", "OpenAIServing", "PromptStream", "guarded_sse"]
@@ -129,6 +130,22 @@ class OpenAIServing:
             metrics,
         )
         self._fingerprint: str | None = None
+        # The LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter); a request
+        # whose `model` names one runs with it. Ids are given in order from 1, as vLLM's.
+        self.lora_requests: dict[str, LoRARequest] = {}
+        self._next_lora_id = 1
+
+    def add_lora_module(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter in `path` under `name` (its id the next one)."""
+        lora = LoRARequest(name, self._next_lora_id, path)
+        self._next_lora_id += 1
+        self.lora_requests[name] = lora
+        return lora
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model."""
+        self.check_model(model)
+        return None if model is None else self.lora_requests.get(model)
 
     @property
     def system_fingerprint(self) -> str:
@@ -148,7 +165,7 @@ class OpenAIServing:
         return given or request.headers.get("x-request-id") or f"{prefix}-{uuid4().hex}"
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.lora_requests:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
 
     def sampling_params(
@@ -223,12 +240,14 @@ class OpenAIServing:
         params: SamplingParams | Sequence[SamplingParams],
         request_id: str,
         aliases: Mapping[str, str],
+        model: str | None = None,
     ) -> list[PromptStream]:
         """Start every prompt's stream (with its own params, when a list is given) and take
         its first output: a refusal by the engine (nothing recorded) is a 400 naming its
         field, a dead engine a 503. Every prompt is checked first, so a request of several is
         refused whole, none of it recorded."""
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        lora = self.lora_for(model)
         for tokens in prompts:
             try:
                 self.engine.check_prompt(tokens)
@@ -236,7 +255,7 @@ class OpenAIServing:
                 raise refusal(exc, aliases) from None
         streams = [
             PromptStream(
-                self.engine.generate(tokens, prompt_params, f"{request_id}-{i}"),
+                self.engine.generate(tokens, prompt_params, f"{request_id}-{i}", lora_request=lora),
                 tokens,
                 RequestTimer(self.metrics),
             )

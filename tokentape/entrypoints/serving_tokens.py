@@ -97,7 +97,7 @@ async def generate_tokens(
     )
     given = req.request_id or request.headers.get("x-request-id") or uuid4().hex
     request_id = f"generate-tokens-{given}"  # vLLM's
-    streams = await serving.start(request, [prompt], params, request_id, PARAM_ALIASES)
+    streams = await serving.start(request, [prompt], params, request_id, PARAM_ALIASES, req.model)
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -52,6 +52,7 @@ from tokentape.engine.factory import build_engine_core
 from tokentape.engine.outputs import EngineCoreOutput
 from tokentape.errors import EngineDeadError
 from tokentape.events.tape_path import TapeSpec
+from tokentape.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import zmq
@@ -100,7 +101,19 @@ class EngineCoreProc:
             "is_sleeping": self.engine_core.is_sleeping,
             "abort_all": self.engine_core.abort_all,
             "collective_rpc": self.collective_rpc,
+            "add_lora": self.add_lora,
+            "remove_lora": self.engine_core.remove_lora,
+            "list_loras": lambda: sorted(self.engine_core.list_loras()),
         }
+
+    def add_lora(self, lora_request: object) -> bool:
+        """EngineCore.add_lora, the LoRARequest as it crossed (msgpack: its fields)."""
+        if not isinstance(lora_request, LoRARequest):
+            try:
+                lora_request = msgspec.convert(lora_request, LoRARequest)
+            except msgspec.ValidationError as exc:
+                raise TypeError(f"add_lora: not a LoRARequest ({exc})") from None
+        return self.engine_core.add_lora(lora_request)
 
     def collective_rpc(
         self,
@@ -158,7 +171,9 @@ class EngineCoreProc:
         output processor gathers); a refused one (checked before anything is recorded) comes
         back as an error output. EngineDeadError: the add ended the engine (on the tape)."""
         try:
-            self.engine_core.add_request(req.request_id, req.prompt_token_ids, req.params)
+            self.engine_core.add_request(
+                req.request_id, req.prompt_token_ids, req.params, req.lora_request
+            )
         except Exception as exc:  # noqa: BLE001 - any refusal goes back to its caller
             self._raise_if_dead()
             return EngineCoreOutput(req.request_id, [], error=error_of(exc))

@@ -14,9 +14,10 @@ from typing import Any
 import msgspec
 
 from tokentape.engine.outputs import EngineCoreOutput
-from tokentape.errors import WorkerCallRefused
+from tokentape.errors import LoRAError, WorkerCallRefused
 from tokentape.events.schema import SamplingParams
 from tokentape.events.segment_dir import SegmentedTapeSpec
+from tokentape.lora.request import LoRARequest
 
 # -- frontend to core -------------------------------------------------------------------------
 
@@ -25,6 +26,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
@@ -122,6 +124,7 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
     t.__name__: t
     for t in (
         WorkerCallRefused,  # before its bases: it crosses as itself
+        LoRAError,  # before ValueError: it crosses as itself
         ValueError,
         TypeError,
         KeyError,

@@ -10,7 +10,12 @@ import os
 import sys
 from typing import Any
 
-from tokentape.engine.arg_utils import add_engine_cli_args, engine_args_from_cli
+from tokentape.engine.arg_utils import (
+    ENGINE_FLAGS,
+    LORA_FLAGS,
+    add_engine_cli_args,
+    engine_args_from_cli,
+)
 from tokentape.entrypoints.cli.common import (
     EXIT_OK,
     CLIError,
@@ -82,7 +87,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="sampling temperature, recorded in each request's params (default: 1.0)",
     )
     add_tape_arguments(gen, "tokentape")
-    add_engine_cli_args(gen)  # --model, --seed, --sync and the engine's flags (arg_utils.py)
+    # --model, --seed, --sync and the engine's flags (arg_utils.py), but LoRA's: a prompt
+    # file names no adapter.
+    add_engine_cli_args(gen, [f for f in ENGINE_FLAGS if f not in LORA_FLAGS])
     add_script_arguments(gen)
     gen.add_argument(
         "--json",
