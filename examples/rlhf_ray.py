@@ -4,19 +4,24 @@ engine core process and its own tape), as vLLM's RLHF example runs vLLM under Ra
 Each iteration: every engine starts its rollouts; once each of its rollouts has a few tokens
 the engine runs pause_generation(mode="keep", clear_cache=True) at once, so every rollout is
 paused mid-generation; the trainer makes a deterministic weight update from those first
-tokens; the new weights reach the engines through Ray's object store (default) or a
-torch.distributed broadcast (gloo, the CPU backend); every engine runs resume_generation()
-and finishes its rollouts with the new weights. Check: every engine reports the trainer's
-weights, and for every request the tokens after the resume equal what a fresh engine with
-the new weights gives when it continues from the same prefix (prompt plus the tokens
-delivered before the pause). Exit 0 when it held for every engine and iteration, 1
-otherwise. Under `--discard-policy flag` (vLLM before #42117) with async scheduling
-(pipeline depth >= 2) it fails as vLLM #42043 did: the first valid token after the resume is
-thrown away and every later one shifts.
+tokens; the new weights reach the engines through Ray's object store (default), a
+torch.distributed broadcast (gloo, the CPU backend) to the engine actors, or, as OpenRLHF and
+verl do, a broadcast received inside each engine's worker by the trainer's own code: a worker
+extension (examples/rlhf_weight_sync.py) that collective_rpc calls; every engine runs
+resume_generation() and finishes its rollouts with the new weights. Then the LoRA rollout
+step: the trainer writes the iteration's LoRA adapter (a PEFT folder) and every engine runs
+a batch of rollouts with it (LoRARequest). Check: every engine reports the trainer's weights,
+for every request the tokens after the resume equal what a fresh engine with the new weights
+gives when it continues from the same prefix (prompt plus the tokens delivered before the
+pause), and the LoRA rollouts equal a fresh engine's with the same weights and adapter. Exit 0
+when it held for every engine and iteration, 1 otherwise. Under `--discard-policy flag` (vLLM
+before #42117) with async scheduling (pipeline depth >= 2) it fails as vLLM #42043 did: the
+first valid token after the resume is thrown away and every later one shifts.
 
     python examples/rlhf_ray.py                                  # 2 engines, 2 iterations: holds
     python examples/rlhf_ray.py --discard-policy flag            # fails
     python examples/rlhf_ray.py --weight-sync broadcast          # torch.distributed, gloo
+    python examples/rlhf_ray.py --weight-sync collective-rpc     # a worker extension receives it
     python examples/rlhf_ray.py --tape-dir tapes && tokentape postmortem tapes
     python examples/rlhf_ray.py --tape-dir tapes --kill-engine 1 # failure drill (ray.kill)
     python examples/rlhf_ray.py --tape-dir tapes --kill-engine 1 --kill-how sigkill
@@ -33,14 +38,18 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
 import ray
 from rlhf_ray_actors import (
+    LORA_RANK,
     TOKENS_BEFORE_UPDATE,
     EngineWorker,
     Trainer,
+    lora_request,
+    lora_request_specs,
     request_specs,
     sampling_params,
 )
@@ -75,9 +84,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--weight-sync",
         default="object-store",
-        choices=["object-store", "broadcast"],
-        help="how the weights reach the engines: Ray's object store (default) or a "
-        "torch.distributed broadcast from the trainer (gloo)",
+        choices=["object-store", "broadcast", "collective-rpc"],
+        help="how the weights reach the engines: Ray's object store (default), a "
+        "torch.distributed broadcast from the trainer (gloo) to the engine actors, or one "
+        "received in each engine's worker by a worker extension through collective_rpc",
+    )
+    p.add_argument(
+        "--lora-rollouts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after each iteration's rollouts, a LoRA rollout step with the trainer's "
+        "adapter of that iteration (default on)",
     )
     p.add_argument(
         "--tape-dir",
@@ -116,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.kill_engine is not None:
         if not 0 <= args.kill_engine < args.engines or args.engines < 2:
             p.error("--kill-engine needs an engine index in [0, --engines) and another engine left")
-        if args.weight_sync == "broadcast":
+        if args.weight_sync != "object-store":
             p.error(
                 "--kill-engine needs --weight-sync object-store "
                 "(a broadcast group cannot lose a member)"
@@ -190,6 +207,41 @@ def check_against_fresh_engine(
     return problems
 
 
+def check_lora_rollouts(
+    weights: dict[str, Any],
+    lora_path: str,
+    iteration: int,
+    specs: dict[int, list[Any]],
+    got: dict[int, dict[str, list[int]]],
+) -> list[str]:
+    """A fresh engine with the trainer's weights and the iteration's adapter runs the LoRA
+    rollouts; every engine's tokens must be exactly those."""
+    fresh = LLM(model="tiny", device="cpu", tape=False, enable_lora=True)
+    problems = []
+    try:
+        fresh.llm_engine.pause_generation(mode="keep", clear_cache=False)
+        fresh.llm_engine.update_weights(weights)
+        fresh.llm_engine.resume_generation()
+        lora = lora_request(iteration, lora_path)
+        for i, engine_specs in specs.items():
+            outs = fresh.generate(
+                [prompt for _, prompt, _ in engine_specs],
+                [sampling_params(kw) for _, _, kw in engine_specs],
+                use_tqdm=False,
+                lora_request=lora,
+            )
+            for (req_id, _, _), out in zip(engine_specs, outs):
+                if got[i][req_id] != out.outputs[0].token_ids:
+                    problems.append(
+                        f"engine {i} LoRA rollout {req_id}: {got[i][req_id][:4]}... where a "
+                        f"fresh engine with adapter {lora.lora_name} gives "
+                        f"{out.outputs[0].token_ids[:4]}..."
+                    )
+    finally:
+        fresh.close()
+    return problems
+
+
 def kill(actor: Any, how: str) -> None:
     """ray.kill, or a SIGKILL the actor sends itself; neither waits for the death."""
     if how == "ray.kill":
@@ -208,16 +260,27 @@ def wait_for_tape_writer(path: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     paths = tape_paths(args.tape_dir, args.engines)
-    engine_args = {
+    engine_args: dict[str, Any] = {
         "async_scheduling": args.async_scheduling,
         "pipeline_depth": args.pipeline_depth,
         "discard_policy": args.discard_policy,
         "device": "cpu",
     }
+    if args.weight_sync == "collective-rpc":
+        engine_args["worker_extension_cls"] = "rlhf_weight_sync.WeightSyncExtension"
+    if args.lora_rollouts:  # the adapter of each iteration replaces the one before
+        engine_args.update(enable_lora=True, max_lora_rank=LORA_RANK, max_cpu_loras=2)
+    # The adapters stay beside the tapes: a what-if with the model loads them from there.
+    lora_folder = (
+        os.path.join(args.tape_dir, "lora-adapters")
+        if args.tape_dir
+        else tempfile.mkdtemp(prefix="rlhf_lora_")
+    )
     # (mypy does not see what @ray.remote adds to a class)
     trainer = Trainer.remote()  # type: ignore[attr-defined]
     engines = {i: EngineWorker.remote(i, paths[i], engine_args) for i in range(args.engines)}  # type: ignore[attr-defined]
-    broadcast = args.weight_sync == "broadcast"
+    broadcast = args.weight_sync in ("broadcast", "collective-rpc")
+    in_worker = args.weight_sync == "collective-rpc"
     held = True
     try:
         if broadcast:  # the trainer is rank 0 of a gloo group with every engine
@@ -225,7 +288,12 @@ def run(args: argparse.Namespace) -> int:
             world = args.engines + 1
             ray.get(
                 [trainer.join_group.remote(address, 0, world)]
-                + [e.join_group.remote(address, i + 1, world) for i, e in engines.items()]
+                + [
+                    e.collective_rpc.remote("init_weight_update_group", [address, i + 1, world])
+                    if in_worker
+                    else e.join_group.remote(address, i + 1, world)
+                    for i, e in engines.items()
+                ]
             )
         for it in range(args.iterations):
             specs = {i: request_specs(i, it) for i in engines}
@@ -254,7 +322,12 @@ def run(args: argparse.Namespace) -> int:
                 meta = ray.get(trainer.weight_meta.remote())
                 got = ray.get(
                     [trainer.broadcast.remote()]
-                    + [e.receive_weights.remote(meta) for e in engines.values()]
+                    + [
+                        e.collective_rpc.remote("update_weights_from_trainer", [meta])
+                        if in_worker
+                        else e.receive_weights.remote(meta)
+                        for e in engines.values()
+                    ]
                 )[1:]
             else:
                 weights_ref = trainer.state_dict.remote()  # put once, read by every engine
@@ -289,6 +362,30 @@ def run(args: argparse.Namespace) -> int:
             for problem in problems:
                 print(f"  {problem}")
             held &= not problems
+            if args.lora_rollouts:
+                lora_path = ray.get(trainer.save_lora_adapter.remote(it, lora_folder))
+                lora_specs = {i: lora_request_specs(i, it) for i in engines}
+                lora_tokens = dict(
+                    zip(
+                        engines,
+                        ray.get(
+                            [
+                                e.lora_rollouts.remote(lora_specs[i], lora_path, it)
+                                for i, e in engines.items()
+                            ]
+                        ),
+                    )
+                )
+                problems = check_lora_rollouts(
+                    ray.get(trainer.state_dict.remote()), lora_path, it, lora_specs, lora_tokens
+                )
+                print(
+                    f"iteration {it}: LoRA rollouts with {os.path.basename(lora_path)} on "
+                    f"{len(engines)} engines: {'check held' if not problems else 'CHECK FAILED'}"
+                )
+                for problem in problems:
+                    print(f"  {problem}")
+                held &= not problems
             if args.kill_engine is not None and it == 0:
                 wait_for_tape_writer(paths[args.kill_engine])
                 print(
@@ -306,17 +403,26 @@ def run(args: argparse.Namespace) -> int:
     return 0 if held else 1
 
 
+def runtime_env() -> dict[str, Any]:
+    """examples/ on the actors' PYTHONPATH: the engine core processes they start import the
+    worker extension (rlhf_weight_sync) by name."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    return {"env_vars": {"PYTHONPATH": path}}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = not ray.is_initialized()
     if started:
         if args.address:
-            ray.init(address=args.address, logging_level=logging.WARNING)
+            ray.init(address=args.address, logging_level=logging.WARNING, runtime_env=runtime_env())
         else:
             ray.init(
                 num_cpus=args.num_cpus or max(2, args.engines),
                 include_dashboard=False,
                 logging_level=logging.WARNING,
+                runtime_env=runtime_env(),
             )
     try:
         return run(args)

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import torch
 
-from tokentape import AsyncLLM, RequestOutputKind, SamplingParams
+from tokentape import AsyncLLM, LoRARequest, RequestOutputKind, SamplingParams
 from tokentape.engine.async_llm import frontend_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,"]
@@ -31,6 +31,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 ROLLOUT_TOKENS = (64, 128, 256, 512)
 TOKENS_BEFORE_UPDATE = 8  # what the trainer learns from: each rollout's first tokens
 LEARNING_RATE = 0.05
+LORA_RANK = 8  # the LoRA rollout step's adapter: rank 8 on every layer's q_proj and v_proj
+LORA_ROLLOUT_TOKENS = 24
 WAIT_S = 300.0  # the longest a rollout may take to reach TOKENS_BEFORE_UPDATE tokens
 
 RequestSpec = tuple[str, list[int], dict[str, Any]]  # request id, prompt token ids, params
@@ -55,6 +57,19 @@ def request_specs(engine: int, iteration: int) -> list[RequestSpec]:
 
 def sampling_params(kw: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**kw)
+
+
+def lora_request_specs(engine: int, iteration: int) -> list[RequestSpec]:
+    """An engine's requests of the LoRA rollout step: the iteration's prompts, shorter."""
+    return [
+        (f"it{iteration}-lora{j}", prompt, {**kw, "max_tokens": LORA_ROLLOUT_TOKENS})
+        for j, (_, prompt, kw) in enumerate(request_specs(engine, iteration))
+    ]
+
+
+def lora_request(iteration: int, path: str) -> LoRARequest:
+    """The adapter of an iteration's LoRA rollout step (a new id each iteration)."""
+    return LoRARequest(f"policy-it{iteration}", iteration + 1, path)
 
 
 @ray.remote(num_cpus=0)  # a few milliseconds of arithmetic per step; a real trainer asks for GPUs
@@ -83,6 +98,23 @@ class Trainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def save_lora_adapter(self, iteration: int, folder: str) -> str:
+        """The iteration's LoRA adapter as a PEFT folder (a stand-in for LoRA training: A
+        and B drawn from the iteration's seed), where every engine can read it."""
+        from tokentape.lora.peft_adapter import save_peft_adapter
+
+        generator = torch.Generator().manual_seed(100 + iteration)
+        weights = {}
+        for name, module in sorted(self.model.named_modules()):
+            if name.endswith(("self_attn.q_proj", "self_attn.v_proj")):
+                n_out, n_in = module.weight.shape
+                a = torch.randn(LORA_RANK, n_in, generator=generator) / n_in**0.5
+                b = torch.randn(n_out, LORA_RANK, generator=generator) * 0.05
+                weights[name] = (a, b)
+        path = os.path.join(folder, f"lora-it{iteration}")
+        save_peft_adapter(path, weights, lora_alpha=2 * LORA_RANK)
+        return path
 
     # -- torch.distributed: the trainer is rank 0 and broadcasts every tensor --------------------
 
@@ -191,6 +223,26 @@ class EngineWorker:
             torch.distributed.broadcast(t, src=0)
             weights[name] = t
         return await self.llm.update_weights(weights)
+
+    async def collective_rpc(self, method: str, args: list[Any]) -> Any:
+        """The worker extension's `method` in the engine core's worker; its one result."""
+        return (await self.llm.collective_rpc(method, args=tuple(args)))[0]
+
+    async def lora_rollouts(
+        self, specs: list[RequestSpec], lora_path: str, iteration: int
+    ) -> dict[str, list[int]]:
+        """The LoRA rollout step: every request with the iteration's adapter; their tokens."""
+        lora = lora_request(iteration, lora_path)
+
+        async def rollout(req_id: str, prompt: list[int], kw: dict[str, Any]) -> list[int]:
+            async for out in self.llm.generate(
+                prompt, SamplingParams(**kw), req_id, lora_request=lora
+            ):
+                last = out
+            return list(last.outputs[0].token_ids)
+
+        tokens = await asyncio.gather(*(rollout(*spec) for spec in specs))
+        return {spec[0]: t for spec, t in zip(specs, tokens)}
 
     async def resume(self) -> None:
         await self.llm.resume_generation()

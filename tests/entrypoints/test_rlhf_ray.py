@@ -82,6 +82,32 @@ def test_the_loop_holds_and_the_fleet_is_clean(
     assert ray.is_initialized()  # the instance it found is left running
 
 
+def test_weights_through_a_worker_extension_and_a_lora_rollout_step(
+    example: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As OpenRLHF and verl: the trainer's broadcast received in each engine's worker by the
+    extension collective_rpc calls; then rollouts with the iteration's LoRA adapter."""
+    tapes = tmp_path / "tapes"
+    argv = ["--iterations", "1", "--weight-sync", "collective-rpc", "--tape-dir", str(tapes)]
+    assert example.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "via collective-rpc: check held" in out
+    assert "LoRA rollouts with lora-it0 on 2 engines: check held" in out
+    for i in range(2):
+        tape = tapes / f"engine-{i}.tape"
+        events = [e for _, e in load_tape(tape).events()]
+        rpcs = [e for e in events if isinstance(e, ev.CollectiveRPC)]
+        assert [r.method for r in rpcs] == [
+            "init_weight_update_group",
+            "update_weights_from_trainer",
+        ]
+        assert rpcs[0].weights_id is None and rpcs[1].weights_id is not None
+        assert [e.lora_name for e in events if isinstance(e, ev.LoRAAdded)] == ["policy-it0"]
+        assert verify(tape).ok
+    report = fleet_postmortem(tapes, jobs=1)
+    assert report.summary.failed == 0 and all(not r.findings for r in report.tapes)
+
+
 def test_the_flag_policy_fails_as_vllm_did(
     example: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -115,7 +141,8 @@ def test_a_killed_engine_leaves_a_tape_that_says_where_it_ended(
     assert example.main(argv) == 0  # the loop went on with engine 0, and its check held
     assert f"engine 1 killed ({how}) mid-rollout" in capsys.readouterr().out
     killed = tapes / "engine-1.tape"
-    assert sorted(os.listdir(tapes)) == ["engine-0.tape", "engine-1.tape"]  # one file each, no -wal
+    tape_files = sorted(p for p in os.listdir(tapes) if p.startswith("engine-"))
+    assert tape_files == ["engine-0.tape", "engine-1.tape"]  # one file each, no -wal
     result = verify(killed)
     last_seq = len(load_tape(killed)) - 1
     assert result.ok and result.num_events == last_seq + 1  # it verifies up to its last step

@@ -273,3 +273,21 @@ def test_lora_calls_refused(files: dict) -> None:
             engine.remove_lora(1)
         with pytest.raises(ValueError, match="1 LoRA requests for 2 prompts"):
             llm.generate([[3], [4]], lora_request=[all_])
+
+
+def test_save_peft_adapter_writes_what_peft_reads(files: dict, tmp_path: Path) -> None:
+    from tokentape.lora.peft_adapter import load_peft_adapter, save_peft_adapter
+
+    root, base = files["root"], files["base"]
+    original = load_peft_adapter(str(root / "all"), 16)
+    save_peft_adapter(str(tmp_path / "copy"), original.weights, lora_alpha=16)
+    copy = load_peft_adapter(str(tmp_path / "copy"), 16)
+    assert copy.scaling == original.scaling and copy.target_modules == original.target_modules
+    assert all(
+        torch.equal(a, copy.weights[n][0]) and torch.equal(b, copy.weights[n][1])
+        for n, (a, b) in original.weights.items()
+    )
+    prompt = PROMPTS[0]
+    assert peft_greedy(base, tmp_path / "copy", prompt, 6) == peft_greedy(
+        base, root / "all", prompt, 6
+    )

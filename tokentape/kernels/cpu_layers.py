@@ -110,17 +110,25 @@ def lora_add(
     and y, with the adapters given as C arrays by slot (tokentape/lora/layers.py keeps them):
     pointers to each A^T and scaled B^T (NULL: no adapter on this layer), and their ranks."""
     assert x.is_contiguous() and y.is_contiguous() and slots.dtype == torch.int32
+    assert x.shape[0] >= slots.numel() and y.shape[0] >= slots.numel()
+    lora_add_rows(x, y, slots.numel(), slots.data_ptr(), a_ptrs, b_ptrs, ranks, num_threads)
+
+
+def lora_add_rows(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rows: int,
+    slots_ptr: int,
+    a_ptrs: object,
+    b_ptrs: object,
+    ranks: object,
+    num_threads: int,
+) -> None:
+    """lora_add over the first `rows` rows, the slots given by their address (int32, at
+    least `rows` of them): the per-layer call of a pass that worked them out once."""
     code = _lib().tt_lora_add_f32(
-        x.data_ptr(),
-        y.data_ptr(),
-        slots.numel(),
-        x.shape[1],
-        y.shape[1],
-        slots.data_ptr(),
-        a_ptrs,
-        b_ptrs,
-        ranks,
-        num_threads,
-    )
+        x.data_ptr(), y.data_ptr(), rows, x.shape[1], y.shape[1], slots_ptr, a_ptrs, b_ptrs,
+        ranks, num_threads,
+    )  # fmt: skip
     if code:
         raise ValueError("lora_add: an adapter's rank is above 512")

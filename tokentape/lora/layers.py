@@ -12,20 +12,30 @@ costs nothing more.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokentape.kernels import cpu_layers
+from tokentape.kernels import cpu_layers, cpu_native
 from tokentape.kernels.reference import lora_add_ref
 
 
 @dataclass(slots=True)
 class LoRABatch:
-    """The adapter slot of each row of one forward pass (-1: none), int32 on its device."""
+    """The adapter slot of each row of one forward pass (-1: none), int32 on its device,
+    and what the layers' products need of it, worked out once per pass."""
 
     slots: torch.Tensor
     num_threads: int = 1  # the threads the compiled product may use (the lane's)
+    # float32 on the CPU with the compiled kernels: one C call per layer (else torch's ops).
+    compiled: bool = field(init=False)
+    num_rows: int = field(init=False)
+    slots_ptr: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.compiled = self.slots.device.type == "cpu" and cpu_native.load() is not None
+        self.num_rows = self.slots.numel()
+        self.slots_ptr = self.slots.data_ptr()
 
     def rows(self, start: int, end: int) -> LoRABatch:
         """The batch of rows [start, end) (the MLP's chunks of a long prefill)."""
@@ -69,15 +79,17 @@ class LoRASlots:
         the batch's slots (row padding) are left alone."""
         if not self.num_set:
             return
-        n = lora.slots.numel()
+        n = lora.num_rows
         if (
-            cpu_layers.supported(x)
+            lora.compiled
+            and x.dtype == torch.float32
+            and y.dtype == torch.float32
             and x.is_contiguous()
             and y.is_contiguous()
-            and y.dtype == torch.float32
         ):
-            cpu_layers.lora_add(
-                x[:n], y[:n], lora.slots, self._a_ptrs, self._b_ptrs, self._ranks, lora.num_threads
+            # The kernel reads the first n rows: no views of x and y to make.
+            cpu_layers.lora_add_rows(
+                x, y, n, lora.slots_ptr, self._a_ptrs, self._b_ptrs, self._ranks, lora.num_threads
             )
         else:
             lora_add_ref(x[:n], y[:n], lora.slots, self.a, self.b)

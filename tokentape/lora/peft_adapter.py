@@ -195,3 +195,36 @@ def _parse_weights(
             )
         weights[module] = (a.contiguous(), b.contiguous())
     return weights
+
+
+def save_peft_adapter(
+    path: str,
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    lora_alpha: float,
+    base_model_name: str | None = None,
+) -> None:
+    """Write a PEFT LoRA folder as peft's save_pretrained does, for a trainer that keeps its
+    own A and B: `weights` by the model's module name (`model.layers.0.self_attn.q_proj`),
+    each (lora_A [r, in], lora_B [out, r]), every one of the same rank."""
+    from safetensors.torch import save_file
+
+    ranks = {a.shape[0] for a, _ in weights.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"save_peft_adapter: the modules' ranks differ: {sorted(ranks)}")
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in weights})
+    config = {
+        "peft_type": "LORA",
+        "r": ranks.pop(),
+        "lora_alpha": lora_alpha,
+        "target_modules": kinds,
+        "bias": "none",
+        "base_model_name_or_path": base_model_name,
+    }
+    tensors = {}
+    for name, (a, b) in weights.items():
+        tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.detach().float().contiguous().cpu()
+        tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.detach().float().contiguous().cpu()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE))

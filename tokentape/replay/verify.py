@@ -13,6 +13,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import msgspec
+
+from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.factory import build_engine_core
 from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, WeightChunk
@@ -170,6 +173,13 @@ class _LazyTokenizer:
         return self._get().decode(token_ids)
 
 
+def replay_config(config: EngineConfig) -> EngineConfig:
+    """A recorded engine's config as a replay builds it: without its worker extension. A
+    replay runs no worker call's code (the tape has what each did), and the extension's
+    module need not import where the tape is read (a laptop, a CI box)."""
+    return msgspec.structs.replace(config, worker_extension_cls=None)
+
+
 def recorded_lora_request(record: ev.LoRAAdded) -> LoRARequest:
     """The LoRARequest a recorded adapter was loaded by."""
     return LoRARequest(record.lora_name, record.lora_int_id, record.lora_path)
@@ -269,7 +279,7 @@ def verify(
         return VerifyResult(False, 0, bad_header)
     stream = RecordedStream(tape.events(), progress)
     engine = build_engine_core(
-        tape.config,
+        replay_config(tape.config),
         _CheckingTape(stream, tape.header),
         runner=_StreamReplayRunner(stream, tape.header),
         tokenizer=tape_tokenizer(tape.header),

@@ -40,7 +40,7 @@ from tokentape.events.snapshot import for_recompute
 from tokentape.events.store import MemoryTape
 from tokentape.replay.diff import TapeDiff, TapeSource, diff
 from tokentape.replay.tape import Tape, load_tape
-from tokentape.replay.verify import issue_command, tape_tokenizer
+from tokentape.replay.verify import issue_command, replay_config, tape_tokenizer
 
 RUNNERS = ("oracle", "model")
 DEFAULT_MODEL = "tiny"  # the real model served when the tape was recorded with the oracle
@@ -221,7 +221,7 @@ def whatif(
     original = load_tape(source)
     runner = recorded_runner(original) if runner is None else runner
     config, device_note = on_this_machine(
-        whatif_config(original, discard_policy, pipeline_depth, runner), runner
+        replay_config(whatif_config(original, discard_policy, pipeline_depth, runner)), runner
     )
     # The requests' text (their stop strings) is the recording model's, whatever runs them.
     engine = build_engine_core(

@@ -1,14 +1,62 @@
 /* LoRA's product for a batch of rows, each row with its own adapter (or none), on the CPU in
  * float32: y[t] += (x[t] A_s) B_s for the adapter s of row t, with A_s stored transposed
- * [in, r] and B_s [r, out] already multiplied by the adapter's scaling. Both loops are
- * axpys (a row of A or B scaled and added), so they vectorise without reordering any sum,
+ * [in, r] and B_s [r, out] already multiplied by the adapter's scaling. Both products are
+ * sums of scaled rows of A or B (no sum is reordered across vector lanes), the rank's
+ * partial sums kept in vector registers where the rank is a multiple of the vector width,
  * and each row is computed on its own: a row's result never depends on the batch. The torch
  * reference is tokentape/kernels/reference.py's lora_add_ref.
  * Compiled together with paged_attention.c (see tokentape/kernels/cpu_native.py).
  */
 #include <stdint.h>
 
+#include "vec.h"
+
 #define TT_LORA_MAX_RANK 512
+
+/* h[0..NV*TT_VW) = x A, for A [in, NV*TT_VW]: NV accumulators held in registers. */
+#define TT_SHRINK(NV)                                                                  \
+    do {                                                                               \
+        vf acc[NV];                                                                    \
+        for (int v = 0; v < NV; v++) acc[v] = (vf){0};                                 \
+        for (int64_t i = 0; i < in_features; i++) {                                    \
+            const vf xi = (vf){0} + x[i];                                              \
+            const float *Ai = A + i * (NV * TT_VW);                                    \
+            for (int v = 0; v < NV; v++) acc[v] += xi * vload(Ai + v * TT_VW);         \
+        }                                                                              \
+        for (int v = 0; v < NV; v++) vstore(h + v * TT_VW, acc[v]);                    \
+    } while (0)
+
+/* h = x A for one row: the rank in vectors where it is 1 to 4 of them, else one by one. */
+static void shrink(const float *x, const float *A, int64_t in_features, int64_t r, float *h) {
+    switch (r % TT_VW ? 0 : r / TT_VW) {
+    case 1: TT_SHRINK(1); return;
+    case 2: TT_SHRINK(2); return;
+    case 3: TT_SHRINK(3); return;
+    case 4: TT_SHRINK(4); return;
+    default:
+        for (int64_t j = 0; j < r; j++) h[j] = 0.0f;
+        for (int64_t i = 0; i < in_features; i++) {
+            const float xi = x[i];
+            const float *Ai = A + i * r;
+            for (int64_t j = 0; j < r; j++) h[j] += xi * Ai[j];
+        }
+    }
+}
+
+/* y += h B for one row: a vector of y at a time, summed over the rank in order. */
+static void expand(const float *h, const float *B, int64_t r, int64_t out_features, float *y) {
+    int64_t o = 0;
+    for (; o + TT_VW <= out_features; o += TT_VW) {
+        vf acc = vload(y + o);
+        for (int64_t j = 0; j < r; j++) acc += h[j] * vload(B + j * out_features + o);
+        vstore(y + o, acc);
+    }
+    for (; o < out_features; o++) {
+        float acc = y[o];
+        for (int64_t j = 0; j < r; j++) acc += h[j] * B[j * out_features + o];
+        y[o] = acc;
+    }
+}
 
 /* Rows with a slot < 0, or a slot whose `a` is NULL (an adapter that leaves this layer
  * alone), are left as they are. Returns 0, or 1 for a rank above TT_LORA_MAX_RANK. */
@@ -25,20 +73,9 @@ int tt_lora_add_f32(const float *x, float *y, int64_t rows, int64_t in_features,
             bad = 1;
             continue;
         }
-        const float *A = a[s], *B = b[s], *xr = x + t * in_features;
         float h[TT_LORA_MAX_RANK];
-        for (int64_t j = 0; j < r; j++) h[j] = 0.0f;
-        for (int64_t i = 0; i < in_features; i++) {
-            const float xi = xr[i];
-            const float *Ai = A + i * r;
-            for (int64_t j = 0; j < r; j++) h[j] += xi * Ai[j];
-        }
-        float *yr = y + t * out_features;
-        for (int64_t j = 0; j < r; j++) {
-            const float hj = h[j];
-            const float *Bj = B + j * out_features;
-            for (int64_t o = 0; o < out_features; o++) yr[o] += hj * Bj[o];
-        }
+        shrink(x + t * in_features, a[s], in_features, r, h);
+        expand(h, b[s], r, out_features, y + t * out_features);
     }
     return bad;
 }
