@@ -66,8 +66,9 @@ def describe_event(event: ev.Event) -> str:
     """A one-line summary of an event: its kind, step and what it says per request."""
     kind = ev.kind_of(event)
     match event:
-        case ev.RequestAdded(req_id=r, prompt_token_ids=p, params=params):
+        case ev.RequestAdded(req_id=r, prompt_token_ids=p, params=params, lora_int_id=lora):
             body = f"req={r} prompt={len(p)} tokens max_tokens={params.max_tokens}"
+            body += f" lora={lora}" if lora else ""
         case ev.RequestAborted(req_id=r):
             body = f"req={r}"
         case ev.RequestFinished(req_id=r, reason=reason):
@@ -104,6 +105,13 @@ def describe_event(event: ev.Event) -> str:
                 + (f" finished={e.finish_reason}" if e.finished else "")
                 for e in entries
             )
+        case ev.LoRAAdded(lora_name=name, lora_int_id=i, rank=rank, adapter_id=sha):
+            body = f"lora={i} name={name} rank={rank} adapter_id={sha[:16]}..."
+        case ev.LoRARemoved(lora_int_id=i):
+            body = f"lora={i}"
+        case ev.CollectiveRPC(method=method, weights_id=w, error=error):
+            body = f"method={method}" + (f" weights_id={w}" if w else "")
+            body += f" error={error}" if error else ""
         case ev.EngineError(error_type=t, message=m):
             body = f"{t}: {m}"
         case ev.RecordingStopped(reason=reason):
