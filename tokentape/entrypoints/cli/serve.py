@@ -41,13 +41,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "/finish_weight_update, and GET /weight_info; sleep mode's POST\n"
             "/sleep?level=0|1|2&mode=M, POST /wake_up[?tags=weights&tags=kv_cache], GET\n"
             '/is_sleeping; and SGLang\'s POST /abort_request (JSON {"rid": ID} or\n'
-            '{"abort_all": true}). With an API key (--api-key, or the TOKENTAPE_API_KEY or\n'
-            "VLLM_API_KEY environment variable) every /v1 route and RL endpoint needs\n"
-            "'Authorization: Bearer KEY'. The engine core runs in a background process and\n"
-            "records every request, abort, pause and sleep on the tape. Prints 'serving on\n"
-            "http://HOST:PORT' on stderr once listening. SIGTERM or Ctrl-C: stop taking\n"
-            "requests, let those in flight finish for --drain-timeout seconds, abort the rest\n"
-            "(on the tape), close the tape.\n"
+            '{"abort_all": true}). With --enable-lora, --lora-modules NAME=PATH serves LoRA\n'
+            "adapters: a request whose model is NAME runs with it; with\n"
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, POST /v1/load_lora_adapter and\n"
+            "/v1/unload_lora_adapter load and unload them. With an API key (--api-key, or the\n"
+            "TOKENTAPE_API_KEY or VLLM_API_KEY environment variable) every /v1 route and RL\n"
+            "endpoint needs 'Authorization: Bearer KEY'. The engine core runs in a background\n"
+            "process and records every request, abort, pause, sleep and LoRA adapter on the\n"
+            "tape. Prints 'serving on http://HOST:PORT' on stderr once listening. SIGTERM or\n"
+            "Ctrl-C: stop taking requests, let those in flight finish for --drain-timeout\n"
+            "seconds, abort the rest (on the tape), close the tape.\n"
             "\n"
             "exit status: 0 when stopped by SIGTERM (the tape closed), 1 when the engine core\n"
             "failed while serving (open streams end with an error event; the server drains and\n"
