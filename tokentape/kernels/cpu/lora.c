@@ -1,9 +1,9 @@
 /* LoRA's product for a batch of rows, each row with its own adapter (or none), on the CPU in
  * float32: y[t] += (x[t] A_s) B_s for the adapter s of row t, with A_s stored transposed
  * [in, r] and B_s [r, out] already multiplied by the adapter's scaling. Both products are
- * sums of scaled rows of A or B (no sum is reordered across vector lanes), the rank's
- * partial sums kept in vector registers where the rank is a multiple of the vector width,
- * and each row is computed on its own: a row's result never depends on the batch. The torch
+ * sums of scaled rows of A or B (no sum crosses vector lanes), kept in vector registers where
+ * the rank is a multiple of the vector width, and each row is computed on its own in a fixed
+ * order: a row's result never depends on the batch. The torch
  * reference is tokentape/kernels/reference.py's lora_add_ref.
  * Compiled together with paged_attention.c (see tokentape/kernels/cpu_native.py).
  */
@@ -13,26 +13,41 @@
 
 #define TT_LORA_MAX_RANK 512
 
-/* h[0..NV*TT_VW) = x A, for A [in, NV*TT_VW]: NV accumulators held in registers. */
-#define TT_SHRINK(NV)                                                                  \
+/* h[0..NV*TT_VW) = x A, for A [in, NV*TT_VW]: the sums in registers, in G groups of the
+ * inputs (i % G) added at the end, so that G * NV chains of additions run side by side (one
+ * chain waits out each addition's latency). */
+#define TT_SHRINK(NV, G)                                                               \
     do {                                                                               \
-        vf acc[NV];                                                                    \
-        for (int v = 0; v < NV; v++) acc[v] = (vf){0};                                 \
-        for (int64_t i = 0; i < in_features; i++) {                                    \
+        vf acc[G][NV];                                                                 \
+        for (int g = 0; g < G; g++)                                                    \
+            for (int v = 0; v < NV; v++) acc[g][v] = (vf){0};                          \
+        int64_t i = 0;                                                                 \
+        for (; i + G <= in_features; i += G) {                                         \
+            for (int g = 0; g < G; g++) {                                              \
+                const vf xi = (vf){0} + x[i + g];                                      \
+                const float *Ai = A + (i + g) * (NV * TT_VW);                          \
+                for (int v = 0; v < NV; v++) acc[g][v] += xi * vload(Ai + v * TT_VW);  \
+            }                                                                          \
+        }                                                                              \
+        for (; i < in_features; i++) {                                                 \
             const vf xi = (vf){0} + x[i];                                              \
             const float *Ai = A + i * (NV * TT_VW);                                    \
-            for (int v = 0; v < NV; v++) acc[v] += xi * vload(Ai + v * TT_VW);         \
+            for (int v = 0; v < NV; v++) acc[0][v] += xi * vload(Ai + v * TT_VW);      \
         }                                                                              \
-        for (int v = 0; v < NV; v++) vstore(h + v * TT_VW, acc[v]);                    \
+        for (int v = 0; v < NV; v++) {                                                 \
+            vf sum = acc[0][v];                                                        \
+            for (int g = 1; g < G; g++) sum += acc[g][v];                              \
+            vstore(h + v * TT_VW, sum);                                                \
+        }                                                                              \
     } while (0)
 
 /* h = x A for one row: the rank in vectors where it is 1 to 4 of them, else one by one. */
 static void shrink(const float *x, const float *A, int64_t in_features, int64_t r, float *h) {
     switch (r % TT_VW ? 0 : r / TT_VW) {
-    case 1: TT_SHRINK(1); return;
-    case 2: TT_SHRINK(2); return;
-    case 3: TT_SHRINK(3); return;
-    case 4: TT_SHRINK(4); return;
+    case 1: TT_SHRINK(1, 4); return;
+    case 2: TT_SHRINK(2, 2); return;
+    case 3: TT_SHRINK(3, 1); return;
+    case 4: TT_SHRINK(4, 1); return;
     default:
         for (int64_t j = 0; j < r; j++) h[j] = 0.0f;
         for (int64_t i = 0; i < in_features; i++) {
@@ -43,9 +58,26 @@ static void shrink(const float *x, const float *A, int64_t in_features, int64_t 
     }
 }
 
-/* y += h B for one row: a vector of y at a time, summed over the rank in order. */
+/* y += h B for one row, each output summed over the rank in order: four vectors of y at a
+ * time (four chains of additions side by side), then one, then the rest one by one. */
 static void expand(const float *h, const float *B, int64_t r, int64_t out_features, float *y) {
     int64_t o = 0;
+    for (; o + 4 * TT_VW <= out_features; o += 4 * TT_VW) {
+        vf a0 = vload(y + o), a1 = vload(y + o + TT_VW), a2 = vload(y + o + 2 * TT_VW),
+           a3 = vload(y + o + 3 * TT_VW);
+        for (int64_t j = 0; j < r; j++) {
+            const float *Bj = B + j * out_features + o;
+            const vf hj = (vf){0} + h[j];
+            a0 += hj * vload(Bj);
+            a1 += hj * vload(Bj + TT_VW);
+            a2 += hj * vload(Bj + 2 * TT_VW);
+            a3 += hj * vload(Bj + 3 * TT_VW);
+        }
+        vstore(y + o, a0);
+        vstore(y + o + TT_VW, a1);
+        vstore(y + o + 2 * TT_VW, a2);
+        vstore(y + o + 3 * TT_VW, a3);
+    }
     for (; o + TT_VW <= out_features; o += TT_VW) {
         vf acc = vload(y + o);
         for (int64_t j = 0; j < r; j++) acc += h[j] * vload(B + j * out_features + o);
