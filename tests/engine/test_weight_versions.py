@@ -168,6 +168,25 @@ def test_a_chunked_transfer_checks_each_chunk_and_loads_at_the_finish(tmp_path) 
     assert load_tape(tmp_path / "t.tape").fold().weight_version == "step-7"
 
 
+def test_a_second_transfer_writes_into_the_first_ones_memory_not_the_weights() -> None:
+    """The memory of a finished transfer's chunks takes the next one's: the weights that
+    serve are not it, and stay as they were until the finish."""
+    llm = LLM(model="oracle", tape=None)
+    engine, weights = llm.llm_engine, llm.llm_engine.engine_core.runner.weights
+    engine.pause_generation(mode="keep")
+    ids = []
+    for seed in (7, 8):
+        engine.start_weight_update()
+        before = weights.weights_id
+        engine.update_weights(oracle_state_dict(seed))
+        weights._forget_weights_id()  # hashed again from the weights themselves
+        assert weights.weights_id == before
+        ids.append(engine.finish_weight_update())
+    whole = LLM(model="oracle", tape=None)
+    whole.llm_engine.pause_generation(mode="keep")
+    assert [whole.llm_engine.update_weights(oracle_state_dict(s)) for s in (7, 8)] == ids
+
+
 def test_an_empty_transfer_publishes_a_version_over_the_same_weights() -> None:
     llm = LLM(model="oracle", tape=None)
     llm.llm_engine.pause_generation(mode="keep")

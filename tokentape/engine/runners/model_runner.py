@@ -149,6 +149,7 @@ class TorchModelRunner(StagedWeights):
         self.model.rope.extend(min(num_kv_blocks * block_size, self.config.derived_max_model_len))
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
         self._staged: dict[str, torch.Tensor] = {}  # chunks of an open weight transfer
+        self._stage_memory: dict[str, torch.Tensor] = {}  # the next transfer's (staged_weights)
         self._seqs: dict[str, SeqState] = {}
         self._prompt_lps = PromptLogprobsTracker()  # prompt logprobs of chunked prefills
         cfg = self.config

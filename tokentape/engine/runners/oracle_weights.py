@@ -40,6 +40,7 @@ class OracleWeights(StagedWeights):
         self.seed = seed
         self._params: dict[str, torch.Tensor] | None = None  # drawn on first use
         self._staged: dict[str, torch.Tensor] = {}
+        self._stage_memory: dict[str, torch.Tensor] = {}
         self._weights_id: str | None = None
 
     @property
@@ -71,7 +72,9 @@ class OracleWeights(StagedWeights):
         return self._load(self._checked(weights))
 
     def _load(self, tensors: dict[str, torch.Tensor]) -> str:
-        self.params.update(tensors)
+        # Copied in, as the model's are: a transfer's chunks are the next one's memory.
+        for name, t in tensors.items():
+            self.params[name].copy_(t)
         self._weights_id = None
         return self.weights_id
 
