@@ -7,7 +7,9 @@ import glob
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -227,13 +229,33 @@ def tensor_sha256(name: str, t: torch.Tensor) -> str:
 def chunk_record(
     tensors: Mapping[str, torch.Tensor],
 ) -> tuple[list[str], list[list[int]], list[str]]:
-    """A checked chunk as the tape records it: names, shapes and SHA-256s, in name order."""
+    """A checked chunk as the tape records it: names, shapes and SHA-256s, in name order.
+    The tensors are hashed side by side, one a CPU (hashlib lets go of the GIL while it
+    hashes), the largest first so that the last to finish is a small one."""
     names = sorted(tensors)
-    return (
-        names,
-        [list(tensors[n].shape) for n in names],
-        [tensor_sha256(n, tensors[n]) for n in names],
-    )
+    largest = sorted(names, key=lambda n: tensors[n].numel() * tensors[n].element_size())[::-1]
+    hashes = dict(zip(largest, hash_pool().map(_sha256_of(tensors), largest)))
+    return names, [list(tensors[n].shape) for n in names], [hashes[n] for n in names]
+
+
+def _sha256_of(tensors: Mapping[str, torch.Tensor]) -> Callable[[str], str]:
+    return lambda name: tensor_sha256(name, tensors[name])
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the pool)
+_pool_lock = threading.Lock()
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The process's threads for hashing tensors, one a CPU it may run on (made on first use,
+    and again in a process forked after: a fork has none of its parent's threads)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            affinity = getattr(os, "sched_getaffinity", None)
+            cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+            _pool = (os.getpid(), ThreadPoolExecutor(cpus, thread_name_prefix="tokentape-sha256"))
+        return _pool[1]
 
 
 def weights_hash(model: CausalLM) -> str:
