@@ -239,3 +239,22 @@ def test_a_transfer_copies_its_chunks_into_the_memory_of_the_one_before(monkeypa
     assert runner._stage_memory == {}
     llm.wake_up()
     llm.close()
+
+
+def test_the_weights_hash_taken_on_piece_by_piece_is_the_whole_hash() -> None:
+    """WeightsHashStream: the tensors in any order, some sent twice, hash as weights_hash."""
+    from tokentape.engine.model.loader import WeightsHashStream, weights_hash
+
+    model = builtin_model("tiny", seed=4)[1]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    names = list(params)[::-1]  # the hash's order is the names' sorted order: the last first
+    stream = WeightsHashStream(params)
+    held: dict[str, torch.Tensor] = {}
+    for i in range(0, len(names), 3):
+        held.update({n: params[n] if i else torch.zeros_like(params[n]) for n in names[i : i + 3]})
+        stream.take(held)
+    stream.forget(names[:3])  # the first chunk, sent again
+    held.update({n: params[n] for n in names[:3]})
+    with pytest.raises(KeyError, match="no tensor"):
+        WeightsHashStream(params).hexdigest({})
+    assert stream.hexdigest(held) == weights_hash(model)
