@@ -7,6 +7,7 @@ the transfer without the weights."""
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import msgspec
 import pytest
@@ -172,7 +173,8 @@ def test_a_second_transfer_writes_into_the_first_ones_memory_not_the_weights() -
     """The memory of a finished transfer's chunks takes the next one's: the weights that
     serve are not it, and stay as they were until the finish."""
     llm = LLM(model="oracle", tape=None)
-    engine, weights = llm.llm_engine, llm.llm_engine.engine_core.runner.weights
+    engine = llm.llm_engine
+    weights = cast(OracleRunner, engine.engine_core.runner).weights
     engine.pause_generation(mode="keep")
     ids = []
     for seed in (7, 8):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.model.loader import builtin_model
+from tokentape.engine.runners.model_runner import TorchModelRunner
 from tokentape.events import schema as ev
 from tokentape.replay import fold, verify
 
@@ -189,7 +191,8 @@ def test_a_transfer_copies_its_chunks_into_the_memory_of_the_one_before(monkeypa
     import tokentape.engine.model.loader as loader
 
     llm = LLM(device="cpu", model="tiny", tape=None)
-    engine, runner = llm.llm_engine, llm.llm_engine.engine_core.runner
+    engine = llm.llm_engine
+    runner = cast(TorchModelRunner, engine.engine_core.runner)
     params = dict(runner.model.named_parameters())
     names = sorted(params)
     half = len(names) // 2
@@ -201,8 +204,9 @@ def test_a_transfer_copies_its_chunks_into_the_memory_of_the_one_before(monkeypa
     assert sorted(kept) == names
     assert not {p.data_ptr() for p in params.values()} & set(kept.values())
 
-    def fresh(seed: int) -> LLM:
-        return LLM(device="cpu", model="tiny", tape=None, seed=seed)
+    def fresh(seed: int) -> tuple[LLM, str]:
+        built = LLM(device="cpu", model="tiny", tape=None, seed=seed)
+        return built, cast(TorchModelRunner, built.llm_engine.engine_core.runner).weights_id
 
     # The first tensors (in the hash's order) sent twice: the second ones count.
     new = builtin_model("tiny", seed=2)[1].state_dict()
@@ -211,7 +215,7 @@ def test_a_transfer_copies_its_chunks_into_the_memory_of_the_one_before(monkeypa
     engine.update_weights(new)
     staged = {n: t.data_ptr() for n, t in runner._staged.items() if n not in names[:3]}
     assert staged == {n: kept[n] for n in names[3:]}
-    assert engine.finish_weight_update() == fresh(2).llm_engine.engine_core.runner.weights_id
+    assert engine.finish_weight_update() == fresh(2)[1]
 
     # A chunk that fails once copied (in its hashing) counts for nothing: the finish loads
     # half the new weights over the old, and hashes what the weights then hold.
@@ -228,8 +232,8 @@ def test_a_transfer_copies_its_chunks_into_the_memory_of_the_one_before(monkeypa
 
     engine.start_weight_update()
     engine.update_weights({n: new[n] for n in names[half:]})
-    expected = fresh(3)
-    assert engine.finish_weight_update() == expected.llm_engine.engine_core.runner.weights_id
+    expected, expected_id = fresh(3)
+    assert engine.finish_weight_update() == expected_id
     engine.resume_generation()
     assert (
         llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
