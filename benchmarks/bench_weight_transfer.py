@@ -7,12 +7,13 @@ Arms, each a whole update while paused:
 - shm: `start_weight_update`, then `ShmWeightTransferEngine.trainer_send_weights` of the
   trainer's `named_parameters()` in buckets of `--bucket-size-bytes` (each a shared-memory
   block: the trainer copies the tensors in, the engine core views them, checks them, copies
-  them into the transfer's stage and hashes them for the tape), then
-  `finish_weight_update` (loads the stage into the model, hashes the weights).
+  them into the transfer's stage and hashes them, each for the tape and on through the
+  weights' hash), then `finish_weight_update` (loads the stage into the model, hashes the
+  rest of the weights).
 - folder: `update_weights(folder)` of a safetensors folder written before the rounds
-  (`save_checkpoint`, in the temp folder): the engine core reads it, checks it, loads it and
-  hashes the weights. Written just before, it is in the page cache: the file system's best
-  case.
+  (`save_checkpoint`, in the temp folder; its time is reported, not counted): the engine
+  core reads it, checks it, loads it and hashes the weights. Written just before, it is in
+  the page cache: the file system's best case.
 - folder-chunk: the same folder as one chunk of a transfer (`start_weight_update`,
   `update_weights(folder)`, `finish_weight_update`): the chunk path the shm buckets take
   (the stage's copy, a SHA-256 a tensor for the tape), fed from the file instead; shm
@@ -22,7 +23,8 @@ All load the same weights (their SHA-256s are checked equal). Each round runs ea
 arm once, in an order reversed every other round, after a warm-up round of each
 (`--warmup`). Reported per arm: seconds and GB/s (the parameters' bytes, 1e9 bytes a GB),
 best and median of `--rounds` (default 3), the ratios shm / folder and shm / folder-chunk,
-and for shm the send and finish split (medians).
+and for shm the split (medians): start and buckets, of which the engine's answers to the
+buckets (the rest is the trainer's: writing the block, making and unlinking it), and finish.
 
     python benchmarks/bench_weight_transfer.py                       # qwen3-0.6b, 3 rounds
     python benchmarks/bench_weight_transfer.py --model tiny --rounds 5   # a smoke run
@@ -78,7 +80,9 @@ def run(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
     _, model = builtin_model(args.model, seed=1)  # the trainer's weights
     weights = {name: p.detach() for name, p in model.named_parameters()}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    t = time.perf_counter()
     folder = save_checkpoint(model, os.path.join(scratch, "ckpt"))
+    save_s = time.perf_counter() - t
     del model
     gc.collect()
     engine = AsyncLLM(
@@ -93,10 +97,13 @@ def run(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
     async def shm_update() -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         sent = []
+        answered = []  # seconds the engine took to answer each bucket, as the trainer waited
 
         def deliver(info: dict[str, Any]) -> None:  # the trainer's thread: wait for the engine
             sent.append(info["shm_name"])
+            t = time.perf_counter()
             asyncio.run_coroutine_threadsafe(engine.update_weights(info), loop).result()
+            answered.append(time.perf_counter() - t)
 
         send_args = ShmTrainerSendWeightsArgs(deliver, bucket_size_bytes=args.bucket_size_bytes)
         send = ShmWeightTransferEngine.trainer_send_weights
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
         return {
             "seconds": t2 - t0,
             "send_s": t1 - t0,
+            "answers_s": sum(answered),
             "finish_s": t2 - t1,
             "buckets": len(sent),
             "weights_id": weights_id,
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
         "tensors": len(weights),
         "bucket_size_bytes": args.bucket_size_bytes,
         "rounds": args.rounds,
+        "save_checkpoint_s": save_s,
         "machine": machine_info(),
         "arms": {},
     }
@@ -181,6 +190,7 @@ def run(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
         }
         if arm == "shm":
             a["send_s_median"] = statistics.median(r["send_s"] for r in rs)
+            a["answers_s_median"] = statistics.median(r["answers_s"] for r in rs)
             a["finish_s_median"] = statistics.median(r["finish_s"] for r in rs)
             a["buckets"] = rs[0]["buckets"]
         out["arms"][arm] = a
@@ -230,8 +240,11 @@ def markdown(result: dict[str, Any]) -> str:
             f"{result[f'ratio_{arm}']['median']:.2f}x by the medians"
             for arm in ARMS[1:]
         ),
-        f"- shm split (medians): start + buckets {shm['send_s_median']:.2f} s, finish "
-        f"{shm['finish_s_median']:.2f} s",
+        f"- shm split (medians): start + buckets {shm['send_s_median']:.2f} s (the engine's "
+        f"answers to the buckets {shm['answers_s_median']:.2f} s, the rest the trainer's), "
+        f"finish {shm['finish_s_median']:.2f} s",
+        f"- the folder, written once before the rounds (save_checkpoint, not counted): "
+        f"{result['save_checkpoint_s']:.2f} s",
     ]
     return "\n".join(lines)
 

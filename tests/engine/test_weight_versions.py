@@ -7,6 +7,7 @@ the transfer without the weights."""
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import msgspec
 import pytest
@@ -166,6 +167,26 @@ def test_a_chunked_transfer_checks_each_chunk_and_loads_at_the_finish(tmp_path) 
     assert chunks[1].shapes == [[95, 8]] and chunks[1].hashes[0].startswith("sha256:")
     assert verify(tmp_path / "t.tape").ok  # the recorded hashes stand for the weights
     assert load_tape(tmp_path / "t.tape").fold().weight_version == "step-7"
+
+
+def test_a_second_transfer_writes_into_the_first_ones_memory_not_the_weights() -> None:
+    """The memory of a finished transfer's chunks takes the next one's: the weights that
+    serve are not it, and stay as they were until the finish."""
+    llm = LLM(model="oracle", tape=None)
+    engine = llm.llm_engine
+    weights = cast(OracleRunner, engine.engine_core.runner).weights
+    engine.pause_generation(mode="keep")
+    ids = []
+    for seed in (7, 8):
+        engine.start_weight_update()
+        before = weights.weights_id
+        engine.update_weights(oracle_state_dict(seed))
+        weights._forget_weights_id()  # hashed again from the weights themselves
+        assert weights.weights_id == before
+        ids.append(engine.finish_weight_update())
+    whole = LLM(model="oracle", tape=None)
+    whole.llm_engine.pause_generation(mode="keep")
+    assert [whole.llm_engine.update_weights(oracle_state_dict(s)) for s in (7, 8)] == ids
 
 
 def test_an_empty_transfer_publishes_a_version_over_the_same_weights() -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 
 from tokentape import LLM, SamplingParams
 from tokentape.engine.model.loader import builtin_model
+from tokentape.engine.runners.model_runner import TorchModelRunner
 from tokentape.events import schema as ev
 from tokentape.replay import fold, verify
 
@@ -179,3 +181,84 @@ def test_a_chunked_transfer_of_the_model_equals_a_whole_update(tmp_path: Path) -
     assert out.token_ids == expected and out.weight_versions == ["v1"] * len(expected)
     llm.close()
     assert verify(tmp_path / "chunks.tape").ok
+
+
+def test_a_transfer_copies_its_chunks_into_the_memory_of_the_one_before(monkeypatch) -> None:
+    """The stage's memory is kept from one transfer to the next (memory written before is
+    copied into several times faster), never the weights' own; a tensor sent again, or a
+    chunk that fails once copied, leaves the hash the finish gives equal to one computed
+    afresh over the weights; a sleep frees the kept memory."""
+    import tokentape.engine.model.loader as loader
+
+    llm = LLM(device="cpu", model="tiny", tape=None)
+    engine = llm.llm_engine
+    runner = cast(TorchModelRunner, engine.engine_core.runner)
+    params = dict(runner.model.named_parameters())
+    names = sorted(params)
+    half = len(names) // 2
+    engine.pause_generation(mode="keep")
+    engine.start_weight_update()
+    engine.update_weights(builtin_model("tiny", seed=1)[1].state_dict())
+    engine.finish_weight_update()
+    kept = {n: t.data_ptr() for n, t in runner._stage_memory.items()}
+    assert sorted(kept) == names
+    assert not {p.data_ptr() for p in params.values()} & set(kept.values())
+
+    def fresh(seed: int) -> tuple[LLM, str]:
+        built = LLM(device="cpu", model="tiny", tape=None, seed=seed)
+        return built, cast(TorchModelRunner, built.llm_engine.engine_core.runner).weights_id
+
+    # The first tensors (in the hash's order) sent twice: the second ones count.
+    new = builtin_model("tiny", seed=2)[1].state_dict()
+    engine.start_weight_update()
+    engine.update_weights({n: torch.zeros_like(new[n]) for n in names[:3]})
+    engine.update_weights(new)
+    staged = {n: t.data_ptr() for n, t in runner._staged.items() if n not in names[:3]}
+    assert staged == {n: kept[n] for n in names[3:]}
+    assert engine.finish_weight_update() == fresh(2)[1]
+
+    # A chunk that fails once copied (in its hashing) counts for nothing: the finish loads
+    # half the new weights over the old, and hashes what the weights then hold.
+    new = builtin_model("tiny", seed=3)[1].state_dict()
+    engine.start_weight_update()
+    engine.update_weights({n: new[n] for n in names[:half]})
+    with monkeypatch.context() as m:
+        m.setattr(loader, "chunk_record", lambda tensors: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            engine.update_weights({n: torch.ones_like(new[n]) for n in names[half:]})
+    weights_id = engine.finish_weight_update()
+    runner._forget_weights_id()
+    assert runner.weights_id == weights_id  # hashed again from the weights themselves
+
+    engine.start_weight_update()
+    engine.update_weights({n: new[n] for n in names[half:]})
+    expected, expected_id = fresh(3)
+    assert engine.finish_weight_update() == expected_id
+    engine.resume_generation()
+    assert (
+        llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
+        == expected.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
+    )
+    llm.sleep(level=1)
+    assert runner._stage_memory == {}
+    llm.wake_up()
+    llm.close()
+
+
+def test_the_weights_hash_taken_on_piece_by_piece_is_the_whole_hash() -> None:
+    """WeightsHashStream: the tensors in any order, some sent twice, hash as weights_hash."""
+    from tokentape.engine.model.loader import WeightsHashStream, weights_hash
+
+    model = builtin_model("tiny", seed=4)[1]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    names = list(params)[::-1]  # the hash's order is the names' sorted order: the last first
+    stream = WeightsHashStream(params)
+    held: dict[str, torch.Tensor] = {}
+    for i in range(0, len(names), 3):
+        held.update({n: params[n] if i else torch.zeros_like(params[n]) for n in names[i : i + 3]})
+        stream.take(held)
+    stream.forget(names[:3])  # the first chunk, sent again
+    held.update({n: params[n] for n in names[:3]})
+    with pytest.raises(KeyError, match="no tensor"):
+        WeightsHashStream(params).hexdigest({})
+    assert stream.hexdigest(held) == weights_hash(model)

@@ -7,7 +7,10 @@ import glob
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -218,32 +221,88 @@ def prepare_update(model: CausalLM, weights: WeightsSource) -> dict[str, torch.T
 
 def tensor_sha256(name: str, t: torch.Tensor) -> str:
     """sha256 over one tensor's name, dtype, shape and bytes (a chunk's record on the tape)."""
-    t = t.detach().contiguous().cpu()
-    h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-    h.update(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"")
+    h = hashlib.sha256()
+    _hash_tensor(h, name, t)
     return "sha256:" + h.hexdigest()
 
 
 def chunk_record(
     tensors: Mapping[str, torch.Tensor],
 ) -> tuple[list[str], list[list[int]], list[str]]:
-    """A checked chunk as the tape records it: names, shapes and SHA-256s, in name order."""
+    """A checked chunk as the tape records it: names, shapes and SHA-256s, in name order.
+    The tensors are hashed side by side, one a CPU (hashlib lets go of the GIL while it
+    hashes), the largest first so that the last to finish is a small one."""
     names = sorted(tensors)
-    return (
-        names,
-        [list(tensors[n].shape) for n in names],
-        [tensor_sha256(n, tensors[n]) for n in names],
-    )
+    largest = sorted(names, key=lambda n: tensors[n].numel() * tensors[n].element_size())[::-1]
+    hashes = dict(zip(largest, hash_pool().map(_sha256_of(tensors), largest)))
+    return names, [list(tensors[n].shape) for n in names], [hashes[n] for n in names]
+
+
+def _sha256_of(tensors: Mapping[str, torch.Tensor]) -> Callable[[str], str]:
+    return lambda name: tensor_sha256(name, tensors[name])
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the pool)
+_pool_lock = threading.Lock()
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The process's threads for hashing tensors, one a CPU it may run on (made on first use,
+    and again in a process forked after: a fork has none of its parent's threads)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            affinity = getattr(os, "sched_getaffinity", None)
+            cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+            _pool = (os.getpid(), ThreadPoolExecutor(cpus, thread_name_prefix="tokentape-sha256"))
+        return _pool[1]
 
 
 def weights_hash(model: CausalLM) -> str:
     """sha256 over every parameter's name, dtype, shape and bytes, in name order."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        t = p.detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
+    params = dict(model.named_parameters())
+    return WeightsHashStream(params).hexdigest(params)
+
+
+def _hash_tensor(h: Any, name: str, t: torch.Tensor) -> None:
+    t = t.detach().contiguous().cpu()
+    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+    h.update(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"")
+
+
+class WeightsHashStream:
+    """weights_hash of weights that come in pieces, in any order (a transfer's chunks): one
+    SHA-256 over the names in order, taken on as far as the tensors come (`take`), so that
+    little is left to hash once the last arrives (`hexdigest`). A name sent again takes the
+    hash back to before it (`forget`)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = sorted(names)
+        self._position = {name: i for i, name in enumerate(self.names)}
+        self._hashed = [hashlib.sha256()]  # the hash of names[:i], for each i hashed so far
+
+    def take(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hash on through the names `tensors` holds, up to the first one it lacks."""
+        h = self._hashed[-1].copy()
+        for name in self.names[len(self._hashed) - 1 :]:
+            t = tensors.get(name)
+            if t is None:
+                return
+            _hash_tensor(h, name, t)
+            self._hashed.append(h.copy())
+
+    def forget(self, names: Iterable[str]) -> None:
+        """These names' tensors change: the hash goes back to before the first of them."""
+        first = min((self._position[n] for n in names if n in self._position), default=None)
+        if first is not None:
+            del self._hashed[first + 1 :]
+
+    def hexdigest(self, tensors: Mapping[str, torch.Tensor]) -> str:
+        """The hash, the names not taken yet hashed from `tensors` (every name is there)."""
+        self.take(tensors)
+        if len(self._hashed) <= len(self.names):
+            raise KeyError(f"weights hash: no tensor {self.names[len(self._hashed) - 1]!r}")
+        return "sha256:" + self._hashed[-1].hexdigest()
 
 
 def save_checkpoint(

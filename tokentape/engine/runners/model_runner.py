@@ -23,7 +23,12 @@ from tokentape import kernels
 from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.layers import calibrate_batch_invariant_rows
-from tokentape.engine.model.loader import WeightsSource, prepare_update, weights_hash
+from tokentape.engine.model.loader import (
+    WeightsHashStream,
+    WeightsSource,
+    prepare_update,
+    weights_hash,
+)
 from tokentape.engine.model.weight_checks import apply_update
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, prompt_seed
@@ -154,6 +159,7 @@ class TorchModelRunner(StagedWeights):
         self.model.rope.extend(min(num_kv_blocks * block_size, self.config.derived_max_model_len))
         self._weights_id: str | None = None  # hashed on first use: a pass over every weight
         self._staged: dict[str, torch.Tensor] = {}  # chunks of an open weight transfer
+        self._stage_memory: dict[str, torch.Tensor] = {}  # the next transfer's (staged_weights)
         self._seqs: dict[str, SeqState] = {}
         self._prompt_lps = PromptLogprobsTracker()  # prompt logprobs of chunked prefills
         cfg = self.config
@@ -229,18 +235,25 @@ class TorchModelRunner(StagedWeights):
     def update_weights(self, weights: WeightsSource) -> str:
         """Validate everything first, then load; returns the new weights' content hash.
         The caller guarantees that no step is in flight."""
-        return self._load(self._checked(weights))
+        return self._load(self._checked(weights), None)
 
     def _checked(self, weights: object) -> dict[str, torch.Tensor]:
         return prepare_update(self.model, cast(WeightsSource, weights))
 
-    def _load(self, tensors: dict[str, torch.Tensor]) -> str:
+    def _hash_stream(self) -> WeightsHashStream:
+        return WeightsHashStream(name for name, _ in self.model.named_parameters())
+
+    def _load(self, tensors: dict[str, torch.Tensor], hashing: WeightsHashStream | None) -> str:
         if self._worker.num_outstanding:
             raise RuntimeError("update_weights: steps are still in flight in the runner")
         apply_update(self.model, tensors)
         if self.device.type == "cuda":  # the worker's stream must see the copies
             torch.cuda.synchronize(self.device)
-        self._weights_id = weights_hash(self.model)
+        params = dict(self.model.named_parameters())
+        # The parameters hold what the chunks hashed: the rest is hashed from them.
+        if hashing is None:
+            hashing = self._hash_stream()
+        self._weights_id = hashing.hexdigest(params)
         return self._weights_id
 
     @property

@@ -18,6 +18,8 @@ from tokentape.engine.runners.staged_weights import StagedWeights
 if TYPE_CHECKING:
     import torch
 
+    from tokentape.engine.model.loader import WeightsHashStream
+
 # name -> shape, as a state_dict of a two-matrix model over the oracle's 95 printable tokens.
 ORACLE_PARAMETERS: dict[str, tuple[int, ...]] = {
     "embed_tokens.weight": (95, 8),
@@ -40,6 +42,7 @@ class OracleWeights(StagedWeights):
         self.seed = seed
         self._params: dict[str, torch.Tensor] | None = None  # drawn on first use
         self._staged: dict[str, torch.Tensor] = {}
+        self._stage_memory: dict[str, torch.Tensor] = {}
         self._weights_id: str | None = None
 
     @property
@@ -68,10 +71,12 @@ class OracleWeights(StagedWeights):
         return checked_update(self.params, tensors, origin)
 
     def update_weights(self, weights: object) -> str:
-        return self._load(self._checked(weights))
+        return self._load(self._checked(weights), None)
 
-    def _load(self, tensors: dict[str, torch.Tensor]) -> str:
-        self.params.update(tensors)
+    def _load(self, tensors: dict[str, torch.Tensor], hashing: WeightsHashStream | None) -> str:
+        # Copied in, as the model's are: a transfer's chunks are the next one's memory.
+        for name, t in tensors.items():
+            self.params[name].copy_(t)
         self._weights_id = None
         return self.weights_id
 

@@ -3,8 +3,9 @@ level releases, and how a wake-up brings it back.
 
 - Level 1 moves every weight to a host copy (pinned on CUDA; on the CPU the weight's own
   storage is handed over to it, nothing copied) and frees the runner's tensors: the
-  parameters are left empty, the CPU's packed copies of the weights are dropped, and
-  the KV cache tensors are freed. Waking the weights puts the host copy back: the same bits.
+  parameters are left empty, the CPU's packed copies of the weights and the memory kept
+  for the next weight transfer (staged_weights.py) are dropped, and the KV cache tensors
+  are freed. Waking the weights puts the host copy back: the same bits.
 - Level 2 frees the weights outright (and the KV cache). Waking them rebuilds them from the
   model's source, the seed of a built-in model or its checkpoint folder read again: vLLM
   leaves that memory uninitialised for the caller to load; here the weights are defined, and
@@ -44,6 +45,7 @@ class SleepingRunner(Protocol):
     @property
     def num_steps_outstanding(self) -> int: ...
     def new_kv_caches(self) -> KVCaches: ...
+    def drop_stage_memory(self) -> None: ...
 
 
 class RunnerMemory:
@@ -106,6 +108,7 @@ def release(runner: SleepingRunner) -> None:
     for p in runner.model.parameters():
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     runner.model.drop_packed()  # the CPU's second copy of the weights
+    runner.drop_stage_memory()  # and the one kept for the next weight transfer
     runner.kv_caches = []
     _release(runner.device)
 
