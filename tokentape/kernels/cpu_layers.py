@@ -97,6 +97,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def lora_order(slots: torch.Tensor) -> torch.Tensor:
+    """The rows that have an adapter (slot >= 0), those of each adapter together, as the
+    kernel takes them (int32): the kernel computes an adapter's rows as blocks, reading the
+    adapter's B once a block."""
+    rows = torch.nonzero(slots >= 0).squeeze(1)
+    return rows[torch.argsort(slots[rows], stable=True)].to(torch.int32)
+
+
 def lora_add(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -106,29 +114,31 @@ def lora_add(
     ranks: object,
     num_threads: int,
 ) -> None:
-    """reference.lora_add_ref's contract over the first slots.numel() rows of contiguous x
-    and y, with the adapters given as C arrays by slot (tokentape/lora/layers.py keeps them):
-    pointers to each A^T and scaled B^T (NULL: no adapter on this layer), and their ranks."""
+    """reference.lora_add_ref's contract over contiguous x and y (at least slots.numel() rows;
+    those past it are left alone), with the adapters given as C arrays by slot
+    (tokentape/lora/layers.py keeps them): pointers to each A^T and scaled B^T (NULL: no
+    adapter on this layer), and their ranks."""
     assert x.is_contiguous() and y.is_contiguous() and slots.dtype == torch.int32
     assert x.shape[0] >= slots.numel() and y.shape[0] >= slots.numel()
-    lora_add_rows(x, y, slots.numel(), slots.data_ptr(), a_ptrs, b_ptrs, ranks, num_threads)
+    order = lora_order(slots)
+    lora_add_rows(x, y, slots.data_ptr(), order, a_ptrs, b_ptrs, ranks, num_threads)
 
 
 def lora_add_rows(
     x: torch.Tensor,
     y: torch.Tensor,
-    rows: int,
     slots_ptr: int,
+    order: torch.Tensor,
     a_ptrs: object,
     b_ptrs: object,
     ranks: object,
     num_threads: int,
 ) -> None:
-    """lora_add over the first `rows` rows, the slots given by their address (int32, at
-    least `rows` of them): the per-layer call of a pass that worked them out once."""
+    """lora_add with the slots given by their address and the rows' `order` (lora_order)
+    worked out already: the per-layer call of a pass that worked them out once."""
     code = _lib().tt_lora_add_f32(
-        x.data_ptr(), y.data_ptr(), rows, x.shape[1], y.shape[1], slots_ptr, a_ptrs, b_ptrs,
-        ranks, num_threads,
+        x.data_ptr(), y.data_ptr(), x.shape[1], y.shape[1], slots_ptr, order.data_ptr(),
+        order.numel(), a_ptrs, b_ptrs, ranks, num_threads,
     )  # fmt: skip
     if code:
         raise ValueError("lora_add: an adapter's rank is above 512")

@@ -131,7 +131,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tt_qk_norm_rope_f32.restype = ctypes.c_int
     lib.tt_silu_mul_f32.argtypes = [ptr] * 3 + [i64]
     lib.tt_silu_mul_f32.restype = None
-    lib.tt_lora_add_f32.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 4 + [ctypes.c_int]
+    lib.tt_lora_add_f32.argtypes = (
+        [ptr] * 2 + [i64] * 2 + [ptr] * 2 + [i64] + [ptr] * 3 + [ctypes.c_int]
+    )
     lib.tt_lora_add_f32.restype = ctypes.c_int
     return lib
 

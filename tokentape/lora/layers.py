@@ -31,11 +31,13 @@ class LoRABatch:
     compiled: bool = field(init=False)
     num_rows: int = field(init=False)
     slots_ptr: int = field(init=False)
+    order: torch.Tensor = field(init=False)  # the compiled kernel's (cpu_layers.lora_order)
 
     def __post_init__(self) -> None:
         self.compiled = self.slots.device.type == "cpu" and cpu_native.load() is not None
         self.num_rows = self.slots.numel()
         self.slots_ptr = self.slots.data_ptr()
+        self.order = cpu_layers.lora_order(self.slots) if self.compiled else self.slots
 
     def rows(self, start: int, end: int) -> LoRABatch:
         """The batch of rows [start, end) (the MLP's chunks of a long prefill)."""
@@ -87,9 +89,10 @@ class LoRASlots:
             and x.is_contiguous()
             and y.is_contiguous()
         ):
-            # The kernel reads the first n rows: no views of x and y to make.
+            # The kernel reads the rows `order` names: no views of x and y to make.
             cpu_layers.lora_add_rows(
-                x, y, n, lora.slots_ptr, self._a_ptrs, self._b_ptrs, self._ranks, lora.num_threads
-            )
+                x, y, lora.slots_ptr, lora.order, self._a_ptrs, self._b_ptrs, self._ranks,
+                lora.num_threads,
+            )  # fmt: skip
         else:
             lora_add_ref(x[:n], y[:n], lora.slots, self.a, self.b)

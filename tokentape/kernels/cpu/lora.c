@@ -58,56 +58,82 @@ static void shrink(const float *x, const float *A, int64_t in_features, int64_t 
     }
 }
 
-/* y += h B for one row, each output summed over the rank in order: four vectors of y at a
- * time (four chains of additions side by side), then one, then the rest one by one. */
-static void expand(const float *h, const float *B, int64_t r, int64_t out_features, float *y) {
+/* y[rows[k]] += h[k] B for a block of rows of one adapter, each output summed over the rank
+ * in order: four vectors of the outputs at a time (four chains of additions side by side),
+ * every row of the block in turn, so that the block of B they read stays in the cache (a
+ * row at a time streamed the whole of B from farther away for every row); then one vector,
+ * then the rest one by one. */
+static void expand_block(const float (*h)[TT_LORA_MAX_RANK], const int32_t *rows, int n,
+                         const float *B, int64_t r, int64_t out_features, float *y) {
     int64_t o = 0;
     for (; o + 4 * TT_VW <= out_features; o += 4 * TT_VW) {
-        vf a0 = vload(y + o), a1 = vload(y + o + TT_VW), a2 = vload(y + o + 2 * TT_VW),
-           a3 = vload(y + o + 3 * TT_VW);
-        for (int64_t j = 0; j < r; j++) {
-            const float *Bj = B + j * out_features + o;
-            const vf hj = (vf){0} + h[j];
-            a0 += hj * vload(Bj);
-            a1 += hj * vload(Bj + TT_VW);
-            a2 += hj * vload(Bj + 2 * TT_VW);
-            a3 += hj * vload(Bj + 3 * TT_VW);
+        for (int k = 0; k < n; k++) {
+            float *yr = y + rows[k] * out_features + o;
+            vf a0 = vload(yr), a1 = vload(yr + TT_VW), a2 = vload(yr + 2 * TT_VW),
+               a3 = vload(yr + 3 * TT_VW);
+            for (int64_t j = 0; j < r; j++) {
+                const float *Bj = B + j * out_features + o;
+                const vf hj = (vf){0} + h[k][j];
+                a0 += hj * vload(Bj);
+                a1 += hj * vload(Bj + TT_VW);
+                a2 += hj * vload(Bj + 2 * TT_VW);
+                a3 += hj * vload(Bj + 3 * TT_VW);
+            }
+            vstore(yr, a0);
+            vstore(yr + TT_VW, a1);
+            vstore(yr + 2 * TT_VW, a2);
+            vstore(yr + 3 * TT_VW, a3);
         }
-        vstore(y + o, a0);
-        vstore(y + o + TT_VW, a1);
-        vstore(y + o + 2 * TT_VW, a2);
-        vstore(y + o + 3 * TT_VW, a3);
     }
-    for (; o + TT_VW <= out_features; o += TT_VW) {
-        vf acc = vload(y + o);
-        for (int64_t j = 0; j < r; j++) acc += h[j] * vload(B + j * out_features + o);
-        vstore(y + o, acc);
-    }
-    for (; o < out_features; o++) {
-        float acc = y[o];
-        for (int64_t j = 0; j < r; j++) acc += h[j] * B[j * out_features + o];
-        y[o] = acc;
+    for (int k = 0; k < n; k++) {
+        float *yr = y + rows[k] * out_features;
+        int64_t p = o;
+        for (; p + TT_VW <= out_features; p += TT_VW) {
+            vf acc = vload(yr + p);
+            for (int64_t j = 0; j < r; j++) acc += h[k][j] * vload(B + j * out_features + p);
+            vstore(yr + p, acc);
+        }
+        for (; p < out_features; p++) {
+            float acc = yr[p];
+            for (int64_t j = 0; j < r; j++) acc += h[k][j] * B[j * out_features + p];
+            yr[p] = acc;
+        }
     }
 }
 
-/* Rows with a slot < 0, or a slot whose `a` is NULL (an adapter that leaves this layer
- * alone), are left as they are. Returns 0, or 1 for a rank above TT_LORA_MAX_RANK. */
-int tt_lora_add_f32(const float *x, float *y, int64_t rows, int64_t in_features,
-                    int64_t out_features, const int32_t *slots, const float *const *a,
-                    const float *const *b, const int32_t *ranks, int num_threads) {
+#define TT_LORA_BLOCK 16 /* rows of one adapter computed together */
+
+/* `order` lists the rows that have an adapter, those of each adapter together (the rows'
+ * slots are read from `slots`); `a[s]` NULL (an adapter that leaves this layer alone) skips
+ * them. Rows not in `order` are left as they are. Returns 0, or 1 for a rank above
+ * TT_LORA_MAX_RANK. */
+int tt_lora_add_f32(const float *x, float *y, int64_t in_features, int64_t out_features,
+                    const int32_t *slots, const int32_t *order, int64_t num_order,
+                    const float *const *a, const float *const *b, const int32_t *ranks,
+                    int num_threads) {
     int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && rows > 16) reduction(| : bad)
-    for (int64_t t = 0; t < rows; t++) {
-        const int32_t s = slots[t];
-        if (s < 0 || !a[s]) continue;
-        const int64_t r = ranks[s];
-        if (r > TT_LORA_MAX_RANK) {
-            bad = 1;
-            continue;
+    /* Blocks: runs of `order` with one slot, at most TT_LORA_BLOCK rows each. A block starts
+     * at every k where the slot changes or a block is full: found by each thread alone. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_order > 2 * TT_LORA_BLOCK) reduction(| : bad)
+    for (int64_t first = 0; first < num_order; first += TT_LORA_BLOCK) {
+        int64_t k = first;
+        const int64_t end = first + TT_LORA_BLOCK < num_order ? first + TT_LORA_BLOCK : num_order;
+        while (k < end) {
+            const int32_t s = slots[order[k]];
+            int64_t stop = k + 1;
+            while (stop < end && slots[order[stop]] == s) stop++;
+            const int64_t r = ranks[s];
+            if (r > TT_LORA_MAX_RANK) {
+                bad = 1;
+            } else if (a[s]) {
+                float h[TT_LORA_BLOCK][TT_LORA_MAX_RANK];
+                for (int64_t q = k; q < stop; q++)
+                    shrink(x + order[q] * in_features, a[s], in_features, r, h[q - k]);
+                expand_block((const float (*)[TT_LORA_MAX_RANK])h, order + k, (int)(stop - k),
+                             b[s], r, out_features, y);
+            }
+            k = stop;
         }
-        float h[TT_LORA_MAX_RANK];
-        shrink(x + t * in_features, a[s], in_features, r, h);
-        expand(h, b[s], r, out_features, y + t * out_features);
     }
     return bad;
 }
