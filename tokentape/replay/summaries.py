@@ -56,6 +56,7 @@ def engine_summary(state: EngineState) -> dict[str, Any]:
         "in-flight steps": f"{len(in_flight)} {in_flight}" if in_flight else "0",
         "prefix cache resets": state.num_prefix_cache_resets,
         "weights id": state.weights_id or "-",
+        "LoRA adapters": ", ".join(f"{a.lora_name} ({i})" for i, a in state.loras.items()) or "-",
         "requests": len(state.requests),
         "finished": sum(1 for r in state.requests.values() if r.is_finished),
         "events folded": state.num_events,
@@ -96,6 +97,7 @@ def request_detail(state: EngineState, req: RequestState) -> dict[str, Any]:
         ],
         "finish_reason": req.finish_reason,
         "stop_reason": req.stop_reason,
+        "lora_int_id": req.lora_int_id,
         "output_pending": req.req_id in state.pending_output,
     }
 

@@ -122,6 +122,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "in_flight_steps": [s.step for s in state.in_flight_steps],
                 "num_prefix_cache_resets": state.num_prefix_cache_resets,
                 "weights_id": state.weights_id,
+                "loras": {i: a.lora_name for i, a in state.loras.items()},
                 "num_events": state.num_events,
                 "error": state.error,
             },
