@@ -133,3 +133,18 @@ def test_the_runtime_endpoints_need_the_switch(root: Path) -> None:
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_serve_checks_its_lora_modules_before_it_starts(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokentape.cli import main as cli
+
+    base = ["serve", "--model", "tiny", "--no-tape", "--port", "0"]
+    assert cli([*base, "--lora-modules", f"sql={root / 'sql'}"]) == 2
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert cli([*base, "--enable-lora", "--lora-modules", f"x={tmp_path / 'gone'}"]) == 2
+    assert "the folder does not exist" in capsys.readouterr().err
+    modules = [f"a={root / 'sql'}", f"a={root / 'chat'}"]
+    assert cli([*base, "--enable-lora", "--lora-modules", *modules]) == 2
+    assert "every name must be unique" in capsys.readouterr().err
