@@ -143,6 +143,37 @@ def spec_reset_scenario(model: str) -> dict[str, Any]:
     }
 
 
+def padded_admission_scenario(model: str) -> dict[str, Any]:
+    """Two drafts per step under async scheduling and a KV cache of 12 blocks of 16 tokens:
+    KV-pressure preemptions, and a request admitted again whose prefix-cache hit leaves one
+    token to compute, which vLLM (0.26 on) pads with -1 drafts to the uniform decode size
+    (`pad_spec_decode`). What a chaos storm against vLLM 0.32.0 first took for #40768; the
+    shrink of that storm, with its prompts made regular."""
+    r2 = [(5 * i + 11) % 250 + 3 for i in range(34)]
+    return {
+        "model": model,
+        "async": True,
+        "num_blocks": 12,
+        "block_size": 16,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 48,
+        "max_model_len": 176,
+        "num_speculative_tokens": 2,
+        "seed": 29,
+        "requests": [
+            {
+                "id": "r1",
+                "prompt": [(3 * i + 7) % 250 + 3 for i in range(76)],
+                "max_tokens": 6,
+                "add_at": 1,
+            },
+            {"id": "r2", "prompt": r2, "max_tokens": 14},
+            {"id": "r5", "prompt": r2[:10], "max_tokens": 2},
+            {"id": "r7", "prompt": [(7 * i + 2) % 250 + 3 for i in range(13)], "max_tokens": 13},
+        ],
+    }
+
+
 def run_vllm(
     python: str,
     driver: Path | str,
