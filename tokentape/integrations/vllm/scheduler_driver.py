@@ -35,7 +35,8 @@ against the fold of the tape as it records: $TOKENTAPE_CHECK), "tape_at_close": 
 is written once, at the end: $TOKENTAPE_TAPE_AT_CLOSE), "out": the result's file (without it,
 stdout)}. The result:
 {"outputs": {id: {"tokens", "finish_reason"}}, "scheduler": class name, "vllm": version,
-"steps": engine steps, "scheduled_steps": steps that ran tokens, "seconds": wall time of the
+"steps": engine steps between commands (the commands' clock), "drain_steps": engine steps
+inside pauses, "scheduled_steps": steps that ran tokens, "seconds": wall time of the
 stepping, "hung": [ids], "stopped": null | "idle" | "step_limit", "error": null | "Type:
 message (at file:line in function)"}. Where requests remain but HUNG_AFTER engine steps in a
 row run nothing (vLLM 0.20's #42043 leaves a request whose placeholders block it for ever),
@@ -168,6 +169,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "scheduler": type(sched).__name__,
         "vllm": vllm.__version__,
         "steps": driver.step,
+        "drain_steps": driver.drain_steps,
         "scheduled_steps": driver.scheduled_steps,
         "seconds": seconds,
         "hung": driver.hung,
@@ -211,7 +213,7 @@ class _Driver:
         # token was still used.
         self.next_position: dict[str, tuple[int, int]] = {}
         self.accept = random.Random(spec.get("seed", 0))
-        self.step = self.scheduled_steps = self.idle = 0
+        self.step = self.drain_steps = self.scheduled_steps = self.idle = 0
         self.hung: list[str] = []
         self.stopped: str | None = None
 
@@ -288,13 +290,17 @@ class _Driver:
                 "abort"
             )
 
-    def tick(self, busy: bool) -> bool:
-        """Count an engine step; whether the run must stop here (a hang, or the step limit)."""
-        self.step += 1
+    def tick(self, busy: bool, draining: bool = False) -> bool:
+        """Count an engine step; whether the run must stop here (a hang, or the step limit).
+        A pause's drain steps do not move the commands' clock (`step`)."""
+        if draining:
+            self.drain_steps += 1
+        else:
+            self.step += 1
         self.idle = 0 if busy else self.idle + 1
         if self.idle >= HUNG_AFTER:  # EngineCore would spin here for ever
             self.stopped = "idle"
-        elif self.step >= MAX_STEPS:
+        elif self.step + self.drain_steps >= MAX_STEPS:
             self.stopped = "step_limit"
         else:
             return False
@@ -306,7 +312,7 @@ class _Driver:
     def drain(self) -> bool:
         """Step until the engine has no work (a pause completes then); False on a hang."""
         while self.queue or self.sched.has_requests():
-            if self.tick(self.engine_step()):
+            if self.tick(self.engine_step(), draining=True):
                 return False
         return True
 
