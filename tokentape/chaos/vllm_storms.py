@@ -25,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -320,8 +321,11 @@ class VLLMChaos:
 
     def __post_init__(self) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
-        self.work = os.path.join(self.out_dir, f".work-{os.getpid()}")
-        os.makedirs(self.work, exist_ok=True)
+        # The tapes of runs not kept (every clean seed, every shrink candidate) are written
+        # where no disk syncs them: a tmpfs when there is one. Kept ones move to out_dir.
+        shm = "/dev/shm"
+        scratch = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+        self.work = tempfile.mkdtemp(prefix="tokentape-chaos-vllm-", dir=scratch)
         self.model = write_model(os.path.join(self.out_dir, "model"))
         self.driver = DriverProcess(
             self.found, self.release, os.path.join(self.out_dir, "vllm-driver.log")
@@ -419,7 +423,7 @@ class VLLMChaos:
         remove_tape_files(tape)
         for suffix in ("", "-wal", "-shm"):
             if os.path.exists(work_tape + suffix):
-                os.replace(work_tape + suffix, tape + suffix)
+                shutil.move(work_tape + suffix, tape + suffix)
         checked.report.summary.tape = tape  # the report names the tape where it is kept
         spec_path = stem + ".spec.json"
         with open(spec_path, "w") as f:  # the driver reads it (--tape records it again)
