@@ -87,7 +87,7 @@ def storm_spec(seed: int) -> dict[str, Any]:
     reset_at: list[list[Any]] = []
     pause_at: list[list[Any]] = []
     abort_at: list[list[Any]] = []
-    for _ in range(rng.randint(0, 6)):
+    for _ in range(rng.randint(0, 8)):
         step = rng.randint(1, COMMAND_HORIZON)
         what = rng.random()
         if what < 0.45:
