@@ -28,7 +28,13 @@ from baselines.locate import find_vllm as find_for_tests  # noqa: E402
 from baselines.vllm_releases import overlay_dir, recorder_missing  # noqa: E402
 from cli_run import assert_one_line_error, run  # noqa: E402
 
-from tokentape.chaos.vllm_storms import HANG, Signature, VLLMChaos, storm_spec  # noqa: E402
+from tokentape.chaos.vllm_storms import (  # noqa: E402
+    HANG,
+    Signature,
+    VLLMChaos,
+    run_vllm_campaign,
+    storm_spec,
+)
 from tokentape.events.sqlite_store import remove_tape_files  # noqa: E402
 from tokentape.integrations.vllm.driver_process import FoundVLLM, find_vllm  # noqa: E402
 from tokentape.postmortem import postmortem  # noqa: E402
@@ -157,6 +163,20 @@ def test_the_same_seed_on_the_same_release_replays_the_same_run(
         runs.append(([e for _, e in load_tape(tape).events()], checked.signatures))
         remove_tape_files(tape)
     assert runs[0] == runs[1] and len(runs[0][0]) > 50
+
+
+@_skip("0.20.0")
+def test_a_campaign_with_two_jobs_gives_each_seed_its_own_run(
+    chaos: dict[str | None, VLLMChaos], found: FoundVLLM, tmp_path: Path
+) -> None:
+    seeds = range(5, 9)
+    summary = run_vllm_campaign(seeds, found, "0.20.0", str(tmp_path), jobs=2, shrink=False)
+    assert summary.num_seeds == 4 and summary.jobs == 2
+    alone = [chaos["0.20.0"].run_seed(seed) for seed in seeds]
+    kept = {o.seed: o for o in summary.found}
+    for o in alone:  # the same findings, seed by seed, as one driver running them in turn
+        assert (kept[o.seed].finding_kinds if o.seed in kept else {}) == o.finding_kinds
+    assert summary.steps == sum(o.steps for o in alone)
 
 
 @_skip("0.20.0")
