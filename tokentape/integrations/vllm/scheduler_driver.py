@@ -406,10 +406,10 @@ def main(argv: list[str]) -> None:
         "--tape", metavar="PATH", help="record onto PATH instead of the spec's tape (one spec)"
     )
     args = parser.parse_args(argv)
+    # Only results on the real stdout: whatever else prints there (vLLM's logs) goes to stderr.
+    results = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     if args.serve:
-        # Only result lines on the real stdout: whatever else prints (vLLM logs) goes to stderr.
-        results = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)
         serve(results)
         return
     if args.tape and len(args.specs) != 1:
@@ -424,7 +424,8 @@ def main(argv: list[str]) -> None:
             with open(spec["out"], "w") as f:
                 json.dump(result, f)
         else:  # a spec kept by a chaos run: the result goes to stdout
-            print(json.dumps(result))
+            results.write(json.dumps(result) + "\n")
+            results.flush()
 
 
 if __name__ == "__main__":
