@@ -51,7 +51,7 @@ def _kinds(name: str) -> list[ev.Event]:
 
 
 def test_the_tapes_hold_what_they_were_made_for() -> None:
-    cpu, asy, aborts = (_kinds(n) for n in NAMES)
+    cpu, asy, aborts = (_kinds(n) for n in NAMES[:3])
     config = load_tape(TAPES / "engine_cpu.tape").config
     assert not config.async_scheduling and config.block_size == 32 and config.num_kv_blocks == 8
     assert load_tape(TAPES / "async_scheduler.tape").config.effective_pipeline_depth == 2
