@@ -176,7 +176,6 @@ class Checked:
     violations: dict[str, str]
     report: Any  # tokentape.postmortem.Report
     result: dict[str, Any]
-    why: tuple[str, int] | None = None  # (request, output position) where the first one shows
 
     @property
     def primary(self) -> Signature | None:
@@ -209,18 +208,14 @@ def check_run(spec: dict[str, Any], result: dict[str, Any], tape: str) -> Checke
         signatures.append(Signature(STEP_LIMIT))
     if violations and not signatures:
         signatures.append(Signature(BROKEN_STREAM))
-    unique = list(dict.fromkeys(signatures))
-    checked = Checked(unique, violations, report, result)
-    checked.why = _why_position(spec, result, report, violations, tape)
-    return checked
+    return Checked(list(dict.fromkeys(signatures)), violations, report, result)
 
 
-def _why_position(
-    spec: dict[str, Any], result: dict[str, Any], report: Any, violations: dict[str, str], tape: str
-) -> tuple[str, int] | None:
+def why_position(spec: dict[str, Any], checked: Checked, tape: str) -> tuple[str, int] | None:
     """The request and output position where the first finding shows, for `tokentape why`:
     the first token that is not the oracle's (or never came), else the first token the
     request was given at or after the finding's step."""
+    report, result, violations = checked.report, checked.result, checked.violations
     errors = [f for f in report.findings if f.severity == "error"] or report.findings
     rid = next((r for f in errors for r in f.request_ids), None)
     if rid is None:
@@ -406,7 +401,7 @@ class VLLMChaos:
             return outcome
         outcome.primary = str(checked.primary)
         stem = os.path.join(self.out_dir, self.stem(seed))
-        outcome.spec, outcome.tape, outcome.report = self._keep(spec, checked, work_tape, stem)
+        outcome.spec, outcome.tape, outcome.report, _ = self._keep(spec, checked, work_tape, stem)
         if self.shrink:
             outcome.shrunk = self._shrink(spec, checked.primary, stem + ".min")
         outcome.seconds = time.perf_counter() - start
@@ -414,8 +409,9 @@ class VLLMChaos:
 
     def _keep(
         self, spec: dict[str, Any], checked: Checked, work_tape: str, stem: str
-    ) -> tuple[str, str, str]:
-        """Move the run's tape beside its spec and postmortem report (text and JSON)."""
+    ) -> tuple[str, str, str, tuple[str, int] | None]:
+        """Move the run's tape beside its spec and postmortem report (text and JSON); also
+        where `tokentape why` shows its first finding."""
         from tokentape.events.sqlite_store import remove_tape_files
         from tokentape.postmortem.report_text import print_report
 
@@ -428,6 +424,7 @@ class VLLMChaos:
         spec_path = stem + ".spec.json"
         with open(spec_path, "w") as f:  # the driver reads it (--tape records it again)
             json.dump({**spec, **self._recording(tape)}, f, indent=1)
+        why = why_position(spec, checked, tape)
         report = stem + ".postmortem.txt"
         with open(report, "w") as f:
             print_report(checked.report, f)
@@ -437,13 +434,11 @@ class VLLMChaos:
                 f.write(f"\nthe run stopped on: {checked.result['error']}\n")
             if checked.result.get("hung"):
                 f.write(f"\nhung (never scheduled again): {', '.join(checked.result['hung'])}\n")
-            if checked.why:
-                f.write(
-                    f"\nthe first finding: tokentape why {tape} {checked.why[0]} {checked.why[1]}\n"
-                )
+            if why:
+                f.write(f"\nthe first finding: tokentape why {tape} {why[0]} {why[1]}\n")
         with open(stem + ".postmortem.json", "wb") as f:
             f.write(msgspec.json.encode(checked.report))
-        return spec_path, tape, report
+        return spec_path, tape, report, why
 
     def _shrink(self, spec: dict[str, Any], target: Signature, stem: str) -> ShrinkRecord:
         from tokentape.chaos.shrink import shrink_spec
@@ -458,7 +453,7 @@ class VLLMChaos:
         minimal = shrink_spec(spec, still_fails, time.perf_counter() + self.shrink_budget_s)
         # The minimal storm once more, kept: its tape, spec and report beside the original's.
         checked = self.run_spec(minimal, probe)
-        spec_path, tape, report = self._keep(minimal, checked, probe, stem)
+        spec_path, tape, report, why = self._keep(minimal, checked, probe, stem)
         return ShrinkRecord(
             spec_path,
             tape,
@@ -468,7 +463,7 @@ class VLLMChaos:
             checked.result["steps"] + checked.result["drain_steps"],
             self._runs - runs,
             time.perf_counter() - start,
-            list(checked.why) if checked.why else None,
+            list(why) if why else None,
         )
 
 
