@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+from cli_run import assert_one_line_error, run
+
 from tokentape.chaos.campaign import ChaosOptions, chaos_spec, run_campaign
 from tokentape.cli import main
 from tokentape.postmortem import postmortem
@@ -77,3 +79,16 @@ def test_bad_arguments(tmp_path, capsys):
     ):
         assert main(["chaos", "--seeds", "1", *argv]) == 2
         assert "error" in capsys.readouterr().err
+
+
+def test_chaos_against_vllm_without_vllm_is_one_line_and_status_2(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "out")
+    monkeypatch.setenv("TOKENTAPE_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    rc, _, err = run(capsys, "chaos", "--engine", "vllm", "--seeds", "1", "--out", out)
+    assert_one_line_error(rc, err, "vLLM not found", "no-such-python")
+    rc, _, err = run(capsys, "chaos", "--engine", "vllm", "--seeds", "1", "--out", out,
+                     "--discard-policy", "flag")  # fmt: skip
+    assert_one_line_error(rc, err, "--engine tokentape")
+    rc, _, err = run(capsys, "chaos", "--vllm-release", "0.20.0", "--seeds", "1", "--out", out)
+    assert_one_line_error(rc, err, "--engine vllm")
+    assert not os.path.exists(out)

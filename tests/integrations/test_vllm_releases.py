@@ -4,7 +4,7 @@ recorded from the release that shipped it.
 vLLM 0.20.0 (the reset's discard flag, before #42117), 0.24.0 (its counter, #42117), 0.26.0 (the
 counter with #46066's guard) and 0.33.0 (the newest) run as overlays on the vLLM venv
 (benchmarks/setup_vllm_venv.sh makes them); 0.32.0 is the venv's own. Each runs vLLM's own
-AsyncScheduler under tests/integrations/vllm_scheduler_run.py with the same scenario spec, only
+AsyncScheduler under tokentape.integrations.vllm.scheduler_driver with the same scenario spec, only
 PYTHONPATH changing:
 - the seed bug's scenario (two requests decoding, pause(keep, clear_cache), resume): on 0.20.0
   the postmortem names vLLM #42043 for both requests and `why` shows the dropped frame; on the

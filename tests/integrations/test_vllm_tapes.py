@@ -16,6 +16,7 @@ import pytest
 
 from tokentape import cli
 from tokentape.events import schema as ev
+from tokentape.events.reducer import evolve
 from tokentape.events.store import MemoryTape
 from tokentape.postmortem import postmortem
 from tokentape.replay import diff, load_tape, verify
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_scenarios import async_scenario, engine_scenario, run_tokentape  # noqa: E402
 
 TAPES = Path(__file__).resolve().parents[1] / "tapes" / "vllm"
-NAMES = ["engine_cpu", "async_scheduler", "async_aborts"]
+NAMES = ["engine_cpu", "async_scheduler", "async_aborts", "padded_admission"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -50,7 +51,7 @@ def _kinds(name: str) -> list[ev.Event]:
 
 
 def test_the_tapes_hold_what_they_were_made_for() -> None:
-    cpu, asy, aborts = (_kinds(n) for n in NAMES)
+    cpu, asy, aborts = (_kinds(n) for n in NAMES[:3])
     config = load_tape(TAPES / "engine_cpu.tape").config
     assert not config.async_scheduling and config.block_size == 32 and config.num_kv_blocks == 8
     assert load_tape(TAPES / "async_scheduler.tape").config.effective_pipeline_depth == 2
@@ -257,6 +258,26 @@ def test_the_debugger_steps_through_a_vllm_tape() -> None:
         dbg.onecmd(dbg.precmd(command))
         assert dbg.state == tape.fold(until_seq=dbg.pos), command
     assert dbg.pos == len(events) and "error" not in out.getvalue()
+
+
+def test_an_admission_padded_to_the_uniform_decode_size_is_not_vllm_40768() -> None:
+    """vLLM 0.32.0 admits a preempted request whose prefix-cache hit leaves one token to compute
+    with -1 drafts padding it to 1 + k tokens (pad_spec_decode): slots that hold -1 as input
+    ids, as #40768's leaked placeholders did, but the scheduler's own and rejected by the
+    sampler. The tape holds such an admission, and the postmortem does not call it #40768
+    (the test above: no finding at all)."""
+    tape = load_tape(TAPES / "padded_admission.tape")
+    state = tape.initial_state()
+    padded = []
+    for _, e in tape.events():
+        if isinstance(e, ev.StepScheduled):
+            for x in e.entries:
+                if x.req_id in state.waiting and x.num_spec_tokens:
+                    assert x.num_new_tokens == 1 + x.num_spec_tokens == 3
+                    assert x.num_computed_before + 1 == state.requests[x.req_id].num_tokens
+                    padded.append(x)
+        evolve(state, e)
+    assert padded and all(x.epoch > 0 for x in padded)  # admitted again, after a preemption
 
 
 # -- tapes recorded from the other releases the recorder knows -----------------------------------

@@ -3,8 +3,9 @@
 Each scenario is a spec for one of the two drivers that run in vLLM's Python:
 - `vllm_record_run.py`: vLLM's CPU engine (LLMEngine, the exported tiny model; vLLM's CPU
   platform schedules synchronously), stepped by hand with commands mid-run;
-- `vllm_scheduler_run.py`: vLLM's scheduler as its engine core drives it, async (a batch
-  queue of depth 2) or sync, with tokentape's oracle as the model.
+- `tokentape.integrations.vllm.scheduler_driver` (run as a module): vLLM's scheduler as its
+  engine core drives it, async (a batch queue of depth 2) or sync, with tokentape's oracle as
+  the model.
 `run_vllm` starts one with vLLM's Python and returns what each client got (`run_vllm_batch`
 runs several specs in one process); `run_tokentape`
 runs the same requests on tokentape's engine (the tiny model or the oracle), for `diff`.
@@ -23,7 +24,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ENGINE_DRIVER = HERE / "vllm_record_run.py"
-SCHEDULER_DRIVER = HERE / "vllm_scheduler_run.py"
+SCHEDULER_DRIVER = "tokentape.integrations.vllm.scheduler_driver"  # a module: python -m
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -142,9 +143,40 @@ def spec_reset_scenario(model: str) -> dict[str, Any]:
     }
 
 
+def padded_admission_scenario(model: str) -> dict[str, Any]:
+    """Two drafts per step under async scheduling and a KV cache of 12 blocks of 16 tokens:
+    KV-pressure preemptions, and a request admitted again whose prefix-cache hit leaves one
+    token to compute, which vLLM (0.26 on) pads with -1 drafts to the uniform decode size
+    (`pad_spec_decode`). What a chaos storm against vLLM 0.32.0 first took for #40768; the
+    shrink of that storm, with its prompts made regular."""
+    r2 = [(5 * i + 11) % 250 + 3 for i in range(34)]
+    return {
+        "model": model,
+        "async": True,
+        "num_blocks": 12,
+        "block_size": 16,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 48,
+        "max_model_len": 176,
+        "num_speculative_tokens": 2,
+        "seed": 29,
+        "requests": [
+            {
+                "id": "r1",
+                "prompt": [(3 * i + 7) % 250 + 3 for i in range(76)],
+                "max_tokens": 6,
+                "add_at": 1,
+            },
+            {"id": "r2", "prompt": r2, "max_tokens": 14},
+            {"id": "r5", "prompt": r2[:10], "max_tokens": 2},
+            {"id": "r7", "prompt": [(7 * i + 2) % 250 + 3 for i in range(13)], "max_tokens": 13},
+        ],
+    }
+
+
 def run_vllm(
     python: str,
-    driver: Path,
+    driver: Path | str,
     spec: dict[str, Any],
     workdir: Path,
     name: str,
@@ -159,15 +191,19 @@ def run_vllm(
 
 def run_vllm_batch(
     python: str,
-    driver: Path,
+    driver: Path | str,
     specs: dict[str, dict[str, Any]],
     workdir: Path,
     tape: bool = True,
     timeout: float = 900,
     env: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Several specs, by name, run one after the other in one process of the driver: vLLM is
-    imported once (about 10 s on a 2-core machine) rather than once per spec."""
+    """Several specs, by name, run one after the other in one process of the driver (a script,
+    or a module by name): vLLM is imported once (about 10 s on a 2-core machine) rather than
+    once per spec. The driver imports this tokentape (its source tree first on PYTHONPATH,
+    after a release's overlay)."""
+    from tokentape.integrations.vllm.driver_process import tokentape_source_root
+
     written = {
         name: {
             **spec,
@@ -180,20 +216,27 @@ def run_vllm_batch(
     for path, spec in zip(paths, written.values()):
         path.write_text(json.dumps(spec))
     log_path = workdir / f"{'+'.join(specs)}.log"
+    full_env = {**os.environ, **VLLM_ENV, **(env or {})}
+    root = tokentape_source_root()
+    if root is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (full_env.get("PYTHONPATH"), str(root)) if p
+        )
+    command = [python, "-m", driver] if isinstance(driver, str) else [python, str(driver)]
+    name = driver if isinstance(driver, str) else driver.name
     with open(log_path, "wb") as log:
         proc = subprocess.run(
-            [python, str(driver), *map(str, paths)],
+            [*command, *map(str, paths)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **VLLM_ENV, **(env or {})},
+            env=full_env,
             cwd=workdir,
             timeout=timeout,
         )
     if proc.returncode != 0:
         tail = log_path.read_bytes()[-3000:].decode(errors="replace")
         raise RuntimeError(
-            f"{driver.name} {', '.join(specs)} failed (exit {proc.returncode}); "
-            f"end of {log_path}:\n{tail}"
+            f"{name} {', '.join(specs)} failed (exit {proc.returncode}); end of {log_path}:\n{tail}"
         )
     results = {}
     for name, spec in written.items():

@@ -4,7 +4,9 @@ applies it:
 - `spec_placeholder_in_input`: a request admitted (from waiting, so its tokens are all
   confirmed and it has no drafts) with speculative slots: the slots can only hold draft
   placeholders (-1) left from before its preemption, and they are the step's input ids
-  (vLLM #40768).
+  (vLLM #40768). Not an admission whose one token left to compute is padded with -1 drafts
+  to the uniform decode size (vLLM since 0.26, `pad_spec_decode`, for full CUDA graphs): the
+  padding is the scheduler's own, rejected by the sampler like any wrong draft.
 - `scheduled_past_stop`: a decode scheduled for a request whose steps in flight already
   produce every token it may still take (max_tokens, capped by max_model_len): vLLM's
   async scheduler must schedule prompt + max_tokens - 1 tokens in all, no more; one more
@@ -38,7 +40,11 @@ class ScheduleChecker(Checker):
             if req is None or req.finish_reason is not None:
                 continue  # the reducer refuses it
             if req.status is not running:
-                if entry.num_spec_tokens:
+                padded = (
+                    entry.num_new_tokens == 1 + entry.num_spec_tokens
+                    and entry.num_computed_before + 1 == req.num_tokens
+                )
+                if entry.num_spec_tokens and not padded:
                     self.ctx.report(
                         "spec_placeholder_in_input",
                         "error",

@@ -13,6 +13,8 @@ tests/integrations/vllm_scenarios.py:
 - async_scheduler.tape: vLLM's AsyncScheduler with the oracle as the model, stale output
   delivered after KV-pressure preemptions and dropped after a reset;
 - async_aborts.tape: the same with an abort, pause(wait) and pause(abort);
+- padded_admission.tape: two drafts per step and KV pressure; a request admitted again with one
+  token left to compute, padded with -1 drafts to the uniform decode size (vLLM 0.26 on);
 - RELEASE_pause_resume.tape: the seed bug's scenario (pause(keep, clear_cache) with two
   requests decoding) on vLLM 0.20.0, which drops each one's first token after the resume
   (#42043), and on 0.33.0, which does not;
@@ -43,6 +45,7 @@ from vllm_scenarios import (  # noqa: E402
     aborts_scenario,
     async_scenario,
     engine_scenario,
+    padded_admission_scenario,
     pause_resume_scenario,
     run_vllm,
     spec_reset_scenario,
@@ -67,6 +70,7 @@ def main() -> int:
             ("engine_cpu", ENGINE_DRIVER, engine_scenario(model)),
             ("async_scheduler", SCHEDULER_DRIVER, async_scenario(model)),
             ("async_aborts", SCHEDULER_DRIVER, aborts_scenario(model)),
+            ("padded_admission", SCHEDULER_DRIVER, padded_admission_scenario(model)),
         ):
             result = run_vllm(found.python, driver, spec, work, name)
             make_self_contained(result["tape"])

@@ -1,4 +1,5 @@
-"""`tokentape chaos --seeds N --out DIR`: a campaign of seeded storms against the oracle."""
+"""`tokentape chaos --seeds N --out DIR`: a campaign of seeded storms against tokentape's
+engine with the oracle, or (`--engine vllm`) against vLLM's own scheduler."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
     cha = sub.add_parser(
         "chaos",
-        help="run seeded storms against the oracle; keep the tape of every run with a finding",
+        help="run seeded storms against tokentape's engine or vLLM's scheduler; keep the tape "
+        "of every run with a finding",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Run one storm per seed with the oracle model: the seed draws the pipeline depth\n"
@@ -38,14 +40,32 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
             "report (text and JSON) in DIR; DIR/chaos.json sums up.\n"
             "The same seed always replays the same run.\n"
             "\n"
+            "--engine vllm drives vLLM's own Scheduler / AsyncScheduler instead, recorded,\n"
+            "with the oracle's tokens standing in for the model, in vLLM's Python\n"
+            "($TOKENTAPE_VLLM_PYTHON, else .venv-vllm beside the source tree; --vllm-release X:\n"
+            "the overlay benchmarks/setup_vllm_venv.sh made of release X). The seed draws\n"
+            "async scheduling, 0-3 n-gram drafts with rejections, KV pressure, chunked prefill\n"
+            "over up to 14 requests, and commands between steps: reset_prefix_cache with and\n"
+            "without running"
+            " requests, pauses in every mode with and without clear_cache, aborts. The recorder\n"
+            "checks every event live; the tape then goes through the postmortem, the streams\n"
+            "against the oracle's. A run whose requests are never scheduled again stops after\n"
+            "100 idle engine steps: a finding, with its tape. A run with a finding keeps its spec\n"
+            "(the JSON tokentape.integrations.vllm.scheduler_driver reads), tape and report, and\n"
+            "is shrunk (unless --no-shrink) to the smallest storm that still gives its first\n"
+            "finding: DIR/vllm-REL-seedS.min.{spec.json,tape,postmortem.txt}.\n"
+            "\n"
             "exit status: 0 when no run has a finding, 1 when one has (expected under the\n"
-            "historical policies flag and counter), 2 on bad arguments or a DIR that is not empty\n"
-            "(without --force)."
+            "historical policies flag and counter, and on vLLM releases with known bugs), 2 on\n"
+            "bad arguments, a DIR that is not empty (without --force), or a vLLM that is missing\n"
+            "or cannot run the release asked for."
         ),
         epilog=(
             "examples:\n"
             "  tokentape chaos --seeds 1000 --out chaos/ --jobs 2\n"
-            "  tokentape chaos --seeds 20 --out flag/ --discard-policy flag   # findings expected"
+            "  tokentape chaos --seeds 20 --out flag/ --discard-policy flag   # findings expected\n"
+            "  tokentape chaos --engine vllm --vllm-release 0.20.0 --seeds 60 --out v020/\n"
+            "  tokentape why v020/vllm-0.20.0-seed0.min.tape r6 19   # the step that broke"
         ),
     )
     cha.add_argument("--seeds", type=positive_int, required=True, metavar="N", help="seeds to run")
@@ -63,18 +83,36 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="directory for the tapes and reports of runs with a finding (created)",
     )
     cha.add_argument(
+        "--engine",
+        choices=("tokentape", "vllm"),
+        default="tokentape",
+        help="what the storms drive: tokentape's engine (default) or vLLM's scheduler",
+    )
+    cha.add_argument(
+        "--vllm-release",
+        metavar="X",
+        default=None,
+        help="--engine vllm: the vLLM release to run (an overlay beside vLLM's venv; default "
+        "the venv's own)",
+    )
+    cha.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="--engine vllm: keep runs with findings as they are, unshrunk",
+    )
+    cha.add_argument(
         "--discard-policy",
         choices=sorted(DISCARD_POLICIES),
-        default="epoch",
-        help="the reducer's discard policy (default epoch; flag and counter are "
-        "vLLM's historical ones and break streams)",
+        default=None,
+        help="tokentape engine: the reducer's discard policy (default epoch; flag and counter "
+        "are vLLM's historical ones and break streams)",
     )
     cha.add_argument(
         "--num-commands",
         type=positive_int,
         default=None,
         metavar="N",
-        help="storm commands per seed (default 2000)",
+        help="tokentape engine: storm commands per seed (default 2000)",
     )
     cha.add_argument(
         "--jobs", type=positive_int, default=1, metavar="J", help="worker processes (default 1)"
@@ -95,17 +133,21 @@ def _check_out_dir(path: str, force: bool) -> None:
         )
     if os.path.isdir(path) and force:
         for name in os.listdir(path):  # what an earlier campaign kept would read as this one's
-            if name.startswith("chaos-") or name == "chaos.json":
+            if name.startswith(("chaos-", "vllm-")) or name == "chaos.json":
                 from tokentape.events.sqlite_store import remove_tape_files
 
                 remove_tape_files(os.path.join(path, name))
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return _cmd_chaos_vllm(args)
+    if args.vllm_release is not None or args.no_shrink:
+        raise CLIError("--vllm-release and --no-shrink go with --engine vllm")
     from tokentape.chaos.campaign import ChaosOptions, SeedOutcome, run_campaign
 
     options = ChaosOptions(
-        args.discard_policy,
+        args.discard_policy or "epoch",
         **({"num_commands": args.num_commands} if args.num_commands is not None else {}),
     )
     _check_out_dir(args.out, args.force)
@@ -161,3 +203,89 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         if not ok:
             out.line(f"  tapes and postmortem reports in {args.out}")
     return EXIT_OK if summary.runs_with_findings == 0 else EXIT_DIVERGED
+
+
+def _cmd_chaos_vllm(args: argparse.Namespace) -> int:
+    from tokentape.chaos.vllm_storms import SetupFailed, VLLMSeedOutcome, run_vllm_campaign
+    from tokentape.integrations.vllm.driver_process import VLLMNotFound, check_release, find_vllm
+
+    if args.discard_policy is not None or args.num_commands is not None:
+        raise CLIError(
+            "--discard-policy and --num-commands go with --engine tokentape (vLLM's release "
+            "decides its discard, the seed its storm)"
+        )
+    try:
+        found = find_vllm()
+        release = check_release(found, args.vllm_release)
+    except VLLMNotFound as exc:
+        raise CLIError(str(exc)) from None
+    _check_out_dir(args.out, args.force)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    out = Output(sys.stderr if args.json else sys.stdout)
+    with progress(args.seeds, f"chaos: {args.seeds} seeds against vLLM {release}") as update:
+        done = 0
+
+        def seen(o: VLLMSeedOutcome) -> None:
+            nonlocal done
+            done += 1
+            update(done)
+            if not o.has_finding:
+                return
+            shape = (
+                f"{'async' if o.asynchronous else 'sync'}, k {o.num_speculative_tokens}, "
+                f"{o.num_blocks} KV blocks, {o.num_requests} requests, {o.num_commands} commands"
+            )
+            out.line(f"seed {o.seed} ({shape}): {o.primary} -> {o.tape}", style="yellow")
+            if o.shrunk is not None:
+                m = o.shrunk
+                out.line(
+                    f"  shrunk to {m.requests} request(s), {m.commands} command(s), {m.steps} "
+                    f"steps ({m.runs} runs, {m.seconds:.1f} s): {m.spec}"
+                )
+                if m.why:
+                    out.line(f"  tokentape why {m.tape} {m.why[0]} {m.why[1]}")
+
+        try:
+            summary = run_vllm_campaign(
+                seeds,
+                found,
+                None if release == found.version else release,
+                args.out,
+                args.jobs,
+                not args.no_shrink,
+                seen,
+            )
+        except (VLLMNotFound, SetupFailed) as exc:
+            raise CLIError(str(exc)) from None
+    record = summary.to_json()
+    with open(os.path.join(args.out, "chaos.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    if args.json:
+        print(json.dumps(record))
+        return EXIT_OK if summary.runs_with_findings == 0 else EXIT_DIVERGED
+    ok = summary.runs_with_findings == 0
+    out.line(
+        f"chaos: {summary.num_seeds} seeds against vLLM {summary.release}'s scheduler "
+        f"({args.jobs} job(s)) in {summary.wall_s:.1f} s: {summary.steps:,} engine steps, "
+        f"{record['driver_steps_per_s']:,.0f} per second of driving "
+        f"({summary.steps_per_s:,.0f} per second overall, vLLM's start-up, the checks and "
+        "the shrinks included)",
+        style="bold",
+    )
+    out.line(
+        f"  {summary.runs_with_findings} run(s) with findings, {summary.broken_streams} "
+        "streams not the oracle's",
+        style="bold green" if ok else "bold red",
+    )
+    if summary.primaries:
+        out.line(
+            "  first findings: "
+            + ", ".join(f"{k} x{n}" for k, n in summary.primaries.most_common())
+        )
+    if summary.bug_classes:
+        out.line(
+            "  bug classes: " + ", ".join(f"{k} x{n}" for k, n in summary.bug_classes.most_common())
+        )
+    if not ok:
+        out.line(f"  specs, tapes and postmortem reports in {args.out}")
+    return EXIT_OK if ok else EXIT_DIVERGED

@@ -10,7 +10,13 @@ the recording subclass of any other scheduler class (what a recording session bu
 
 Two ways to record:
 - an engine (the default): the tape goes to the path in $TOKENTAPE_TAPE (the engine core runs
-  in its own process), which must not exist yet. A configuration the recorder cannot describe
+  in its own process), which must not exist yet. With $TOKENTAPE_CHECK=1 each event is also
+  checked against the fold of the tape so far as it is recorded (what a chaos storm against
+  vLLM runs with): an event that contradicts it stops the run with RecordingLost, the tape
+  ending in an EngineError that says why. With $TOKENTAPE_TAPE_AT_CLOSE=1 the tape is held in
+  memory and written as one file when the scheduler shuts down: no writer process to start,
+  which is most of the cost of a short run (a chaos storm's shrink makes hundreds); a run
+  killed before its shutdown leaves no tape. A configuration the recorder cannot describe
   (pipeline or data parallelism, KV connectors, several KV cache groups) is refused when the
   engine starts, and a request it cannot record (pooling, prompt embeddings, streaming input)
   when it is added: before anything is recorded. A tape that cannot be written stops the
@@ -36,7 +42,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from tokentape.events.sqlite_store import SQLiteTape
+from tokentape.events.sqlite_store import SQLiteTape, write_tape
 from tokentape.events.store import MemoryTape
 from tokentape.events.tape_path import check_tape_path
 from tokentape.integrations.vllm import active_session, mapping
@@ -47,6 +53,8 @@ from tokentape.replay.tape import state_before_events
 from tokentape.replay.verify_recorded import ConsistencyChecker
 
 TAPE_ENV = "TOKENTAPE_TAPE"
+CHECK_ENV = "TOKENTAPE_CHECK"
+AT_CLOSE_ENV = "TOKENTAPE_TAPE_AT_CLOSE"
 
 
 class RecordingScheduler(Scheduler):
@@ -76,7 +84,15 @@ class RecordingScheduler(Scheduler):
                 )
             check_tape_path(path)  # before vLLM builds anything more
             super().__init__(*args, **kwargs)
-            self._recorder = self._new_recorder(release, lambda h: SQLiteTape(path, h))
+            checked = os.environ.get(CHECK_ENV) == "1"
+            at_close = os.environ.get(AT_CLOSE_ENV) == "1"
+            self._recorder = self._new_recorder(
+                release,
+                (lambda h: _TapeWrittenAtClose(path, h))
+                if at_close
+                else (lambda h: SQLiteTape(path, h)),
+                checked,
+            )
             return
         super().__init__(*args, **kwargs)
         try:
@@ -255,6 +271,20 @@ class RecordingScheduler(Scheduler):
         finally:
             if not self._tolerant and self._recorder is not None:
                 self._recorder.close()
+
+
+class _TapeWrittenAtClose(MemoryTape):
+    """A tape held in memory, written as one SQLite file by close ($TOKENTAPE_TAPE_AT_CLOSE)."""
+
+    def __init__(self, path: str, header: Any) -> None:
+        super().__init__(header)
+        self.file = path
+        self._written = False
+
+    def close(self) -> None:
+        if not self._written:
+            self._written = True
+            write_tape(self.file, self.header, (e for _, e in self.iter_events()))
 
 
 class SyncRecordingScheduler(RecordingScheduler):
