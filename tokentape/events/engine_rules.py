@@ -114,7 +114,7 @@ def on_lora_added(state: EngineState, e: ev.LoRAAdded) -> None:
 def on_lora_removed(state: EngineState, e: ev.LoRARemoved) -> None:
     if e.lora_int_id not in state.loras:
         raise ReducerError(f"LoRA adapter {e.lora_int_id} removed in step {e.step}: not loaded")
-    users = [r.req_id for r in state.unfinished if r.lora_int_id == e.lora_int_id]
+    users = state.lora_users(e.lora_int_id)
     if users:
         raise ReducerError(
             f"LoRA adapter {e.lora_int_id} removed in step {e.step} while {len(users)} "

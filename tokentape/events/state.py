@@ -175,6 +175,14 @@ class EngineState:
         """(step, entry) for each of the request's entries still in flight, oldest first."""
         return [(s.step, e) for s in self.in_flight_steps for e in s.entries if e.req_id == req_id]
 
+    def lora_users(self, lora_int_id: int) -> list[str]:
+        """The unfinished requests that run with LoRA adapter `lora_int_id`, in order."""
+        return [
+            r.req_id
+            for r in self.requests.values()
+            if r.lora_int_id == lora_int_id and not r.is_finished
+        ]
+
     @property
     def unfinished(self) -> list[RequestState]:
         return [r for r in self.requests.values() if not r.is_finished]

@@ -108,25 +108,6 @@ def lora_order(slots: torch.Tensor) -> torch.Tensor:
 def lora_add(
     x: torch.Tensor,
     y: torch.Tensor,
-    slots: torch.Tensor,
-    a_ptrs: object,
-    b_ptrs: object,
-    ranks: object,
-    num_threads: int,
-) -> None:
-    """reference.lora_add_ref's contract over contiguous x and y (at least slots.numel() rows;
-    those past it are left alone), with the adapters given as C arrays by slot
-    (tokentape/lora/layers.py keeps them): pointers to each A^T and scaled B^T (NULL: no
-    adapter on this layer), and their ranks."""
-    assert x.is_contiguous() and y.is_contiguous() and slots.dtype == torch.int32
-    assert x.shape[0] >= slots.numel() and y.shape[0] >= slots.numel()
-    order = lora_order(slots)
-    lora_add_rows(x, y, slots.data_ptr(), order, a_ptrs, b_ptrs, ranks, num_threads)
-
-
-def lora_add_rows(
-    x: torch.Tensor,
-    y: torch.Tensor,
     slots_ptr: int,
     order: torch.Tensor,
     a_ptrs: object,
@@ -134,8 +115,10 @@ def lora_add_rows(
     ranks: object,
     num_threads: int,
 ) -> None:
-    """lora_add with the slots given by their address and the rows' `order` (lora_order)
-    worked out already: the per-layer call of a pass that worked them out once."""
+    """reference.lora_add_ref's contract, in place on contiguous float32 x and y, for the
+    rows `order` names (lora_order of the slots at `slots_ptr`, int32, worked out once per
+    pass); the adapters as C arrays by slot (tokentape/lora/layers.py keeps them): pointers
+    to each A^T and scaled B^T (NULL: no adapter on this layer), and their ranks."""
     code = _lib().tt_lora_add_f32(
         x.data_ptr(), y.data_ptr(), x.shape[1], y.shape[1], slots_ptr, order.data_ptr(),
         order.numel(), a_ptrs, b_ptrs, ranks, num_threads,

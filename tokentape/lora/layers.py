@@ -31,13 +31,13 @@ class LoRABatch:
     compiled: bool = field(init=False)
     num_rows: int = field(init=False)
     slots_ptr: int = field(init=False)
-    order: torch.Tensor = field(init=False)  # the compiled kernel's (cpu_layers.lora_order)
+    order: torch.Tensor | None = field(init=False)  # the compiled kernel's (lora_order)
 
     def __post_init__(self) -> None:
         self.compiled = self.slots.device.type == "cpu" and cpu_native.load() is not None
         self.num_rows = self.slots.numel()
         self.slots_ptr = self.slots.data_ptr()
-        self.order = cpu_layers.lora_order(self.slots) if self.compiled else self.slots
+        self.order = cpu_layers.lora_order(self.slots) if self.compiled else None
 
     def rows(self, start: int, end: int) -> LoRABatch:
         """The batch of rows [start, end) (the MLP's chunks of a long prefill)."""
@@ -83,14 +83,14 @@ class LoRASlots:
             return
         n = lora.num_rows
         if (
-            lora.compiled
+            lora.order is not None
             and x.dtype == torch.float32
             and y.dtype == torch.float32
             and x.is_contiguous()
             and y.is_contiguous()
         ):
             # The kernel reads the rows `order` names: no views of x and y to make.
-            cpu_layers.lora_add_rows(
+            cpu_layers.lora_add(
                 x, y, lora.slots_ptr, lora.order, self._a_ptrs, self._b_ptrs, self._ranks,
                 lora.num_threads,
             )  # fmt: skip

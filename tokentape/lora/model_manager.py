@@ -72,6 +72,3 @@ class LoRAModelManager:
         if not lora_int_id:
             return -1
         return self._slots[lora_int_id]
-
-    def loaded(self) -> list[int]:
-        return list(self._slots)

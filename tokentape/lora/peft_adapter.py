@@ -55,7 +55,6 @@ class PeftAdapter:
     rank: int
     scaling: float
     target_modules: tuple[str, ...]  # the kinds of layer it changes, in TARGET_MODULES' order
-    base_model_name: str | None  # the config's base_model_name_or_path
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
     def check_against(self, modules: Mapping[str, tuple[int, int]]) -> None:
@@ -105,9 +104,20 @@ def load_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
         rank=rank,
         scaling=float(scaling),
         target_modules=tuple(k for k in TARGET_MODULES if k in kinds),
-        base_model_name=config.get("base_model_name_or_path"),
         weights=weights,
     )
+
+
+def check_recorded_adapter(
+    lora_name: str, lora_path: str, recorded_id: str, loaded_id: str
+) -> None:
+    """Refuse a recorded adapter (a tape's LoRAAdded) whose folder, read again, holds another
+    adapter than the one recorded: a replay would run with other weights."""
+    if loaded_id != recorded_id:
+        raise LoRAError(
+            f"LoRA adapter {lora_name!r}: {lora_path} holds another adapter than the one "
+            f"recorded (SHA-256 {loaded_id[:16]}..., recorded {recorded_id[:16]}...)"
+        )
 
 
 def _read(folder: str, name: str) -> bytes:

@@ -10,8 +10,8 @@ from tokentape.events.validation import check_int, check_str
 class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """A PEFT adapter by vLLM's name, integer id (>= 1, unique per adapter) and folder.
     Two requests with the same lora_int_id run with the same adapter: the first loads it
-    (add_lora) unless it is loaded already. `base_model_name`, when given, must be the model
-    the engine serves (vLLM's check)."""
+    (add_lora) unless it is loaded already. `base_model_name` is vLLM's field, kept for its
+    callers; whether an adapter fits the model is checked by its shapes."""
 
     lora_name: str
     lora_int_id: int

@@ -160,20 +160,17 @@ def _issue(engine: EngineCore, event: ev.Event, runner: str, notes: list[str]) -
         )
     try:
         issue_command(engine, event)
+        if isinstance(event, ev.LoRAAdded):  # loaded again from its folder: the same adapter?
+            from tokentape.lora.peft_adapter import check_recorded_adapter  # torch: when used
+
+            loaded = engine.state.loras[event.lora_int_id].adapter_id
+            check_recorded_adapter(event.lora_name, event.lora_path, event.adapter_id, loaded)
     except (TypeError, LoRAError) as exc:
         raise WhatIfError(str(exc)) from None
     except ValueError as exc:  # the oracle refuses options it cannot honour (penalties, ...)
         if runner == "oracle" and isinstance(event, ev.RequestAdded):
             raise WhatIfError(f"{exc} (replay with --runner model)") from None
         raise
-    if isinstance(event, ev.LoRAAdded):  # loaded again from its folder: the same adapter?
-        loaded = engine.state.loras[event.lora_int_id].adapter_id
-        if loaded != event.adapter_id:
-            raise WhatIfError(
-                f"LoRA adapter {event.lora_name!r}: {event.lora_path} holds another adapter "
-                f"than the one recorded (SHA-256 {loaded[:16]}..., recorded "
-                f"{event.adapter_id[:16]}...)"
-            )
 
 
 def recorded_commands(tape: Tape) -> list[ev.Event]:

@@ -225,9 +225,7 @@ class EngineCore:
         resolved = self._with_extra_eos(self._resolve_bad_words(request_id, params))
         lora_int_id = 0
         if lora_request is not None:
-            self._check_lora_request(lora_request)
-            if lora_request.lora_int_id not in self.state.loras:
-                self.add_lora(lora_request)  # the request's last check: it records
+            self.add_lora(lora_request)  # the request's last check (it records, if not loaded)
             lora_int_id = lora_request.lora_int_id
         if params.n == 1:
             children = [(request_id, resolved)]
@@ -561,13 +559,11 @@ class EngineCore:
         max_cpu_loras adapters loaded, the one loaded longest ago that no unfinished request
         runs with is removed first (LoRARemoved), as vLLM's cache evicts."""
         runner = self._check_lora_request(lora_request)
-        loaded = self.state.loras.get(lora_request.lora_int_id)
-        if loaded is not None:
+        state = self.state
+        if lora_request.lora_int_id in state.loras:
             return False
-        evict = None
-        if len(self.state.loras) >= self.config.lora_capacity:
-            in_use = {r.lora_int_id for r in self.state.unfinished}
-            evict = next((i for i in self.state.loras if i not in in_use), None)
+        if len(state.loras) >= self.config.lora_capacity:
+            evict = next((i for i in state.loras if not state.lora_users(i)), None)
             if evict is None:
                 raise LoRAError(
                     f"LoRA adapter {lora_request.lora_name!r}: the {self.config.lora_capacity} "
@@ -632,7 +628,7 @@ class EngineCore:
             )
         if lora_int_id not in self.state.loras:
             return False
-        users = [r.req_id for r in self.state.unfinished if r.lora_int_id == lora_int_id]
+        users = self.state.lora_users(lora_int_id)
         if users:
             raise LoRAError(
                 f"LoRA adapter {lora_int_id} serves {len(users)} unfinished request(s) "

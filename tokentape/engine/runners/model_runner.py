@@ -54,7 +54,7 @@ from tokentape.errors import LoRAError
 from tokentape.events.schema import NO_DRAFTS, FrameEntry, LoRAAdded, SamplingParams
 from tokentape.lora.layers import LoRABatch
 from tokentape.lora.model_manager import LoRAModelManager
-from tokentape.lora.peft_adapter import load_peft_adapter
+from tokentape.lora.peft_adapter import PeftAdapter, check_recorded_adapter, load_peft_adapter
 from tokentape.progress import LOUD_BYTES, gigabytes, say
 
 
@@ -284,27 +284,26 @@ class TorchModelRunner(StagedWeights):
     # -- LoRA adapters (runners.base.ServesLoRA) -----------------------------------------------
 
     def add_lora(self, lora_int_id: int, lora_path: str, max_rank: int) -> LoadedLoRA:
-        manager = self._lora_manager()
-        adapter = load_peft_adapter(lora_path, max_rank)
-        manager.check(adapter)  # before the step order: a refused one waits for nothing
-        self._worker.call(lambda: manager.add(lora_int_id, adapter))
-        return LoadedLoRA(
-            adapter.adapter_id, adapter.rank, adapter.scaling, list(adapter.target_modules)
-        )
+        return self._install(lora_int_id, load_peft_adapter(lora_path, max_rank))
 
     def remove_lora(self, lora_int_id: int) -> None:
         manager = self._lora_manager()
         self._worker.call(lambda: manager.remove(lora_int_id))
 
     def restore_lora(self, record: LoRAAdded) -> None:
-        loaded = self.add_lora(record.lora_int_id, record.lora_path, record.rank)
-        if loaded.adapter_id != record.adapter_id:
-            self.remove_lora(record.lora_int_id)
-            raise LoRAError(
-                f"LoRA adapter {record.lora_name!r}: {record.lora_path} holds another adapter "
-                f"than the one recorded (SHA-256 {loaded.adapter_id[:16]}..., recorded "
-                f"{record.adapter_id[:16]}...)"
-            )
+        adapter = load_peft_adapter(record.lora_path, record.rank)
+        check_recorded_adapter(
+            record.lora_name, record.lora_path, record.adapter_id, adapter.adapter_id
+        )
+        self._install(record.lora_int_id, adapter)
+
+    def _install(self, lora_int_id: int, adapter: PeftAdapter) -> LoadedLoRA:
+        manager = self._lora_manager()
+        manager.check(adapter)  # before the step order: a refused one waits for nothing
+        self._worker.call(lambda: manager.add(lora_int_id, adapter))
+        return LoadedLoRA(
+            adapter.adapter_id, adapter.rank, adapter.scaling, list(adapter.target_modules)
+        )
 
     def _lora_manager(self) -> LoRAModelManager:
         if self._lora is None:
