@@ -18,16 +18,12 @@ HF_HUB_OFFLINE=1.
 
 from __future__ import annotations
 
-import html
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.parse
-import urllib.request
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,8 +33,6 @@ if TYPE_CHECKING:  # run as a script, this folder is not a package on the path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HF_CONFIGS = REPO_ROOT / "tests" / "integrations" / "vllm_ci" / "hf_configs"
-# The registry's simple index (PEP 503): its page for vllm links every file of every release.
-REGISTRY = os.environ.get("TOKENTAPE_PYPI_SIMPLE", "https://pypi.org/simple")
 _DONE = ".complete"  # written last: a folder without it is a download that did not finish
 
 
@@ -123,22 +117,42 @@ def make_overlay(venv: Path, version: str) -> Path:
     return dest
 
 
+def _download_sdist(venv: Path, version: str, into: Path) -> Path:
+    """vLLM's source distribution of `version`, fetched by the venv's pip (so from the
+    indexes the user's pip configuration names). pip reads an sdist's metadata before it
+    keeps it, which runs vLLM's setup.py: with VLLM_TARGET_DEVICE=empty it needs no compiler,
+    CUDA or torch of its own (and no isolated build environment, which would install the
+    build's pinned CUDA torch), and VLLM_VERSION_OVERRIDE keeps the metadata's version the
+    one asked for (the empty target would add "+empty", and pip discards a mismatch)."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": version}
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    # What setup.py imports at its top (newer releases also build a Rust part); the venv's
+    # vLLM install brings neither.
+    subprocess.run([*pip, "install", "-q", "setuptools_scm", "setuptools-rust"], check=True)
+    got = subprocess.run(
+        [*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", "--no-build-isolation"]
+        + [f"vllm=={version}", "-d", str(into)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    archives = list(into.glob(f"vllm-{version}.tar.gz"))
+    if got.returncode != 0 or not archives:
+        raise SystemExit(
+            f"vLLM {version}: pip could not fetch its source distribution:\n{got.stderr.strip()}"
+        )
+    return archives[0]
+
+
 def fetch_tests(venv: Path, version: str) -> Path:
     """vLLM's `tests/` tree of a release, from its source distribution."""
     dest = vllm_tests_dir(venv, version)
     if (dest / _DONE).exists():
         return dest
     shutil.rmtree(dest, ignore_errors=True)
-    with urllib.request.urlopen(f"{REGISTRY}/vllm/", timeout=120) as response:
-        page = response.read().decode()
-    found = re.search(rf'href="([^"#]+/vllm-{re.escape(version)}\.tar\.gz)[^"]*"', page)
-    if found is None:
-        raise SystemExit(f"vLLM {version}: no source distribution on {REGISTRY}/vllm/")
-    sdist = urllib.parse.urljoin(f"{REGISTRY}/vllm/", html.unescape(found.group(1)))
     prefix = f"vllm-{version}/"
     with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / "vllm.tar.gz"
-        urllib.request.urlretrieve(sdist, archive)
+        archive = _download_sdist(venv, version, Path(tmp))
         with tarfile.open(archive) as tar:
             members = [
                 m
