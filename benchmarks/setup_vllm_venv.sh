@@ -19,7 +19,7 @@ DIR="${1:-$ROOT/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 # One release of each discard mechanism the recorder knows (releases.py), and the newest.
-VLLM_RELEASES="${VLLM_RELEASES:-0.20.0 0.24.0 0.26.0 0.33.0}"
+VLLM_RELEASES="${VLLM_RELEASES:-0.20.0 0.24.0 0.26.0 0.33.0 0.34.0}"
 VLLM_TEST_RELEASES="${VLLM_TEST_RELEASES:-$VLLM_VERSION 0.20.0}"
 
 fetch_releases() {

@@ -3,7 +3,8 @@ the oracle as the model (marker vllm; tokentape/chaos/vllm_storms.py).
 
 Storms on vLLM 0.20.0 find the #42043 class and storms on 0.24.0 the #46066 class within 60
 seeds (each test stops at the first seed that does); a slice of seeds on the releases that
-fixed them (the venv's 0.32.0, and 0.33.0) finds nothing; a finding shrinks to a spec of at
+fixed them (the venv's 0.32.0, 0.33.0 and 0.34.0) finds nothing; the release matrix names the
+first release with a class and the first without; a finding shrinks to a spec of at
 most 4 requests, kept beside the original, whose tape `tokentape why` reads to the step that
 broke; a run that hangs vLLM stops and is a finding with its tape; the same seed on the same
 release replays the same run. One driver process per release, shared by the tests (vLLM is
@@ -106,6 +107,7 @@ def test_storms_on_0_24_0_find_the_46066_class(chaos: dict[str | None, VLLMChaos
     [
         pytest.param(None, id="venv", marks=_skip(None)),
         pytest.param("0.33.0", marks=_skip("0.33.0")),
+        pytest.param("0.34.0", marks=_skip("0.34.0")),
     ],
 )
 def test_storms_on_a_fixed_release_find_nothing(
@@ -230,3 +232,35 @@ def test_a_release_without_an_overlay_is_one_line_and_status_2(
                      "--seeds", "1", "--out", out)  # fmt: skip
     assert_one_line_error(rc, err, "not a vLLM version")
     assert not os.path.exists(out)
+
+
+@_skip("0.20.0")
+def test_the_release_matrix_names_where_a_class_starts_and_stops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seed 5 on 0.20.0 (which shipped #42043) and on the venv's release (which fixed it):
+    the matrix says 0.20.0 has the class and the venv's release is the first without it,
+    in its table and in DIR/matrix.json, beside each release's own campaign."""
+    assert FOUND is not None
+    monkeypatch.setenv("TOKENTAPE_VLLM_PYTHON", FOUND.python)
+    venv = FOUND.version.split("+")[0]
+    out = tmp_path / "matrix"
+    rc, stdout, _ = run(capsys, "chaos", "--engine", "vllm", "--vllm-releases",
+                        f"{venv},0.20.0", "--first-seed", "5", "--seeds", "1", "--no-shrink",
+                        "--out", str(out))  # fmt: skip
+    assert rc == 1  # 0.20.0 has findings
+    matrix = json.loads((out / "matrix.json").read_text())
+    assert matrix["releases"] == ["0.20.0", venv]  # in version order, whatever the order asked
+    row = next(c for c in matrix["classes"] if c["class"] == "vllm#42043")
+    assert (row["first_with"], row["first_without"]) == ("0.20.0", venv)
+    assert row["seeds"] == {"0.20.0": 1, venv: 0} and row["first_seed"] == {"0.20.0": 5}
+    assert all(c["first_with"] == "0.20.0" for c in matrix["classes"])
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("vllm#42043"))
+    assert line.split()[-2:] == ["0.20.0", venv]
+    for release in ("0.20.0", venv):
+        assert json.loads((out / release / "chaos.json").read_text())["seeds"] == 1
+    assert list((out / "0.20.0").glob("vllm-0.20.0-seed5.tape"))
+    rc, _, err = run(capsys, "chaos", "--engine", "vllm", "--vllm-releases", "0.20.0,0.99.0",
+                     "--seeds", "1", "--out", str(tmp_path / "bad"))  # fmt: skip
+    assert_one_line_error(rc, err, "vLLM 0.99.0", "setup_vllm_venv.sh")
+    assert not (tmp_path / "bad").exists()  # refused before any seed ran

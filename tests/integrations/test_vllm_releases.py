@@ -2,7 +2,7 @@
 recorded from the release that shipped it.
 
 vLLM 0.20.0 (the reset's discard flag, before #42117), 0.24.0 (its counter, #42117), 0.26.0 (the
-counter with #46066's guard) and 0.33.0 (the newest) run as overlays on the vLLM venv
+counter with #46066's guard), 0.33.0 and 0.34.0 (the newest) run as overlays on the vLLM venv
 (benchmarks/setup_vllm_venv.sh makes them); 0.32.0 is the venv's own. Each runs vLLM's own
 AsyncScheduler under tokentape.integrations.vllm.scheduler_driver with the same scenario spec, only
 PYTHONPATH changing:
@@ -13,7 +13,9 @@ PYTHONPATH changing:
   every release's tape verifies under its own discard semantics. On 0.20.0 the pause drops a
   token (#42043) and leaves a request hung one token short of its limit, which the tape shows;
 - speculative decoding with resets in flight: #46066 and the token-unit counter on the releases
-  before #48245, clean after."""
+  before #48245, clean after.
+And a release the recorder was not taught: the venv's vLLM under a version past the taught
+ranges records by its code, says so on stderr and in the tape's header, and checks live."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from vllm_scenarios import (  # noqa: E402
     async_scenario,
     pause_resume_scenario,
     run_tokentape,
+    run_vllm,
     run_vllm_batch,
     spec_reset_scenario,
 )
@@ -47,13 +50,14 @@ from tokentape.replay import diff, load_tape, verify  # noqa: E402
 
 FOUND, WHERE = find_vllm()
 VENV = Path(FOUND.python).parents[1] if FOUND is not None else None
-RELEASES = ["0.20.0", "0.24.0", "0.26.0", None, "0.33.0"]  # None: the venv's own (0.32.0)
+RELEASES = ["0.20.0", "0.24.0", "0.26.0", None, "0.33.0", "0.34.0"]  # None: the venv's (0.32.0)
 POLICIES = {
     "0.20.0": "vllm-flag",
     "0.24.0": "vllm-counter",
     "0.26.0": "vllm-counter-guarded",
     None: "deliver",
     "0.33.0": "deliver",
+    "0.34.0": "deliver",
 }
 # What speculative decoding with resets in flight shows on each release before #48245: the
 # finding kinds, each with the bug class it names.
@@ -211,3 +215,37 @@ def test_speculative_decoding_with_resets_in_flight(recorded: Any, version: str 
         if f.kind in ("negative_count", "fresh_frame_dropped", "phantom_placeholders"):
             found.setdefault(f.kind, set()).add(f.bug_class)
     assert found == expected, [f.message for f in report.findings]
+
+
+def test_a_release_the_recorder_was_not_taught_is_recorded_by_its_code(
+    recorded: Any, work: Path, model: str
+) -> None:
+    """The next release, as the venv's vLLM under the version 0.35.0: its scheduler has
+    #48245's preemption, so it is recorded under `deliver`, with the note on stderr and in
+    the header, and the tape is the one a taught release gives."""
+    reason = _skip_reason(None)
+    if reason is not None:
+        pytest.skip(reason)
+    assert FOUND is not None and VENV is not None
+    script = work / "untaught_driver.py"
+    script.write_text(
+        "import sys\nimport vllm\nvllm.__version__ = '0.35.0'\n"
+        "from tokentape.integrations.vllm.scheduler_driver import main\nmain(sys.argv[1:])\n"
+    )
+    spec = pause_resume_scenario(model)
+    result = run_vllm(FOUND.python, script, spec, work, "untaught", env=release_env(VENV, None))
+    header = load_tape(result["tape"]).header
+    assert (header.source_version, header.discard_policy) == ("0.35.0", "deliver")
+    assert header.source_note.startswith("untaught release: vLLM 0.35.0 is outside")
+    log = (work / "untaught.log").read_text()
+    assert "tokentape recorder: untaught release: vLLM 0.35.0" in log
+    assert verify(result["tape"]).ok
+    assert postmortem(result["tape"]).findings == []
+    taught = _run(recorded, None, "pause")
+    assert result["outputs"] == taught["outputs"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "tokentape.cli", "inspect", result["tape"]],
+        capture_output=True,
+        text=True,
+    )
+    assert "untaught release" in shown.stdout, shown.stdout + shown.stderr

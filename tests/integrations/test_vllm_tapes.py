@@ -372,18 +372,18 @@ def test_speculative_decoding_and_resets_on_the_releases_before_48245() -> None:
         assert found == findings, (version, found)
 
 
-def test_the_recorder_knows_each_release_and_refuses_the_others_by_name() -> None:
+def test_the_recorder_knows_each_release_and_reads_the_others_by_their_code() -> None:
     from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
-    from tokentape.integrations.vllm.releases import release_of
+    from tokentape.integrations.vllm.releases import check_release, release_of
 
-    policies = {
-        v: release_of(v).discard_policy
+    taught = {
+        v: release_of(v)
         for v in (
             *("0.20.0", "0.21.0", "0.22.0", "0.24.1", "0.25.0", "0.26.0", "0.27.0"),
-            *("0.32.0+cpu", "0.33.1rc1"),
+            *("0.32.0+cpu", "0.33.1rc1", "0.34.0"),
         )
     }
-    assert policies == {
+    assert {v: r.discard_policy for v, r in taught.items() if r is not None} == {
         "0.20.0": "vllm-flag",
         "0.21.0": "vllm-flag",
         "0.22.0": "vllm-counter",
@@ -393,7 +393,26 @@ def test_the_recorder_knows_each_release_and_refuses_the_others_by_name() -> Non
         "0.27.0": "deliver",
         "0.32.0+cpu": "deliver",
         "0.33.1rc1": "deliver",
+        "0.34.0": "deliver",
     }
-    for version in ("0.19.1", "0.34.0", "1.0.0"):
-        with pytest.raises(UnsupportedByRecorder, match=rf"vLLM {version} is not a release"):
-            release_of(version)
+    assert all(release_of(v) is None for v in ("0.19.1", "0.35.0", "1.0.0"))
+    with pytest.raises(UnsupportedByRecorder, match="cannot read this version"):
+        release_of("main")
+
+    # A release outside the ranges is read by its code: here two schedulers, one with
+    # #48245's preemption and one with no mechanism the recorder knows.
+    class Delivering:
+        def _preempt_request(self, request: object, timestamp: float, drop_stale_output: bool):
+            pass
+
+    class Request:
+        def __init__(self) -> None:
+            self.num_preemptions = 0
+
+    release = check_release("0.35.0", Delivering, Request)
+    assert (release.discard_policy, release.taught) == ("deliver", False)
+    assert check_release("0.34.0", Delivering, Request).taught
+    with pytest.raises(UnsupportedByRecorder, match="no discard mechanism the recorder knows"):
+        check_release("0.35.0", Request, Request)
+    with pytest.raises(UnsupportedByRecorder, match="expects Request.discard_latest_async"):
+        check_release("0.20.0", Delivering, Request)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -156,6 +157,9 @@ def oracle_violations(spec: dict[str, Any], result: dict[str, Any]) -> dict[str,
     return wrong
 
 
+_PLACE = re.compile(r" at \S+ in ")  # where an exception was raised, but its function
+
+
 class Signature(msgspec.Struct, frozen=True):
     """A finding, as a shrink must keep it: its kind and the vLLM bug class it matches."""
 
@@ -166,6 +170,16 @@ class Signature(msgspec.Struct, frozen=True):
     def __str__(self) -> str:
         detail = self.bug_class or self.where
         return f"{self.kind} ({detail})" if detail else self.kind
+
+    @property
+    def finding_class(self) -> str:
+        """What a release matrix compares across releases: the vLLM bug class, else the kind
+        (an exception's type and function, its line numbers moving from release to release)."""
+        if self.bug_class:
+            return self.bug_class
+        if self.where:  # "AssertionError at core/sched/async_scheduler.py:53 in f"
+            return f"{self.kind}: " + _PLACE.sub(" in ", self.where)
+        return self.kind
 
 
 @dataclass(slots=True)
@@ -278,6 +292,7 @@ class VLLMSeedOutcome(msgspec.Struct):
     broken_streams: int = 0
     finding_kinds: dict[str, int] = {}
     bug_classes: dict[str, int] = {}
+    finding_classes: list[str] = []  # every finding's class (Signature.finding_class), once
     primary: str | None = None  # the first finding, as the shrink keeps it
     error: str | None = None  # the driver's: an exception of vLLM or of the live checks
     hung: list[str] = []
@@ -395,6 +410,7 @@ class VLLMChaos:
         outcome.broken_streams = len(checked.violations)
         outcome.finding_kinds = dict(Counter(s.kind for s in checked.signatures))
         outcome.bug_classes = dict(Counter(s.bug_class for s in checked.signatures if s.bug_class))
+        outcome.finding_classes = list(dict.fromkeys(s.finding_class for s in checked.signatures))
         if checked.primary is None:
             remove_tape_files(work_tape)
             outcome.seconds = time.perf_counter() - start
@@ -484,6 +500,8 @@ class VLLMCampaignSummary:
     primaries: Counter[str] = field(default_factory=Counter)
     finding_kinds: Counter[str] = field(default_factory=Counter)
     bug_classes: Counter[str] = field(default_factory=Counter)
+    finding_classes: Counter[str] = field(default_factory=Counter)  # seeds showing each class
+    first_seed_of: dict[str, int] = field(default_factory=dict)  # each class's first seed
     found: list[VLLMSeedOutcome] = field(default_factory=list)
 
     @property
@@ -500,6 +518,9 @@ class VLLMCampaignSummary:
         self.broken_streams += o.broken_streams
         self.finding_kinds.update(o.finding_kinds)
         self.bug_classes.update(o.bug_classes)
+        self.finding_classes.update(o.finding_classes)
+        for c in o.finding_classes:
+            self.first_seed_of.setdefault(c, o.seed)
         if o.has_finding:
             self.runs_with_findings += 1
             self.primaries[o.primary or ""] += 1
@@ -526,6 +547,8 @@ class VLLMCampaignSummary:
             "first_findings": dict(self.primaries),
             "finding_kinds": dict(self.finding_kinds),
             "bug_classes": dict(self.bug_classes),
+            "finding_classes": dict(self.finding_classes),
+            "first_seed_of": self.first_seed_of,
             "found": msgspec.to_builtins(self.found),
         }
 

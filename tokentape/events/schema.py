@@ -142,6 +142,9 @@ class TapeHeader(msgspec.Struct, frozen=True):
     # own: package_version says). Last, with defaults: older tapes read as tokentape's own.
     source: str = "tokentape"
     source_version: str = ""
+    # What the recorder says of that engine: "untaught release: ..." for a vLLM release it
+    # records by its code alone (tokentape/integrations/vllm/releases.py); "" otherwise.
+    source_note: str = ""
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

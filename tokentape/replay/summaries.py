@@ -31,6 +31,7 @@ def header_summary(tape: Tape, num_events: int) -> dict[str, Any]:
             if h.source != "tokentape"
             else {}
         ),
+        **({"recorder's note": h.source_note} if h.source_note else {}),
         "created at": h.created_at or "-",
         "model": h.model_id,
         "discard policy": h.discard_policy,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -96,6 +97,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "the venv's own)",
     )
     cha.add_argument(
+        "--vllm-releases",
+        metavar="A,B,...",
+        default=None,
+        help="--engine vllm: run the same seeds on each release (overlays, or the venv's own "
+        "version), each into DIR/RELEASE, and print the release matrix: for every class "
+        "found, the seeds that showed it on each release, the first release that has it and "
+        "the first after it that does not (DIR/matrix.json)",
+    )
+    cha.add_argument(
         "--no-shrink",
         action="store_true",
         help="--engine vllm: keep runs with findings as they are, unshrunk",
@@ -142,8 +152,8 @@ def _check_out_dir(path: str, force: bool) -> None:
 def cmd_chaos(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return _cmd_chaos_vllm(args)
-    if args.vllm_release is not None or args.no_shrink:
-        raise CLIError("--vllm-release and --no-shrink go with --engine vllm")
+    if args.vllm_release is not None or args.vllm_releases is not None or args.no_shrink:
+        raise CLIError("--vllm-release, --vllm-releases and --no-shrink go with --engine vllm")
     from tokentape.chaos.campaign import ChaosOptions, SeedOutcome, run_campaign
 
     options = ChaosOptions(
@@ -206,7 +216,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def _cmd_chaos_vllm(args: argparse.Namespace) -> int:
-    from tokentape.chaos.vllm_storms import SetupFailed, VLLMSeedOutcome, run_vllm_campaign
+    from tokentape.chaos.release_matrix import ReleaseMatrix
     from tokentape.integrations.vllm.driver_process import VLLMNotFound, check_release, find_vllm
 
     if args.discard_policy is not None or args.num_commands is not None:
@@ -214,14 +224,74 @@ def _cmd_chaos_vllm(args: argparse.Namespace) -> int:
             "--discard-policy and --num-commands go with --engine tokentape (vLLM's release "
             "decides its discard, the seed its storm)"
         )
+    if args.vllm_release is not None and args.vllm_releases is not None:
+        raise CLIError("--vllm-release runs one release, --vllm-releases several: give one")
+    asked = [args.vllm_release]
+    if args.vllm_releases is not None:
+        asked = [r.strip() for r in args.vllm_releases.split(",") if r.strip()]
+        if not asked or len(set(asked)) != len(asked):
+            raise CLIError(f"--vllm-releases {args.vllm_releases!r}: name each release once")
     try:
         found = find_vllm()
-        release = check_release(found, args.vllm_release)
+        releases = [check_release(found, r) for r in asked]  # all of them before any seed
     except VLLMNotFound as exc:
         raise CLIError(str(exc)) from None
     _check_out_dir(args.out, args.force)
-    seeds = range(args.first_seed, args.first_seed + args.seeds)
     out = Output(sys.stderr if args.json else sys.stdout)
+    if args.vllm_releases is None:
+        summary = _vllm_campaign(args, found, releases[0], args.out, out)
+        record = summary.to_json()
+        _write_json(os.path.join(args.out, "chaos.json"), record)
+        if args.json:
+            print(json.dumps(record))
+        else:
+            _print_vllm_summary(summary, record, args, args.out, out)
+        return EXIT_OK if summary.runs_with_findings == 0 else EXIT_DIVERGED
+    summaries = []
+    for release in releases:  # each in DIR/RELEASE, as one release's campaign writes it
+        folder = os.path.join(args.out, release)
+        if os.path.isdir(folder) and args.force:
+            shutil.rmtree(folder)
+        summary = _vllm_campaign(args, found, release, folder, out)
+        record = summary.to_json()
+        _write_json(os.path.join(folder, "chaos.json"), record)
+        if not args.json:
+            _print_vllm_summary(summary, record, args, folder, out)
+        summaries.append(summary)
+    matrix = ReleaseMatrix.of(summaries)
+    record = {
+        **matrix.to_json(),
+        "campaigns": [{k: v for k, v in s.to_json().items() if k != "found"} for s in summaries],
+    }
+    _write_json(os.path.join(args.out, "matrix.json"), record)
+    any_finding = any(s.runs_with_findings for s in summaries)
+    if args.json:
+        print(json.dumps(record))
+    else:
+        first, last = matrix.seeds.start, matrix.seeds.stop - 1
+        out.line(
+            f"release matrix: seeds {first}-{last} on {len(releases)} releases "
+            f"(the seeds that showed each class; DIR/matrix.json)",
+            style="bold",
+        )
+        for line in matrix.table() if matrix.rows else ["  no finding on any release"]:
+            out.line(line)
+    return EXIT_DIVERGED if any_finding else EXIT_OK
+
+
+def _write_json(path: str, record: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def _vllm_campaign(
+    args: argparse.Namespace, found: Any, release: str, out_dir: str, out: Output
+) -> Any:
+    """One release's seeds (a VLLMCampaignSummary), each finding printed as it comes."""
+    from tokentape.chaos.vllm_storms import SetupFailed, VLLMSeedOutcome, run_vllm_campaign
+    from tokentape.integrations.vllm.driver_process import VLLMNotFound
+
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     with progress(args.seeds, f"chaos: {args.seeds} seeds against vLLM {release}") as update:
         done = 0
 
@@ -246,23 +316,22 @@ def _cmd_chaos_vllm(args: argparse.Namespace) -> int:
                     out.line(f"  tokentape why {m.tape} {m.why[0]} {m.why[1]}")
 
         try:
-            summary = run_vllm_campaign(
+            return run_vllm_campaign(
                 seeds,
                 found,
                 None if release == found.version else release,
-                args.out,
+                out_dir,
                 args.jobs,
                 not args.no_shrink,
                 seen,
             )
         except (VLLMNotFound, SetupFailed) as exc:
             raise CLIError(str(exc)) from None
-    record = summary.to_json()
-    with open(os.path.join(args.out, "chaos.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    if args.json:
-        print(json.dumps(record))
-        return EXIT_OK if summary.runs_with_findings == 0 else EXIT_DIVERGED
+
+
+def _print_vllm_summary(
+    summary: Any, record: dict[str, Any], args: argparse.Namespace, out_dir: str, out: Output
+) -> None:
     ok = summary.runs_with_findings == 0
     out.line(
         f"chaos: {summary.num_seeds} seeds against vLLM {summary.release}'s scheduler "
@@ -287,5 +356,4 @@ def _cmd_chaos_vllm(args: argparse.Namespace) -> int:
             "  bug classes: " + ", ".join(f"{k} x{n}" for k, n in summary.bug_classes.most_common())
         )
     if not ok:
-        out.line(f"  specs, tapes and postmortem reports in {args.out}")
-    return EXIT_OK if ok else EXIT_DIVERGED
+        out.line(f"  specs, tapes and postmortem reports in {out_dir}")

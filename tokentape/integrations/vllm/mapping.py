@@ -111,7 +111,9 @@ def engine_config(
         ) from None
 
 
-def make_header(config: EngineConfig, vllm_config: Any, vllm_version: str) -> ev.TapeHeader:
+def make_header(
+    config: EngineConfig, vllm_config: Any, vllm_version: str, note: str = ""
+) -> ev.TapeHeader:
     model = vllm_config.model_config
     return ev.TapeHeader(
         format_version=ev.FORMAT_VERSION,
@@ -125,6 +127,7 @@ def make_header(config: EngineConfig, vllm_config: Any, vllm_version: str) -> ev
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         source="vllm",
         source_version=vllm_version,
+        source_note=note,
     )
 
 

@@ -224,7 +224,10 @@ class TapeRecorder:
         flight = self.in_flight.popleft()
         if flight.step is None:
             return False
-        index: dict[str, int] = runner_output.req_id_to_index
+        # vLLM 0.34 dropped the output's req_id_to_index: the index is the order of req_ids.
+        index: dict[str, int] = getattr(runner_output, "req_id_to_index", None) or {
+            r: i for i, r in enumerate(runner_output.req_ids)
+        }
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
         entries = []

@@ -16,13 +16,18 @@ reducer must re-apply (its discard policy, in the tape's header):
 
 Preemption under KV pressure never touched the discard state before #48245; its stale frame
 was applied, which vLLM's batch queue of depth 2 always does before the request can be
-scheduled again (the policies say so). Each release is recognised by its version and its
-code must agree: a release outside the taught range, or one whose scheduler does not look
-as its range says, is refused by name rather than recorded under the wrong semantics.
+scheduled again (the policies say so). A taught release is recognised by its version, and
+its code must agree: one whose scheduler does not look as its range says is refused by name
+rather than recorded under the wrong semantics. A release outside the taught ranges (the
+next one, or an older one) is recognised by its code alone: when its scheduler has a
+mechanism the recorder knows, it is recorded under that mechanism's policy as an untaught
+release (the recorder says so on stderr and in the tape's header, and checks every event
+live against the fold of the tape); with none it is refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ class Release:
     last: tuple[int, int]  # of the last release taught, inclusive (every patch release)
     discard_policy: str  # the reducer's policy that re-applies it
     mechanism: str  # what the recorder looks for in vLLM's code (mechanism_in)
+    taught: bool = True  # False: a release outside the ranges, recognised by its code alone
 
 
 _FLAG = "Request.discard_latest_async_tokens"
@@ -48,26 +54,25 @@ RELEASES = (
     Release((0, 20), (0, 21), "vllm-flag", _FLAG),
     Release((0, 22), (0, 24), "vllm-counter", _COUNTER),
     Release((0, 25), (0, 26), "vllm-counter-guarded", _GUARDED),
-    Release((0, 27), (0, 33), "deliver", _DELIVER),
+    Release((0, 27), (0, 34), "deliver", _DELIVER),
 )
 TAUGHT = "{}.{}.0 to {}.{}.x".format(*RELEASES[0].first, *RELEASES[-1].last)
 
 _VERSION = re.compile(r"(\d+)\.(\d+)")
 
 
-def release_of(version: str) -> Release:
-    """The taught range holding `version` (e.g. "0.20.0", "0.32.0+cpu", "0.33.1rc1")."""
+def _minor(version: str) -> tuple[int, int]:
     match = _VERSION.match(version)
     if match is None:
         raise UnsupportedByRecorder(f"vLLM {version!r}: the recorder cannot read this version")
-    minor = (int(match.group(1)), int(match.group(2)))
-    for release in RELEASES:
-        if release.first <= minor <= release.last:
-            return release
-    raise UnsupportedByRecorder(
-        f"vLLM {version} is not a release the tokentape recorder was taught "
-        f"(it records vLLM {TAUGHT})"
-    )
+    return int(match.group(1)), int(match.group(2))
+
+
+def release_of(version: str) -> Release | None:
+    """The taught range holding `version` (e.g. "0.20.0", "0.32.0+cpu", "0.33.1rc1"); None
+    for a release outside them."""
+    minor = _minor(version)
+    return next((r for r in RELEASES if r.first <= minor <= r.last), None)
 
 
 def mechanism_in(scheduler_cls: type, request_cls: type) -> str | None:
@@ -86,12 +91,32 @@ def mechanism_in(scheduler_cls: type, request_cls: type) -> str | None:
 
 
 def check_release(version: str, scheduler_cls: type, request_cls: type) -> Release:
-    """The release the running vLLM is; refused when its code disagrees with its version."""
+    """The release the running vLLM is: a taught one whose code agrees with its version, or
+    an untaught one (taught=False) whose code has a mechanism the recorder knows; refused
+    otherwise."""
     release = release_of(version)
     found = mechanism_in(scheduler_cls, request_cls)
+    if release is None:
+        known = next((r for r in RELEASES if r.mechanism == found), None)
+        if known is None:
+            raise UnsupportedByRecorder(
+                f"vLLM {version} is not a release the tokentape recorder was taught (it "
+                f"records vLLM {TAUGHT}), and its scheduler has no discard mechanism the "
+                "recorder knows"
+            )
+        return dataclasses.replace(known, taught=False)
     if found != release.mechanism:
         raise UnsupportedByRecorder(
             f"vLLM {version}: the recorder expects {release.mechanism} in this release, but its "
             f"scheduler has {found or 'no discard mechanism the recorder knows'}"
         )
     return release
+
+
+def untaught_note(version: str, release: Release) -> str:
+    """What the stderr line and the tape's header say of an untaught release."""
+    return (
+        f"untaught release: vLLM {version} is outside the releases the tokentape recorder was "
+        f"taught ({TAUGHT}); its scheduler has {release.mechanism}, recorded under discard "
+        f"policy {release.discard_policy}, every event checked live against the tape"
+    )

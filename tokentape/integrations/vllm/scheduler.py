@@ -20,7 +20,10 @@ Two ways to record:
   (pipeline or data parallelism, KV connectors, several KV cache groups) is refused when the
   engine starts, and a request it cannot record (pooling, prompt embeddings, streaming input)
   when it is added: before anything is recorded. A tape that cannot be written stops the
-  engine, as tokentape's own: a run is never served unrecorded.
+  engine, as tokentape's own: a run is never served unrecorded. A release outside the ones
+  the recorder was taught, whose code has a discard mechanism it knows (releases.py), is
+  recorded with a line on stderr and the note in the header's `source_note`, and checked
+  live as with $TOKENTAPE_CHECK=1.
 - inside a recording session (session.py: vLLM's own tests under the pytest plugin): the tape
   is kept in memory for the session, each event is checked against the fold of the tape so
   far, and nothing the recorder does ever fails vLLM's code. A scheduler it cannot describe
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
@@ -48,7 +52,7 @@ from tokentape.events.tape_path import check_tape_path
 from tokentape.integrations.vllm import active_session, mapping
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 from tokentape.integrations.vllm.recorder import RecorderError, TapeRecorder
-from tokentape.integrations.vllm.releases import Release, check_release
+from tokentape.integrations.vllm.releases import Release, check_release, untaught_note
 from tokentape.replay.tape import state_before_events
 from tokentape.replay.verify_recorded import ConsistencyChecker
 
@@ -84,7 +88,7 @@ class RecordingScheduler(Scheduler):
                 )
             check_tape_path(path)  # before vLLM builds anything more
             super().__init__(*args, **kwargs)
-            checked = os.environ.get(CHECK_ENV) == "1"
+            checked = os.environ.get(CHECK_ENV) == "1" or not release.taught
             at_close = os.environ.get(AT_CLOSE_ENV) == "1"
             self._recorder = self._new_recorder(
                 release,
@@ -132,7 +136,11 @@ class RecordingScheduler(Scheduler):
             release.discard_policy,
             asynchronous,
         )
-        header = mapping.make_header(config, self.vllm_config, vllm.__version__)
+        note = ""
+        if not release.taught:
+            note = untaught_note(vllm.__version__, release)
+            print(f"tokentape recorder: {note}", file=sys.stderr, flush=True)
+        header = mapping.make_header(config, self.vllm_config, vllm.__version__, note)
         checker = None
         if checked:
             checker = ConsistencyChecker(

@@ -48,6 +48,7 @@ An exception from vLLM or the recorder once the scheduler is built ends the run 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -55,6 +56,7 @@ import random
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 RECORDER = "tokentape.integrations.vllm.RecordingScheduler"
@@ -64,6 +66,27 @@ MAX_STEPS = 20_000  # engine steps of one run, whatever it does (a livelock stop
 
 class SetupError(RuntimeError):
     """The scheduler could not be built: this vLLM cannot run the spec at all."""
+
+
+@contextlib.contextmanager
+def _scheduler_only_platform() -> Iterator[None]:
+    """While the config is built: the CPU platform's check that an x86 CPU has Triton with
+    a CPU backend (vLLM 0.34 on, for its model runner's kernels) passes. The driver builds
+    the scheduler and its KV cache manager only, never a worker, a model runner or a kernel,
+    so the check guards nothing it runs; everything else the platform decides for the config
+    (block size, async scheduling, which the driver then sets) is decided as on a machine
+    with triton-cpu. Releases without the check are untouched."""
+    try:
+        import vllm.triton_utils as triton_utils
+    except ImportError:  # a release without the module has no such check
+        yield
+        return
+    had = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = had
 
 
 def _build(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
@@ -85,24 +108,25 @@ def _build(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     block_size, num_blocks = spec["block_size"], spec["num_blocks"]
     k = spec.get("num_speculative_tokens", 0)
     speculative = SpeculativeConfig(model="ngram", num_speculative_tokens=k) if k else None
-    vllm_config = VllmConfig(
-        speculative_config=speculative,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=spec["max_num_seqs"],
-            max_num_batched_tokens=spec["max_num_batched_tokens"],
-            max_model_len=spec["max_model_len"],
-            is_encoder_decoder=False,
-            scheduler_cls=RECORDER,
-        ),
-        model_config=ModelConfig(
-            model=spec["model"],
-            dtype="float32",
-            seed=0,
-            skip_tokenizer_init=True,
-            max_model_len=spec["max_model_len"],
-        ),
-        cache_config=CacheConfig(block_size=block_size),
-    )
+    with _scheduler_only_platform():
+        vllm_config = VllmConfig(
+            speculative_config=speculative,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=spec["max_num_seqs"],
+                max_num_batched_tokens=spec["max_num_batched_tokens"],
+                max_model_len=spec["max_model_len"],
+                is_encoder_decoder=False,
+                scheduler_cls=RECORDER,
+            ),
+            model_config=ModelConfig(
+                model=spec["model"],
+                dtype="float32",
+                seed=0,
+                skip_tokenizer_init=True,
+                max_model_len=spec["max_model_len"],
+            ),
+            cache_config=CacheConfig(block_size=block_size),
+        )
     # The CPU platform has just turned async scheduling off; a GPU platform leaves it on.
     vllm_config.scheduler_config.async_scheduling = spec["async"]
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -198,8 +222,14 @@ class _Driver:
     def __init__(
         self, spec: dict[str, Any], sched: Any, hasher: Any, reset_kwargs: dict[str, Any]
     ) -> None:
+        import dataclasses
+
+        from vllm.v1.outputs import ModelRunnerOutput
+
         from tokentape.engine.runners.oracle import OracleRunner
 
+        fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        self.with_index = "req_id_to_index" in fields
         self.spec, self.sched, self.hasher, self.reset_kwargs = spec, sched, hasher, reset_kwargs
         self.oracle = OracleRunner(cyclic=True, seed=0)
         self.keys: dict[str, int] = {}
@@ -245,9 +275,13 @@ class _Driver:
             key = self.keys[r]
             tokens.append([self.oracle.token_at(key, position + i) for i in range(accepted + 1)])
             self.next_position[r] = (position + accepted + 1, req.num_preemptions)
-        return ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens
-        )
+        if self.with_index:  # before vLLM 0.34 the output also carries its index
+            return ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=tokens,
+            )
+        return ModelRunnerOutput(req_ids=ids, sampled_token_ids=tokens)
 
     def apply_oldest(self) -> bool:
         """Apply the oldest step's output; whether that step ran anything."""
