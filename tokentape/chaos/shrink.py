@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 Spec = dict[str, Any]
-COMMAND_KEYS = ("reset_at", "pause_at", "abort_at")
+COMMAND_KEYS = ("reset_at", "pause_at", "abort_at", "sleep_at", "wake_at")
 
 
 class _Tester:

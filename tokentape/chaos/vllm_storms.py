@@ -14,9 +14,11 @@ n-gram drafts of which the model accepts a seeded random number (rejections), KV
 to 64 blocks of 16 tokens), chunked prefill (a token budget of 16 to 512 over 2 to 16 running
 requests), 2 to 14 requests (some sharing a prefix, some added mid-run), and 0 to 6 commands
 between steps: `reset_prefix_cache` with and without running requests, pauses in every mode
-(keep, wait, abort) with and without clear_cache, and aborts. The same seed on the same
-release replays the same run. The driver stops a run whose requests are never scheduled
-again after 100 idle engine steps (vLLM 0.20's #42043 hang): a finding with its tape.
+(keep, wait, abort) with and without clear_cache, and aborts; and in a third of the storms
+one or two sleeps (levels 0-2) with their wake-ups by tags, as RL loops call them. The same
+seed on the same release replays the same run. The driver stops a run whose requests are
+never scheduled again after 100 idle engine steps (vLLM 0.20's #42043 hang): a finding with
+its tape.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ _MAX_SEQS = (2, 4, 8, 16)
 _BUDGETS = (16, 32, 64, 128, 512)
 _SPECULATIVE = (0, 1, 1, 2, 3)
 _PAUSE_MODES = ("keep", "keep", "keep", "wait", "wait", "abort")
+_SLEEP_MODES = ("keep", "keep", "abort", "wait")
 COMMAND_HORIZON = 60  # commands land in the first steps, while requests are running
 # The driver's own findings, beside the postmortem's kinds.
 RECORDING_INCONSISTENT = "recording_inconsistent"  # the recorder's live check stopped the run
 VLLM_EXCEPTION = "vllm_exception"  # vLLM raised (an assert, an index error) mid-run
+DEVICE_FAULT = "device_fault"  # a step needed memory the executor had released (asleep)
 HANG = "hang"  # requests left, and 100 engine steps in a row that ran nothing
 STEP_LIMIT = "step_limit"  # still running after the driver's step limit (a livelock)
 BROKEN_STREAM = "broken_stream"  # a client's tokens are not the oracle's, the tape silent
@@ -97,6 +101,10 @@ def storm_spec(seed: int) -> dict[str, Any]:
             pause_at.append([step, rng.choice(_PAUSE_MODES), rng.random() < 0.6])
         else:
             abort_at.append([step, rng.choice(requests)["id"]])
+    sleep_at, wake_at = _sleeps(seed)
+    for window in _windows(sleep_at, wake_at):  # no pause or reset while the engine sleeps
+        reset_at = [r for r in reset_at if r[0] not in window]
+        pause_at = [p for p in pause_at if p[0] not in window]
     return {
         "async": rng.random() < 0.85,
         "num_speculative_tokens": k,
@@ -110,7 +118,46 @@ def storm_spec(seed: int) -> dict[str, Any]:
         "reset_at": sorted(reset_at),
         "pause_at": sorted({s: [s, m, c] for s, m, c in pause_at}.values()),  # one a step
         "abort_at": sorted(abort_at),
+        "sleep_at": sleep_at,
+        "wake_at": wake_at,
     }
+
+
+def _sleeps(seed: int) -> tuple[list[list[Any]], list[list[Any]]]:
+    """A third of the storms sleep once or twice, as an RL loop does between rollouts: a
+    sleep (level 1 or 2; level 0 pauses only) in a pause mode, then its wake-ups a few steps
+    apart, in the order RL frameworks call them (the weights, for their update, then the KV
+    cache), all at once, or by tags together. Drawn from a stream of their own: the other
+    commands of a seed stay what they were."""
+    rng = random.Random(f"vllm-chaos-sleep-{seed}")
+    sleep_at: list[list[Any]] = []
+    wake_at: list[list[Any]] = []
+    if rng.random() >= 1 / 3:
+        return sleep_at, wake_at
+    step = 0
+    for _ in range(rng.randint(1, 2)):
+        step += rng.randint(1, COMMAND_HORIZON // 2)
+        level = rng.choice((0, 1, 1, 2))
+        sleep_at.append([step, level, rng.choice(_SLEEP_MODES)])
+        if level == 0:
+            wakes: list[list[str] | None] = [["scheduling"]]
+        else:
+            wakes = rng.choice(([["weights"], ["kv_cache"]], [None], [["weights", "kv_cache"]]))
+        for tags in wakes:
+            step += rng.randint(1, 8)
+            wake_at.append([step, tags])
+        step += 1
+    return sleep_at, wake_at
+
+
+def _windows(sleep_at: list[list[Any]], wake_at: list[list[Any]]) -> list[range]:
+    """The steps each sleep lasts: from it to its last wake-up."""
+    windows = []
+    for i, (start, *_) in enumerate(sleep_at):
+        end = sleep_at[i + 1][0] if i + 1 < len(sleep_at) else None
+        last = max(w[0] for w in wake_at if w[0] >= start and (end is None or w[0] < end))
+        windows.append(range(start, last + 1))
+    return windows
 
 
 def write_model(folder: str) -> str:
@@ -205,7 +252,7 @@ def check_run(spec: dict[str, Any], result: dict[str, Any], tape: str) -> Checke
     violations = oracle_violations(spec, result)
     signatures: list[Signature] = []
     error = result.get("error")
-    if error:
+    if error and not error.startswith("DeviceFault"):  # the device's: after the tape's
         if error.startswith("RecordingLost"):
             signatures.append(Signature(RECORDING_INCONSISTENT))
         else:  # which exception, raised where: a shrink keeps the same one
@@ -216,6 +263,8 @@ def check_run(spec: dict[str, Any], result: dict[str, Any], tape: str) -> Checke
         if f.kind in ("engine_error", "tape_truncated") and error:
             continue  # the driver's exception, already said
         signatures.append(Signature(f.kind, f.bug_class))
+    if error and error.startswith("DeviceFault"):
+        signatures.append(Signature(DEVICE_FAULT))
     if result.get("stopped") == "idle":
         signatures.append(Signature(HANG))
     elif result.get("stopped") == "step_limit":
@@ -311,6 +360,8 @@ def num_commands(spec: dict[str, Any]) -> int:
         len(spec.get("reset_at", ()))
         + len(spec.get("pause_at", ()))
         + len(spec.get("abort_at", ()))
+        + len(spec.get("sleep_at", ()))
+        + len(spec.get("wake_at", ()))
     )
 
 

@@ -61,9 +61,11 @@ def engine_config(
     max_num_scheduled_tokens: int,
     discard_policy: str,
     asynchronous: bool,
+    faults: list[str] | None = None,
 ) -> EngineConfig:
     """The EngineConfig a vLLM run corresponds to: what the reducer and the checkers read;
-    `discard_policy` re-applies the release's discard mechanism (releases.py), `asynchronous`
+    `discard_policy` re-applies the release's discard mechanism and `faults` the bugs its
+    engine core shipped that the reducer must follow (releases.py), `asynchronous`
     says whether the scheduler is an AsyncScheduler (vLLM's CPU platform turns the config's
     async_scheduling off, but a caller may still build one)."""
     model, sched, cache = (
@@ -94,6 +96,7 @@ def engine_config(
             pipeline_depth=2 if asynchronous else 1,  # vLLM's batch queue without PP
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             discard_policy=discard_policy,
+            faults=list(faults or ()),
             block_size=block_size,
             num_kv_blocks=num_blocks,
             max_num_seqs=sched.max_num_seqs,

@@ -154,6 +154,19 @@ class TapeRecorder:
         self.paused = mode
         self.tape.commit()
 
+    def slept(self, level: int) -> None:
+        """The executor released its memory at `level` (vLLM's EngineCore.sleep, after its
+        pause): the steps still in flight, and the unfinished requests kept for the wake-up."""
+        in_flight = [f.step for f in self.in_flight if f.step is not None]
+        kept = [rid for rid in self.ids.values() if rid not in self.finished]
+        self._append(ev.EngineSlept(self.step, level, in_flight, kept))
+        self.tape.commit()
+
+    def woke_up(self, tags: list[str] | None) -> None:
+        """The executor woke `tags` (None: everything) up, before any resume that follows."""
+        self._append(ev.EngineWokeUp(self.step, None if tags is None else list(tags)))
+        self.tape.commit()
+
     def begin_reset(self) -> None:
         self._reset_preemptions = []
 
@@ -262,7 +275,8 @@ class TapeRecorder:
         self.tape.commit()
 
     def error(self, exc: BaseException) -> None:
-        """vLLM's scheduler raised: the run ends here, as tokentape's engine records it."""
+        """vLLM's scheduler or executor raised: the run ends here, as tokentape's engine
+        records it."""
         self.tape.append(ev.EngineError(self.step, type(exc).__name__, str(exc)))
         self.tape.flush()
 

@@ -23,6 +23,12 @@ next one, or an older one) is recognised by its code alone: when its scheduler h
 mechanism the recorder knows, it is recorded under that mechanism's policy as an untaught
 release (the recorder says so on stderr and in the tape's header, and checks every event
 live against the fold of the tape); with none it is refused by name.
+
+One bug of the engine core rather than the scheduler is a release's semantics too: before
+#44483 (0.24), `EngineCore.wake_up(tags=["weights"])` resumed scheduling while the KV cache
+still slept (#44395). A tape of such a release names the fault `resume_on_partial_wake` in
+its config (`shipped_faults`, read from the code), so the reducer follows what vLLM did and
+the postmortem names the steps scheduled on the sleeping KV cache.
 """
 
 from __future__ import annotations
@@ -120,3 +126,14 @@ def untaught_note(version: str, release: Release) -> str:
         f"taught ({TAUGHT}); its scheduler has {release.mechanism}, recorded under discard "
         f"policy {release.discard_policy}, every event checked live against the tape"
     )
+
+
+def shipped_faults(engine_core_cls: type) -> list[str]:
+    """The bugs of this release's engine core that its tapes' reducer must follow
+    (tokentape.events.faults): `resume_on_partial_wake` where EngineCore.wake_up resumes
+    scheduling whatever still sleeps (#44395, until #44483 made it wait for the executor to
+    be fully awake: 0.24 on)."""
+    wake_up = getattr(engine_core_cls, "wake_up", None)
+    if wake_up is None or "is_sleeping" in inspect.getsource(wake_up):
+        return []
+    return ["resume_on_partial_wake"]

@@ -44,6 +44,7 @@ import vllm
 import vllm.envs
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
 
 from tokentape.events.sqlite_store import SQLiteTape, write_tape
@@ -52,7 +53,12 @@ from tokentape.events.tape_path import check_tape_path
 from tokentape.integrations.vllm import active_session, mapping
 from tokentape.integrations.vllm.mapping import UnsupportedByRecorder
 from tokentape.integrations.vllm.recorder import RecorderError, TapeRecorder
-from tokentape.integrations.vllm.releases import Release, check_release, untaught_note
+from tokentape.integrations.vllm.releases import (
+    Release,
+    check_release,
+    shipped_faults,
+    untaught_note,
+)
 from tokentape.replay.tape import state_before_events
 from tokentape.replay.verify_recorded import ConsistencyChecker
 
@@ -135,6 +141,7 @@ class RecordingScheduler(Scheduler):
             self.max_num_scheduled_tokens,
             release.discard_policy,
             asynchronous,
+            shipped_faults(EngineCore),
         )
         note = ""
         if not release.taught:
@@ -235,6 +242,22 @@ class RecordingScheduler(Scheduler):
     def set_pause_state(self, pause_state: Any) -> None:
         self._vllm(super().set_pause_state, pause_state)
         self._record(lambda r: r.pause_state(pause_state.name))
+
+    def executor_slept(self, level: int) -> None:
+        """The executor released its memory (vLLM's EngineCore.sleep at level 1 or 2, once
+        its pause is done). vLLM's engine core does not tell its scheduler, so whatever drives
+        the engine calls this (the scheduler driver does), as the executor's sleep returns."""
+        self._record(lambda r: r.slept(level))
+
+    def executor_woke_up(self, tags: list[str] | None) -> None:
+        """The executor woke `tags` up (None: everything), as its wake_up returns: before the
+        resume that EngineCore.wake_up may follow it with."""
+        self._record(lambda r: r.woke_up(tags))
+
+    def executor_failed(self, exc: BaseException) -> None:
+        """The executor raised running a step that the scheduler scheduled: the engine core
+        dies of it, and the tape ends with it (an EngineError), as with vLLM's own errors."""
+        self._failed(exc)
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False

@@ -11,8 +11,11 @@ next step is scheduled before the previous one's output is applied) or `step`. T
 output for a sampling entry is the oracle's token at the position after the entry's tokens
 (a pure function of prompt and position: any correct schedule delivers the oracle's stream).
 Commands between steps as EngineCore issues them: aborts (`finish_requests`),
-`reset_prefix_cache(reset_running_requests=...)` with steps in flight, and pauses as
-`pause_scheduler` makes them (pause state, drain the queue, reset the caches when asked).
+`reset_prefix_cache(reset_running_requests=...)` with steps in flight, pauses as
+`pause_scheduler` makes them (pause state, drain the queue, reset the caches when asked),
+and sleeps and wake-ups through the release's own EngineCore.sleep / wake_up and
+Executor.sleep / wake_up (_EngineCoreCommands), which the recorder hears of through the
+executor's call to its workers.
 
 Runs in vLLM's Python with tokentape importable:
 
@@ -29,7 +32,10 @@ Spec: {"model": folder (its config.json shapes the KV spec), "tape", "async": bo
 "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
 "requests": [{"id", "prompt", "max_tokens", "add_at"}], "reset_at": [step, or [step,
 reset_running_requests]] (a bare step resets running requests), "pause_at": [[step, mode,
-clear_cache]], "abort_at": [[step, id]], "num_speculative_tokens": k (n-gram drafts: the model
+clear_cache]], "abort_at": [[step, id]], "sleep_at": [[step, level, mode]] (vLLM's own
+EngineCore.sleep: its pause, then the executor's memory released at level 1 or 2; level 0
+pauses only), "wake_at": [[step, tags or null]] (its EngineCore.wake_up: tags among
+"weights", "kv_cache", "scheduling"), "num_speculative_tokens": k (n-gram drafts: the model
 accepts a seeded random number of them), "seed", "check": bool (the recorder checks each event
 against the fold of the tape as it records: $TOKENTAPE_CHECK), "tape_at_close": bool (the tape
 is written once, at the end: $TOKENTAPE_TAPE_AT_CLOSE), "out": the result's file (without it,
@@ -246,6 +252,7 @@ class _Driver:
         self.step = self.drain_steps = self.scheduled_steps = self.idle = 0
         self.hung: list[str] = []
         self.stopped: str | None = None
+        self.core: _EngineCoreCommands | None = None  # with sleeps or wake-ups in the spec
 
     def run_model(self, out: Any) -> Any:
         """The runner's output for a step, computed as it is scheduled (the device runs it)."""
@@ -283,6 +290,10 @@ class _Driver:
             )
         return ModelRunnerOutput(req_ids=ids, sampled_token_ids=tokens)
 
+    def sleeping_memory(self) -> set[str]:
+        """What the executor has released and not woken (its sleeping_tags)."""
+        return self.core.memory.sleeping_tags if self.core is not None else set()
+
     def apply_oldest(self) -> bool:
         """Apply the oldest step's output; whether that step ran anything."""
         out, model_output = self.queue.popleft()
@@ -297,6 +308,13 @@ class _Driver:
     def schedule(self) -> bool:
         """Schedule one step; whether the model would have run it."""
         out = self.sched.schedule()
+        if out.total_num_scheduled_tokens > 0 and "kv_cache" in self.sleeping_memory():
+            fault = DeviceFault(
+                "illegal memory access: the step writes the KV cache, which the sleep "
+                "released and the wake-up left asleep"
+            )
+            self.sched.executor_failed(fault)
+            raise fault
         self.queue.append((out, self.run_model(out)))
         ran = out.total_num_scheduled_tokens > 0
         self.scheduled_steps += ran
@@ -368,6 +386,23 @@ class _Driver:
             )
         )
 
+    def pause(self, mode: str, clear_cache: bool) -> bool:
+        """EngineCore.pause_scheduler, completed: the pause state, aborts in mode abort, the
+        drain (the pause completes once the engine has no work), then the caches reset when
+        asked. False on a hang."""
+        from vllm.v1.core.sched.interface import PauseState
+        from vllm.v1.request import RequestStatus
+
+        sched = self.sched
+        if mode == "abort":
+            self.aborted(sched.finish_requests(None, RequestStatus.FINISHED_ABORTED))
+        sched.set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
+        if not self.drain():
+            return False
+        if clear_cache:  # EngineCore._reset_caches, as this release has it
+            sched.reset_prefix_cache(**self.reset_kwargs)
+        return True
+
     def run(self) -> None:
         from vllm.v1.core.sched.interface import PauseState
         from vllm.v1.request import RequestStatus
@@ -382,7 +417,15 @@ class _Driver:
         aborts: dict[int, list[str]] = {}
         for s, rid in spec.get("abort_at", ()):
             aborts.setdefault(s, []).append(rid)
-        while pending or self.queue or sched.has_requests():
+        sleeps = {s: (level, mode) for s, level, mode in spec.get("sleep_at", ())}
+        wakes: dict[int, list[list[str] | None]] = {}
+        for s, tags in spec.get("wake_at", ()):
+            wakes.setdefault(s, []).append(tags)
+        core = self.core = _EngineCoreCommands(self) if sleeps or wakes else None
+        last_wake = max(wakes, default=-1)
+        # A paused scheduler has no requests to vLLM (has_requests): the engine waits on for
+        # the wake-ups still to come, as EngineCore waits for its next call.
+        while pending or self.queue or sched.has_requests() or self.step <= last_wake:
             step = self.step
             while pending and pending[0].get("add_at", 0) <= step:
                 self.add(pending.pop(0))
@@ -391,19 +434,94 @@ class _Driver:
             if step in aborts:
                 self.aborted(sched.finish_requests(aborts[step], RequestStatus.FINISHED_ABORTED))
             if step in pauses:
-                mode, clear = pauses[step]
-                if mode == "abort":
-                    self.aborted(sched.finish_requests(None, RequestStatus.FINISHED_ABORTED))
-                sched.set_pause_state(
-                    PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
-                )
-                if not self.drain():  # the pause completes once the engine has no work
+                if not self.pause(*pauses[step]):
                     return
-                if clear:  # EngineCore._reset_caches, as this release has it
-                    sched.reset_prefix_cache(**self.reset_kwargs)
                 sched.set_pause_state(PauseState.UNPAUSED)
+            if core is not None:
+                try:
+                    if step in sleeps:
+                        core.sleep(*sleeps[step])
+                    for tags in wakes.get(step, ()):
+                        core.wake_up(tags)
+                except _Hung:
+                    return
             if self.tick(self.engine_step() or bool(pending)):
                 return
+
+
+class DeviceFault(RuntimeError):
+    """What the device does with a step that needs memory the executor released: on a GPU,
+    the forward pass touches unmapped memory and the engine dies. The driver's model raises
+    it instead of computing the step."""
+
+
+class _Hung(Exception):
+    """A sleep's pause did not complete: the run stops there (tick said why)."""
+
+
+class _EngineCoreCommands:
+    """vLLM's own EngineCore.sleep and wake_up, as this release has them, run on the driver's
+    engine: an EngineCore made without its __init__ (no model, no processes) that holds the
+    scheduler, the driver's pause (pause_scheduler, completed before it returns, as its
+    future would be) and, as its executor, the release's own Executor.sleep / wake_up
+    bookkeeping of what memory sleeps (sleeping_tags), whose collective_rpc to the workers
+    is where the recorder hears of the memory going and coming back. So the order of the
+    pause, the memory and the resume, and whether a partial wake-up resumes scheduling
+    (#44395), are the release's."""
+
+    def __init__(self, driver: _Driver) -> None:
+        import vllm.v1.engine.core as core_module
+        from vllm.v1.executor.abstract import Executor
+
+        core = core_module.EngineCore.__new__(core_module.EngineCore)
+        core.scheduler = driver.sched
+        core.model_executor = self.memory = _executor_memory(Executor, driver.sched)
+        checkpoint = getattr(core_module, "CheckpointState", None)
+        if checkpoint is not None:  # vLLM 0.34 on: sleep and wake-up check it
+            core._checkpoint_state = checkpoint.RUNNING
+            core._kv_cache_reclaimable = False
+        driver_pause = driver.pause
+
+        def pause_scheduler(mode: str = "abort", clear_cache: bool = True, **_: Any) -> None:
+            if not driver_pause(mode, clear_cache):
+                raise _Hung
+            return None  # completed: EngineCore goes on at once, as with no step in flight
+
+        core.pause_scheduler = pause_scheduler
+        self.core = core
+
+    def sleep(self, level: int, mode: str) -> None:
+        self.core.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.core.wake_up(tags)
+
+
+def _executor_memory(executor_cls: type, sched: Any) -> Any:
+    """An object with the release's Executor.sleep, wake_up and is_sleeping (a property
+    since 0.34, an attribute before), and a collective_rpc that tells the recorder."""
+    names = ("sleep", "wake_up", "is_sleeping")
+    methods = {n: executor_cls.__dict__[n] for n in names if n in executor_cls.__dict__}
+
+    class ExecutorMemory:
+        def __init__(self) -> None:
+            self.sleeping_tags: set[str] = set()
+            if not isinstance(methods.get("is_sleeping"), property):
+                self.is_sleeping = False
+
+        def collective_rpc(
+            self, method: str, timeout: Any = None, args: tuple = (), kwargs: Any = None
+        ) -> list[Any]:
+            kwargs = kwargs or {}
+            if method == "sleep":
+                sched.executor_slept(kwargs["level"])
+            elif method == "wake_up":
+                sched.executor_woke_up(kwargs.get("tags"))
+            return [None]
+
+    for name, member in methods.items():
+        setattr(ExecutorMemory, name, member)
+    return ExecutorMemory()
 
 
 def serve(results: Any) -> None:
