@@ -1,14 +1,15 @@
 """`tokentape chaos --engine vllm`: seeded storms against vLLM's own scheduler, recorded, with
 the oracle as the model (marker vllm; tokentape/chaos/vllm_storms.py).
 
-Storms on vLLM 0.20.0 find the #42043 class and storms on 0.24.0 the #46066 class within 60
-seeds (each test stops at the first seed that does); a slice of seeds on the releases that
-fixed them (the venv's 0.32.0, 0.33.0 and 0.34.0) finds nothing; the release matrix names the
-first release with a class and the first without; a finding shrinks to a spec of at
-most 4 requests, kept beside the original, whose tape `tokentape why` reads to the step that
-broke; a run that hangs vLLM stops and is a finding with its tape; the same seed on the same
-release replays the same run. One driver process per release, shared by the tests (vLLM is
-imported once: ~10 s each on 2 cores); the seeds themselves take a fraction of a second."""
+Storms on vLLM 0.20.0 find the #42043 class (and, with sleeps, #44395) and storms on 0.24.0
+the #46066 class within 60 seeds (each test stops at the first seed that does); a slice of
+seeds on the releases that fixed them (the venv's 0.32.0, 0.33.0 and 0.34.0) finds nothing;
+the release matrix names the first release with a class and the first without; a finding
+shrinks to a spec of at most 4 requests, kept beside the original, whose tape `tokentape why`
+reads to the step that broke; a run that hangs vLLM stops and is a finding with its tape; the
+same seed on the same release replays the same run. One driver process per release, shared
+by the tests (vLLM is imported once: ~10 s each on 2 cores); the seeds themselves take a
+fraction of a second."""
 
 from __future__ import annotations
 
@@ -95,6 +96,14 @@ def _first_seed_with(c: VLLMChaos, bug_class: str) -> int:
 @_skip("0.20.0")
 def test_storms_on_0_20_0_find_the_42043_class(chaos: dict[str | None, VLLMChaos]) -> None:
     assert _first_seed_with(chaos["0.20.0"], "vllm#42043") < WITHIN
+
+
+@_skip("0.20.0")
+def test_storms_with_sleeps_on_0_20_0_find_the_44395_class(
+    chaos: dict[str | None, VLLMChaos],
+) -> None:
+    """A wake-up of the weights alone, in the storms' RL order, resumes scheduling on 0.20."""
+    assert _first_seed_with(chaos["0.20.0"], "vllm#44395") < WITHIN
 
 
 @_skip("0.24.0")

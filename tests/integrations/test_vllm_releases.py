@@ -36,6 +36,7 @@ from baselines.vllm_releases import overlay_dir, recorder_missing, release_env  
 from vllm_scenarios import (  # noqa: E402
     SCHEDULER_DRIVER,
     async_scenario,
+    partial_wake_scenario,
     pause_resume_scenario,
     run_tokentape,
     run_vllm,
@@ -102,7 +103,12 @@ def model(work: Path) -> str:
     return str(save_checkpoint(builtin_model("tiny", 0)[1], work / "tiny"))
 
 
-SCENARIOS = {"pause": pause_resume_scenario, "async": async_scenario, "spec": spec_reset_scenario}
+SCENARIOS = {
+    "pause": pause_resume_scenario,
+    "async": async_scenario,
+    "spec": spec_reset_scenario,
+    "wake": partial_wake_scenario,
+}
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +221,32 @@ def test_speculative_decoding_with_resets_in_flight(recorded: Any, version: str 
         if f.kind in ("negative_count", "fresh_frame_dropped", "phantom_placeholders"):
             found.setdefault(f.kind, set()).add(f.bug_class)
     assert found == expected, [f.message for f in report.findings]
+
+
+@pytest.mark.parametrize("version", [_release(v) for v in RELEASES])
+def test_an_rl_sleep_with_a_wake_up_of_the_weights_first(
+    recorded: Any, work: Path, version: str | None
+) -> None:
+    """sleep(level=1, keep), wake_up(["weights"]), wake_up(["kv_cache"]) through each
+    release's own EngineCore and Executor code: 0.20.0 resumes at the first wake-up and
+    schedules onto the KV cache still asleep (#44395; the device fails on that step); the
+    releases from #44483 on wait for the KV cache and give every client tokentape's stream."""
+    result = _run(recorded, version, "wake")
+    tape = result["tape"]
+    assert verify(tape).ok
+    report = postmortem(tape)
+    if version == "0.20.0":
+        assert load_tape(tape).config.faults == ["resume_on_partial_wake"]
+        assert (result["error"] or "").startswith("DeviceFault: illegal memory access")
+        kinds = {(f.kind, f.bug_class) for f in report.findings}
+        assert ("step_on_sleeping_kv_cache", "vllm#44395") in kinds, kinds
+        return
+    assert report.findings == [] and result["error"] is None, [f.message for f in report.findings]
+    slept = [e for _, e in load_tape(tape).events() if isinstance(e, ev.EngineSlept)]
+    assert [(e.level, e.kept) for e in slept] == [(1, ["a", "b"])]
+    name = f"wake-tokentape-{version or 'venv'}.tape"
+    ours = run_tokentape(partial_wake_scenario(str(work / "tiny")), "oracle", work / name)
+    assert {r: o["tokens"] for r, o in result["outputs"].items()} == ours
 
 
 def test_a_release_the_recorder_was_not_taught_is_recorded_by_its_code(

@@ -416,3 +416,35 @@ def test_the_recorder_knows_each_release_and_reads_the_others_by_their_code() ->
         check_release("0.35.0", Request, Request)
     with pytest.raises(UnsupportedByRecorder, match="expects Request.discard_latest_async"):
         check_release("0.20.0", Delivering, Request)
+
+
+def test_vllm_0_20_0_resumes_on_a_wake_up_of_the_weights_alone() -> None:
+    """An RL loop's sleep on vLLM 0.20.0's own EngineCore.sleep / wake_up code: sleep(level=1,
+    keep), wake_up(["weights"]), wake_up(["kv_cache"]). 0.20.0's first wake-up resumes
+    scheduling (#44395): the next step is scheduled onto the KV cache still asleep, and the
+    device fails there. 0.24.0 (#44483) waits for the KV cache and serves every token."""
+    tape = load_tape(TAPES / "0.20.0_partial_wake.tape")
+    assert tape.header.source_version == "0.20.0"
+    assert tape.config.faults == ["resume_on_partial_wake"]  # 0.20.0's wake_up, read from it
+    events = [e for _, e in tape.events()]
+    kinds = [type(e).__name__ for e in events]
+    woke = kinds.index("EngineWokeUp")
+    assert kinds[woke - 1] == "EngineSlept" and kinds[woke + 1 : woke + 3] == [
+        "GenerationResumed",
+        "StepScheduled",
+    ]
+    assert isinstance(events[-1], ev.EngineError) and "illegal memory access" in events[-1].message
+    assert verify(tape).ok
+    report = postmortem(tape)
+    found = {(f.kind, f.bug_class) for f in report.findings}
+    assert ("step_on_sleeping_kv_cache", "vllm#44395") in found, found
+    fixed = load_tape(TAPES / "0.24.0_partial_wake.tape")
+    assert fixed.config.faults == [] and postmortem(fixed).findings == []
+    fixed_kinds = [type(e).__name__ for _, e in fixed.events()]
+    start = fixed_kinds.index("EngineSlept")
+    assert fixed_kinds[start + 1 : start + 4] == [
+        "EngineWokeUp",
+        "EngineWokeUp",
+        "GenerationResumed",
+    ]
+    assert fixed.fold().unfinished == []

@@ -80,7 +80,7 @@ def _commands(spec: Spec) -> list[tuple[str, Any]]:
 
 
 def _with_commands(spec: Spec, commands: list[tuple[str, Any]]) -> Spec:
-    out = {**spec, **{k: [] for k in COMMAND_KEYS}}
+    out = {**spec, **{k: [] for k in COMMAND_KEYS if k in spec}}  # a spec keeps its keys
     for k, item in commands:
         out[k].append(item)
     return out

@@ -22,7 +22,10 @@ tests/integrations/vllm_scenarios.py:
   and leaves a request hung one token short of its limit) and 0.24.0 (clean);
 - RELEASE_spec_resets.tape: two drafts per step, resets with a step in flight, on vLLM 0.20.0
   (a dropped frame's rejected drafts send placeholders below zero, #46066), 0.24.0 (that, and
-  the token-unit counter drops fresh frames) and 0.26.0 (fresh frames dropped).
+  the token-unit counter drops fresh frames) and 0.26.0 (fresh frames dropped);
+- RELEASE_partial_wake.tape: an RL loop's sleep(level=1, mode="keep"), wake_up(["weights"]),
+  wake_up(["kv_cache"]) on vLLM 0.20.0 (the first wake-up resumes scheduling onto the KV cache
+  still asleep, #44395, and the device fails on that step) and 0.24.0 (it waits, #44483).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from vllm_scenarios import (  # noqa: E402
     async_scenario,
     engine_scenario,
     padded_admission_scenario,
+    partial_wake_scenario,
     pause_resume_scenario,
     run_vllm,
     spec_reset_scenario,
@@ -85,6 +89,8 @@ def main() -> int:
             ("0.20.0", "spec_resets", spec_reset_scenario(model)),
             ("0.24.0", "spec_resets", spec_reset_scenario(model)),
             ("0.26.0", "spec_resets", spec_reset_scenario(model)),
+            ("0.20.0", "partial_wake", partial_wake_scenario(model)),
+            ("0.24.0", "partial_wake", partial_wake_scenario(model)),
         ):
             name = f"{version}_{scenario}"
             result = run_vllm(
