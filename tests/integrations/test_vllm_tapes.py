@@ -448,3 +448,25 @@ def test_vllm_0_20_0_resumes_on_a_wake_up_of_the_weights_alone() -> None:
         "GenerationResumed",
     ]
     assert fixed.fold().unfinished == []
+
+
+def test_placeholders_left_over_show_at_the_step_they_are_left() -> None:
+    """vLLM 0.20.0's flag drops a fresh frame and keeps its placeholder: the request runs on
+    with nothing in flight but a placeholder for a token that never comes. The postmortem
+    says so at the step it happens, before the finish (or the hang) shows it."""
+    report = postmortem(load_tape(TAPES / "0.20.0_pause_resume.tape"))
+    left = {f.request_ids[0]: f for f in report.findings if f.kind == "placeholders_left_over"}
+    at_finish = {
+        f.request_ids[0]: f for f in report.findings if f.kind == "count_nonzero_at_finish"
+    }
+    assert sorted(left) == sorted(at_finish) == ["a", "b"]
+    for rid, f in left.items():
+        assert f.bug_class == "vllm#42043" and f.steps[0] < at_finish[rid].steps[0]
+    hung = postmortem(load_tape(TAPES / "0.20.0_preemptions.tape"))
+    left_steps = {
+        f.request_ids[0]: f.steps[0] for f in hung.findings if f.kind == "placeholders_left_over"
+    }
+    phantom = [f for f in hung.findings if f.kind == "phantom_placeholders"]
+    assert phantom and all(left_steps[f.request_ids[0]] < f.steps[0] for f in phantom)
+    for clean in ("async_scheduler", "0.33.0_pause_resume", "0.24.0_partial_wake"):
+        assert postmortem(load_tape(TAPES / f"{clean}.tape")).findings == []

@@ -133,6 +133,7 @@ def test_cli_json_has_the_tapes_and_a_summary_per_engine(
         "post_resume_token_dropped": 1,
         "token_shifted": 1,
         "count_nonzero_at_finish": 1,
+        "placeholders_left_over": 1,
     }
     assert engines["engine-2"]["ended"] == "truncated" and engines["engine-0"]["errors"] == 0
     assert doc["tapes"][1]["findings"][0]["bug_class"] == "vllm#42043"

@@ -583,6 +583,7 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
             _finding("post_resume_token_dropped", ["r"], "vllm#42043"),
             # Every later token moved up by one; the dropped frame's placeholder never came back.
             _finding("token_shifted", ["r"], "vllm#42043"),
+            _finding("placeholders_left_over", ["r"], "vllm#42043", severity="warning"),
             _finding("count_nonzero_at_finish", ["r"], "vllm#42043", severity="warning"),
         ],
     ),
@@ -602,6 +603,7 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         [
             _finding("fresh_frame_dropped", ["r"], "vllm#42117-spec-units"),
             _finding("token_shifted", ["r"], "vllm#42117-spec-units"),
+            _finding("placeholders_left_over", ["r"], "vllm#42117-spec-units", severity="warning"),
             _finding("count_nonzero_at_finish", ["r"], "vllm#42117-spec-units", severity="warning"),
         ],
     ),
@@ -644,6 +646,7 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
         [
             _finding("fresh_frame_dropped", ["r"], "vllm#41190"),
             _finding("token_shifted", ["r"], "vllm#41190"),
+            _finding("placeholders_left_over", ["r"], "vllm#41190", severity="warning"),
             _finding("count_nonzero_at_finish", ["r"], "vllm#41190", severity="warning"),
         ],
     ),
@@ -713,6 +716,7 @@ ZOO: dict[str, tuple[Callable[[Path], None], list[dict[str, Any]]]] = {
             _finding("negative_count", ["r"], "vllm-omni#5183"),
             # The drained pause: nothing in flight, a count of 1 drops the first fresh frame.
             _finding("post_resume_token_dropped", ["r"], "vllm-omni#5183"),
+            _finding("placeholders_left_over", ["r"], "vllm-omni#5183", severity="warning"),
             _finding("count_nonzero_at_finish", ["r"], "vllm-omni#5183", severity="warning"),
         ],
     ),

@@ -10,8 +10,9 @@
   `deliver` (vLLM since #48245) stale output is delivered by design: applying it is a
   finding only once the request was scheduled again before it drained.
 - Counts: output placeholders, the discard count and the in-flight counts must never go
-  negative, and placeholders and the discard count must be zero once a finished request has
-  nothing in flight.
+  negative; a running request with nothing in flight must have no placeholders left, at any
+  step (vLLM's scheduler would count tokens that never come); and placeholders and the
+  discard count must be zero once a finished request has nothing in flight.
 """
 
 from __future__ import annotations
@@ -286,6 +287,7 @@ class CountChecker(Checker):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._done: set[str] = set()  # finished requests already checked for leftover counts
+        self._left_over: set[str] = set()  # running requests already reported with leftovers
 
     def after(self) -> dict[type, Hook]:
         return {
@@ -321,6 +323,26 @@ class CountChecker(Checker):
                 value = getattr(req, name)
                 if value < 0:
                     self._negative(seq, e, req, name, value)
+        if (
+            req.finish_reason is None
+            and not req.num_in_flight
+            and req.num_output_placeholders > 0
+            and req.req_id not in self._left_over
+        ):
+            self._left_over.add(req.req_id)
+            n = req.num_output_placeholders
+            self.ctx.report(
+                "placeholders_left_over",
+                "warning",
+                [req.req_id],
+                e.step,
+                f"request {req.req_id!r} has nothing in flight after step {e.step} but {n} output "
+                f"placeholder(s): the scheduler counts {n} token(s) that will not come, so it "
+                "stops scheduling the request that much short of its limit, or never again",
+                [cite(self.ctx.preemptions.get(req.req_id)), (seq, e)],
+                self.ctx.bug_class_of(req.req_id),
+                seq,
+            )
         if req.finish_reason is not None and not req.num_in_flight and req.req_id not in self._done:
             self._done.add(req.req_id)
             left = {
