@@ -274,6 +274,14 @@ def check_run(spec: dict[str, Any], result: dict[str, Any], tape: str) -> Checke
     return Checked(list(dict.fromkeys(signatures)), violations, report, result)
 
 
+def finding_classes(signatures: list[Signature]) -> list[str]:
+    """What a run found, for a release matrix: the vLLM bug classes its findings name (a
+    finding without one, a hang or a stream cut short, is their consequence); a run whose
+    findings name none, the first one's class (its kind, or its exception's place)."""
+    named = list(dict.fromkeys(s.bug_class for s in signatures if s.bug_class))
+    return named or [signatures[0].finding_class] if signatures else []
+
+
 def why_position(spec: dict[str, Any], checked: Checked, tape: str) -> tuple[str, int] | None:
     """The request and output position where the first finding shows, for `tokentape why`:
     the first token that is not the oracle's (or never came), else the first token the
@@ -341,7 +349,7 @@ class VLLMSeedOutcome(msgspec.Struct):
     broken_streams: int = 0
     finding_kinds: dict[str, int] = {}
     bug_classes: dict[str, int] = {}
-    finding_classes: list[str] = []  # every finding's class (Signature.finding_class), once
+    finding_classes: list[str] = []  # what it found, for a release matrix (finding_classes)
     primary: str | None = None  # the first finding, as the shrink keeps it
     error: str | None = None  # the driver's: an exception of vLLM or of the live checks
     hung: list[str] = []
@@ -461,7 +469,7 @@ class VLLMChaos:
         outcome.broken_streams = len(checked.violations)
         outcome.finding_kinds = dict(Counter(s.kind for s in checked.signatures))
         outcome.bug_classes = dict(Counter(s.bug_class for s in checked.signatures if s.bug_class))
-        outcome.finding_classes = list(dict.fromkeys(s.finding_class for s in checked.signatures))
+        outcome.finding_classes = finding_classes(checked.signatures)
         if checked.primary is None:
             remove_tape_files(work_tape)
             outcome.seconds = time.perf_counter() - start
