@@ -2,7 +2,8 @@
 engine with the oracle, per scheduler step; and what shrinking a finding costs.
 
 Each seed's storm (tokentape/chaos/vllm_storms.py's storm_spec: requests added mid-run,
-resets with and without running requests, pauses in every mode, aborts, KV pressure, drafts)
+resets with and without running requests, pauses in every mode, aborts, sleeps and wake-ups by
+tags, KV pressure, drafts)
 runs twice, in alternation:
 - against vLLM's own Scheduler/AsyncScheduler, recorded with the live consistency checks on,
   in vLLM's Python (the driver process, started once; `stepping`: the driver's loop, in that
@@ -62,10 +63,15 @@ def run_on_tokentape(spec: dict[str, Any]) -> tuple[int, float, float]:
     aborts: dict[int, list[str]] = {}
     for s, rid in spec["abort_at"]:
         aborts.setdefault(s, []).append(rid)
+    sleeps = {s: (level, mode) for s, level, mode in spec.get("sleep_at", ())}
+    wakes: dict[int, list[list[str] | None]] = {}
+    for s, tags in spec.get("wake_at", ()):
+        wakes.setdefault(s, []).append(tags)
+    last_wake = max(wakes, default=-1)
     added: set[str] = set()
     step = 0
     loop = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
+    while pending or engine.has_unfinished_requests() or step <= last_wake:
         while pending and pending[0]["add_at"] <= step:
             r = pending.pop(0)
             params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True)
@@ -79,6 +85,11 @@ def run_on_tokentape(spec: dict[str, Any]) -> tuple[int, float, float]:
         if step in pauses:
             engine.pause_generation(*pauses[step])
             engine.resume_generation()
+        if step in sleeps:
+            engine.sleep(*sleeps[step])
+        for tags in wakes.get(step, ()):
+            if engine.is_sleeping():  # vLLM's wake-up of an engine awake only warns
+                engine.wake_up(tags)
         engine.step()
         step += 1
     stepping = time.perf_counter() - loop
