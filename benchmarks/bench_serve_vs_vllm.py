@@ -26,10 +26,12 @@ short warm-up request (a text the dataset does not hold) before the client start
 tokentape: `tokentape serve --model DIR --tape-dir DIR` at its defaults, with its flight
 recorder on at the default retention (1GB, 60 s segments): the model on one thread per CPU
 less one (the other left to the HTTP server), sync scheduling, prefix caching, a KV cache
-sized from memory (4 GiB or a quarter of RAM). `--tokentape-args` adds options.
+sized from memory (4 GiB, or a quarter of the RAM if that is less; this script sets no
+VLLM_CPU_KVCACHE_SPACE for it, which it would read). `--tokentape-args` adds options.
 
-vLLM: `vllm serve DIR --dtype float32 --seed S` at its defaults (on the CPU: sync scheduling,
-block size 128, prefix caching, chunked prefill, max_num_seqs 256), with the settings its CPU
+vLLM: `vllm serve DIR --dtype float32 --seed S` at its defaults (for its server on the CPU:
+sync scheduling, block size 128, prefix caching, chunked prefill, max_num_seqs 128,
+max_num_batched_tokens 2,048; its offline LLM's are 256 and 4,096), with the settings its CPU
 users give it, as bench_generate.py gives them:
 - VLLM_CPU_KVCACHE_SPACE (`--vllm-kv-gib`): on the CPU, vLLM takes its KV cache's size from
   this variable (without it, a share of the whole RAM). Sized as bench_generate sizes it
