@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 from baselines import procstat
 
+from tokentape.engine.model.model_config import TINY, ModelConfig
+from tokentape.engine.tokenizer import byte_tokenizer_json
 from tokentape.events.sqlite_store import remove_tape_files
 
 T = TypeVar("T")
@@ -140,6 +142,34 @@ def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float | None:
 
 
 remove_db = remove_tape_files  # the benchmarks' name for it
+
+
+def write_tokenizer(folder: str, config: ModelConfig = TINY) -> str:
+    """The built-in models' byte tokenizer as a Hugging Face folder that vLLM's client and
+    `vllm serve` load: tokenizer.json (`byte_tokenizer_json`, which encodes text as tokentape's
+    ByteTokenizer does) and a tokenizer_config.json that names the plain fast tokenizer and its
+    special tokens (without it, transformers (5.x) picks Qwen2Tokenizer for a qwen3 folder, which
+    adds its default <|endoftext|> as token 259, past tiny's vocabulary, and takes it for the
+    EOS), and `config`'s config.json unless the folder has one already (vLLM's get_tokenizer
+    reads a model type from it)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write(byte_tokenizer_json())
+    specials = {"bos_token": "<|tokentape:bos|>", "eos_token": "<|tokentape:eos|>"}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                **specials,
+                "pad_token": "<|tokentape:pad|>",
+                "model_max_length": config.max_position_embeddings,
+            },
+            f,
+        )
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config.to_hf_dict(), f)
+    return folder
 
 
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:

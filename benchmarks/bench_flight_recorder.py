@@ -58,28 +58,21 @@ import argparse
 import json
 import math
 import os
-import re
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_serve  # noqa: E402
-from _common import machine_info, md_table  # noqa: E402
-from baselines import procstat  # noqa: E402
+from _common import machine_info, md_table, write_tokenizer  # noqa: E402
 from baselines.locate import find_vllm  # noqa: E402
-from bench_serve import _children  # noqa: E402
+from baselines.vllm_serve import run_bench_serve  # noqa: E402
+from bench_serve import Server  # noqa: E402
 
-from tokentape.engine.model.model_config import TINY  # noqa: E402
-from tokentape.engine.tokenizer import byte_tokenizer_json  # noqa: E402
 from tokentape.events.segment_dir import (  # noqa: E402
     DEFAULT_SEGMENT_BYTES,
     parse_retention,
@@ -90,81 +83,6 @@ from tokentape.events.segment_dir import (  # noqa: E402
 TARGET = 0.03  # the segmented tape may cost at most 3% of --no-tape's output tok/s
 SAMPLE_S = 0.5
 ARMS = ("no-tape", "segmented", "single-file")
-
-# `vllm bench serve`, as vllm/entrypoints/cli/benchmark/serve.py runs it.
-CLIENT = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "p = FlexibleArgumentParser(prog='vllm bench serve')\n"
-    "add_cli_args(p)\n"
-    "main(p.parse_args(sys.argv[1:]))\n"
-)
-
-
-def write_tokenizer(folder: str) -> str:
-    """tiny's tokenizer as a Hugging Face folder the client loads (config.json too, so that
-    vLLM's get_tokenizer finds a model type and does not retry)."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        f.write(byte_tokenizer_json())
-    specials = {"bos_token": "<|tokentape:bos|>", "eos_token": "<|tokentape:eos|>"}
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                **specials,
-                "pad_token": "<|tokentape:pad|>",
-                "model_max_length": TINY.max_position_embeddings,
-            },
-            f,
-        )
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(TINY.to_hf_dict(), f)
-    return folder
-
-
-def _reaped_cpu_s(pid: int) -> float:
-    """CPU seconds of the children `pid` has waited for (cutime + cstime)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
-
-
-def _clock(pid: int) -> float:
-    try:
-        return procstat.cpu_seconds(pid)
-    except OSError:
-        return 0.0  # exited meanwhile
-
-
-class Server(bench_serve.Server):
-    """bench_serve's server, with its tape writers counted wherever the core started them."""
-
-    def cpu(self) -> dict[str, float]:
-        """CPU seconds so far of the server (HTTP frontend), its engine core and its tape
-        writers: the live ones below the core (a segment's writer is started by a thread of
-        the core, so by /proc's parent links) and the ones the core has reaped."""
-        core = _children(self.proc.pid)
-        writers = [w for c in core for w in procstat.descendants(c)]
-        return {
-            "server": _clock(self.proc.pid),
-            "engine_core": sum(map(_clock, core)),
-            "tape_writer": sum(map(_clock, writers)) + sum(map(_reaped_cpu_s, core)),
-        }
-
-    def generation_tokens(self) -> int | None:
-        """The server's own count of output tokens (vllm:generation_tokens_total)."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        m = re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M)
-        return int(float(m.group(1))) if m else None
 
 
 class DiskSampler:
@@ -252,59 +170,19 @@ def run_client(
     python: str, url: str, args: argparse.Namespace, tokenizer: str, num_prompts: int, out: str
 ) -> tuple[dict[str, Any], float]:
     """One `vllm bench serve` run; its result JSON and its CPU seconds."""
-    result_dir, name = os.path.split(out)
-    cmd = [
+    return run_bench_serve(
         python,
-        "-c",
-        CLIENT,
-        "--backend",
-        "openai",
-        "--base-url",
         url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
         args.model,
-        "--tokenizer",
         tokenizer,
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(args.input_len),
-        "--random-output-len",
-        str(args.output_len),
-        "--ignore-eos",
-        "--max-concurrency",
-        str(args.max_concurrency),
-        "--num-prompts",
-        str(num_prompts),
-        "--seed",
-        str(args.seed),
-        "--disable-tqdm",
-        "--save-result",
-        "--result-dir",
-        result_dir,
-        "--result-filename",
-        name,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=args.duration * 4 + 600
+        out,
+        num_prompts=num_prompts,
+        max_concurrency=args.max_concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        timeout=args.duration * 4 + 600,
     )
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    if proc.returncode != 0 or not os.path.exists(out):
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}):\n{tail}")
-    with open(out) as f:
-        result = json.load(f)
-    if result["completed"] != num_prompts or result.get("failed"):
-        raise RuntimeError(
-            f"vllm bench serve: {result['completed']} of {num_prompts} requests completed, "
-            f"{result.get('failed')} failed"
-        )
-    return result, cpu
 
 
 def tape_args(arm: str, tmp: str, args: argparse.Namespace, run: str) -> tuple[list[str], str]:

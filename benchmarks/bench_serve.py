@@ -42,10 +42,12 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from baselines import procstat
 
 PROMPT_LEN = 32
 
@@ -158,14 +160,28 @@ class Server:
             raise RuntimeError(f"the server did not start: {shlex.join(cmd)}")
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far of the server (HTTP frontend), its engine core and tape writer."""
+        """CPU seconds so far of the server (HTTP frontend), its engine core and its tape
+        writers: the live ones below the core (the flight recorder's segment writers are
+        started by a thread of the core, so by /proc's parent links) and the ones the core
+        has reaped (a segment's writer exits when its segment closes)."""
         core = _children(self.proc.pid)
-        writers = [w for c in core for w in _children(c)]
+        writers = [w for c in core for w in procstat.descendants(c)]
+        clock = procstat.cpu_seconds_or_zero
         return {
-            "server": _cpu_s(self.proc.pid),
-            "engine_core": sum(map(_cpu_s, core)),
-            "tape_writer": sum(map(_cpu_s, writers)),
+            "server": clock(self.proc.pid),
+            "engine_core": sum(map(clock, core)),
+            "tape_writer": sum(map(clock, writers)) + sum(map(procstat.reaped_cpu_seconds, core)),
         }
+
+    def generation_tokens(self) -> int | None:
+        """The server's own count of output tokens (vllm:generation_tokens_total)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        m = re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+        return int(float(m.group(1))) if m else None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

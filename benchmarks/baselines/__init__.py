@@ -2,8 +2,9 @@
 
 Two halves that share only JSON:
 
-- the tokentape side (`locate`, `client`, stdlib only): finds the Python that runs a baseline
-  and drives its side script as a child process;
+- the tokentape side (`locate`, `client`, `vllm_serve`, stdlib only): finds the Python that
+  runs a baseline and drives its side script as a child process, or runs vLLM's own
+  `vllm serve` and `vllm bench serve` there;
 - the side scripts (`vllm_generate.py`, `vllm_scheduler.py`, `hf_generate.py`, and
   `vllm_requests.py` for tests/integrations), run by that Python (vLLM's venv, or any
   interpreter with transformers): they never import tokentape, load their engine once, then

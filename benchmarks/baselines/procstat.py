@@ -31,6 +31,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def reaped_cpu_seconds(pid: int) -> float:
+    """CPU seconds of the children `pid` has waited for (cutime + cstime); 0 once it is gone.
+    A process whose helpers come and go (the flight recorder's segment writers) keeps their
+    time here after they exit."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[13]) + int(fields[14])) / _TICKS
+
+
+def cpu_seconds_or_zero(pid: int) -> float:
+    """`cpu_seconds`, or 0 for a process that has exited meanwhile."""
+    try:
+        return cpu_seconds(pid)
+    except OSError:
+        return 0.0
+
+
 def name(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:

@@ -80,3 +80,23 @@ def test_vllm_bench_serve_has_no_failed_request(tmp_path: Path) -> None:
         server.stop()
     check = verify(str(tape))
     assert check.ok, check.first_divergence
+
+
+def test_bench_serve_vs_vllm_runs_both_servers_on_one_folder(tmp_path: Path) -> None:
+    """benchmarks/bench_serve_vs_vllm.py end to end, small: `vllm serve` loads the folder the
+    script writes (weights and byte tokenizer), both servers complete every request, the
+    client counts the same prompt tokens against both, and the flight recorder wrote."""
+    assert FOUND is not None
+    import bench_serve_vs_vllm
+
+    out = tmp_path / "result.json"
+    argv = [
+        *("--vllm-python", FOUND.python, "--num-prompts", "4", "--concurrency", "2"),
+        *("--input-len", "32", "--output-len", "16", "--rounds", "1", "--json", str(out)),
+    ]
+    assert bench_serve_vs_vllm.main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    (tokentape,), (vllm,) = runs["tokentape"]["2"], runs["vLLM"]["2"]
+    assert tokentape["output_tokens"] == vllm["output_tokens"] == 4 * 16
+    assert tokentape["input_tokens"] == vllm["input_tokens"]
+    assert tokentape["tape_bytes"] > 0
