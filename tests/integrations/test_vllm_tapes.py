@@ -470,3 +470,26 @@ def test_placeholders_left_over_show_at_the_step_they_are_left() -> None:
     assert phantom and all(left_steps[f.request_ids[0]] < f.steps[0] for f in phantom)
     for clean in ("async_scheduler", "0.33.0_pause_resume", "0.24.0_partial_wake"):
         assert postmortem(load_tape(TAPES / f"{clean}.tape")).findings == []
+
+
+def test_a_late_stop_after_a_reset_discarded_the_output_in_flight_is_49860() -> None:
+    """vLLM 0.24.0, two drafts a step, a reset with a step in flight: the counter discards the
+    output in flight without giving its placeholders back, which then count tokens that never
+    come, and the request is scheduled past its last token: #49860's late stop, recorded from
+    the release (the PR that fixed it on that path closed when #48245 removed the counter)."""
+    report = postmortem(load_tape(TAPES / "0.24.0_spec_resets.tape"))
+    late = [f for f in report.findings if f.kind == "scheduled_past_stop"]
+    assert late and {f.bug_class for f in late} == {"vllm#49860"}
+    assert all("after a reset discarded its output in flight" in f.message for f in late)
+    preempted = {
+        e.req_id
+        for _, e in load_tape(TAPES / "0.24.0_spec_resets.tape").events()
+        if isinstance(e, ev.RequestPreempted) and e.reason == "reset_prefix_cache" and e.in_flight
+    }
+    assert {r for f in late for r in f.request_ids} <= preempted
+    assert postmortem(load_tape(TAPES / "0.26.0_spec_resets.tape")).findings  # its own kinds
+    assert not [
+        f
+        for f in postmortem(load_tape(TAPES / "async_scheduler.tape")).findings
+        if f.kind == "scheduled_past_stop"
+    ]

@@ -34,8 +34,9 @@ BUG_CLASSES: dict[str, str] = {
     "input ids of the step that admits it again",
     "vllm#41190": "vLLM #41190 (fixed by #49620): with speculative decoding the discard budget is "
     "counted as 1 + k tokens per frame, outlives the stale frames and drops fresh ones",
-    "vllm#49860": "vLLM #49860: placeholders inflated after a drain, so a request is scheduled "
-    "past max_tokens and its stop comes late",
+    "vllm#49860": "vLLM #49860: placeholders inflated after a drain, or after a reset's "
+    "discard of the output in flight, so a request is scheduled past max_tokens and its stop "
+    "comes late",
     "vllm#57562": "vLLM #57562: output placeholders go negative with chunked prefill and other "
     "requests in the step, without speculative decoding or preemption",
     "vllm#33377": "vLLM #33377: the KV blocks of a request aborted with a step in flight are freed "

@@ -10,7 +10,10 @@ applies it:
 - `scheduled_past_stop`: a decode scheduled for a request whose steps in flight already
   produce every token it may still take (max_tokens, capped by max_model_len): vLLM's
   async scheduler must schedule prompt + max_tokens - 1 tokens in all, no more; one more
-  step means its stop comes late (vLLM #49860 after a drain that left placeholders behind).
+  step means its stop comes late. vLLM #49860 where the request's in-flight output was drained
+  by a pause, or discarded after `reset_prefix_cache` preempted it with steps in flight
+  (vLLM 0.20-0.26: the discarded frames do not give their placeholders back, which then
+  count tokens that never come).
 """
 
 from __future__ import annotations
@@ -25,9 +28,18 @@ class ScheduleChecker(Checker):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._drained: set[str] = set()  # requests whose in-flight output a pause drained
+        self._discarded: set[str] = set()  # preempted by a reset with output in flight
 
     def before(self) -> dict[type, Hook]:
-        return {ev.StepScheduled: self._scheduled, ev.GenerationPaused: self._paused}
+        return {
+            ev.StepScheduled: self._scheduled,
+            ev.GenerationPaused: self._paused,
+            ev.RequestPreempted: self._preempted,
+        }
+
+    def _preempted(self, seq: int, e: ev.RequestPreempted) -> None:
+        if e.reason == "reset_prefix_cache" and e.in_flight:
+            self._discarded.add(e.req_id)
 
     def _paused(self, seq: int, e: ev.GenerationPaused) -> None:
         requests = self.state.requests
@@ -61,8 +73,14 @@ class ScheduleChecker(Checker):
             if req.prefill_complete and req.num_fresh_in_flight >= req.max_output_tokens - len(
                 req.output_token_ids
             ):
-                bug = "vllm#49860" if req.req_id in self._drained else None
-                drained = " after a drain" if bug else ""
+                drained = (
+                    " after a drain"
+                    if req.req_id in self._drained
+                    else " after a reset discarded its output in flight"
+                    if req.req_id in self._discarded
+                    else ""
+                )
+                bug = "vllm#49860" if drained else None
                 self.ctx.report(
                     "scheduled_past_stop",
                     "error",
