@@ -12,7 +12,8 @@
 - Counts: output placeholders, the discard count and the in-flight counts must never go
   negative; a running request with nothing in flight must have no placeholders left, at any
   step (vLLM's scheduler would count tokens that never come); and placeholders and the
-  discard count must be zero once a finished request has nothing in flight.
+  discard count must be zero once a request that finished (not aborted: an aborted request is
+  freed, and its counts count nothing) has nothing in flight.
 """
 
 from __future__ import annotations
@@ -345,6 +346,8 @@ class CountChecker(Checker):
             )
         if req.finish_reason is not None and not req.num_in_flight and req.req_id not in self._done:
             self._done.add(req.req_id)
+            if req.finish_reason == "abort":
+                return  # freed: its counts count nothing any more (a frame may land after it)
             left = {
                 "num_output_placeholders": req.num_output_placeholders,
                 "discard count": discard_count(self.state, req),
