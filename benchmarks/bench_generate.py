@@ -26,6 +26,13 @@ median of each are reported):
 
 Beside wall time, the CPU time of every process over the same `generate`: tokentape's own
 (all threads) and its tape writer's; vLLM's front end, engine core and worker; transformers'.
+And the peak RSS of each engine, the highest of its rounds: tokentape's process from the
+`LLM`'s construction to its close (the kernel's peak reset before it, so the model's load
+counts and an earlier variant does not), its tape writer's added; vLLM's processes' peaks
+since they started, summed. With `--fresh-vllm` (the default on qwen3-0.6b and on prompts of
+2,048 tokens or more, where both engines resident do not fit in 24 GiB) vLLM starts afresh
+for each of its rounds and is closed before tokentape's run: it holds nothing meanwhile, and
+its start is not timed. The CPU model and tokentape's matmul backend are printed first.
 Checks printed every run: the tokentape variants agree, and how many greedy streams equal
 vLLM's and transformers' token for token.
 
@@ -150,6 +157,7 @@ def run_tokentape(
     if args.cpu_threads is not None:
         engine_args["cpu_threads"] = args.cpu_threads
     path = tmp.new("bench") if tape else False
+    reset = procstat.reset_peak_rss(os.getpid())  # this variant's peak, its model's load included
     llm = LLM(model=args.config, tape=path, seed=args.seed, **engine_args)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
@@ -163,6 +171,9 @@ def run_tokentape(
     helpers = {"tape writer": procstat.cpu_seconds(writer) - w0} if writer else {}
     preemptions = sum(r.num_preemptions for r in llm.llm_engine.engine_core.state.requests.values())
     kv_tokens = llm.config.kv_capacity
+    peak_rss = procstat.peak_rss_bytes(os.getpid()) if reset else None
+    if writer:
+        peak_rss = (peak_rss or 0) + procstat.peak_rss_bytes(writer)
     llm.close()
     if isinstance(path, str):
         c.remove_db(path)
@@ -176,6 +187,7 @@ def run_tokentape(
         "tokens": [o.outputs[0].token_ids for o in outs],
         "preemptions": preemptions,
         "kv_tokens": kv_tokens,
+        "peak_rss": peak_rss,
     }
 
 
@@ -295,6 +307,14 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--prompt-len", type=int, help="every prompt this long (default: the config's)")
     p.add_argument("--output-len", type=int, help="every request this many tokens out")
+    p.add_argument(
+        "--fresh-vllm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start vLLM afresh for each of its rounds and close it after, so that it holds no "
+        "memory while tokentape runs (default: on for qwen3-0.6b and for prompts of 2,048 "
+        "tokens or more, where both engines resident do not fit in 24 GiB)",
+    )
     p.add_argument("--skip-vllm", action="store_true", help="leave vLLM out")
     p.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     p.add_argument(
@@ -305,6 +325,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args()
     args.num_prompts = args.num_prompts or DEFAULT_PROMPTS.get(args.config, 256)
+    if args.fresh_vllm is None:
+        args.fresh_vllm = args.config != "tiny" or (args.prompt_len or 0) >= LONG_PROMPT_LEN
     return args
 
 
@@ -334,10 +356,19 @@ def main() -> int:
     if args.skip_hf:
         found_hf, where_hf = None, "transformers: left out (--skip-hf)"
     print(f"# {where}\n# {where_hf}", flush=True)
+    if args.device == "cpu":
+        from tokentape.engine.model import cpu_matmul
+
+        print(
+            f"# CPU: {c.machine_info()['cpu']}; tokentape's float32 matmul: "
+            f"{cpu_matmul.BACKEND.name} (of {', '.join(sorted(cpu_matmul.available()))})",
+            flush=True,
+        )
 
     load_before, ticks0 = os.getloadavg(), c.cpu_ticks()
     tmp = c.TempDir()
     sides: dict[str, gb.Side] = {}
+    starters: dict[str, Any] = {}  # sides started afresh for each of their rounds
     failures: list[str] = []
     try:
         if found_vllm or found_hf:
@@ -356,8 +387,9 @@ def main() -> int:
                 "for about a minute) ...",
                 flush=True,
             )
-            try:
-                sides["vllm"] = gb.start_vllm(
+
+            def start_vllm() -> gb.Side:
+                side = gb.start_vllm(
                     found_vllm,
                     model_dir,
                     prompts,
@@ -368,10 +400,17 @@ def main() -> int:
                     kv,
                     tmp.path,
                 )
-                print(f"# vLLM side: {sides['vllm'].info}", flush=True)
-            except SideError as e:
-                failures.append(f"vLLM failed to start: {e}")
-                print(f"# {failures[-1]}", flush=True)
+                print(f"# vLLM side: {side.info}", flush=True)
+                return side
+
+            if args.fresh_vllm:
+                starters["vllm"] = start_vllm
+            else:
+                try:
+                    sides["vllm"] = start_vllm()
+                except SideError as e:
+                    failures.append(f"vLLM failed to start: {e}")
+                    print(f"# {failures[-1]}", flush=True)
         if found_hf:
             try:
                 sides["hf"] = gb.start_hf(
@@ -381,7 +420,7 @@ def main() -> int:
             except SideError as e:
                 failures.append(f"transformers failed to start: {e}")
                 print(f"# {failures[-1]}", flush=True)
-        results, hf_by_size = run_rounds(args, prompts, outputs, tmp, sides, failures)
+        results, hf_by_size = run_rounds(args, prompts, outputs, tmp, sides, failures, starters)
     finally:
         for side in sides.values():
             side.close()
@@ -415,12 +454,14 @@ def run_rounds(
     tmp: c.TempDir,
     sides: dict[str, gb.Side],
     failures: list[str],
+    starters: dict[str, Any] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[int, float]]:
     """`args.repeats` rounds of every variant; the best (shortest) run of each is kept."""
     results: dict[str, dict[str, Any]] = {}
     hf_by_size: dict[int, float] = {}  # transformers' best seconds per batch size
 
     all_seconds: dict[str, list[float]] = {}
+    all_peaks: dict[str, list[int]] = {}
 
     def keep(name: str, r: dict[str, Any]) -> None:
         r["tok_s"] = r["output_tokens"] / r["seconds"]
@@ -429,6 +470,10 @@ def run_rounds(
             results[name] = r  # with its own tokens: a batch size may change transformers' bits
         best = results[name]
         best["median_tok_s"] = best["output_tokens"] / statistics.median(all_seconds[name])
+        peaks = all_peaks.setdefault(name, [])
+        if r.get("peak_rss"):
+            peaks.append(r["peak_rss"])
+        best["max_peak_rss"] = max(peaks, default=None)
 
     sizes = gb.hf_batch_sizes([int(s) for s in args.hf_batch_sizes.split(",")], len(prompts))
     variants = list(tt_variants(args.device, args.defaults_only).items())
@@ -445,16 +490,28 @@ def run_rounds(
             for side in sides.values():
                 side.idle_end()
             print(f"# round {rnd + 1}: {name} {r['seconds']:.2f} s", flush=True)
+        fresh = "vllm" in (starters or {}) and not any("vLLM" in f for f in failures)
+        if fresh:  # started for this round, closed after it: it holds nothing while ours run
+            try:
+                sides["vllm"] = (starters or {})["vllm"]()
+            except SideError as e:
+                failures.append(f"vLLM failed to start: {e}")
+                print(f"# {failures[-1]}", flush=True)
         if "vllm" in sides:
             try:
                 reply = sides["vllm"].proc.call("round", tokens=True)
-                keep("vLLM CPU engine", from_side(reply, "front end"))
+                r = from_side(reply, "front end")
+                # Its processes' peaks since they started: the model's load included.
+                r["peak_rss"] = procstat.tree_peak_rss_bytes(sides["vllm"].proc.pid)
+                keep("vLLM CPU engine", r)
                 sides["vllm"].settle()
                 print(f"# round {rnd + 1}: vLLM {reply['seconds']:.2f} s", flush=True)
             except SideError as e:
                 failures.append(f"vLLM failed: {e}")
                 print(f"# {failures[-1]}", flush=True)
                 sides.pop("vllm").close()
+        if fresh and "vllm" in sides:
+            sides.pop("vllm").close()
         if "hf" in sides:
             todo = sizes if rnd == 0 else [min(hf_by_size, key=hf_by_size.__getitem__)]
             try:
@@ -498,6 +555,7 @@ def report(
         helpers = r["cpu_helpers_s"]
         label = name if name != "transformers" else f"transformers (batch {r['batch_size']})"
         kv = f"{r['kv_tokens']:,} slots, {r['preemptions']} preempted" if "kv_tokens" in r else "-"
+        rss = r.get("max_peak_rss")
         rows.append(
             [
                 label,
@@ -505,6 +563,7 @@ def report(
                 _rate(r["tok_s"]),
                 _rate(r["median_tok_s"]),
                 kv,
+                f"{rss / 2**30:.2f}" if rss else "-",
                 f"{r['cpu_main_s']:.2f}",
                 f"{sum(helpers.values()):.2f}",
                 ", ".join(f"{k} {v:.2f}" for k, v in helpers.items() if v >= 0.005) or "-",
@@ -516,6 +575,7 @@ def report(
         "output tok/s",
         "median tok/s",
         "KV cache",
+        "peak RSS (GiB)",
         "CPU, main process (s)",
         "CPU, helper processes (s)",
         "helpers",
@@ -576,6 +636,18 @@ def report(
                 "pass": equal == n,
             }
         )
+        if tt.get("max_peak_rss") and v.get("max_peak_rss"):
+            ours, theirs = tt["max_peak_rss"], v["max_peak_rss"]
+            summary.append(
+                {
+                    "name": "(g) peak RSS, tokentape's process (its tape writer's added) against "
+                    "vLLM's processes' peaks summed, the highest of the rounds",
+                    "value": f"{ours / 2**30:.2f} GiB vs {theirs / 2**30:.2f} GiB "
+                    f"({ours / theirs:.2f}x)",
+                    "target": "<= 1.00x",
+                    "pass": ours <= theirs,
+                }
+            )
     else:
         lines.append("greedy streams equal to vLLM: not measured (no vLLM)")
         summary.append(

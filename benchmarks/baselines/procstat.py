@@ -101,3 +101,33 @@ def cpu_delta(
         used = seconds - before.get(p, (label, 0.0))[1]
         out[label] = out.get(label, 0.0) + used
     return out
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Start the kernel's peak resident set size of `pid` (VmHWM) again from its current RSS
+    (Linux 4.0 on: `5` to /proc/PID/clear_refs); False where that is refused."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The peak resident set size of `pid` (VmHWM) since it started or was reset; 0 when it
+    has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_peak_rss_bytes(pid: int) -> int:
+    """The sum of the peak RSS of `pid` and every live process below it: an engine's memory
+    when its processes each peak (an upper bound of their peak together)."""
+    return sum(peak_rss_bytes(p) for p in [pid, *descendants(pid)])
