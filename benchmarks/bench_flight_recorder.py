@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_info, md_table, write_tokenizer  # noqa: E402
 from baselines.locate import find_vllm  # noqa: E402
-from baselines.vllm_serve import run_bench_serve  # noqa: E402
+from baselines.vllm_serve import run_bench_serve, summarize_rounds  # noqa: E402
 from bench_serve import Server  # noqa: E402
 
 from tokentape.events.segment_dir import (  # noqa: E402
@@ -288,23 +288,9 @@ def calibrate(args: argparse.Namespace, tmp: str, python: str, tokenizer: str) -
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    tps = [r["output_tok_s"] for r in runs]
-    out: dict[str, Any] = {
-        "rounds": len(runs),
-        "tok_s": [round(x, 1) for x in tps],
-        "tok_s_best": round(max(tps), 1),
-        "tok_s_median": round(statistics.median(tps), 1),
-        "median_ttft_ms": round(statistics.median(r["median_ttft_ms"] for r in runs), 2),
-        "median_tpot_ms": round(statistics.median(r["median_tpot_ms"] for r in runs), 3),
-        "cpu_us_per_token": {
-            k: round(statistics.median(r["cpu_us_per_token"][k] for r in runs), 1)
-            for k in runs[0]["cpu_us_per_token"]
-        },
-        "client_cpu_s": [r["client_cpu_s"] for r in runs],
-        "output_tokens": [r["output_tokens"] for r in runs],
-        "server_generation_tokens": [r["server_generation_tokens"] for r in runs],
-    }
-    out["cpu_us_per_token"]["total"] = round(sum(out["cpu_us_per_token"].values()), 1)
+    out = summarize_rounds(runs)
+    out["client_cpu_s"] = [r["client_cpu_s"] for r in runs]
+    out["server_generation_tokens"] = [r["server_generation_tokens"] for r in runs]
     if "tape" in runs[0]:
         tapes = [r["tape"] for r in runs]
         out["tape"] = {

@@ -87,7 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, md_table, write_tokenizer  # noqa: E402
 from _generate_baselines import GIB, VLLM_BLOCK, vllm_kv_cache_gib  # noqa: E402
 from baselines.locate import find_vllm  # noqa: E402
-from baselines.vllm_serve import VLLMServer, run_bench_serve  # noqa: E402
+from baselines.vllm_serve import VLLMServer, run_bench_serve, summarize_rounds  # noqa: E402
 from bench_serve import Server  # noqa: E402
 
 from tokentape.engine.model.model_config import BUILTIN_CONFIGS  # noqa: E402
@@ -243,23 +243,9 @@ def run_one(
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Best and median tok/s over the rounds; each latency figure's median over the rounds;
-    CPU per output token by process, its median over the rounds."""
-    tps = [r["output_tok_s"] for r in runs]
-    out: dict[str, Any] = {
-        "rounds": len(runs),
-        "tok_s": [round(x, 1) for x in tps],
-        "tok_s_best": round(max(tps), 1),
-        "tok_s_median": round(statistics.median(tps), 1),
-    }
-    for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
-        out[key] = round(statistics.median(r[key] for r in runs), 3)
-    cpu = {
-        k: round(statistics.median(r["cpu_us_per_token"][k] for r in runs), 1)
-        for k in runs[0]["cpu_us_per_token"]
-    }
-    cpu["total"] = round(sum(cpu.values()), 1)
-    out["cpu_us_per_token"] = cpu
+    """summarize_rounds with the p99 latencies too, the servers' start-up and the tape's bytes
+    per output token."""
+    out = summarize_rounds(runs, ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
     out["startup_s"] = [r["startup_s"] for r in runs]
     out["output_tokens"] = [r["output_tokens"] for r in runs]
     if "tape_bytes" in runs[0]:

@@ -16,6 +16,7 @@ import os
 import resource
 import signal
 import socket
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -189,3 +190,27 @@ class VLLMServer:
                     except OSError:
                         pass
                 self.proc.wait(30)
+
+
+def summarize_rounds(
+    runs: list[dict[str, Any]], latencies: tuple[str, ...] = ("median_ttft_ms", "median_tpot_ms")
+) -> dict[str, Any]:
+    """What a serving benchmark reports of one arm's rounds (each a `vllm bench serve` run,
+    with its server's CPU per output token by process): output tok/s each round, the best and
+    the median; each latency figure's median over the rounds; the CPU per token by process,
+    each the median over the rounds, and their total; the output tokens of each round."""
+    tps = [r["output_tok_s"] for r in runs]
+    cpu = {
+        k: round(statistics.median(r["cpu_us_per_token"][k] for r in runs), 1)
+        for k in runs[0]["cpu_us_per_token"]
+    }
+    cpu["total"] = round(sum(cpu.values()), 1)
+    return {
+        "rounds": len(runs),
+        "tok_s": [round(x, 1) for x in tps],
+        "tok_s_best": round(max(tps), 1),
+        "tok_s_median": round(statistics.median(tps), 1),
+        **{k: round(statistics.median(r[k] for r in runs), 3) for k in latencies},
+        "cpu_us_per_token": cpu,
+        "output_tokens": [r["output_tokens"] for r in runs],
+    }

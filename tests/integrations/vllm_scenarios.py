@@ -102,44 +102,38 @@ def aborts_scenario(model: str, asynchronous: bool = True) -> dict[str, Any]:
     }
 
 
+def _two_decoding(model: str) -> dict[str, Any]:
+    """Two requests decoding under async scheduling (a batch queue of depth 2), room to spare."""
+    return {
+        "model": model,
+        "async": True,
+        "num_blocks": 64,
+        "block_size": 16,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 128,
+        "requests": [
+            {"id": "a", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 16},
+            {"id": "b", "prompt": [21, 22, 23, 24, 25, 26], "max_tokens": 16},
+        ],
+    }
+
+
 def pause_resume_scenario(model: str) -> dict[str, Any]:
     """The seed bug's scenario (vLLM #42043): two requests decoding under async scheduling (a
     batch queue of depth 2), pause(keep, clear_cache=True) at step 6, resume. vLLM 0.20-0.21
     drop each request's first token after the resume."""
-    return {
-        "model": model,
-        "async": True,
-        "num_blocks": 64,
-        "block_size": 16,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 256,
-        "max_model_len": 128,
-        "requests": [
-            {"id": "a", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 16},
-            {"id": "b", "prompt": [21, 22, 23, 24, 25, 26], "max_tokens": 16},
-        ],
-        "pause_at": [[6, "keep", True]],
-    }
+    return {**_two_decoding(model), "pause_at": [[6, "keep", True]]}
 
 
 def partial_wake_scenario(model: str) -> dict[str, Any]:
-    """An RL loop's sleep (vLLM #44395): two requests decoding under async scheduling,
-    sleep(level=1, mode="keep") at step 6, then wake_up(tags=["weights"]) at step 8 (where the
-    trainer updates the weights) and wake_up(tags=["kv_cache"]) at step 11. vLLM 0.20-0.23
-    resume scheduling at the first wake-up, onto the KV cache still asleep (the device
-    fails there); from 0.24 (#44483) they wait for the second."""
+    """An RL loop's sleep (vLLM #44395): the same two requests decoding, sleep(level=1,
+    mode="keep") at step 6, then wake_up(tags=["weights"]) at step 8 (where the trainer
+    updates the weights) and wake_up(tags=["kv_cache"]) at step 11. vLLM 0.20-0.23 resume
+    scheduling at the first wake-up, onto the KV cache still asleep (the device fails there);
+    from 0.24 (#44483) they wait for the second."""
     return {
-        "model": model,
-        "async": True,
-        "num_blocks": 64,
-        "block_size": 16,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 256,
-        "max_model_len": 128,
-        "requests": [
-            {"id": "a", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 16},
-            {"id": "b", "prompt": [21, 22, 23, 24, 25, 26], "max_tokens": 16},
-        ],
+        **_two_decoding(model),
         "sleep_at": [[6, 1, "keep"]],
         "wake_at": [[8, ["weights"]], [11, ["kv_cache"]]],
     }
