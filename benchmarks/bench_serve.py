@@ -23,7 +23,7 @@ there HTTP is the whole cost).
     python benchmarks/bench_serve.py --num-clients 256 --max-tokens 32
     python benchmarks/bench_serve.py --model oracle       # the server's own overhead
     python benchmarks/bench_serve.py --stream-interval 4  # chunks of 4 tokens (vLLM's option)
-    python benchmarks/bench_serve.py --serve-cpu-threads 2  # the engine core on every CPU
+    python benchmarks/bench_serve.py --serve-cpu-threads 1  # one CPU left to the HTTP server
 """
 
 from __future__ import annotations
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="the server's --cpu-threads (its engine core's lanes; default the server's: one "
-        "per CPU less one); generate keeps one per CPU",
+        "per CPU, as generate's)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)

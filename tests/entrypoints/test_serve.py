@@ -92,10 +92,8 @@ def test_models_health_and_metrics(live: Live) -> None:
         "tokentape:engine_step",
         "tokentape:http_errors_total",
     }
-    # The engine core's lanes leave one CPU to the HTTP server (api_server.server_cpu_threads).
-    assert load_tape(live.tape).header.config["cpu_threads"] == max(
-        1, len(os.sched_getaffinity(0)) - 1
-    )
+    # The engine core runs at the engine's defaults: one lane per CPU, as `generate` does.
+    assert load_tape(live.tape).header.config["cpu_threads"] is None
 
 
 def test_completions_with_a_string_or_token_ids(live: Live) -> None:

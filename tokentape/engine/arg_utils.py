@@ -7,7 +7,7 @@ default applies (whatif: the tape's)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,11 +122,10 @@ def add_engine_cli_args(
     model: bool = True,
     seed: bool = True,
     default_of: str | None = None,
-    help_overrides: Mapping[str, str] = {},  # noqa: B006 - read only
 ) -> None:
     """Add --model, --seed, --sync and the engine flags named by `fields`. `default_of`:
     whose default applies when a flag is not given (e.g. "the tape's"); the engine's by
-    default, shown in each flag's help. `help_overrides`: a command's own default text."""
+    default, shown in each flag's help."""
     if model:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve: {MODEL_HELP}")
     if seed:
@@ -148,9 +147,7 @@ def add_engine_cli_args(
         )
     for name in fields:
         flag = ENGINE_FLAGS[name]
-        if name in help_overrides:
-            default = help_overrides[name]
-        elif default_of is not None:
+        if default_of is not None:
             default = f"default: {default_of}"
         elif name in _NONE_DEFAULTS:
             default = f"default: {_NONE_DEFAULTS[name]}"

@@ -275,16 +275,6 @@ def build_app(
 # -- running the server ------------------------------------------------------------------------
 
 
-def server_cpu_threads() -> int:
-    """The engine core's lanes beside the HTTP server: one per CPU less one, which the server's
-    event loop needs for every streamed token (as vLLM's CPU backend reserves one for its
-    frontend processes). Measured on 2 cores (bench_serve, alternating): with two lanes beside
-    the server the core spent 234-256 us of CPU per output token, with one 176-193, and serving
-    cost 13% and 23% of generate's throughput against -9% and 2% in the quieter of two batches
-    (docs/benchmarks.md, Serving)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
 def server_options(args: argparse.Namespace) -> ServerOptions:
     """Who may call what, from the flags and the environment."""
     for folder in args.allowed_weight_dirs:
@@ -340,8 +330,6 @@ def run_server(args: argparse.Namespace) -> int:
         EngineConfig(model=args.model, **engine_args_from_cli(args))
         remove_for_overwrite(args.tape)
     kwargs = engine_args_from_cli(args)
-    if args.cpu_threads is None and not args.in_process:
-        kwargs["cpu_threads"] = server_cpu_threads()
     sock = bind_socket(args.host, args.port)  # a port in use fails before the engine is built
     try:
         with sigterm_stops_startup():

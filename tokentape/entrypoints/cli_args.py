@@ -46,13 +46,7 @@ def make_arg_parser(srv: Any) -> Any:
         help="port to bind; 0 picks a free one (default: 8000)",
     )
     add_tape_arguments(srv, "tokentape-serve", flight_recorder=True)
-    add_engine_cli_args(  # --model, --seed, --sync and the engine's flags (arg_utils.py)
-        srv,
-        help_overrides={
-            "cpu_threads": "default: one per CPU less one, left to the HTTP server, at least "
-            "one; one per CPU with --in-process"
-        },
-    )
+    add_engine_cli_args(srv)  # --model, --seed, --sync and the engine's flags (arg_utils.py)
     srv.add_argument(
         "--lora-modules",
         nargs="+",
