@@ -51,6 +51,13 @@ _BUDGETS = (16, 32, 64, 128, 512)
 _SPECULATIVE = (0, 1, 1, 2, 3)
 _PAUSE_MODES = ("keep", "keep", "keep", "wait", "wait", "abort")
 _SLEEP_MODES = ("keep", "keep", "abort", "wait")
+# The wake-ups after a sleep of level 1 or 2: RL's order (the weights for their update, then
+# the KV cache), everything at once, or both tags together.
+_WAKE_ORDERS: tuple[list[list[str] | None], ...] = (
+    [["weights"], ["kv_cache"]],
+    [None],
+    [["weights", "kv_cache"]],
+)
 COMMAND_HORIZON = 60  # commands land in the first steps, while requests are running
 # The driver's own findings, beside the postmortem's kinds.
 RECORDING_INCONSISTENT = "recording_inconsistent"  # the recorder's live check stopped the run
@@ -142,7 +149,7 @@ def _sleeps(seed: int) -> tuple[list[list[Any]], list[list[Any]]]:
         if level == 0:
             wakes: list[list[str] | None] = [["scheduling"]]
         else:
-            wakes = rng.choice(([["weights"], ["kv_cache"]], [None], [["weights", "kv_cache"]]))
+            wakes = rng.choice(_WAKE_ORDERS)
         for tags in wakes:
             step += rng.randint(1, 8)
             wake_at.append([step, tags])
@@ -252,7 +259,8 @@ def check_run(spec: dict[str, Any], result: dict[str, Any], tape: str) -> Checke
     violations = oracle_violations(spec, result)
     signatures: list[Signature] = []
     error = result.get("error")
-    if error and not error.startswith("DeviceFault"):  # the device's: after the tape's
+    device_fault = error is not None and error.startswith("DeviceFault")
+    if error and not device_fault:  # the device's comes after the tape's findings
         if error.startswith("RecordingLost"):
             signatures.append(Signature(RECORDING_INCONSISTENT))
         else:  # which exception, raised where: a shrink keeps the same one
@@ -263,7 +271,7 @@ def check_run(spec: dict[str, Any], result: dict[str, Any], tape: str) -> Checke
         if f.kind in ("engine_error", "tape_truncated") and error:
             continue  # the driver's exception, already said
         signatures.append(Signature(f.kind, f.bug_class))
-    if error and error.startswith("DeviceFault"):
+    if device_fault:
         signatures.append(Signature(DEVICE_FAULT))
     if result.get("stopped") == "idle":
         signatures.append(Signature(HANG))

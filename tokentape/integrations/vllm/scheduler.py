@@ -86,7 +86,7 @@ class RecordingScheduler(Scheduler):
         active = active_session.current()
         self._tolerant = active is not None
         if active is None:
-            release = check_release(vllm.__version__, Scheduler, Request)
+            release = running_release()
             path = os.environ.get(TAPE_ENV)
             if not path:
                 raise UnsupportedByRecorder(
@@ -106,7 +106,7 @@ class RecordingScheduler(Scheduler):
             return
         super().__init__(*args, **kwargs)
         try:
-            release = check_release(vllm.__version__, Scheduler, Request)
+            release = running_release()
             self._recorder = self._new_recorder(release, MemoryTape, checked=True)
         except UnsupportedByRecorder as exc:
             vllm_class = next(
@@ -141,7 +141,7 @@ class RecordingScheduler(Scheduler):
             self.max_num_scheduled_tokens,
             release.discard_policy,
             asynchronous,
-            shipped_faults(EngineCore),
+            list(running_faults()),
         )
         note = ""
         if not release.taught:
@@ -324,6 +324,19 @@ class SyncRecordingScheduler(RecordingScheduler):
 
 class AsyncRecordingScheduler(RecordingScheduler, AsyncScheduler):
     """vLLM's AsyncScheduler, recorded (async scheduling)."""
+
+
+@cache
+def running_release() -> Release:
+    """The release of the vLLM this process runs (releases.check_release), read from its code
+    once: every scheduler the process builds records under it."""
+    return check_release(vllm.__version__, Scheduler, Request)
+
+
+@cache
+def running_faults() -> tuple[str, ...]:
+    """The engine-core bugs of the vLLM this process runs (releases.shipped_faults), once."""
+    return tuple(shipped_faults(EngineCore))
 
 
 @cache

@@ -14,7 +14,7 @@ Commands between steps as EngineCore issues them: aborts (`finish_requests`),
 `reset_prefix_cache(reset_running_requests=...)` with steps in flight, pauses as
 `pause_scheduler` makes them (pause state, drain the queue, reset the caches when asked),
 and sleeps and wake-ups through the release's own EngineCore.sleep / wake_up and
-Executor.sleep / wake_up (_EngineCoreCommands), which the recorder hears of through the
+Executor.sleep / wake_up (_engine_core), which the recorder hears of through the
 executor's call to its workers.
 
 Runs in vLLM's Python with tokentape importable:
@@ -252,7 +252,7 @@ class _Driver:
         self.step = self.drain_steps = self.scheduled_steps = self.idle = 0
         self.hung: list[str] = []
         self.stopped: str | None = None
-        self.core: _EngineCoreCommands | None = None  # with sleeps or wake-ups in the spec
+        self.core: Any = None  # vLLM's EngineCore (_engine_core), with sleeps or wake-ups
 
     def run_model(self, out: Any) -> Any:
         """The runner's output for a step, computed as it is scheduled (the device runs it)."""
@@ -292,7 +292,7 @@ class _Driver:
 
     def sleeping_memory(self) -> set[str]:
         """What the executor has released and not woken (its sleeping_tags)."""
-        return self.core.memory.sleeping_tags if self.core is not None else set()
+        return self.core.model_executor.sleeping_tags if self.core is not None else set()
 
     def apply_oldest(self) -> bool:
         """Apply the oldest step's output; whether that step ran anything."""
@@ -421,7 +421,7 @@ class _Driver:
         wakes: dict[int, list[list[str] | None]] = {}
         for s, tags in spec.get("wake_at", ()):
             wakes.setdefault(s, []).append(tags)
-        core = self.core = _EngineCoreCommands(self) if sleeps or wakes else None
+        core = self.core = _engine_core(self) if sleeps or wakes else None
         last_wake = max(wakes, default=-1)
         # A paused scheduler has no requests to vLLM (has_requests): the engine waits on for
         # the wake-ups still to come, as EngineCore waits for its next call.
@@ -459,42 +459,33 @@ class _Hung(Exception):
     """A sleep's pause did not complete: the run stops there (tick said why)."""
 
 
-class _EngineCoreCommands:
-    """vLLM's own EngineCore.sleep and wake_up, as this release has them, run on the driver's
-    engine: an EngineCore made without its __init__ (no model, no processes) that holds the
+def _engine_core(driver: _Driver) -> Any:
+    """vLLM's own EngineCore, as this release has it, for its sleep and wake_up to run on the
+    driver's engine: made without its __init__ (no model, no processes), it holds the
     scheduler, the driver's pause (pause_scheduler, completed before it returns, as its
     future would be) and, as its executor, the release's own Executor.sleep / wake_up
     bookkeeping of what memory sleeps (sleeping_tags), whose collective_rpc to the workers
     is where the recorder hears of the memory going and coming back. So the order of the
     pause, the memory and the resume, and whether a partial wake-up resumes scheduling
     (#44395), are the release's."""
+    import vllm.v1.engine.core as core_module
+    from vllm.v1.executor.abstract import Executor
 
-    def __init__(self, driver: _Driver) -> None:
-        import vllm.v1.engine.core as core_module
-        from vllm.v1.executor.abstract import Executor
+    core = core_module.EngineCore.__new__(core_module.EngineCore)
+    core.scheduler = driver.sched
+    core.model_executor = _executor_memory(Executor, driver.sched)
+    checkpoint = getattr(core_module, "CheckpointState", None)
+    if checkpoint is not None:  # vLLM 0.34 on: sleep and wake-up check it
+        core._checkpoint_state = checkpoint.RUNNING
+        core._kv_cache_reclaimable = False
 
-        core = core_module.EngineCore.__new__(core_module.EngineCore)
-        core.scheduler = driver.sched
-        core.model_executor = self.memory = _executor_memory(Executor, driver.sched)
-        checkpoint = getattr(core_module, "CheckpointState", None)
-        if checkpoint is not None:  # vLLM 0.34 on: sleep and wake-up check it
-            core._checkpoint_state = checkpoint.RUNNING
-            core._kv_cache_reclaimable = False
-        driver_pause = driver.pause
+    def pause_scheduler(mode: str = "abort", clear_cache: bool = True, **_: Any) -> None:
+        if not driver.pause(mode, clear_cache):
+            raise _Hung
+        return None  # completed: EngineCore goes on at once, as with no step in flight
 
-        def pause_scheduler(mode: str = "abort", clear_cache: bool = True, **_: Any) -> None:
-            if not driver_pause(mode, clear_cache):
-                raise _Hung
-            return None  # completed: EngineCore goes on at once, as with no step in flight
-
-        core.pause_scheduler = pause_scheduler
-        self.core = core
-
-    def sleep(self, level: int, mode: str) -> None:
-        self.core.sleep(level, mode)
-
-    def wake_up(self, tags: list[str] | None) -> None:
-        self.core.wake_up(tags)
+    core.pause_scheduler = pause_scheduler
+    return core
 
 
 def _executor_memory(executor_cls: type, sched: Any) -> Any:
