@@ -63,6 +63,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import _common as c
@@ -368,7 +369,8 @@ def main() -> int:
     load_before, ticks0 = os.getloadavg(), c.cpu_ticks()
     tmp = c.TempDir()
     sides: dict[str, gb.Side] = {}
-    starters: dict[str, Any] = {}  # sides started afresh for each of their rounds
+    # Sides started afresh for each of their rounds (closed after them).
+    starters: dict[str, Callable[[], gb.Side | None]] = {}
     failures: list[str] = []
     try:
         if found_vllm or found_hf:
@@ -388,29 +390,32 @@ def main() -> int:
                 flush=True,
             )
 
-            def start_vllm() -> gb.Side:
-                side = gb.start_vllm(
-                    found_vllm,
-                    model_dir,
-                    prompts,
-                    outputs,
-                    args.dtype,
-                    args.seed,
-                    max_len + 1,
-                    kv,
-                    tmp.path,
-                )
+            def start_vllm() -> gb.Side | None:
+                """vLLM's side, started; None when it fails to (said, and not tried again)."""
+                try:
+                    side = gb.start_vllm(
+                        found_vllm,
+                        model_dir,
+                        prompts,
+                        outputs,
+                        args.dtype,
+                        args.seed,
+                        max_len + 1,
+                        kv,
+                        tmp.path,
+                    )
+                except SideError as e:
+                    failures.append(f"vLLM failed to start: {e}")
+                    print(f"# {failures[-1]}", flush=True)
+                    starters.pop("vllm", None)
+                    return None
                 print(f"# vLLM side: {side.info}", flush=True)
                 return side
 
             if args.fresh_vllm:
                 starters["vllm"] = start_vllm
-            else:
-                try:
-                    sides["vllm"] = start_vllm()
-                except SideError as e:
-                    failures.append(f"vLLM failed to start: {e}")
-                    print(f"# {failures[-1]}", flush=True)
+            elif (side := start_vllm()) is not None:
+                sides["vllm"] = side
         if found_hf:
             try:
                 sides["hf"] = gb.start_hf(
@@ -454,7 +459,7 @@ def run_rounds(
     tmp: c.TempDir,
     sides: dict[str, gb.Side],
     failures: list[str],
-    starters: dict[str, Any] | None = None,
+    starters: dict[str, Callable[[], gb.Side | None]] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[int, float]]:
     """`args.repeats` rounds of every variant; the best (shortest) run of each is kept."""
     results: dict[str, dict[str, Any]] = {}
@@ -490,13 +495,9 @@ def run_rounds(
             for side in sides.values():
                 side.idle_end()
             print(f"# round {rnd + 1}: {name} {r['seconds']:.2f} s", flush=True)
-        fresh = "vllm" in (starters or {}) and not any("vLLM" in f for f in failures)
-        if fresh:  # started for this round, closed after it: it holds nothing while ours run
-            try:
-                sides["vllm"] = (starters or {})["vllm"]()
-            except SideError as e:
-                failures.append(f"vLLM failed to start: {e}")
-                print(f"# {failures[-1]}", flush=True)
+        start = (starters or {}).get("vllm")
+        if start is not None and (side := start()) is not None:
+            sides["vllm"] = side  # for this round, closed after it: it holds nothing meanwhile
         if "vllm" in sides:
             try:
                 reply = sides["vllm"].proc.call("round", tokens=True)
@@ -510,7 +511,8 @@ def run_rounds(
                 failures.append(f"vLLM failed: {e}")
                 print(f"# {failures[-1]}", flush=True)
                 sides.pop("vllm").close()
-        if fresh and "vllm" in sides:
+                (starters or {}).pop("vllm", None)  # not started again
+        if start is not None and "vllm" in sides:
             sides.pop("vllm").close()
         if "hf" in sides:
             todo = sizes if rnd == 0 else [min(hf_by_size, key=hf_by_size.__getitem__)]
