@@ -8,9 +8,13 @@ import io
 import os
 import shutil
 import signal
+import site
 import sqlite3
+import subprocess
 import sys
+import textwrap
 import time
+import venv
 import warnings
 from pathlib import Path
 
@@ -404,3 +408,30 @@ def _small_tape(tmp_path: Path) -> Path:
     path = tmp_path / "small.tape"
     record(path, n_requests=1, max_tokens=2).close()
     return path
+
+
+def test_the_writer_finds_a_msgspec_that_only_pythonpath_reaches(tmp_path: Path) -> None:
+    # A Python whose own site-packages is empty (a bare venv) reaches msgspec, sqlite-utils
+    # and tokentape through PYTHONPATH alone, as with `pip install --target`: the writer,
+    # started isolated (-I, which ignores PYTHONPATH), must still find msgspec.
+    venv.create(tmp_path / "bare", with_pip=False)
+    python = tmp_path / "bare" / "bin" / "python"
+    reached = [str(Path(__file__).resolve().parents[2]), *site.getsitepackages()]
+    small, copy = _small_tape(tmp_path), tmp_path / "copy.tape"
+    script = textwrap.dedent(
+        f"""
+        from tokentape.events import schema as ev
+        from tokentape.events.sqlite_store import SQLiteTape
+        from tokentape.replay import load_tape
+        tape = SQLiteTape({str(copy)!r}, load_tape({str(small)!r}).header)
+        tape.append(ev.GenerationResumed(0))
+        tape.commit()
+        tape.close()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(reached)}
+    run = subprocess.run(
+        [str(python), "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert encoded_events(copy) == [ev.encode(ev.GenerationResumed(0))]

@@ -48,6 +48,9 @@ __all__ = [
 
 _encode = msgspec.msgpack.Encoder().encode
 _TRIM_EVERY = 1024  # commits between two looks at what the writer has confirmed
+# The folder that holds the msgspec package this process imported: the isolated writer
+# process looks there too (sqlite_writer.py).
+_MSGSPEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(msgspec.__file__)))
 
 _APPEND_ONLY_TRIGGERS = """
 CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE ON {table}
@@ -147,7 +150,14 @@ class SQLiteTape:
             # Its own process group: a terminal's Ctrl-C (or Ctrl-Z) goes to the
             # engine's group, and the engine, not the signal, ends the writer (end of stdin).
             self._writer = subprocess.Popen(
-                [sys.executable, "-I", sqlite_writer.__file__, self.path, str(ack_fd)],
+                [
+                    sys.executable,
+                    "-I",
+                    sqlite_writer.__file__,
+                    self.path,
+                    str(ack_fd),
+                    _MSGSPEC_DIR,
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

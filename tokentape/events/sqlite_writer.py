@@ -1,9 +1,9 @@
 """The tape's writer process: commits the rows the engine hands it into an SQLite tape.
 
 `SQLiteTape` creates the tape file (schema, triggers, header), then starts this script as a
-child process (`python -I sqlite_writer.py TAPE ACK_FD`) and sends it each step's rows through
-its stdin, so that the SQLite work runs on another core, outside the engine's step and its
-GIL. It imports only the standard library and msgspec, never the tokentape package (which
+child process (`python -I sqlite_writer.py TAPE ACK_FD MSGSPEC_DIR`) and sends it each step's
+rows through its stdin, so that the SQLite work runs on another core, outside the engine's step
+and its GIL. It imports only the standard library and msgspec, never the tokentape package (which
 would pull in torch), so it starts in tens of milliseconds.
 
 Protocol on stdin, one message after another:
@@ -38,7 +38,13 @@ import sys
 import time
 from typing import BinaryIO
 
-import msgspec
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[3] not in sys.path:
+    # Isolated (-I), the writer would miss a msgspec installed where only the engine's
+    # environment looks (PYTHONPATH, the user's site-packages, a `pip install --target`
+    # folder): the engine names the folder its own msgspec came from.
+    sys.path.append(sys.argv[3])
+
+import msgspec  # noqa: E402  (found through the folder the engine names, above)
 
 INSERT_EVENT = "INSERT INTO events(seq, step, kind, data) VALUES (?, ?, ?, ?)"
 FLUSH_REQUEST = struct.pack("<I", 0)
@@ -230,9 +236,9 @@ def _yield_to_the_engine() -> None:
 
 
 def main() -> int:
-    if len(sys.argv) != 3:
+    if len(sys.argv) != 4:
         print(
-            "usage: sqlite_writer.py TAPE ACK_FD (started by tokentape's SQLiteTape)",
+            "usage: sqlite_writer.py TAPE ACK_FD MSGSPEC_DIR (started by tokentape's SQLiteTape)",
             file=sys.stderr,
         )
         return 2
