@@ -8,7 +8,8 @@ One short script for a machine with a CUDA GPU (a few minutes at most):
    cached prefix and decodes, plus float32 runs and a batch-invariance check of the kernels;
 2. timing: the decode kernel against the torch reference and against torch's dense
    ``scaled_dot_product_attention`` on the same K/V laid out contiguously (no paging: a
-   speed-of-light baseline), and the prefill kernel against the reference;
+   speed-of-light baseline), and the prefill kernel against the reference; then the decode
+   steps' CUDA graphs on the whole model, each replay against the eager pass, and both timed;
 3. the engine benchmark, ``benchmarks/bench_generate.py --device cuda --dtype bfloat16
    --config qwen3-0.6b``, run as a subprocess when that file exists, its output printed.
 
@@ -165,6 +166,8 @@ def main() -> int:
         )
     results += stage("batch invariance", lambda: check_batch_invariance(device, shapes, gen))
     results += stage("timing", lambda: time_kernels(device, shapes, iters, gen))
+    if device.type == "cuda":
+        results += stage("cuda graphs", lambda: check_cuda_graphs(device, iters))
     if not (args.skip_engine or args.cpu_interpret):
         results.append(run_engine_benchmark(args.engine_timeout, shlex.split(args.engine_args)))
     return summarize(results)
@@ -520,6 +523,91 @@ def time_kernels(
             f"prefill kernel {prefill:.3f} ms, reference {ref:.3f} ms ({ref / prefill:.1f}x)",
         )
     )
+    return results
+
+
+def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
+    """The decode steps' CUDA graphs (tokentape/engine/runners/cuda_graphs.py) on the whole
+    qwen3-0.6b model, seeded weights, bfloat16: each replay against the eager pass over the
+    same batch (batches of 5 and 7 share the size-8 graph, so the second replay must read its
+    own inputs), then the time of a decode pass at batch 1 and 64, eager and replayed."""
+    import random
+
+    from tokentape.engine.model.decoder import AttentionMetadata
+    from tokentape.engine.model.loader import builtin_model
+    from tokentape.engine.runners.cuda_graphs import CUDAGraphRunner
+    from tokentape.engine.runners.input_batch import ForwardBatch
+
+    config, model = builtin_model("qwen3-0.6b", 0)
+    model = model.to(device=device, dtype=torch.bfloat16).eval()
+    block_size, num_blocks, width = 16, 8192, 128  # contexts up to 2,048 tokens
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    kv = [
+        (
+            torch.randn(shape, device=device, dtype=torch.bfloat16),
+            torch.randn(shape, device=device, dtype=torch.bfloat16),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
+    graphs = CUDAGraphRunner(model, 64, width, device)
+    rng = random.Random(0)
+
+    def decode_batch(n: int) -> ForwardBatch:
+        contexts = [rng.randint(1, width * block_size) for _ in range(n)]
+        blocks = rng.sample(range(num_blocks), sum(-(-c // block_size) for c in contexts))
+        tables, slots, used = [], [], 0
+        for c in contexts:
+            table = blocks[used : used + -(-c // block_size)]
+            used += len(table)
+            slots.append(table[(c - 1) // block_size] * block_size + (c - 1) % block_size)
+            tables.append(table + [0] * (width - len(table)))
+
+        def on(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return ForwardBatch(
+            input_ids=on([rng.randrange(config.vocab_size) for _ in range(n)], torch.int64),
+            positions=on([c - 1 for c in contexts], torch.int64),
+            meta=AttentionMetadata(
+                slot_mapping=on(slots, torch.int64),
+                cu_seqlens_q=on(list(range(n + 1)), torch.int32),
+                seq_lens=on(contexts, torch.int32),
+                block_tables=on(tables, torch.int32),
+            ),
+            sample_rows=on(list(range(n)), torch.int64),
+        )
+
+    results = []
+    with torch.inference_mode():
+        for n in (5, 7, 64, 1):
+            batch = decode_batch(n)
+            # Both passes write the same K/V for the batch's rows; the order does not matter.
+            eager = model(batch.input_ids, batch.positions, kv, batch.meta).float()
+            replayed = graphs.forward(batch, kv).float()
+            cosine = torch.nn.functional.cosine_similarity(eager, replayed, dim=-1).min().item()
+            results.append(
+                Result(
+                    f"cuda graph replay, batch {n}",
+                    cosine >= 0.999,
+                    f"size-{next(s for s in graphs.sizes if s >= n)} graph; max |err| "
+                    f"{max_error(eager, replayed):.2e}, lowest cosine per row {cosine:.5f} "
+                    "(>= 0.999)",
+                )
+            )
+        for n in (1, 64):
+            batch = decode_batch(n)
+            eager_ms = median_ms(
+                lambda b=batch: model(b.input_ids, b.positions, kv, b.meta), device, iters
+            )
+            graph_ms = median_ms(lambda b=batch: graphs.forward(b, kv), device, iters)
+            results.append(
+                Result(
+                    f"decode pass, batch {n}, qwen3-0.6b bf16",
+                    None,
+                    f"eager {eager_ms:.3f} ms, cuda graph {graph_ms:.3f} ms "
+                    f"({eager_ms / graph_ms:.1f}x faster)",
+                )
+            )
     return results
 
 

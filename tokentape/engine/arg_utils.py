@@ -72,6 +72,10 @@ ENGINE_FLAGS: dict[str, _Flag] = {
     "max_num_batched_tokens": _Flag("token budget of one step", 1),
     "max_model_len": _Flag("longest sequence", 1),
     "cpu_threads": _Flag("CPU threads the model runs on", 1),
+    "enforce_eager": _Flag(
+        "run every step eagerly on CUDA, without the decode steps' CUDA graphs (vLLM's option)",
+        switch=True,
+    ),
     "max_logprobs": _Flag(
         "the most log-probabilities a request may ask for per token (vLLM's option; -1: no "
         "limit but the vocabulary)",
@@ -111,6 +115,7 @@ _NONE_DEFAULTS = {
     "worker_extension_cls": "none",
     "weight_transfer_config": "none: weights come as state_dicts or checkpoint folders",
     "enable_lora": "off",
+    "enforce_eager": "off: CUDA graphs for decode steps on CUDA",
     "max_cpu_loras": "max_loras",
 }
 

@@ -65,6 +65,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     batch_invariant: bool | None = None
+    # vLLM's enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True
+    # (engine/runners/cuda_graphs.py); the CPU always runs eagerly.
+    enforce_eager: bool = False
     # Threads the model runs on, on the CPU: for a small model lanes of one thread each that
     # share out every step's sequences, for a big one threads that share each matmul
     # (engine/runners/input_batch.py, choose_lanes); the engine's own thread count, not the
@@ -99,6 +102,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("model", "discard_policy", "device", "dtype", "logprobs_mode"):
             check_str(name, getattr(self, name))
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enforce_eager", self.enforce_eager)
         check_bool("async_scheduling", self.async_scheduling, optional=True)
         check_bool("batch_invariant", self.batch_invariant, optional=True)
         check_int("pipeline_depth", self.pipeline_depth, 1, MAX_PIPELINE_DEPTH, optional=True)

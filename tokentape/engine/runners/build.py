@@ -75,6 +75,8 @@ def build_model_runner(config: EngineConfig) -> TorchModelRunner:
         tokenizer=tokenizer,
         logprobs_mode=config.logprobs_mode,
         lora_capacity=config.lora_capacity,
+        max_num_seqs=config.max_num_seqs,
+        cuda_graphs=not config.enforce_eager,
     )
     return runner
 

@@ -32,6 +32,7 @@ from tokentape.engine.model.loader import (
 from tokentape.engine.model.weight_checks import apply_update
 from tokentape.engine.ngram import propose_ngram_drafts
 from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, prompt_seed
+from tokentape.engine.runners.cuda_graphs import CUDAGraphRunner
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
     EntryInputs,
@@ -83,6 +84,8 @@ class TorchModelRunner(StagedWeights):
         tokenizer: Tokenizer | None = None,
         logprobs_mode: str = "raw_logprobs",
         lora_capacity: int = 0,
+        max_num_seqs: int = 256,
+        cuda_graphs: bool = True,
     ) -> None:
         # A checkpoint's own tokenizer (runners.base.HasTokenizer); the built-in models' is
         # the byte tokenizer.
@@ -177,8 +180,15 @@ class TorchModelRunner(StagedWeights):
         # LoRA adapters (enable_lora): a table of `lora_capacity` slots on the target layers.
         self._lora = LoRAModelManager(self.model, lora_capacity) if lora_capacity else None
         self._stream = None
+        self._graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
+            if cuda_graphs:
+                # As wide a block table as the longest sequence the cache can hold.
+                longest = min(num_kv_blocks * block_size, self.config.derived_max_model_len)
+                self._graphs = CUDAGraphRunner(
+                    self.model, max_num_seqs, -(-longest // block_size), self.device
+                )
             # The weights and the zeroed caches were written on the default stream; the
             # steps run on this one, so nothing may still be in flight there.
             torch.cuda.synchronize(self.device)
@@ -200,6 +210,8 @@ class TorchModelRunner(StagedWeights):
         self._worker.close()
         for lane in self._lanes:
             lane.close()
+        if self._graphs is not None:
+            self._graphs.clear()
         self._seqs.clear()
         self._prompt_lps.clear()
         # Closed, it serves nothing: its memory goes now, not when the collector gets to the
@@ -225,6 +237,8 @@ class TorchModelRunner(StagedWeights):
         self.memory.check_sleep(self, level)
 
     def sleep(self, level: int) -> None:
+        if self._graphs is not None:  # they point into the memory sleep frees, and hold some
+            self._graphs.clear()
         self.memory.sleep(self, level)
 
     def wake_up(self, tags: Sequence[str]) -> str | None:
@@ -389,7 +403,10 @@ class TorchModelRunner(StagedWeights):
         lora = None
         if batch.lora_slots is not None:
             lora = LoRABatch(batch.lora_slots, torch.get_num_threads())  # the lane's threads
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, lora)
+        if self._graphs is not None and self._graphs.fits(batch):
+            hidden = self._graphs.forward(batch, self.kv_caches)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, lora)
         scored = score_prompts(entries, hidden, self.model.compute_logits)
         if not batch.sample_rows.numel():  # prefill chunks short of the end sample nothing
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), scored
