@@ -24,9 +24,9 @@ answer the next run's prefills from its cache. A server's start is not timed; it
 short warm-up request (a text the dataset does not hold) before the client starts.
 
 tokentape: `tokentape serve --model DIR --tape-dir DIR` at its defaults, with its flight
-recorder on at the default retention (1GB, 60 s segments): the model on one thread per CPU
-less one (the other left to the HTTP server), sync scheduling, prefix caching, a KV cache
-sized from memory (4 GiB, or a quarter of the RAM if that is less; this script sets no
+recorder on at the default retention (1GB, 60 s segments): the model on one lane per CPU
+(as `generate` runs it; the HTTP server shares the CPUs), sync scheduling, prefix caching, a
+KV cache sized from memory (4 GiB, or a quarter of the RAM if that is less; this script sets no
 VLLM_CPU_KVCACHE_SPACE for it, which it would read). `--tokentape-args` adds options.
 
 vLLM: `vllm serve DIR --dtype float32 --seed S` at its defaults (for its server on the CPU:
@@ -42,7 +42,7 @@ users give it, as bench_generate.py gives them:
 - Threads: VLLM_CPU_OMP_THREADS_BIND left at vLLM's `auto`. On x86 that is one OpenMP thread
   per physical core with one core kept back (VLLM_CPU_NUM_OF_RESERVED_CPU's default) for the
   API server and the engine core: on 2 vCPUs, the model on one core and the serving
-  processes on the other, the split tokentape serve makes by default. Binding the model's
+  processes on the other (tokentape serve's lanes use both cores). Binding the model's
   threads to every core (VLLM_CPU_OMP_THREADS_BIND=0-1) puts them on the core the API server
   and engine core run on; try it with `--vllm-env`. vLLM's docs also suggest LD_PRELOAD of
   tcmalloc and Intel's OpenMP; bench_generate's vLLM runs without them, and so does this
