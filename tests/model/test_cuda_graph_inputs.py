@@ -76,7 +76,7 @@ def test_a_padded_decode_batch_gives_the_eager_rows_and_writes_no_padding(
         assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
 
 
-def test_what_a_graph_cannot_take_runs_eagerly() -> None:
+def test_a_batch_a_graph_cannot_take_does_not_fit() -> None:
     _, model = builtin_model("tiny", 0)
     graphs = CUDAGraphRunner(
         model, max_num_seqs=4, max_blocks_per_seq=2, device=torch.device("cpu")

@@ -38,8 +38,8 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    """Runs a decoder pass (CausalLM's forward without LoRA) through a captured graph where
-    the batch allows, eagerly otherwise."""
+    """Runs a decoder pass (CausalLM's forward without LoRA) through a captured graph, for a
+    batch that `fits`; the caller runs any other batch eagerly."""
 
     def __init__(
         self, model: CausalLM, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device
@@ -75,13 +75,17 @@ class CUDAGraphRunner:
         """Hidden states [T, hidden] of `batch`, which `fits`: its rows of a graph's output,
         valid until the next graph replays (the caller reads them first, on the same stream)."""
         n = batch.input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
+        size = self.capture_size(n)
         self._load_inputs(batch, n, size)
         graph = self._graphs.get(size)
         if graph is None:
             graph = self._capture(size, kv_caches)
         graph.replay()
         return self._outputs[size][:n]
+
+    def capture_size(self, num_seqs: int) -> int:
+        """The captured size a batch of `num_seqs` decodes is padded to."""
+        return next(s for s in self.sizes if s >= num_seqs)
 
     def clear(self) -> None:
         """Drop every graph (the weights or the KV cache moved); sizes are captured again."""
