@@ -49,6 +49,7 @@ class Shapes:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    hidden_size: int
     block_size: int
     decode_seq_lens: tuple[int, ...]  # one new token each
     mixed_seqs: tuple[tuple[int, int], ...]  # (seq_len, q_len)
@@ -60,6 +61,7 @@ QWEN3_06B = Shapes(
     num_heads=16,
     num_kv_heads=8,
     head_dim=128,
+    hidden_size=1024,
     block_size=16,
     decode_seq_lens=(1, 15, 16, 17, 100, 511, 1024, 2047, 4096, 3000, 77, 250) * 3,
     mixed_seqs=((512, 512), (1000, 200), (2048, 1), (33, 33), (700, 1), (1500, 300), (17, 16)),
@@ -70,6 +72,7 @@ TINY = Shapes(
     num_heads=4,
     num_kv_heads=2,
     head_dim=32,
+    hidden_size=64,
     block_size=4,
     decode_seq_lens=(1, 3, 4, 5, 40, 300),
     mixed_seqs=((12, 12), (20, 7), (30, 1), (5, 4)),
@@ -199,7 +202,7 @@ def compile_kernels(arch: int) -> list[Result]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tokentape.kernels import triton_decode, triton_kv_write, triton_prefill
+    from tokentape.kernels import triton_decode, triton_kv_write, triton_layers, triton_prefill
 
     s = QWEN3_06B
     results = []
@@ -213,6 +216,10 @@ def compile_kernels(arch: int) -> list[Result]:
             "partial_max_ptr": "*fp32",
             "partial_sum_ptr": "*fp32",
             "qk_scale": "fp32",
+            "eps": "fp32",
+            "cos_ptr": "*fp32",
+            "sin_ptr": "*fp32",
+            "positions_ptr": "*i64",
         }
         kernels = [
             (
@@ -244,6 +251,17 @@ def compile_kernels(arch: int) -> list[Result]:
                 triton_prefill._prefill_kernel,
                 triton_prefill.prefill_kernel_meta(s.num_heads, s.num_kv_heads, s.head_dim, dtype),
             ),
+            (
+                "add rms norm",
+                triton_layers._add_rms_norm_kernel,
+                {**triton_layers.rms_norm_kernel_meta(s.hidden_size), "HAS_RESIDUAL": True},
+            ),
+            (
+                "qk norm rope",
+                triton_layers._qk_norm_rope_kernel,
+                triton_layers.qk_norm_rope_kernel_meta(s.head_dim, norm=True),
+            ),
+            ("silu mul", triton_layers._silu_mul_kernel, {"BLOCK": triton_layers.SILU_BLOCK}),
         ]
         for name, kernel, meta in kernels:
             meta = dict(meta)
@@ -527,10 +545,12 @@ def time_kernels(
 
 
 def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
-    """The decode steps' CUDA graphs (tokentape/engine/runners/cuda_graphs.py) on the whole
-    qwen3-0.6b model, seeded weights, bfloat16: each replay against the eager pass over the
-    same batch (batches of 5 and 7 share the size-8 graph, so the second replay must read its
-    own inputs), then the time of a decode pass at batch 1 and 64, eager and replayed."""
+    """The fused pass (kernels/triton_layers.py) and the decode steps' CUDA graphs
+    (tokentape/engine/runners/cuda_graphs.py) on the whole qwen3-0.6b model, seeded weights,
+    bfloat16: the fused pass against the modules' own ops, each replay against the eager
+    fused pass over the same batch (batches of 5 and 7 share the size-8 graph, so the second
+    replay must read its own inputs), then the time of a decode pass at batch 1 and 64: the
+    modules' ops, fused, and replayed."""
     import random
 
     from tokentape.engine.model.decoder import AttentionMetadata
@@ -577,25 +597,43 @@ def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
             sample_rows=on(list(range(n)), torch.int64),
         )
 
+    def modules_pass(b: ForwardBatch) -> torch.Tensor:
+        model.fused = False
+        try:
+            return model(b.input_ids, b.positions, kv, b.meta)
+        finally:
+            model.fused = True
+
+    def similar(name: str, expected: torch.Tensor, got: torch.Tensor, detail: str) -> Result:
+        cosine = torch.nn.functional.cosine_similarity(expected, got, dim=-1).min().item()
+        return Result(
+            name,
+            cosine >= 0.999,
+            f"{detail}max |err| {max_error(expected, got):.2e}, lowest cosine per row "
+            f"{cosine:.5f} (>= 0.999)",
+        )
+
     results = []
     with torch.inference_mode():
         for n in (5, 7, 64, 1):
             batch = decode_batch(n)
-            # Both passes write the same K/V for the batch's rows; the order does not matter.
+            # Each pass writes the batch's K/V before reading it: the modules' pass first, so
+            # the fused pass and its replay, which write the same bits, read the same cache.
+            modules = modules_pass(batch).float()
             eager = model(batch.input_ids, batch.positions, kv, batch.meta).float()
+            results.append(similar(f"fused pass vs the modules, batch {n}", modules, eager, ""))
             replayed = graphs.forward(batch, kv).float()
-            cosine = torch.nn.functional.cosine_similarity(eager, replayed, dim=-1).min().item()
             results.append(
-                Result(
+                similar(
                     f"cuda graph replay, batch {n}",
-                    cosine >= 0.999,
-                    f"size-{graphs.capture_size(n)} graph; max |err| "
-                    f"{max_error(eager, replayed):.2e}, lowest cosine per row {cosine:.5f} "
-                    "(>= 0.999)",
+                    eager,
+                    replayed,
+                    f"size-{graphs.capture_size(n)} graph; ",
                 )
             )
         for n in (1, 64):
             batch = decode_batch(n)
+            modules_ms = median_ms(lambda b=batch: modules_pass(b), device, iters)
             eager_ms = median_ms(
                 lambda b=batch: model(b.input_ids, b.positions, kv, b.meta), device, iters
             )
@@ -604,8 +642,8 @@ def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
                 Result(
                     f"decode pass, batch {n}, qwen3-0.6b bf16",
                     None,
-                    f"eager {eager_ms:.3f} ms, cuda graph {graph_ms:.3f} ms "
-                    f"({eager_ms / graph_ms:.1f}x faster)",
+                    f"modules' ops {modules_ms:.3f} ms, fused {eager_ms:.3f} ms, cuda graph "
+                    f"{graph_ms:.3f} ms ({eager_ms / graph_ms:.1f}x faster than fused eager)",
                 )
             )
     return results

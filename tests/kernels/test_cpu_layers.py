@@ -80,7 +80,7 @@ def test_silu_mul_matches_the_mlp_for_every_magnitude() -> None:
     expected = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(cpu_layers.silu_mul(gate, up), expected, rtol=2e-6, atol=1e-6)
     with torch.no_grad():
-        fused = mlp.forward_fused(x, *matmul_for(x))
+        fused = mlp.forward_fused(x, *matmul_for(x), cpu_layers)
         torch.testing.assert_close(fused, mlp(x), rtol=2e-5, atol=2e-5)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -30,6 +30,8 @@ BACKEND_ENV = "TOKENTAPE_KERNELS"
 __all__ = [
     "BACKEND_ENV",
     "Backend",
+    "FusedOps",
+    "fused_ops",
     "paged_attention",
     "paged_attention_ref",
     "resolve_backend",
@@ -76,6 +78,74 @@ def resolve_backend(
             "(TRITON_INTERPRET=1 before triton is imported)"
         )
     return choice
+
+
+class FusedOps(Protocol):
+    """What the decoder's fused pass (engine/model/decoder.py) calls a backend for: its
+    per-row operations, each one kernel where the torch modules make several, and the KV
+    write and attention over a batch made once per pass. kernels/cpu_layers.py (compiled C,
+    float32) and kernels/triton_layers.py (Triton) are the two; the modules are the oracle."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+
+    def qk_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None: ...
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+
+    def pass_batch(
+        self,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> Any: ...
+
+    def write_kv(
+        self,
+        batch: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None: ...
+
+    def attend(
+        self,
+        batch: Any,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None: ...
+
+
+def fused_ops(backend: str) -> FusedOps | None:
+    """The fused pass's operations for a resolved backend (resolve_backend), None for
+    ``torch``: the modules' own ops."""
+    if backend == "cpu":
+        from tokentape.kernels import cpu_layers
+
+        return cpu_layers
+    if backend == "triton":
+        from tokentape.kernels import triton_layers
+
+        return triton_layers
+    return None
 
 
 def write_kv_cache(
@@ -142,11 +212,9 @@ def paged_attention(
             # One new token per sequence (each has at least one): the split-KV decode kernel.
             from tokentape.kernels.triton_decode import paged_decode_triton
 
-            result = paged_decode_triton(query, k_cache, v_cache, scale=scale, **kwargs)
-        else:
-            from tokentape.kernels.triton_prefill import paged_prefill_triton
+            return paged_decode_triton(query, k_cache, v_cache, scale=scale, out=out, **kwargs)
+        from tokentape.kernels.triton_prefill import paged_prefill_triton
 
-            result = paged_prefill_triton(query, k_cache, v_cache, scale=scale, **kwargs)
-    else:
-        result = paged_attention_ref(query, k_cache, v_cache, scale=scale, **kwargs)
+        return paged_prefill_triton(query, k_cache, v_cache, scale=scale, out=out, **kwargs)
+    result = paged_attention_ref(query, k_cache, v_cache, scale=scale, **kwargs)
     return result if out is None else out.copy_(result)

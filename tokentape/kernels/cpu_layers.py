@@ -1,5 +1,6 @@
 """The decoder's per-row operations as compiled CPU kernels (`cpu/layers.c`): RMSNorm with the
-residual add folded in, Qwen3's q/k norms with RoPE, SwiGLU's silu(gate) * up, and LoRA's
+residual add folded in, Qwen3's q/k norms with RoPE, SwiGLU's silu(gate) * up, the KV write
+and attention over the pass's batch (kernels.FusedOps, as triton_layers on CUDA), and LoRA's
 per-row product with each row's own adapter (`cpu/lora.c`).
 
 A decoder layer makes a handful of these calls where the torch modules make a few dozen ops,
@@ -95,6 +96,40 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     _lib().tt_silu_mul_f32(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
+
+
+def pass_batch(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> cpu_native.CpuBatch:
+    """The pass's batch in the kernels' form, made once for every layer."""
+    return cpu_native.CpuBatch.of(cu_seqlens_q, seq_lens, block_tables, slot_mapping)
+
+
+def write_kv(
+    batch: cpu_native.CpuBatch,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """The batch's new keys and values into the (contiguous) cache at its slots."""
+    assert batch.slots is not None
+    cpu_native.write_kv(key, value, k_cache, v_cache, batch.slots, batch.bad)
+
+
+def attend(
+    batch: cpu_native.CpuBatch,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The batch's attention into `out` (contiguous, the query's shape)."""
+    cpu_native.attend(batch, query, k_cache, v_cache, scale, out)
 
 
 def lora_order(slots: torch.Tensor) -> torch.Tensor:

@@ -205,8 +205,11 @@ def paged_decode_triton(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged attention when every sequence has exactly one new token (see ``paged_attention``)."""
+    """Paged attention when every sequence has exactly one new token (see ``paged_attention``).
+    Written into ``out`` where given (the query's shape and dtype, unit stride over head_dim).
+    """
     query, block_tables = prepare_attention_inputs(
         query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
     )
@@ -218,7 +221,7 @@ def paged_decode_triton(
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if num_seqs == 0:
         return out
     max_context = block_tables.shape[1] * block_size

@@ -158,15 +158,18 @@ def paged_prefill_triton(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged attention over a ragged mix of prefill chunks and decodes (see ``paged_attention``)."""
+    """Paged attention over a ragged mix of prefill chunks and decodes (see ``paged_attention``).
+    Written into ``out`` where given (the query's shape and dtype, unit stride over head_dim).
+    """
     query, block_tables = prepare_attention_inputs(
         query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
     )
     total_q, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if total_q == 0:
         return out
     meta = prefill_kernel_meta(num_heads, num_kv_heads, head_dim, query.dtype)

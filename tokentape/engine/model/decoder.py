@@ -29,7 +29,7 @@ from tokentape.engine.model.layers import (
 )
 from tokentape.engine.model.model_config import ModelConfig
 from tokentape.engine.model.weight_checks import apply_update, checked_update
-from tokentape.kernels import cpu_layers, cpu_native
+from tokentape.kernels import FusedOps
 from tokentape.lora.layers import LoRABatch
 
 
@@ -96,17 +96,18 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        batch: cpu_native.CpuBatch,
+        ops: FusedOps,
+        batch: object,
         num_tokens: int,
         matmul: LinearFn,
         packed: bool,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """forward() on the CPU in float32: the q/k norms and RoPE in one compiled call, the
-        KV write and attention by the compiled kernels over `batch` (made once per pass), the
-        matmuls called directly (layers.matmul_for). `x` may have rows past the batch's
-        `num_tokens` (row padding, see CausalLM._forward_fused): they go through the matmuls
-        and row operations, not into the cache or attention."""
+        """forward() through a backend's fused operations (kernels.FusedOps): the q/k norms
+        and RoPE in one call, the KV write and attention over `batch` (ops.pass_batch, made
+        once per pass), the matmuls called directly (layers.matmul_for). `x` may have rows
+        past the batch's `num_tokens` (row padding, see CausalLM._forward_fused): they go
+        through the matmuls and row operations, not into the cache or attention."""
         rows, t = x.shape[0], num_tokens
         q_proj, k_proj, v_proj, o_proj = self.q_proj, self.k_proj, self.v_proj, self.o_proj
         q = q_proj.add_lora(x, matmul(x, q_proj.weight_for(packed), q_proj.bias), lora)
@@ -118,17 +119,16 @@ class Attention(nn.Module):
         q_norm = self.q_norm.weight if self.qk_norm else None
         k_norm = self.k_norm.weight if self.qk_norm else None
         eps = self.q_norm.eps if self.qk_norm else 0.0
-        cpu_layers.qk_norm_rope(q, k, q_norm, k_norm, eps, *rope_tables, positions)
+        ops.qk_norm_rope(q, k, q_norm, k_norm, eps, *rope_tables, positions)
         k_cache, v_cache = kv_cache
-        assert batch.slots is not None
-        cpu_native.write_kv(k[:t], v[:t], k_cache, v_cache, batch.slots, batch.bad)
+        ops.write_kv(batch, k[:t], v[:t], k_cache, v_cache)
         # The attention writes the batch's rows of o_proj's input in place; padding rows are
         # zeros (a padded copy per layer cost a fresh [rows, heads x head_dim] tensor).
         out = x.new_empty(rows, self.num_heads * self.head_dim)
         if rows > t:
             out[t:].zero_()
         attn = out[:t].view(t, self.num_heads, self.head_dim)
-        cpu_native.attend(batch, q[:t], k_cache, v_cache, self.scale, attn)
+        ops.attend(batch, q[:t], k_cache, v_cache, self.scale, attn)
         return o_proj.add_lora(out, matmul(out, o_proj.weight_for(packed), o_proj.bias), lora)
 
 
@@ -172,8 +172,9 @@ class CausalLM(nn.Module):
         self.config = config
         self.pad_rows_to = 0  # batch-invariant row padding of the matmuls, 0: off
         self.tied_head = cpu_matmul.PackedWeight()  # the embedding packed as the LM head
-        # On the CPU in float32, run through the compiled row operations where they were built
-        # (kernels/cpu_layers.py); False keeps the modules' own torch ops (the reference).
+        # Run through the kernels' fused operations where the kernel backend has them (the
+        # compiled ones on the CPU in float32, Triton's on CUDA: kernels.fused_ops); False
+        # keeps the modules' own torch ops (the reference).
         self.fused = True
         self.model = DecoderModel(config)
         if not config.tie_word_embeddings:
@@ -237,11 +238,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; `lora`: the rows' LoRA adapters."""
         h = self.model.embed_tokens(input_ids)
-        # The fused pass calls the compiled CPU kernels directly: only where the kernels'
-        # dispatch (TOKENTAPE_KERNELS, else auto) chooses them, which implies a float32 CPU
-        # tensor and a built library (what the row operations need too).
-        if self.fused and kernels.resolve_backend(h.device, None, h.dtype) == "cpu":
-            return self._forward_fused(h, positions, kv_caches, meta, lora)
+        # The fused pass calls the kernels the dispatch (TOKENTAPE_KERNELS, else auto) chooses
+        # for these tensors: the compiled CPU ones (float32, a built library) or Triton's.
+        ops = kernels.fused_ops(kernels.resolve_backend(h.device, None, h.dtype))
+        if self.fused and ops is not None:
+            return self._forward_fused(h, positions, kv_caches, meta, lora, ops)
         rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
         for layer, kv in zip(self.model.layers, kv_caches):
             h = layer(h, rope, kv, meta, lora)
@@ -254,17 +255,19 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         lora: LoRABatch | None,
+        ops: FusedOps,
     ) -> torch.Tensor:
-        """forward() on the CPU in float32 through the compiled row operations
-        (kernels/cpu_layers.py): a residual stream updated in place, each norm fused with the
-        add before it, SwiGLU's activation in one call. The same formulas as the modules."""
+        """forward() through a kernel backend's fused operations (kernels.FusedOps): a
+        residual stream updated in place, each norm fused with the add before it, the q/k
+        norms with RoPE and SwiGLU's activation one call each. The same formulas as the
+        modules."""
         layers = self.model.layers
         rope_tables = (self.rope.cos_cached, self.rope.sin_cached)
         positions = positions.to(torch.int64)
         t = h.shape[0]
         # The batch in the kernels' form and the matmul, chosen once for every layer: with
         # two lanes at once, each Python step of a pass waits for the GIL.
-        batch = cpu_native.CpuBatch.of(
+        batch = ops.pass_batch(
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.slot_mapping
         )
         matmul, packed = matmul_for(h)
@@ -276,15 +279,17 @@ class CausalLM(nn.Module):
             h, positions = F.pad(h, (0, 0, 0, pad)), F.pad(positions, (0, pad))
         residual = h  # a fresh tensor from the embedding lookup (or the padding)
         first = layers[0].input_layernorm
-        x = cpu_layers.rms_norm(residual, first.weight, first.eps)
+        x = ops.rms_norm(residual, first.weight, first.eps)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             attn = layer.self_attn
-            a = attn.forward_fused(x, positions, rope_tables, kv, batch, t, matmul, packed, lora)
+            a = attn.forward_fused(
+                x, positions, rope_tables, kv, ops, batch, t, matmul, packed, lora
+            )
             post = layer.post_attention_layernorm
-            x = cpu_layers.add_rms_norm(a, residual, post.weight, post.eps)
-            m = layer.mlp.forward_fused(x, matmul, packed, lora)
+            x = ops.add_rms_norm(a, residual, post.weight, post.eps)
+            m = layer.mlp.forward_fused(x, matmul, packed, ops, lora)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x = cpu_layers.add_rms_norm(m, residual, norm.weight, norm.eps)
+            x = ops.add_rms_norm(m, residual, norm.weight, norm.eps)
         return x[:t] if pad else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

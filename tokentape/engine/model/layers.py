@@ -12,6 +12,7 @@ from torch import nn
 from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.cpu_matmul import LinearFn
 from tokentape.engine.model.rope import RopeScaling, inverse_frequencies
+from tokentape.kernels import FusedOps
 from tokentape.lora.layers import LoRABatch, LoRASlots
 
 
@@ -251,22 +252,25 @@ class MLP(nn.Module):
         return down.add_lora(act, down(act), lora)
 
     def forward_fused(
-        self, x: torch.Tensor, matmul: LinearFn, packed: bool, lora: LoRABatch | None = None
+        self,
+        x: torch.Tensor,
+        matmul: LinearFn,
+        packed: bool,
+        ops: FusedOps,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """forward() with silu(gate) * up in one compiled call (CPU, float32), the layers'
-        matmuls called directly (matmul_for; the rows come padded, see linear)."""
-        from tokentape.kernels.cpu_layers import silu_mul
-
+        """forward() with silu(gate) * up in one call of the backend's fused operations, the
+        layers' matmuls called directly (matmul_for; the rows come padded, see linear)."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         w_gate, w_up, w_down = (m.weight_for(packed) for m in (gate, up, down))
 
         def swiglu(rows: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
             g = gate.add_lora(rows, matmul(rows, w_gate, gate.bias), lora)
             u = up.add_lora(rows, matmul(rows, w_up, up.bias), lora)
-            middle = silu_mul(g, u)
+            middle = ops.silu_mul(g, u)
             return down.add_lora(middle, matmul(middle, w_down, down.bias), lora)
 
-        if x.shape[0] <= MLP_ROW_CHUNK:
+        if x.shape[0] <= MLP_ROW_CHUNK or x.device.type != "cpu":
             return swiglu(x, lora)
         return torch.cat(
             [
