@@ -8,8 +8,10 @@ One short script for a machine with a CUDA GPU (a few minutes at most):
    cached prefix and decodes, plus float32 runs and a batch-invariance check of the kernels;
 2. timing: the decode kernel against the torch reference and against torch's dense
    ``scaled_dot_product_attention`` on the same K/V laid out contiguously (no paging: a
-   speed-of-light baseline), and the prefill kernel against the reference; then the decode
-   steps' CUDA graphs on the whole model, each replay against the eager pass, and both timed;
+   speed-of-light baseline), and the prefill kernel against the reference; then the fused
+   pass (the decoder's row operations as Triton kernels) against the modules' own ops, both
+   measured against float32, and the decode steps' CUDA graphs on the whole model, each
+   replay against the eager pass, all three timed;
 3. the engine benchmark, ``benchmarks/bench_generate.py --device cuda --dtype bfloat16
    --config qwen3-0.6b``, run as a subprocess when that file exists, its output printed.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -37,9 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch  # does not import triton: TRITON_INTERPRET can still be set below
+
+if TYPE_CHECKING:
+    from tokentape.engine.runners.input_batch import ForwardBatch
 
 HERE = Path(__file__).resolve().parent
 
@@ -143,6 +149,7 @@ def main() -> int:
         return summarize(compile_kernels(args.arch))
     if args.cpu_interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+        os.environ["TOKENTAPE_KERNELS"] = "triton"  # the model's passes too, on the CPU
         device, shapes, iters = torch.device("cpu"), TINY, 2
     elif torch.cuda.is_available():
         device, shapes, iters = torch.device("cuda"), QWEN3_06B, args.iters
@@ -170,7 +177,15 @@ def main() -> int:
     results += stage("batch invariance", lambda: check_batch_invariance(device, shapes, gen))
     results += stage("timing", lambda: time_kernels(device, shapes, iters, gen))
     if device.type == "cuda":
+        results += stage(
+            "fused pass",
+            lambda: check_fused_pass(device, "qwen3-0.6b", torch.bfloat16, (1, 7, 64)),
+        )
         results += stage("cuda graphs", lambda: check_cuda_graphs(device, iters))
+    else:  # the interpreter: float16 (its bfloat16 math is float32's), the tiny model
+        results += stage(
+            "fused pass", lambda: check_fused_pass(device, "tiny", torch.float16, (1, 3))
+        )
     if not (args.skip_engine or args.cpu_interpret):
         results.append(run_engine_benchmark(args.engine_timeout, shlex.split(args.engine_args)))
     return summarize(results)
@@ -544,58 +559,122 @@ def time_kernels(
     return results
 
 
-def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
-    """The fused pass (kernels/triton_layers.py) and the decode steps' CUDA graphs
-    (tokentape/engine/runners/cuda_graphs.py) on the whole qwen3-0.6b model, seeded weights,
-    bfloat16: the fused pass against the modules' own ops, each replay against the eager
-    fused pass over the same batch (batches of 5 and 7 share the size-8 graph, so the second
-    replay must read its own inputs), then the time of a decode pass at batch 1 and 64: the
-    modules' ops, fused, and replayed."""
-    import random
-
+def decode_batch(
+    n: int,
+    vocab_size: int,
+    kv_blocks: int,
+    block_size: int,
+    width: int,
+    device: torch.device,
+    rng: random.Random,
+) -> ForwardBatch:
+    """`n` decodes at random contexts of up to `width` blocks, on distinct random blocks."""
     from tokentape.engine.model.decoder import AttentionMetadata
-    from tokentape.engine.model.loader import builtin_model
-    from tokentape.engine.runners.cuda_graphs import CUDAGraphRunner
     from tokentape.engine.runners.input_batch import ForwardBatch
 
-    config, model = builtin_model("qwen3-0.6b", 0)
-    model = model.to(device=device, dtype=torch.bfloat16).eval()
-    block_size, num_blocks, width = 16, 8192, 128  # contexts up to 2,048 tokens
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    kv = [
+    contexts = [rng.randint(1, width * block_size) for _ in range(n)]
+    blocks = rng.sample(range(kv_blocks), sum(-(-c // block_size) for c in contexts))
+    tables, slots, used = [], [], 0
+    for c in contexts:
+        table = blocks[used : used + -(-c // block_size)]
+        used += len(table)
+        slots.append(table[(c - 1) // block_size] * block_size + (c - 1) % block_size)
+        tables.append(table + [0] * (width - len(table)))
+
+    def on(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return ForwardBatch(
+        input_ids=on([rng.randrange(vocab_size) for _ in range(n)], torch.int64),
+        positions=on([c - 1 for c in contexts], torch.int64),
+        meta=AttentionMetadata(
+            slot_mapping=on(slots, torch.int64),
+            cu_seqlens_q=on(list(range(n + 1)), torch.int32),
+            seq_lens=on(contexts, torch.int32),
+            block_tables=on(tables, torch.int32),
+        ),
+        sample_rows=on(list(range(n)), torch.int64),
+    )
+
+
+def random_kv(
+    config: Any, kv_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [
         (
-            torch.randn(shape, device=device, dtype=torch.bfloat16),
-            torch.randn(shape, device=device, dtype=torch.bfloat16),
+            torch.randn(shape, device=device, dtype=dtype),
+            torch.randn(shape, device=device, dtype=dtype),
         )
         for _ in range(config.num_hidden_layers)
     ]
+
+
+def row_error(got: torch.Tensor, truth: torch.Tensor) -> float:
+    """The largest relative L2 error of a row of `got` against `truth`."""
+    got, truth = got.float(), truth.float()
+    return ((got - truth).norm(dim=-1) / truth.norm(dim=-1)).max().item()
+
+
+def check_fused_pass(
+    device: torch.device, config_name: str, dtype: torch.dtype, sizes: tuple[int, ...]
+) -> list[Result]:
+    """The fused pass (kernels/triton_layers.py) against the modules' own ops, both in `dtype`
+    and both measured against the modules in float32 on the same weights and the same cache:
+    over a deep model two orders of rounding part, so the test is that the fused pass is not
+    further from float32 than the modules are (at most 1.25x their error)."""
+    import copy
+
+    from tokentape.engine.model.loader import builtin_model
+
+    config, truth_model = builtin_model(config_name, 0)
+    truth_model = truth_model.to(device).eval()
+    truth_model.fused = False
+    model = copy.deepcopy(truth_model).to(dtype)
+    block_size, width = 16, 16  # contexts up to 256 tokens
+    kv_blocks = width * max(sizes)
+    kv = random_kv(config, kv_blocks, block_size, dtype, device)
+    kv_truth = [(k.float(), v.float()) for k, v in kv]  # the same values
+    rng = random.Random(0)
+    results = []
+    with torch.inference_mode():
+        for n in sizes:
+            b = decode_batch(n, config.vocab_size, kv_blocks, block_size, width, device, rng)
+            truth = truth_model(b.input_ids, b.positions, kv_truth, b.meta)
+            model.fused = False
+            modules = model(b.input_ids, b.positions, kv, b.meta)
+            model.fused = True
+            fused = model(b.input_ids, b.positions, kv, b.meta)
+            ours, theirs = row_error(fused, truth), row_error(modules, truth)
+            results.append(
+                Result(
+                    f"fused pass, batch {n}, {config_name} {dtype_name(dtype)}",
+                    ours <= 1.25 * theirs,
+                    f"largest row error against float32 {ours:.2e}, the modules' {theirs:.2e} "
+                    f"({ours / theirs:.2f}x, <= 1.25x)",
+                )
+            )
+    return results
+
+
+def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
+    """The decode steps' CUDA graphs (tokentape/engine/runners/cuda_graphs.py) on the whole
+    qwen3-0.6b model, seeded weights, bfloat16: each replay against the eager pass over the
+    same batch (batches of 5 and 7 share the size-8 graph, so the second replay must read its
+    own inputs), then the time of a decode pass at batch 1 and 64: the modules' ops, the
+    fused pass, and its graph."""
+    from tokentape.engine.model.loader import builtin_model
+    from tokentape.engine.runners.cuda_graphs import CUDAGraphRunner
+
+    config, model = builtin_model("qwen3-0.6b", 0)
+    model = model.to(device=device, dtype=torch.bfloat16).eval()
+    block_size, kv_blocks, width = 16, 8192, 128  # contexts up to 2,048 tokens
+    kv = random_kv(config, kv_blocks, block_size, torch.bfloat16, device)
     graphs = CUDAGraphRunner(model, 64, width, device)
     rng = random.Random(0)
 
-    def decode_batch(n: int) -> ForwardBatch:
-        contexts = [rng.randint(1, width * block_size) for _ in range(n)]
-        blocks = rng.sample(range(num_blocks), sum(-(-c // block_size) for c in contexts))
-        tables, slots, used = [], [], 0
-        for c in contexts:
-            table = blocks[used : used + -(-c // block_size)]
-            used += len(table)
-            slots.append(table[(c - 1) // block_size] * block_size + (c - 1) % block_size)
-            tables.append(table + [0] * (width - len(table)))
-
-        def on(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        return ForwardBatch(
-            input_ids=on([rng.randrange(config.vocab_size) for _ in range(n)], torch.int64),
-            positions=on([c - 1 for c in contexts], torch.int64),
-            meta=AttentionMetadata(
-                slot_mapping=on(slots, torch.int64),
-                cu_seqlens_q=on(list(range(n + 1)), torch.int32),
-                seq_lens=on(contexts, torch.int32),
-                block_tables=on(tables, torch.int32),
-            ),
-            sample_rows=on(list(range(n)), torch.int64),
-        )
+    def batch_of(n: int) -> ForwardBatch:
+        return decode_batch(n, config.vocab_size, kv_blocks, block_size, width, device, rng)
 
     def modules_pass(b: ForwardBatch) -> torch.Tensor:
         model.fused = False
@@ -604,35 +683,25 @@ def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
         finally:
             model.fused = True
 
-    def similar(name: str, expected: torch.Tensor, got: torch.Tensor, detail: str) -> Result:
-        cosine = torch.nn.functional.cosine_similarity(expected, got, dim=-1).min().item()
-        return Result(
-            name,
-            cosine >= 0.999,
-            f"{detail}max |err| {max_error(expected, got):.2e}, lowest cosine per row "
-            f"{cosine:.5f} (>= 0.999)",
-        )
-
     results = []
     with torch.inference_mode():
         for n in (5, 7, 64, 1):
-            batch = decode_batch(n)
-            # Each pass writes the batch's K/V before reading it: the modules' pass first, so
-            # the fused pass and its replay, which write the same bits, read the same cache.
-            modules = modules_pass(batch).float()
+            batch = batch_of(n)
+            # Both passes write the same K/V for the batch's rows; the order does not matter.
             eager = model(batch.input_ids, batch.positions, kv, batch.meta).float()
-            results.append(similar(f"fused pass vs the modules, batch {n}", modules, eager, ""))
             replayed = graphs.forward(batch, kv).float()
+            cosine = torch.nn.functional.cosine_similarity(eager, replayed, dim=-1).min().item()
             results.append(
-                similar(
+                Result(
                     f"cuda graph replay, batch {n}",
-                    eager,
-                    replayed,
-                    f"size-{graphs.capture_size(n)} graph; ",
+                    cosine >= 0.999,
+                    f"size-{graphs.capture_size(n)} graph; max |err| "
+                    f"{max_error(eager, replayed):.2e}, lowest cosine per row {cosine:.5f} "
+                    "(>= 0.999)",
                 )
             )
         for n in (1, 64):
-            batch = decode_batch(n)
+            batch = batch_of(n)
             modules_ms = median_ms(lambda b=batch: modules_pass(b), device, iters)
             eager_ms = median_ms(
                 lambda b=batch: model(b.input_ids, b.positions, kv, b.meta), device, iters
