@@ -22,6 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tokentape.engine.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from tokentape.kernels.reference import write_kv_cache_ref
 
 # Padding in block tables: an out-of-range block id, so reading it would fail loudly.
@@ -151,3 +152,34 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> li
 
     monkeypatch.setattr(owner, name, counted)
     return calls
+
+
+def check_qk_norm_rope(
+    ops: Any, qk_norm: bool, dtype: torch.dtype, head_dim: int, **tolerance: float
+) -> None:
+    """A backend's qk_norm_rope (kernels.FusedOps) against the modules it fuses: Qwen3's
+    per-head RMSNorms (when `qk_norm`), then RoPE, on 7 tokens at scattered positions."""
+    gen = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    q = torch.randn(7, 4, head_dim, generator=gen).to(dtype)
+    k = torch.randn(7, 2, head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 5, 17, 300, 511, 2])
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(dtype), RMSNorm(head_dim, 1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(head_dim, generator=gen))
+        k_norm.weight.copy_(torch.randn(head_dim, generator=gen))
+        eq, ek = (q_norm(q), k_norm(k)) if qk_norm else (q, k)
+        eq, ek = apply_rotary(eq, ek, *rope.cos_sin(positions, dtype))
+    ours_q, ours_k = q.clone(), k.clone()
+    ops.qk_norm_rope(
+        ours_q,
+        ours_k,
+        q_norm.weight if qk_norm else None,
+        k_norm.weight if qk_norm else None,
+        1e-6,
+        rope.cos_cached,
+        rope.sin_cached,
+        positions,
+    )
+    torch.testing.assert_close(ours_q, eq, **tolerance)
+    torch.testing.assert_close(ours_k, ek, **tolerance)

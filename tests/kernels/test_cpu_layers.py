@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import count_calls
+from kernel_cases import check_qk_norm_rope, count_calls
 
 from tokentape.engine.model.decoder import AttentionMetadata
 from tokentape.engine.model.layers import (
     MLP,
     RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
     matmul_for,
 )
 from tokentape.engine.model.loader import builtin_model
@@ -49,28 +47,7 @@ def test_rms_norm_and_the_residual_add_match_the_module(dim: int) -> None:
 
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_norms_and_rope_match_the_modules(qk_norm: bool) -> None:
-    rope = RotaryEmbedding(64, 512, 10000.0)
-    q, k = randn(9, 4, 64), randn(9, 2, 64)
-    positions = torch.tensor([0, 1, 5, 17, 100, 101, 300, 511, 2])
-    q_norm, k_norm = RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)
-    with torch.no_grad():
-        q_norm.weight.copy_(randn(64))
-        k_norm.weight.copy_(randn(64))
-    eq, ek = (q_norm(q), k_norm(k)) if qk_norm else (q, k)
-    eq, ek = apply_rotary(eq, ek, *rope.cos_sin(positions, torch.float32))
-    ours_q, ours_k = q.clone(), k.clone()
-    cpu_layers.qk_norm_rope(
-        ours_q,
-        ours_k,
-        q_norm.weight if qk_norm else None,
-        k_norm.weight if qk_norm else None,
-        1e-6,
-        rope.cos_cached,
-        rope.sin_cached,
-        positions,
-    )
-    torch.testing.assert_close(ours_q, eq)
-    torch.testing.assert_close(ours_k, ek)
+    check_qk_norm_rope(cpu_layers, qk_norm, torch.float32, 64)
 
 
 def test_silu_mul_matches_the_mlp_for_every_magnitude() -> None:

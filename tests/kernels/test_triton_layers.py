@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from kernel_cases import count_calls
+from kernel_cases import check_qk_norm_rope, count_calls
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     )
 
 from tokentape.engine.model.decoder import AttentionMetadata
-from tokentape.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
+from tokentape.engine.model.layers import MLP, RMSNorm, RotaryEmbedding
 from tokentape.engine.model.loader import builtin_model
 from tokentape.kernels import fused_ops, triton_layers
 
@@ -54,28 +54,7 @@ def test_rms_norm_and_the_residual_add_match_the_module(dim: int, dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_norms_and_rope_match_the_modules(qk_norm: bool, dtype: torch.dtype) -> None:
-    rope = RotaryEmbedding(32, 512, 10000.0)
-    q, k = randn(7, 4, 32, dtype=dtype), randn(7, 2, 32, dtype=dtype)
-    positions = torch.tensor([0, 1, 5, 17, 300, 511, 2])
-    q_norm, k_norm = RMSNorm(32, 1e-6).to(dtype), RMSNorm(32, 1e-6).to(dtype)
-    with torch.no_grad():
-        q_norm.weight.copy_(randn(32))
-        k_norm.weight.copy_(randn(32))
-        eq, ek = (q_norm(q), k_norm(k)) if qk_norm else (q, k)
-        eq, ek = apply_rotary(eq, ek, *rope.cos_sin(positions, dtype))
-    ours_q, ours_k = q.clone(), k.clone()
-    triton_layers.qk_norm_rope(
-        ours_q,
-        ours_k,
-        q_norm.weight if qk_norm else None,
-        k_norm.weight if qk_norm else None,
-        1e-6,
-        rope.cos_cached,
-        rope.sin_cached,
-        positions,
-    )
-    torch.testing.assert_close(ours_q, eq, **TOLERANCE[dtype])
-    torch.testing.assert_close(ours_k, ek, **TOLERANCE[dtype])
+    check_qk_norm_rope(triton_layers, qk_norm, dtype, 32, **TOLERANCE[dtype])
 
 
 def test_qk_norm_rope_refuses_tables_of_another_width() -> None:
