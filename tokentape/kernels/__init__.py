@@ -208,13 +208,8 @@ def paged_attention(
             query, k_cache, v_cache, scale=scale, out=out, **kwargs
         )
     if chosen == "triton":
-        if query.shape[0] == seq_lens.shape[0]:
-            # One new token per sequence (each has at least one): the split-KV decode kernel.
-            from tokentape.kernels.triton_decode import paged_decode_triton
+        from tokentape.kernels.triton_layers import paged_attention_triton
 
-            return paged_decode_triton(query, k_cache, v_cache, scale=scale, out=out, **kwargs)
-        from tokentape.kernels.triton_prefill import paged_prefill_triton
-
-        return paged_prefill_triton(query, k_cache, v_cache, scale=scale, out=out, **kwargs)
+        return paged_attention_triton(query, k_cache, v_cache, scale=scale, out=out, **kwargs)
     result = paged_attention_ref(query, k_cache, v_cache, scale=scale, **kwargs)
     return result if out is None else out.copy_(result)

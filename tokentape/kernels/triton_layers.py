@@ -1,6 +1,7 @@
 """The decoder's per-row operations as Triton kernels, for the fused pass on CUDA: RMSNorm
 with the residual add folded in, the q/k norms with RoPE, SwiGLU's silu(gate) * up, and the
-KV write and attention over the pass's batch.
+KV write and attention over the pass's batch (the attention kernels chosen as
+kernels.paged_attention chooses them on CUDA: paged_attention_triton).
 
 The torch modules spend a few dozen kernels a layer on these (RMSNorm alone is seven, RoPE
 six per tensor), and a decode step of a small model is the time to launch them, graphs or
@@ -20,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokentape.kernels.triton_decode import paged_decode_triton
+from tokentape.kernels import triton_decode, triton_prefill
 from tokentape.kernels.triton_kv_write import write_kv_cache_triton
-from tokentape.kernels.triton_prefill import paged_prefill_triton
 
 SILU_BLOCK = 1024  # elements per program of silu_mul
 
@@ -243,18 +243,44 @@ def attend(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """The batch's attention into `out` (contiguous, the query's shape): the split-KV decode
-    kernel when every sequence has one new token, else the prefill kernel."""
-    attention = (
-        paged_decode_triton if query.shape[0] == batch.seq_lens.shape[0] else paged_prefill_triton
-    )
-    attention(
+    """The batch's attention into `out` (contiguous, the query's shape)."""
+    paged_attention_triton(
         query,
         k_cache,
         v_cache,
         cu_seqlens_q=batch.cu_seqlens_q,
         seq_lens=batch.seq_lens,
         block_tables=batch.block_tables,
+        scale=scale,
+        out=out,
+    )
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """kernels.paged_attention on CUDA: the split-KV decode kernel when every sequence has
+    one new token (each has at least one), else the prefill kernel."""
+    attention = (
+        triton_decode.paged_decode_triton
+        if query.shape[0] == seq_lens.shape[0]
+        else triton_prefill.paged_prefill_triton
+    )
+    return attention(
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
         scale=scale,
         out=out,
     )

@@ -240,8 +240,12 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         # The fused pass calls the kernels the dispatch (TOKENTAPE_KERNELS, else auto) chooses
         # for these tensors: the compiled CPU ones (float32, a built library) or Triton's.
-        ops = kernels.fused_ops(kernels.resolve_backend(h.device, None, h.dtype))
-        if self.fused and ops is not None:
+        ops = (
+            kernels.fused_ops(kernels.resolve_backend(h.device, None, h.dtype))
+            if self.fused
+            else None
+        )
+        if ops is not None:
             return self._forward_fused(h, positions, kv_caches, meta, lora, ops)
         rope = self.rope.cos_sin(positions, h.dtype)  # the same for every layer
         for layer, kv in zip(self.model.layers, kv_caches):

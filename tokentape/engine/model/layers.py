@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -236,14 +237,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        if x.shape[0] <= MLP_ROW_CHUNK or x.device.type != "cpu":
-            return self._swiglu(x, lora)
-        return torch.cat(
-            [
-                self._swiglu(rows, lora and lora.rows(i, i + MLP_ROW_CHUNK))
-                for rows, i in zip(x.split(MLP_ROW_CHUNK), range(0, x.shape[0], MLP_ROW_CHUNK))
-            ]
-        )
+        return _in_row_chunks(self._swiglu, x, lora)
 
     def _swiglu(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
@@ -270,11 +264,20 @@ class MLP(nn.Module):
             middle = ops.silu_mul(g, u)
             return down.add_lora(middle, matmul(middle, w_down, down.bias), lora)
 
-        if x.shape[0] <= MLP_ROW_CHUNK or x.device.type != "cpu":
-            return swiglu(x, lora)
-        return torch.cat(
-            [
-                swiglu(rows, lora and lora.rows(i, i + MLP_ROW_CHUNK))
-                for rows, i in zip(x.split(MLP_ROW_CHUNK), range(0, x.shape[0], MLP_ROW_CHUNK))
-            ]
-        )
+        return _in_row_chunks(swiglu, x, lora)
+
+
+def _in_row_chunks(
+    swiglu: Callable[[torch.Tensor, LoRABatch | None], torch.Tensor],
+    x: torch.Tensor,
+    lora: LoRABatch | None,
+) -> torch.Tensor:
+    """swiglu over x's rows, on the CPU in chunks of MLP_ROW_CHUNK rows (see above)."""
+    if x.shape[0] <= MLP_ROW_CHUNK or x.device.type != "cpu":
+        return swiglu(x, lora)
+    return torch.cat(
+        [
+            swiglu(rows, lora and lora.rows(i, i + MLP_ROW_CHUNK))
+            for rows, i in zip(x.split(MLP_ROW_CHUNK), range(0, x.shape[0], MLP_ROW_CHUNK))
+        ]
+    )
