@@ -610,6 +610,17 @@ def random_kv(
     ]
 
 
+def modules_pass(
+    model: Any, b: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """The model's pass over `b` through its modules' own ops (the fused pass's oracle)."""
+    model.fused = False
+    try:
+        return model(b.input_ids, b.positions, kv, b.meta)  # type: ignore[no-any-return]
+    finally:
+        model.fused = True
+
+
 def row_error(got: torch.Tensor, truth: torch.Tensor) -> float:
     """The largest relative L2 error of a row of `got` against `truth`."""
     got, truth = got.float(), truth.float()
@@ -629,7 +640,6 @@ def check_fused_pass(
 
     config, truth_model = builtin_model(config_name, 0)
     truth_model = truth_model.to(device).eval()
-    truth_model.fused = False
     model = copy.deepcopy(truth_model).to(dtype)
     block_size, width = 16, 16  # contexts up to 256 tokens
     kv_blocks = width * max(sizes)
@@ -640,10 +650,8 @@ def check_fused_pass(
     with torch.inference_mode():
         for n in sizes:
             b = decode_batch(n, config.vocab_size, kv_blocks, block_size, width, device, rng)
-            truth = truth_model(b.input_ids, b.positions, kv_truth, b.meta)
-            model.fused = False
-            modules = model(b.input_ids, b.positions, kv, b.meta)
-            model.fused = True
+            truth = modules_pass(truth_model, b, kv_truth)
+            modules = modules_pass(model, b, kv)
             fused = model(b.input_ids, b.positions, kv, b.meta)
             ours, theirs = row_error(fused, truth), row_error(modules, truth)
             results.append(
@@ -676,13 +684,6 @@ def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
     def batch_of(n: int) -> ForwardBatch:
         return decode_batch(n, config.vocab_size, kv_blocks, block_size, width, device, rng)
 
-    def modules_pass(b: ForwardBatch) -> torch.Tensor:
-        model.fused = False
-        try:
-            return model(b.input_ids, b.positions, kv, b.meta)
-        finally:
-            model.fused = True
-
     results = []
     with torch.inference_mode():
         for n in (5, 7, 64, 1):
@@ -702,7 +703,7 @@ def check_cuda_graphs(device: torch.device, iters: int) -> list[Result]:
             )
         for n in (1, 64):
             batch = batch_of(n)
-            modules_ms = median_ms(lambda b=batch: modules_pass(b), device, iters)
+            modules_ms = median_ms(lambda b=batch: modules_pass(model, b, kv), device, iters)
             eager_ms = median_ms(
                 lambda b=batch: model(b.input_ids, b.positions, kv, b.meta), device, iters
             )
