@@ -25,7 +25,8 @@ short warm-up request (a text the dataset does not hold) before the client start
 
 tokentape: `tokentape serve --model DIR --tape-dir DIR` at its defaults, with its flight
 recorder on at the default retention (1GB, 60 s segments): the model on one lane per CPU
-(as `generate` runs it; the HTTP server shares the CPUs), sync scheduling, prefix caching, a
+(as `generate` runs it; the HTTP server shares the CPUs), sync scheduling, vLLM's server
+step budget on the CPU (2,048 tokens, 128 sequences, as vLLM's below), prefix caching, a
 KV cache sized from memory (4 GiB, or a quarter of the RAM if that is less; this script sets no
 VLLM_CPU_KVCACHE_SPACE for it, which it would read). `--tokentape-args` adds options.
 

@@ -167,3 +167,31 @@ def test_the_serve_parser_and_its_errors(
     )
     assert "pipeline_depth" in capsys.readouterr().err and existing.exists()
     assert main(["--port", "-1"]) == 2
+
+
+def test_a_server_on_the_cpu_takes_vllm_s_server_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+
+    import torch
+
+    from tokentape.engine.arg_utils import SERVER_CPU_DEFAULTS, server_engine_args
+    from tokentape.entrypoints.cli.serve import add_parser
+
+    srv = add_parser(argparse.ArgumentParser(prog="tokentape").add_subparsers())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert server_engine_args(srv.parse_args(["--model", "tiny"])) == {
+        "seed": 0,
+        "max_num_batched_tokens": 2048,
+        "max_num_seqs": 128,
+    }
+    # A flag given wins; the other keeps the server's default.
+    given = server_engine_args(srv.parse_args(["--max-num-batched-tokens", "512"]))
+    assert (given["max_num_batched_tokens"], given["max_num_seqs"]) == (512, 128)
+    # The oracle runs no model, and a model on CUDA serves with the engine's defaults.
+    assert server_engine_args(srv.parse_args(["--model", "oracle"])) == {"seed": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert server_engine_args(srv.parse_args(["--model", "tiny"])) == {"seed": 0}
+    assert set(SERVER_CPU_DEFAULTS) <= set(vars(srv.parse_args([])))
+    assert "(default: 2048 for a model on the CPU" in " ".join(srv.format_help().split())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokentape.engine.config import LOGPROBS_MODES, EngineConfig
-from tokentape.engine.model_registry import DEFAULT_MODEL, MODEL_HELP
+from tokentape.engine.model_registry import DEFAULT_MODEL, MODEL_HELP, is_oracle
 from tokentape.engine.weight_transfer import parse_weight_transfer_config
 from tokentape.events.discard import DISCARD_POLICIES
 
@@ -119,6 +119,17 @@ _NONE_DEFAULTS = {
     "max_cpu_loras": "max_loras",
 }
 
+# vLLM's defaults for its OpenAI-compatible server on the CPU (its EngineArgs' defaults for the
+# usage context OPENAI_API_SERVER); an offline LLM, and a server on CUDA, keep the engine's.
+# The smaller step budget serves a wave of prompts that arrive together in turns: the first of
+# them get their first tokens after one short prefill step, not all of them after one long
+# one (measured: docs/benchmarks.md, "Serving side by side with vllm serve").
+SERVER_CPU_DEFAULTS: dict[str, int] = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}
+_SERVER_DEFAULT_HELP = {
+    name: f"{value} for a model on the CPU, as vLLM's server; else {getattr(_DEFAULTS, name)}"
+    for name, value in SERVER_CPU_DEFAULTS.items()
+}
+
 
 def add_engine_cli_args(
     parser: argparse.ArgumentParser,
@@ -127,10 +138,12 @@ def add_engine_cli_args(
     model: bool = True,
     seed: bool = True,
     default_of: str | None = None,
+    server: bool = False,
 ) -> None:
     """Add --model, --seed, --sync and the engine flags named by `fields`. `default_of`:
     whose default applies when a flag is not given (e.g. "the tape's"); the engine's by
-    default, shown in each flag's help."""
+    default, shown in each flag's help. `server`: the flags of a server, whose defaults on
+    the CPU are vLLM's server's (server_engine_args)."""
     if model:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve: {MODEL_HELP}")
     if seed:
@@ -154,6 +167,8 @@ def add_engine_cli_args(
         flag = ENGINE_FLAGS[name]
         if default_of is not None:
             default = f"default: {default_of}"
+        elif server and name in _SERVER_DEFAULT_HELP:
+            default = f"default: {_SERVER_DEFAULT_HELP[name]}"
         elif name in _NONE_DEFAULTS:
             default = f"default: {_NONE_DEFAULTS[name]}"
         else:
@@ -206,3 +221,17 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             kwargs[name] = value
     return kwargs
+
+
+def server_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """engine_args_from_cli for a server: on the CPU, the flags not given take vLLM's server
+    defaults (SERVER_CPU_DEFAULTS). A model runs on the CPU where torch sees no CUDA device
+    (the engine's device "auto"); the oracle runs no model and keeps the engine's."""
+    given = engine_args_from_cli(args)
+    if is_oracle(args.model):
+        return given
+    from tokentape.engine.runners.devices import resolve_device
+
+    if resolve_device("auto") != "cpu":
+        return given
+    return {**SERVER_CPU_DEFAULTS, **given}

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from tokentape.engine.arg_utils import engine_args_from_cli
+from tokentape.engine.arg_utils import server_engine_args
 from tokentape.engine.async_llm import AsyncLLM
 from tokentape.engine.config import EngineConfig
 from tokentape.entrypoints import protocol as p
@@ -325,11 +325,10 @@ def run_server(args: argparse.Namespace) -> int:
             raise StartupError(str(exc)) from None
     else:
         tape = None if args.no_tape else (args.tape or timestamped_tape_path("tokentape-serve"))
+    kwargs = server_engine_args(args)
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
-        # Bad arguments fail before the removal.
-        EngineConfig(model=args.model, **engine_args_from_cli(args))
+        EngineConfig(model=args.model, **kwargs)  # bad arguments fail before the removal
         remove_for_overwrite(args.tape)
-    kwargs = engine_args_from_cli(args)
     sock = bind_socket(args.host, args.port)  # a port in use fails before the engine is built
     try:
         with sigterm_stops_startup():

@@ -46,7 +46,7 @@ def make_arg_parser(srv: Any) -> Any:
         help="port to bind; 0 picks a free one (default: 8000)",
     )
     add_tape_arguments(srv, "tokentape-serve", flight_recorder=True)
-    add_engine_cli_args(srv)  # --model, --seed, --sync and the engine's flags (arg_utils.py)
+    add_engine_cli_args(srv, server=True)  # --model, --seed, --sync, the engine's flags
     srv.add_argument(
         "--lora-modules",
         nargs="+",
