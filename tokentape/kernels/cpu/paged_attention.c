@@ -166,10 +166,18 @@ static inline void start_walks(const Problem *p, const int32_t *table, int64_t s
     keys->then = values;
 }
 
-/* One decode with head_dim = TT_VW * DV. Memory-bound: the sequence's K rows, then its V rows,
- * are read once each, token by token in cache-block order (each token's row holds every kv
- * head, so a block is one contiguous stream; see RowWalk). Scores and outputs stay in
- * `scores` and `acc` (L1-sized). Inlined with DV a constant, so the row loops unroll. */
+/* One decode with head_dim = TT_VW * DV: the sequence's K rows, then its V rows, read once
+ * each, token by token in cache-block order (each token's row holds every kv head, so a block
+ * is one contiguous stream; see RowWalk). Bound by memory when the rows come from it, by the
+ * arithmetic when they are in the caches (a step's K/V often is, for a small model), so the
+ * arithmetic works on TT_VW tokens at a time:
+ * - scores: a head's TT_VW dot products are summed across lanes by one vsum_each (a vsum
+ *   each would take three times the shuffles) and stored as one vector;
+ * - outputs: a head's accumulators stay in registers over the TT_VW rows (per row, each went
+ *   through memory, a store and a reload on every row's critical path).
+ * Every score and output is the same sum, in the same order, as one token at a time (vsum's
+ * pairs; V rows added in token order), which the tail still does. Inlined with DV a
+ * constant, so the loops over a head's vectors unroll. */
 static inline __attribute__((always_inline)) void attend_decode_vec(
     const Problem *p, int64_t seq, float *scores, float *qbuf, float *acc, const int64_t DV) {
     const int64_t H = p->num_heads, D = TT_VW * DV, Hkv = p->num_kv_heads;
@@ -180,7 +188,24 @@ static inline __attribute__((always_inline)) void attend_decode_vec(
     for (int64_t i = 0; i < H * D; i++) qbuf[i] = q[i] * p->scale;
     RowWalk keys, values;
     start_walks(p, table, seq_len, row_stride, &keys, &values);
-    for (int64_t t = 0; t < seq_len; t++) { /* scores[h][t] */
+    const float *rows[TT_VW];
+    int64_t t = 0;
+    for (; t + TT_VW <= seq_len; t += TT_VW) { /* scores[h][t .. t + TT_VW) */
+        for (int i = 0; i < TT_VW; i++) rows[i] = next_row(&keys);
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = qbuf + h * D;
+            const int64_t kv_at = (h / G) * D;
+            vf dots[TT_VW];
+            for (int i = 0; i < TT_VW; i++) {
+                const float *k = rows[i] + kv_at;
+                vf a = vload(qh) * vload(k);
+                for (int64_t c = 1; c < DV; c++) a += vload(qh + TT_VW * c) * vload(k + TT_VW * c);
+                dots[i] = a;
+            }
+            vstore(scores + h * seq_len + t, vsum_each(dots));
+        }
+    }
+    for (; t < seq_len; t++) { /* the last rows, one at a time */
         const float *krow = next_row(&keys);
         for (int64_t j = 0; j < Hkv; j++) {
             vf kv[DV];
@@ -195,7 +220,22 @@ static inline __attribute__((always_inline)) void attend_decode_vec(
     }
     for (int64_t h = 0; h < H; h++) softmax_in_place(scores + h * seq_len, seq_len);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t t = 0; t < seq_len; t++) { /* acc[h] = sum over t of p[h][t] * v[t] */
+    for (t = 0; t + TT_VW <= seq_len; t += TT_VW) { /* acc[h] += p[h][t] * v[t], in t's order */
+        for (int i = 0; i < TT_VW; i++) rows[i] = next_row(&values);
+        for (int64_t h = 0; h < H; h++) {
+            const float *w = scores + h * seq_len + t;
+            const int64_t kv_at = (h / G) * D;
+            float *o = acc + h * D;
+            vf sum[DV];
+            for (int64_t c = 0; c < DV; c++) sum[c] = vload(o + TT_VW * c);
+            for (int i = 0; i < TT_VW; i++) {
+                const float *v = rows[i] + kv_at;
+                for (int64_t c = 0; c < DV; c++) sum[c] += w[i] * vload(v + TT_VW * c);
+            }
+            for (int64_t c = 0; c < DV; c++) vstore(o + TT_VW * c, sum[c]);
+        }
+    }
+    for (; t < seq_len; t++) {
         const float *vrow = next_row(&values);
         for (int64_t j = 0; j < Hkv; j++) {
             vf vv[DV];

@@ -46,6 +46,52 @@ static inline float vsum(vf v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* vsum of TT_VW vectors at once: lane i of the result is vsum(x[i]), to the bit (the same
+ * lanes added in the same pairs), with the halvings done across the vectors by shuffles, so
+ * that each level adds whole vectors: about a third of the work of TT_VW vsums, and one
+ * store where those make TT_VW scalar ones. */
+static inline vf vsum_each(const vf x[TT_VW]) {
+#if TT_VW == 16
+    vf y[8], z[4], w[2];
+    for (int m = 0; m < 8; m++) /* lane i + 8 onto lane i: tokens 2m, 2m + 1 */
+        y[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(x[2 * m], x[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int m = 0; m < 4; m++) /* lane i + 4 onto lane i: tokens 4m .. 4m + 3 */
+        z[m] = __builtin_shufflevector(y[2 * m], y[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(y[2 * m], y[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int m = 0; m < 2; m++) /* b0 + b2 and b1 + b3: tokens 8m .. 8m + 7 */
+        w[m] = __builtin_shufflevector(z[2 * m], z[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(z[2 * m], z[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30) +
+           __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                   27, 29, 31);
+#elif TT_VW == 8
+    vf z[4], w[2];
+    for (int m = 0; m < 4; m++) /* lane i + 4 onto lane i: tokens 2m, 2m + 1 */
+        z[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(x[2 * m], x[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int m = 0; m < 2; m++) /* b0 + b2 and b1 + b3: tokens 4m .. 4m + 3 */
+        w[m] = __builtin_shufflevector(z[2 * m], z[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(z[2 * m], z[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    vf w[2];
+    for (int m = 0; m < 2; m++) /* b0 + b2 and b1 + b3: tokens 2m, 2m + 1 */
+        w[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 4, 5) +
+               __builtin_shufflevector(x[2 * m], x[2 * m + 1], 2, 3, 6, 7);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6) +
+           __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7);
+#endif
+}
+
 /* The dot product of n floats: whole vectors, then the tail one by one. */
 static inline float vdot(const float *restrict a, const float *restrict b, int64_t n) {
     int64_t i = 0;
