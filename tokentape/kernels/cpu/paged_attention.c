@@ -177,8 +177,8 @@ static inline void start_walks(const Problem *p, const int32_t *table, int64_t s
  * arithmetic works on TT_VW tokens at a time:
  * - scores: a head's TT_VW dot products are summed across lanes by one vsum_each (a vsum
  *   each would take three times the shuffles) and stored as one vector;
- * - outputs: a head's accumulators stay in registers over the TT_VW rows (per row, each went
- *   through memory, a store and a reload on every row's critical path).
+ * - outputs: a head's accumulators stay in registers over the TT_VW rows (kept in memory,
+ *   each would take a store and a reload on every row's critical path).
  * Every score and output is the same sum, in the same order, as one token at a time (vsum's
  * pairs; V rows added in token order), which the tail still does. Inlined with DV a
  * constant, so the loops over a head's vectors unroll. */
