@@ -230,6 +230,9 @@ def server_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     given = engine_args_from_cli(args)
     if is_oracle(args.model):
         return given
+    # Here, not at the top: the command lines parse without torch. The server's front end
+    # then loads torch for this one question (about 1 s and 180 MB); the engine core, which
+    # loads it anyway, is where the answer belongs.
     from tokentape.engine.runners.devices import resolve_device
 
     if resolve_device("auto") != "cpu":
