@@ -42,8 +42,10 @@ class ModelWorker:
         self._outbox: queue.Queue[Any] = queue.Queue()
         self._outstanding = 0  # jobs submitted whose result() has not been taken
         callers = torch.get_num_threads()  # settles the caller's own count before ours is set
+        # The thread holds the queues, not the worker: a worker dropped without close() is
+        # collected, and its finalizer stops the thread.
         self._thread = threading.Thread(
-            target=self._serve, args=(num_threads,), name=name, daemon=True
+            target=_serve, args=(self._inbox, self._outbox, num_threads), name=name, daemon=True
         )
         self._thread.start()
         # Stop the thread at interpreter exit too, before torch is torn down under it.
@@ -97,19 +99,24 @@ class ModelWorker:
     def close(self) -> None:
         self._stop()
 
-    def _serve(self, num_threads: int | None) -> None:
-        # torch settles a thread's count lazily, on its first parallel op, from the process-wide
-        # count; settle it first, or the count put back for new threads would replace ours.
-        torch.get_num_threads()
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        while (job := self._inbox.get()) is not None:
-            try:
-                outcome = job()
-            except BaseException as exc:  # noqa: BLE001 (handed to the caller of result())
-                outcome = _Failure(exc)
-            if outcome is not _SIDE_JOB:
-                self._outbox.put(outcome)
+
+def _serve(
+    inbox: queue.Queue[Callable[[], Any] | None], outbox: queue.Queue[Any], num_threads: int | None
+) -> None:
+    # torch settles a thread's count lazily, on its first parallel op, from the process-wide
+    # count; settle it first, or the count put back for new threads would replace ours.
+    torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    while (job := inbox.get()) is not None:
+        try:
+            outcome = job()
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller of result())
+            outcome = _Failure(exc)
+        if outcome is not _SIDE_JOB:
+            outbox.put(outcome)
+        # Not held while waiting for the next: a job's closure holds its runner.
+        del job, outcome
 
 
 def _set_count_for_new_threads(count: int) -> None:
