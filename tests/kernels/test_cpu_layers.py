@@ -4,17 +4,22 @@ pass against the modules' own."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import check_qk_norm_rope, count_calls
 
-from tokentape.engine.model.decoder import AttentionMetadata
+from tokentape.engine.model import cpu_matmul
+from tokentape.engine.model import decoder as decoder_module
+from tokentape.engine.model import layers as layers_module
+from tokentape.engine.model.decoder import AttentionMetadata, CausalLM
 from tokentape.engine.model.layers import (
     MLP,
     RMSNorm,
     matmul_for,
 )
-from tokentape.engine.model.loader import builtin_model
+from tokentape.engine.model.loader import BUILTIN_CONFIGS, builtin_model
 from tokentape.kernels import cpu_layers, cpu_native
 
 pytestmark = pytest.mark.skipif(
@@ -109,3 +114,97 @@ def test_the_fused_pass_runs_only_where_the_compiled_kernels_are_chosen(
     with torch.inference_mode():
         model(ids, positions, kv, meta)
     assert len(calls) == (len(model.model.layers) if backend == "auto" else 0)
+
+
+def _packed_model(**changes: object) -> CausalLM:
+    """tiny with `changes` to its config, weights drawn at random (norms and biases too, so
+    that every operand matters), packed for MKL and split for a helper."""
+    config = dataclasses.replace(BUILTIN_CONFIGS["tiny"], **changes)
+    model = CausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(randn(*p.shape) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    model.prepack(split=True)
+    return model
+
+
+def _run_both(
+    model: CausalLM,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    helper: cpu_native.Helper | None = None,
+    num_blocks: int = 64,
+) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, list[torch.Tensor]]]:
+    """(hidden states, every K/V cache after) of the pass in one call, then layer by layer."""
+    c = model.config
+    shape = (num_blocks, 4, c.num_key_value_heads, c.head_dim)
+    kv = [(randn(*shape), randn(*shape)) for _ in range(c.num_hidden_layers)]
+    results = []
+    for one_call in (True, False):
+        caches = [(k.clone(), v.clone()) for k, v in kv]
+        model.layers_in_one_call = one_call
+        with torch.inference_mode(), cpu_native.lent_to_this_thread(helper):
+            hidden = model(ids, positions, caches, meta)
+        results.append((hidden, [t for pair in caches for t in pair]))
+    return results[0], results[1]
+
+
+@pytest.mark.skipif(cpu_matmul.mkl_compute_address() is None, reason="this torch has no MKL")
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"qk_norm": False, "attention_bias": True, "model_type": "qwen2"}],
+    ids=["qwen3", "qwen2"],
+)
+@pytest.mark.parametrize("helped", [False, True])
+@pytest.mark.parametrize("pad_rows_to", [0, 8])
+def test_the_layer_stack_in_one_call_gives_the_fused_pass_bits(
+    changes: dict[str, object], helped: bool, pad_rows_to: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpu/decoder.c runs the fused pass's kernels in its order: the hidden states and every
+    K/V written are the same bits as the pass layer by layer from Python (a prompt and a
+    decode; with and without row padding; q/k norms or biases; the helper lent or not), and
+    the Python pass's attention is not called."""
+    model = _packed_model(**changes)
+    model.set_batch_invariant(pad_rows_to)
+    helper = cpu_native.Helper(spin_us=1_000_000) if helped else None
+    try:
+        calls = count_calls(monkeypatch, cpu_native, "attend")
+        (hidden, kv), (want, want_kv) = _run_both(model, *_small_batch(), helper=helper)
+    finally:
+        if helper is not None:
+            helper.close()
+    assert len(calls) == len(model.model.layers)  # the layer-by-layer pass only
+    assert torch.equal(hidden, want)
+    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv))
+
+
+@pytest.mark.skipif(cpu_matmul.mkl_compute_address() is None, reason="this torch has no MKL")
+def test_the_layer_stack_in_one_call_runs_the_mlp_in_the_same_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(decoder_module, "MLP_ROW_CHUNK", 3)
+    monkeypatch.setattr(layers_module, "MLP_ROW_CHUNK", 3)
+    (hidden, kv), (want, want_kv) = _run_both(_packed_model(), *_small_batch())
+    assert torch.equal(hidden, want)
+    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv))
+
+
+@pytest.mark.skipif(cpu_matmul.mkl_compute_address() is None, reason="this torch has no MKL")
+def test_the_layer_stack_leaves_what_its_kernels_do_not_take_to_the_python_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head size the flash kernel does not take (24) sends a prompt's pass back to Python,
+    whose fallback computes it (the same bits either way); a bad slot is refused with the KV
+    write's own error."""
+    (hidden, _), (want, _) = _run_both(_packed_model(head_dim=24), *_small_batch())
+    assert torch.equal(hidden, want)
+    ids, positions, meta = _small_batch()
+    meta.slot_mapping[3] = 64 * 4  # one past the cache
+    model = _packed_model()
+    kv = [(randn(64, 4, 2, 64), randn(64, 4, 2, 64)) for _ in range(len(model.model.layers))]
+    for one_call in (True, False):
+        model.layers_in_one_call = one_call
+        with pytest.raises(ValueError, match="token 3's slot 256 is outside the cache"):
+            with torch.inference_mode():
+                model(ids, positions, kv, meta)

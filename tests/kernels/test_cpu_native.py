@@ -81,6 +81,43 @@ def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_coun
         assert torch.equal(out, results[1][cu[index] : cu[index + 1]]), index
 
 
+def test_decodes_shared_with_a_helper_thread_get_the_same_bits() -> None:
+    """A helper (cpu/helper.c) lent to the thread takes some of the decodes: every output the
+    same bits as on the thread alone, over many jobs back to back, and the helper did take
+    part (its spin keeps it awake between them)."""
+    seqs = MIXED + [(5 + 37 * i % 300, 1) for i in range(40)]
+    case = make_case(seqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    worker = ModelWorker(1)
+    helper = cpu_native.Helper(spin_us=1_000_000)
+
+    def attend() -> torch.Tensor:
+        return cpu_native.paged_attention_cpu(
+            case.query, case.k_cache, case.v_cache, **case.attention_kwargs()
+        )
+
+    def with_helper() -> list[torch.Tensor]:
+        with cpu_native.lent_to_this_thread(helper):
+            return [attend() for _ in range(300)]
+
+    try:
+        alone = worker.run(attend)
+        for out in worker.run(with_helper):
+            assert torch.equal(out, alone)
+        assert helper.items_done > 0
+    finally:
+        helper.close()
+        worker.close()
+
+
+def test_a_helper_stops_asleep_or_spinning() -> None:
+    for spin_us in (0, 1_000_000):
+        helper = cpu_native.Helper(spin_us=spin_us)
+        helper.close()
+        helper.close()  # a second close does nothing
+        with pytest.raises(RuntimeError, match="stopped"):
+            _ = helper.items_done
+
+
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim",
     [(4, 2, 64), (16, 8, 128), (8, 1, 64), (12, 4, 32), (4, 2, 48)],

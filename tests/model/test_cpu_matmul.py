@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokentape.engine.model import cpu_matmul
+from tokentape.kernels import cpu_native
 
 BACKENDS = cpu_matmul.available()
 
@@ -47,6 +48,44 @@ def test_mkl_rows_do_not_depend_on_the_batch() -> None:
     whole = mkl.linear(x, packed, None)
     for rows in range(1, 70):
         assert torch.equal(mkl.linear(x[:rows], packed, None), whole[:rows]), rows
+
+
+@pytest.mark.skipif("mkl" not in BACKENDS, reason="this torch has no MKL")
+@pytest.mark.skipif(cpu_native.load() is None, reason="no compiled CPU kernels here")
+def test_a_matmul_shared_with_a_helper_gives_the_whole_weight_s_bits() -> None:
+    """A weight packed for a helper (in two parts of its columns, cpu_native.Helper) gives
+    every row the bits of the whole weight, at every row count, the helper lent or not; and
+    over many back-to-back calls (the helper spinning between them) no part is lost."""
+    mkl = BACKENDS["mkl"]
+    assert mkl.pack_split is not None
+    helper = cpu_native.Helper(spin_us=1_000_000)
+    try:
+        for in_f, out_f in ((256, 768), (768, 256), (256, 320), (512, 1024)):
+            w = _randn(out_f, in_f, seed=out_f)
+            whole, split = mkl.pack(w), mkl.pack_split(w)  # type: ignore[misc]
+            assert len(split.parts) == 2
+            x = _randn(300, in_f, seed=in_f)
+            for rows in (*range(1, 70), 128, 255, 300):
+                want = mkl.linear(x[:rows], whole, None)
+                assert torch.equal(mkl.linear(x[:rows], split, None), want), rows
+                with cpu_native.lent_to_this_thread(helper):
+                    assert torch.equal(mkl.linear(x[:rows], split, None), want), rows
+        x = _randn(16, 512, seed=3)
+        want = mkl.linear(x, whole, None)
+        with cpu_native.lent_to_this_thread(helper):
+            for _ in range(2_000):
+                assert torch.equal(mkl.linear(x, split, None), want)
+        assert helper.items_done > 0  # it did take parts
+    finally:
+        helper.close()
+
+
+def test_a_small_weight_is_not_split() -> None:
+    """Under two parts' worth of columns there is nothing to share: the whole only."""
+    if "mkl" not in BACKENDS:
+        pytest.skip("this torch has no MKL")
+    split = BACKENDS["mkl"].pack_split(_randn(24, 64, seed=0))  # type: ignore[misc]
+    assert split.parts == () and split.first_columns is None
 
 
 def test_the_backend_follows_the_variable_else_the_vendor() -> None:

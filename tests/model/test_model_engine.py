@@ -18,6 +18,7 @@ from dense_reference import dense_greedy, dense_logits
 from tokentape import LLM, SamplingParams
 from tokentape.engine.model.loader import builtin_model
 from tokentape.events import schema as ev
+from tokentape.kernels import cpu_native
 from tokentape.replay import verify
 
 PROMPTS = ["Hello", "The quick brown fox jumps", "a", "tokentape " * 6, "0123456789" * 3]
@@ -129,6 +130,26 @@ def test_sharing_a_step_over_lanes_gives_the_same_bits(lanes: int) -> None:
     assert [o.outputs[0].logprobs for o in shared] == [o.outputs[0].logprobs for o in one]
     expected = {"tokentape-model-runner"} | {f"tokentape-model-lane-{i}" for i in range(1, lanes)}
     assert threads == expected
+
+
+def test_a_step_on_one_lane_shares_its_matmuls_and_decodes_with_the_helper() -> None:
+    """With two CPU threads a step too small for two lanes runs on one, lent the runner's
+    helper thread (kernels/cpu/helper.c): the same bits as one thread, logprobs included,
+    and the helper took part."""
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(12)] + ["abcabcabcabc"] * 2
+    params = [msgspec.structs.replace(MIXED[i % len(MIXED)], logprobs=0) for i in range(14)]
+    kwargs = {"num_kv_blocks": 512, "max_num_batched_tokens": 64, "num_speculative_tokens": 2}
+    one = tiny_llm(cpu_threads=1, **kwargs)
+    assert one.llm_engine.engine_core.runner._helper is None
+    llm = tiny_llm(cpu_threads=2, **kwargs)
+    helper = llm.llm_engine.engine_core.runner._helper
+    if helper is None:
+        pytest.skip(f"no compiled CPU kernels here: {cpu_native.load_error()}")
+    shared = llm.generate(prompts, params)
+    want = one.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].logprobs for o in shared] == [o.outputs[0].logprobs for o in want]
+    assert helper.items_done > 0
 
 
 def test_a_big_model_shares_its_matmuls_instead_of_the_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -12,6 +12,9 @@ tensors only (`supported`).
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import torch
 
 from tokentape.kernels import cpu_native
@@ -160,3 +163,121 @@ def lora_add(
     )  # fmt: skip
     if code:
         raise ValueError("lora_add: an adapter's rank is above 512")
+
+
+# The layer stack in one call (`cpu/decoder.c`): its arguments, as the C structs lay them out.
+class LinearSpec(ctypes.Structure):
+    """One linear layer for decoder_layers: its weight packed by MKL (and in two column
+    parts, or none), its shape [n, k] and its bias (0: none); pointers as integers."""
+
+    _fields_ = [
+        ("whole", ctypes.c_void_p),
+        ("parts", ctypes.c_void_p * 2),
+        ("first_column", ctypes.c_int64 * 3),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class LayerSpec(ctypes.Structure):
+    """One decoder layer for decoder_layers: its linear layers, its norms' weights (the
+    next layer's input norm, or the final norm, as `next_norm`; q/k norms 0 without), and
+    its KV cache."""
+
+    _fields_ = [(name, LinearSpec) for name in LINEAR_NAMES] + [
+        (name, ctypes.c_void_p)
+        for name in ("post_norm", "next_norm", "q_norm", "k_norm", "k_cache", "v_cache")
+    ]
+
+
+class _PassSpec(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in (
+            "rows", "tokens", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim",
+            "mlp_row_chunk",
+        )),
+        ("rms_eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in (
+            "cos_table", "sin_table", "positions", "cu_seqlens_q", "seq_lens", "block_tables",
+            "slots",
+        )),
+        *((name, ctypes.c_int64) for name in (
+            "num_seqs", "max_blocks", "num_blocks", "block_size",
+        )),
+        ("num_threads", ctypes.c_int),
+        ("helper", ctypes.c_void_p),
+        ("compute", ctypes.c_void_p),
+        ("split_min_rows", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+_LAYERS_UNSUPPORTED, _LAYERS_BAD_SLOT = 5, 6
+
+
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    """What decoder_layers needs of the model's config."""
+
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    scale: float
+    mlp_row_chunk: int
+
+
+def decoder_layers(
+    batch: cpu_native.CpuBatch,
+    layers: ctypes.Array[LayerSpec],
+    shape: StackShape,
+    first_norm: torch.Tensor,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    num_tokens: int,
+    kv_blocks: tuple[int, int],
+    compute: int,
+    split_min_rows: int,
+) -> torch.Tensor | None:
+    """The residual stream [rows, hidden] (contiguous; rows past `num_tokens` are row
+    padding) through every layer of `layers` in one call, updated in place; returns the final
+    norm of it, or None where the kernels leave these shapes to the caller (nothing done).
+    `kv_blocks`: the caches' (num_blocks, block_size).
+    The same kernels in the same order as the decoder's fused pass, so the same bits.
+    `compute`: MKL's cblas_sgemm_compute; a split weight's parts are shared with the helper
+    lent to this thread from `split_min_rows` rows (cpu_matmul)."""
+    assert residual.is_contiguous() and batch.slots is not None
+    rows = residual.shape[0]
+    spec = _PassSpec(
+        rows, num_tokens, shape.hidden, shape.intermediate, shape.num_heads,
+        shape.num_kv_heads, shape.head_dim, shape.mlp_row_chunk, shape.rms_eps, shape.scale,
+        cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
+        batch.cu_seqlens_q.data_ptr(), batch.seq_lens.data_ptr(), batch.block_tables.data_ptr(),
+        batch.slots.data_ptr(), batch.seq_lens.shape[0], batch.block_tables.shape[1],
+        *kv_blocks, batch.num_threads, batch.helper, compute,
+        split_min_rows,
+    )  # fmt: skip
+    out = torch.empty_like(residual)
+    code = _lib().tt_decoder_layers_f32(
+        ctypes.byref(spec),
+        layers,
+        len(layers),
+        first_norm.data_ptr(),
+        residual.data_ptr(),
+        out.data_ptr(),
+        ctypes.byref(batch.bad),
+    )
+    if code == _LAYERS_UNSUPPORTED:
+        return None
+    if code == _LAYERS_BAD_SLOT:
+        raise cpu_native.bad_slot(batch.slots, batch.bad.value, kv_blocks[0] * kv_blocks[1])
+    cpu_native.raise_for(code, batch.bad)
+    return out

@@ -1,6 +1,7 @@
 """The compiled CPU kernels (`cpu/*.c`: the paged attention of decodes and of prompts (flash
-attention), the KV write, the layers' row operations; `cpu/vec.h`: their vectors, as wide as
-the CPU's registers): built at first use, called through ctypes.
+attention), the KV write, the layers' row operations, the helper thread that lends a second
+core to one thread's matmuls and decodes; `cpu/vec.h`: their vectors, as wide as the CPU's
+registers): built at first use, called through ctypes.
 
 The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) for
 this CPU (`-march=native`) and cached under `$TOKENTAPE_CACHE_DIR`, else
@@ -22,6 +23,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import weakref
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +41,18 @@ from tokentape.kernels.shapes import check_kv_write_shapes
 # and LoRA's per-row product (cpu_layers.py).
 SOURCES = tuple(
     Path(__file__).with_name("cpu") / name
-    for name in ("paged_attention.c", "prefill_attention.c", "layers.c", "lora.c")
+    for name in (
+        "paged_attention.c",
+        "prefill_attention.c",
+        "layers.c",
+        "lora.c",
+        "helper.c",
+        "decoder.c",
+    )
 )
-HEADERS = (Path(__file__).with_name("cpu") / "vec.h",)  # their shared vector helpers
+HEADERS = tuple(
+    Path(__file__).with_name("cpu") / name for name in ("vec.h", "helper.h", "kernels.h")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 # The kernel's return codes (TT_* in the C source).
@@ -117,9 +132,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the library's functions' argument and return types (ctypes calls them)."""
     fn = lib.tt_paged_decode_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.POINTER(i64)]
+    attention = [ptr] * 7 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [*attention, ptr, ctypes.POINTER(i64)]  # the decodes' helper, or None
     fn.restype = ctypes.c_int
-    lib.tt_paged_prefill_f32.argtypes = fn.argtypes
+    lib.tt_paged_prefill_f32.argtypes = [*attention, ctypes.POINTER(i64)]
     lib.tt_paged_prefill_f32.restype = ctypes.c_int
     write = lib.tt_write_kv_f32
     write.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.POINTER(i64)]
@@ -135,6 +151,13 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         [ptr] * 2 + [i64] * 2 + [ptr] * 2 + [i64] + [ptr] * 3 + [ctypes.c_int]
     )
     lib.tt_lora_add_f32.restype = ctypes.c_int
+    lib.tt_helper_start.argtypes, lib.tt_helper_start.restype = [i64], ptr
+    lib.tt_helper_stop.argtypes, lib.tt_helper_stop.restype = [ptr], None
+    lib.tt_helper_items.argtypes, lib.tt_helper_items.restype = [ptr], i64
+    lib.tt_helper_sgemm_f32.argtypes = [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64, ptr]
+    lib.tt_helper_sgemm_f32.restype = None
+    lib.tt_decoder_layers_f32.argtypes = [ptr, ptr, i64] + [ptr] * 3 + [ctypes.POINTER(i64)]
+    lib.tt_decoder_layers_f32.restype = ctypes.c_int
     return lib
 
 
@@ -157,18 +180,99 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+class Helper:
+    """A helper thread (`cpu/helper.c`) that lends a second core to one thread at a time: while
+    lent to a thread (`lent_to_this_thread`), that thread's decode attention and its matmuls
+    on split weights (cpu_matmul.MklWeight.parts) share their items with it. Between jobs it
+    spins for up to `spin_us`, then sleeps until the next. Which thread computes an item
+    changes no bit of the results."""
+
+    def __init__(self, spin_us: int = 200) -> None:
+        lib = load()
+        if lib is None:
+            raise RuntimeError(load_error())
+        handle = lib.tt_helper_start(spin_us)
+        if not handle:
+            raise RuntimeError("the CPU kernels' helper thread could not be started")
+        self.handle: int = handle
+        self._lib = lib
+        self._stop = weakref.finalize(self, lib.tt_helper_stop, handle)
+
+    @property
+    def items_done(self) -> int:
+        """How many items of its callers' jobs the helper has run itself (a diagnostic: a
+        helper that is never awake in time leaves every item to its caller)."""
+        if not self._stop.alive:
+            raise RuntimeError("the helper thread was stopped")
+        return int(self._lib.tt_helper_items(self.handle))
+
+    def close(self) -> None:
+        """Stop the thread (no job of it may be running)."""
+        self._stop()
+
+
+_lent = threading.local()
+
+
+@contextmanager
+def lent_to_this_thread(helper: Helper | None) -> Iterator[None]:
+    """Within it, the calling thread's kernels share their work with `helper` (None: none)."""
+    before = getattr(_lent, "helper", None)
+    _lent.helper = helper
+    try:
+        yield
+    finally:
+        _lent.helper = before
+
+
+def helper_of_this_thread() -> Helper | None:
+    """The helper lent to the calling thread, if any."""
+    helper: Helper | None = getattr(_lent, "helper", None)
+    return helper
+
+
+def split_sgemm(
+    helper: Helper | None,
+    compute: int,
+    x: torch.Tensor,
+    parts: tuple[Any, ...],
+    first_columns: array[int],
+    out: torch.Tensor,
+) -> None:
+    """out = x @ W.T with W's output columns packed by MKL in `parts` (part i holds columns
+    first_columns[i] up to first_columns[i + 1]), the parts shared with `helper`; `compute`
+    is MKL's cblas_sgemm_compute. x and out contiguous float32."""
+    lib = load()
+    assert lib is not None, load_error()
+    pointers = (ctypes.c_void_p * len(parts))(*(part.data_ptr() for part in parts))
+    columns_ptr, _ = first_columns.buffer_info()
+    lib.tt_helper_sgemm_f32(
+        helper.handle if helper is not None else None,
+        compute,
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        pointers,
+        columns_ptr,
+        len(parts),
+        out.data_ptr(),
+    )
+
+
 @dataclass(slots=True)
 class CpuBatch:
     """A forward pass's batch as the compiled kernels take it, made once per pass and shared
     by every layer's KV write and attention (a decoder makes both calls once per layer): the
-    sequences' tensors contiguous in the kernels' dtypes, the thread count, and the kernels'
-    error slot. One per thread: the model's lanes run their passes at once."""
+    sequences' tensors contiguous in the kernels' dtypes, the thread count, the helper lent
+    to the thread, and the kernels' error slot. One per thread: the model's lanes run their
+    passes at once."""
 
     cu_seqlens_q: torch.Tensor  # int32
     seq_lens: torch.Tensor  # int32
     block_tables: torch.Tensor  # int32
     slots: torch.Tensor | None  # int64, for write_kv
     num_threads: int
+    helper: int | None  # the handle of the Helper lent to the thread (the decodes share)
     bad: ctypes.c_int64  # the index a kernel reports an error at
 
     @classmethod
@@ -180,12 +284,14 @@ class CpuBatch:
         slot_mapping: torch.Tensor | None = None,
     ) -> CpuBatch:
         slots = None if slot_mapping is None else slot_mapping.to(torch.int64).contiguous()
+        helper = helper_of_this_thread()
         return cls(
             cu_seqlens_q.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(),
             block_tables.to(torch.int32).contiguous(),
             slots,
             torch.get_num_threads(),  # the calling thread's count
+            helper.handle if helper is not None else None,
             ctypes.c_int64(-1),
         )
 
@@ -244,7 +350,7 @@ def attend(
         scale,
         batch.num_threads,
     )
-    _check(lib.tt_paged_decode_f32, args, batch.bad)
+    _check(lib.tt_paged_decode_f32, (*args, batch.helper), batch.bad)
     if query.shape[0] > lens.shape[0]:  # some sequence has more than one new token
         if _check(lib.tt_paged_prefill_f32, args, batch.bad) == _UNSUPPORTED:
             prefill_attention_ref(
@@ -263,11 +369,25 @@ def attend(
 def _check(kernel: Any, args: tuple[Any, ...], bad: ctypes.c_int64) -> int:
     """Run an attention kernel; its return code, once it is 0 or _UNSUPPORTED."""
     code: int = kernel(*args, ctypes.byref(bad))
+    if code != _UNSUPPORTED:
+        raise_for(code, bad)
+    return code
+
+
+def raise_for(code: int, bad: ctypes.c_int64) -> None:
+    """Raise the error an attention kernel's return code stands for (none for 0)."""
     if code == _NO_MEMORY:
         raise MemoryError("paged attention: no working memory for the score buffers")
-    if code and code != _UNSUPPORTED:
+    if code:
         raise ValueError(f"paged attention: sequence {bad.value} {_ERRORS[code]}")
-    return code
+
+
+def bad_slot(slots: torch.Tensor, token: int, num_slots: int) -> ValueError:
+    """The KV write's error for `token`, whose slot is outside the cache's `num_slots`."""
+    return ValueError(
+        f"KV write: token {token}'s slot {slots[token].item()} is outside the cache "
+        f"(0..{num_slots - 1}, or -1 to skip)"
+    )
 
 
 def write_kv_cache_cpu(
@@ -311,7 +431,4 @@ def write_kv(
         ctypes.byref(bad),
     )
     if code:
-        raise ValueError(
-            f"KV write: token {bad.value}'s slot {slots[bad.value].item()} is outside the cache "
-            f"(0..{num_blocks * block_size - 1}, or -1 to skip)"
-        )
+        raise bad_slot(slots, bad.value, num_blocks * block_size)

@@ -19,7 +19,9 @@ Intel CPU, else `onednn`, else `torch`, each only where torch has it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tokentape.kernels import cpu_native
 
 # x [rows, in], the weight as the backend reads it (packed, or plain), bias [out] or None.
 LinearFn = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
@@ -37,13 +41,18 @@ _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _PACK_ROWS_HINT = 64
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # compared by identity: an opaque buffer
 class MklWeight:
-    """A weight [out, in] packed by MKL: an opaque buffer, and the facts a caller reads."""
+    """A weight [out, in] packed by MKL: an opaque buffer, and the facts a caller reads; and
+    where asked for, the same weight again in parts of its output columns packed apart, so a
+    helper thread can compute a part (cpu_native.Helper). A column comes out the same bits
+    from its part as from the whole."""
 
     buffer: torch.Tensor  # uint8
     out_features: int
     in_features: int
+    parts: tuple[torch.Tensor, ...] = ()  # uint8 buffers, in column order
+    first_columns: array[int] | None = None  # part i: columns [first[i], first[i + 1])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,11 +83,18 @@ def _load_mkl() -> ctypes.CDLL | None:
 
 
 _MKL = _load_mkl()
+# The compute function's address, for the helper thread's split matmuls (cpu/helper.c).
+_MKL_COMPUTE = ctypes.cast(_MKL.cblas_sgemm_compute, ctypes.c_void_p).value if _MKL else None
 
 
-def _mkl_pack(weight: torch.Tensor) -> MklWeight:
+def mkl_compute_address() -> int | None:
+    """The address of MKL's cblas_sgemm_compute, for C that runs the packed matmuls itself
+    (kernels/cpu/decoder.c); None without MKL."""
+    return _MKL_COMPUTE
+
+
+def _mkl_pack_buffer(w: torch.Tensor) -> torch.Tensor:
     assert _MKL is not None
-    w = weight.detach().contiguous()
     n, k = w.shape
     buffer = torch.empty(
         _MKL.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k), dtype=torch.uint8
@@ -87,7 +103,37 @@ def _mkl_pack(weight: torch.Tensor) -> MklWeight:
         _ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0, w.data_ptr(), k,
         buffer.data_ptr(),
     )  # fmt: skip
-    return MklWeight(buffer, n, k)
+    return buffer
+
+
+# A weight split for a helper thread: two parts, cut at a multiple of this many columns (a
+# whole number of the widest vectors), and none under twice that (nothing to share).
+_PART_COLUMNS = 16
+# MKL computes a column the same from a part as from the whole weight at every row count
+# measured but one: a single row, where it takes another path for some widths (256 x 256
+# split at 128 differs in the last bits). So a one-row matmul always reads the whole, and a
+# split is kept only where these row counts (MKL's micro-tile edges) come out equal.
+SPLIT_MIN_ROWS = 2
+_SPLIT_PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65)
+
+
+def _mkl_pack(weight: torch.Tensor, split: bool = False) -> MklWeight:
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    whole = MklWeight(_mkl_pack_buffer(w), n, k)
+    if not split or n < 2 * _PART_COLUMNS:
+        return whole
+    cut = (n // 2 + _PART_COLUMNS // 2) // _PART_COLUMNS * _PART_COLUMNS
+    parts = (_mkl_pack_buffer(w[:cut]), _mkl_pack_buffer(w[cut:]))
+    first_columns = array("q", (0, cut, n))
+    assert _MKL_COMPUTE is not None
+    x = torch.randn(_SPLIT_PROBE_ROWS[-1], k, generator=torch.Generator().manual_seed(0))
+    for rows in _SPLIT_PROBE_ROWS:
+        split_out = torch.empty(rows, n)
+        cpu_native.split_sgemm(None, _MKL_COMPUTE, x[:rows], parts, first_columns, split_out)
+        if not torch.equal(split_out, _mkl_linear(x[:rows], whole, None)):
+            return whole
+    return MklWeight(whole.buffer, n, k, parts, first_columns)
 
 
 def _mkl_linear(
@@ -101,7 +147,13 @@ def _mkl_linear(
     if x.shape[1] != k:
         raise ValueError(f"linear: input has {x.shape[1]} features, the weight takes {k}")
     out = x.new_empty(rows, n)
-    if rows:
+    helper = None
+    if weight.parts and rows >= SPLIT_MIN_ROWS:
+        helper = cpu_native.helper_of_this_thread()
+    if helper is not None:
+        assert weight.first_columns is not None and _MKL_COMPUTE is not None
+        cpu_native.split_sgemm(helper, _MKL_COMPUTE, x, weight.parts, weight.first_columns, out)
+    elif rows:
         _MKL.cblas_sgemm_compute(
             _ROW_MAJOR, _NO_TRANS, _PACKED, rows, n, k, x.data_ptr(), k, weight.buffer.data_ptr(),
             k, 0.0, out.data_ptr(), n,
@@ -132,6 +184,8 @@ class Backend:
     name: str
     linear: LinearFn
     pack: Callable[[torch.Tensor], Any] | None  # None: it reads the plain weight
+    # A packed copy whose matmul a helper thread can share (MklWeight.parts); None: no such.
+    pack_split: Callable[[torch.Tensor], Any] | None = None
 
 
 def available() -> dict[str, Backend]:
@@ -140,7 +194,9 @@ def available() -> dict[str, Backend]:
     if _HAS_ONEDNN:
         found["onednn"] = Backend("onednn", _onednn_linear, _onednn_pack)
     if _MKL is not None:
-        found["mkl"] = Backend("mkl", _mkl_linear, _mkl_pack)
+        found["mkl"] = Backend(
+            "mkl", _mkl_linear, _mkl_pack, functools.partial(_mkl_pack, split=True)
+        )
     return found
 
 
@@ -197,19 +253,21 @@ class PackedWeight:
     """The packed copy of one weight for BACKEND, kept current: a weight changed in place or
     replaced since it was packed is packed again before the matmul reads it. Empty until
     `pack`, and where there is none to make: a backend that reads the plain weight, a weight
-    not float32 on the CPU, or an inference tensor (no version counter tells it changed)."""
+    not float32 on the CPU, or an inference tensor (no version counter tells it changed).
+    `split`: packed so that a helper thread can share its matmuls, where the backend can."""
 
-    __slots__ = ("_copy",)
+    __slots__ = ("_copy", "split")
 
     def __init__(self) -> None:
         self._copy: _Copy | None = None
+        self.split = False
 
     @property
     def empty(self) -> bool:
         return self._copy is None
 
     def pack(self, w: torch.Tensor) -> None:
-        packer = BACKEND.pack
+        packer = (self.split and BACKEND.pack_split) or BACKEND.pack
         if packer is None or w.device.type != "cpu" or w.dtype != torch.float32:
             self._copy = None
         elif w.is_inference():  # no version counter: a change would go unseen

@@ -8,6 +8,7 @@ checkpoint's state_dict loads as is and this model's state_dict loads into trans
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from tokentape import kernels
 from tokentape.engine.model import cpu_matmul
 from tokentape.engine.model.layers import (
     MLP,
+    MLP_ROW_CHUNK,
     Linear,
     LinearFn,
     RMSNorm,
@@ -29,7 +31,8 @@ from tokentape.engine.model.layers import (
 )
 from tokentape.engine.model.model_config import ModelConfig
 from tokentape.engine.model.weight_checks import apply_update, checked_update
-from tokentape.kernels import FusedOps
+from tokentape.kernels import FusedOps, cpu_layers
+from tokentape.kernels.cpu_layers import LINEAR_NAMES, LayerSpec, LinearSpec, StackShape
 from tokentape.lora.layers import LoRABatch
 
 
@@ -132,6 +135,16 @@ class Attention(nn.Module):
         return o_proj.add_lora(out, matmul(out, o_proj.weight_for(packed), o_proj.bias), lora)
 
 
+def _linear_spec(weight: cpu_matmul.MklWeight, bias: torch.Tensor | None) -> LinearSpec:
+    spec = LinearSpec(weight.buffer.data_ptr(), n=weight.out_features, k=weight.in_features)
+    if weight.parts:
+        assert weight.first_columns is not None
+        spec.parts[:] = [part.data_ptr() for part in weight.parts]
+        spec.first_column[:] = list(weight.first_columns)
+    spec.bias = bias.data_ptr() if bias is not None else None
+    return spec
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -176,6 +189,11 @@ class CausalLM(nn.Module):
         # compiled ones on the CPU in float32, Triton's on CUDA: kernels.fused_ops); False
         # keeps the modules' own torch ops (the reference).
         self.fused = True
+        # On the CPU, the fused ops of every layer in one C call where the kernels take the
+        # pass (cpu_layers.decoder_layers: MKL's packed matmuls, no LoRA); False runs them
+        # layer by layer from Python, the same ops in the same order (its oracle).
+        self.layers_in_one_call = True
+        self._layer_specs: tuple[tuple[object, ...], ctypes.Array[LayerSpec]] | None = None
         self.model = DecoderModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -205,9 +223,14 @@ class CausalLM(nn.Module):
                 m.pad_rows_to = pad_rows_to
         self.pad_rows_to = pad_rows_to
 
-    def prepack(self) -> None:
+    def prepack(self, split: bool | None = None) -> None:
         """Packed copies of the weights for the CPU's matmul (float32; see layers.Linear),
-        the LM head's too when it is the embedding."""
+        the LM head's too when it is the embedding. `split`: packed in parts too, which a
+        helper thread shares (cpu_matmul.PackedWeight.split), from now on; None: as before."""
+        packed = [m.packed_weight for m in self.modules() if isinstance(m, Linear)]
+        if split is not None:
+            for p in (*packed, self.tied_head):
+                p.split = split
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepack()
@@ -283,6 +306,16 @@ class CausalLM(nn.Module):
             h, positions = F.pad(h, (0, 0, 0, pad)), F.pad(positions, (0, pad))
         residual = h  # a fresh tensor from the embedding lookup (or the padding)
         first = layers[0].input_layernorm
+        one_call = ops is cpu_layers and lora is None and packed
+        specs = self._cpu_layer_specs(kv_caches) if one_call else None
+        compute = cpu_matmul.mkl_compute_address()
+        if specs is not None and compute is not None:
+            x = cpu_layers.decoder_layers(
+                batch, specs, self._stack_shape(), first.weight, residual, positions,
+                *rope_tables, t, kv_caches[0][0].shape[:2], compute, cpu_matmul.SPLIT_MIN_ROWS,
+            )  # fmt: skip
+            if x is not None:
+                return x[:t] if pad else x
         x = ops.rms_norm(residual, first.weight, first.eps)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             attn = layer.self_attn
@@ -295,6 +328,74 @@ class CausalLM(nn.Module):
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = ops.add_rms_norm(m, residual, norm.weight, norm.eps)
         return x[:t] if pad else x
+
+    def _cpu_layer_specs(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> ctypes.Array[LayerSpec] | None:
+        """The layers as cpu_layers.decoder_layers reads them, or None where it cannot run
+        them: off, a weight without MKL's packed copy, or caches it does not take as they are
+        (the pass layer by layer checks them, and says what is wrong). Made again only when a
+        packed copy, a norm, a bias or a cache is not the one it was made from."""
+        if not self.layers_in_one_call or cpu_matmul.mkl_compute_address() is None:
+            return None
+        c = self.config
+        shape = (*kv_caches[0][0].shape[:2], c.num_key_value_heads, c.head_dim)
+        caches = [t for kv in kv_caches for t in kv]
+        if len(kv_caches) != len(self.model.layers) or not all(
+            t.shape == shape
+            and t.dtype == torch.float32
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+            for t in caches
+        ):
+            return None
+        layers = self.model.layers
+        linears = [
+            (m, m.weight_for(True))
+            for layer in layers
+            for m in (
+                layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                layer.mlp.down_proj,
+            )
+        ]  # fmt: skip
+        if not all(isinstance(w, cpu_matmul.MklWeight) for _, w in linears):
+            return None
+        tensors = [
+            t
+            for m in self.modules()
+            if isinstance(m, (RMSNorm, Linear))
+            for t in (m.weight, getattr(m, "bias", None))
+            if t is not None
+        ]
+        key = (
+            *(w for _, w in linears),
+            *(t.data_ptr() for t in tensors),
+            *(t.data_ptr() for t in caches),
+        )
+        if self._layer_specs is not None and self._layer_specs[0] == key:
+            return self._layer_specs[1]
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        specs = (LayerSpec * len(layers))()
+        for i, (layer, (k_cache, v_cache), next_norm) in enumerate(zip(layers, kv_caches, norms)):
+            spec = specs[i]
+            for name, (m, w) in zip(LINEAR_NAMES, linears[7 * i : 7 * i + 7]):
+                setattr(spec, name, _linear_spec(w, m.bias))
+            attn = layer.self_attn
+            spec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            spec.next_norm = next_norm.weight.data_ptr()
+            spec.q_norm = attn.q_norm.weight.data_ptr() if attn.qk_norm else None
+            spec.k_norm = attn.k_norm.weight.data_ptr() if attn.qk_norm else None
+            spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._layer_specs = (key, specs)
+        return specs
+
+    def _stack_shape(self) -> StackShape:
+        c = self.config
+        return StackShape(
+            c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.rms_norm_eps, self.model.layers[0].self_attn.scale, MLP_ROW_CHUNK,
+        )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.config.tie_word_embeddings:

@@ -53,6 +53,7 @@ from tokentape.engine.runners.worker import ModelWorker
 from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.errors import LoRAError
 from tokentape.events.schema import NO_DRAFTS, FrameEntry, LoRAAdded, SamplingParams
+from tokentape.kernels import cpu_native
 from tokentape.lora.layers import LoRABatch
 from tokentape.lora.model_manager import LoRAModelManager
 from tokentape.lora.peft_adapter import PeftAdapter, check_recorded_adapter, load_peft_adapter
@@ -115,6 +116,9 @@ class TorchModelRunner(StagedWeights):
                 lanes = 1  # Triton's CPU interpreter (a debugging mode) keeps global state
         self._worker = ModelWorker(lane_threads)
         self._lanes = [ModelWorker(1, f"tokentape-model-lane-{i}") for i in range(1, lanes)]
+        # A step too small to share out runs on the first lane alone; a helper thread then
+        # lends it a second core for its matmuls and decode attention (kernels/cpu/helper.c).
+        self._helper = cpu_native.Helper() if self._lanes and cpu_native.load() else None
         self.min_lane_work = MIN_LANE_WORK  # the least work a step shares out to another lane
         self.pad_rows_to = 0
         loud = sum(p.numel() * p.element_size() for p in self.model.parameters()) >= LOUD_BYTES
@@ -124,7 +128,8 @@ class TorchModelRunner(StagedWeights):
                 "layout, batch invariance)"
             )
         if self.device.type == "cpu":
-            self.model.prepack()  # the matmul's weight layout once, not at every call
+            # The matmul's weight layout once, not at every call; in parts for the helper.
+            self.model.prepack(split=self._helper is not None)
         if batch_invariant:
             weights = self.model.matmul_weights()  # the packed copies, where there are
             # Measured where the steps run: the answer depends on the thread count.
@@ -210,6 +215,8 @@ class TorchModelRunner(StagedWeights):
         self._worker.close()
         for lane in self._lanes:
             lane.close()
+        if self._helper is not None:
+            self._helper.close()
         if self._graphs is not None:
             self._graphs.clear()
         self._seqs.clear()
@@ -426,7 +433,8 @@ class TorchModelRunner(StagedWeights):
         )
         for lane, share in zip(self._lanes, shares[1:]):
             lane.submit(functools.partial(self._frames, share))
-        frames = self._frames(shares[0])
+        with cpu_native.lent_to_this_thread(self._helper if len(shares) == 1 else None):
+            frames = self._frames(shares[0])
         for lane in self._lanes[: len(shares) - 1]:
             frames |= lane.result()
         return [frames[e.req_id] for e in plan if e.samples]  # in the step's order

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 /* out = w * (x / sqrt(mean(x^2) + eps)), one row of n. */

@@ -13,16 +13,18 @@
  *
  * It reads K/V in place from the cache blocks (the reference gathers a copy of every
  * sequence's blocks first). A decode step is memory-bound: each K/V row is read once, for
- * every head that reads it. Sequences are shared out over OpenMP threads; each is computed
- * the same way whatever else is in the batch and whichever thread runs it, so a sequence's
- * result never depends on its batch (batch invariance). Two passes per sequence: scores
- * (q . k, then an exact softmax), then the probability-weighted sum of V rows.
+ * every head that reads it. Sequences are shared out over OpenMP threads, or with a helper
+ * thread (helper.c); each is computed the same way whatever else is in the batch and
+ * whichever thread runs it, so a sequence's result never depends on its batch (batch
+ * invariance). Two passes per sequence: scores (q . k, then an exact softmax), then the
+ * probability-weighted sum of V rows.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 enum { TT_OK = 0, TT_BAD_SEQ_LEN = 1, TT_BAD_BLOCK_COUNT = 2, TT_BAD_BLOCK_ID = 3, TT_NO_MEMORY = 4 };
@@ -285,13 +287,62 @@ static void attend_decode_any(const Problem *p, int64_t seq, float *scores, floa
     memcpy(p->out + row * H * D, acc, (size_t)(H * D) * sizeof(float));
 }
 
-/* Returns 0, or an error code with *bad_seq set to the offending sequence (nothing written). */
+/* A decode job's sequences in items of `per_item`, for tt_helper_run; each worker's score and
+ * accumulator buffers its own. */
+typedef struct {
+    const Problem *p;
+    int64_t num_seqs, per_item;
+    float *scores[2], *qbuf[2], *acc[2];
+} DecodeItems;
+
+static void attend_decode(const Problem *p, int64_t b, float *scores, float *qbuf, float *acc) {
+    if (p->cu_seqlens_q[b + 1] - p->cu_seqlens_q[b] != 1) return;
+    switch (p->head_dim) { /* the usual head sizes, specialised (each a multiple of TT_VW) */
+    case 64: attend_decode_vec(p, b, scores, qbuf, acc, 64 / TT_VW); break;
+    case 128: attend_decode_vec(p, b, scores, qbuf, acc, 128 / TT_VW); break;
+    case 32: attend_decode_vec(p, b, scores, qbuf, acc, 32 / TT_VW); break;
+    case 16: attend_decode_vec(p, b, scores, qbuf, acc, 16 / TT_VW); break;
+    default: attend_decode_any(p, b, scores, qbuf, acc);
+    }
+}
+
+static void decode_item(void *ctx, int64_t item, int worker) {
+    const DecodeItems *d = ctx;
+    const int64_t end = (item + 1) * d->per_item < d->num_seqs ? (item + 1) * d->per_item : d->num_seqs;
+    for (int64_t b = item * d->per_item; b < end; b++)
+        attend_decode(d->p, b, d->scores[worker], d->qbuf[worker], d->acc[worker]);
+}
+
+/* The decodes shared with a helper thread (helper.c), in items of a few sequences: enough
+ * items that a helper joining late still finds some, few enough that claiming them is cheap. */
+static int decode_with_helper(const Problem *p, int64_t num_seqs, int64_t max_seq_len,
+                              tt_helper *helper) {
+    DecodeItems d = {p, num_seqs, num_seqs > 64 ? (num_seqs + 63) / 64 : 1, {0}, {0}, {0}};
+    int failed = 0;
+    for (int w = 0; w < 2; w++) {
+        d.scores[w] = malloc((size_t)(p->num_heads * max_seq_len) * sizeof(float));
+        d.qbuf[w] = malloc((size_t)(p->num_heads * p->head_dim) * sizeof(float));
+        d.acc[w] = malloc((size_t)(p->num_heads * p->head_dim) * sizeof(float));
+        failed |= !d.scores[w] || !d.qbuf[w] || !d.acc[w];
+    }
+    if (!failed) tt_helper_run(helper, decode_item, &d, (num_seqs + d.per_item - 1) / d.per_item);
+    for (int w = 0; w < 2; w++) {
+        free(d.scores[w]);
+        free(d.qbuf[w]);
+        free(d.acc[w]);
+    }
+    return failed ? TT_NO_MEMORY : TT_OK;
+}
+
+/* Returns 0, or an error code with *bad_seq set to the offending sequence (nothing written).
+ * The decodes run on `num_threads` OpenMP threads, or with `helper` (not NULL) on the calling
+ * thread and the helper's. */
 int tt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
                         const int32_t *cu_seqlens_q, const int32_t *seq_lens,
                         const int32_t *block_tables, int64_t num_seqs, int64_t max_blocks,
                         int64_t num_blocks, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int num_threads,
-                        int64_t *bad_seq) {
+                        tt_helper *helper, int64_t *bad_seq) {
     int64_t num_decodes = 0, max_seq_len = 1;
     for (int64_t b = 0; b < num_seqs; b++) { /* check everything before anything is read */
         const int64_t q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b], seq_len = seq_lens[b];
@@ -310,6 +361,7 @@ int tt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
     *bad_seq = -1;
     const Problem p = {q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
                        max_blocks, num_heads, num_kv_heads, head_dim, block_size, scale};
+    if (helper && num_decodes > 1) return decode_with_helper(&p, num_seqs, max_seq_len, helper);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) if (num_decodes > 1)
     {
@@ -325,14 +377,7 @@ int tt_paged_decode_f32(const float *q, const float *k_cache, const float *v_cac
             int skip;
 #pragma omp atomic read
             skip = failed;
-            if (skip || cu_seqlens_q[b + 1] - cu_seqlens_q[b] != 1) continue;
-            switch (head_dim) { /* the usual head sizes, specialised (each a multiple of TT_VW) */
-            case 64: attend_decode_vec(&p, b, scores, qbuf, acc, 64 / TT_VW); break;
-            case 128: attend_decode_vec(&p, b, scores, qbuf, acc, 128 / TT_VW); break;
-            case 32: attend_decode_vec(&p, b, scores, qbuf, acc, 32 / TT_VW); break;
-            case 16: attend_decode_vec(&p, b, scores, qbuf, acc, 16 / TT_VW); break;
-            default: attend_decode_any(&p, b, scores, qbuf, acc);
-            }
+            if (!skip) attend_decode(&p, b, scores, qbuf, acc);
         }
         free(scores);
         free(qbuf);

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 enum { PF_OK = 0, PF_BAD_SEQ_LEN = 1, PF_BAD_BLOCK_COUNT = 2, PF_BAD_BLOCK_ID = 3,
