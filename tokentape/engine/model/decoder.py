@@ -227,13 +227,13 @@ class CausalLM(nn.Module):
         """Packed copies of the weights for the CPU's matmul (float32; see layers.Linear),
         the LM head's too when it is the embedding. `split`: packed in parts too, which a
         helper thread shares (cpu_matmul.PackedWeight.split), from now on; None: as before."""
-        packed = [m.packed_weight for m in self.modules() if isinstance(m, Linear)]
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
         if split is not None:
-            for p in (*packed, self.tied_head):
+            for p in (*(m.packed_weight for m in linears), self.tied_head):
                 p.split = split
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.prepack()
+        self._layer_specs = None  # it holds the copies it points into
+        for m in linears:
+            m.prepack()
         if self.config.tie_word_embeddings:
             self.tied_head.pack(self.model.embed_tokens.weight)
 
@@ -250,6 +250,7 @@ class CausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.packed_weight.drop()
         self.tied_head.drop()
+        self._layer_specs = None  # it holds the copies it points into
 
     def forward(
         self,

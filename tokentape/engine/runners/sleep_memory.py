@@ -18,8 +18,9 @@ zeroed; the engine reset the prefix cache before the sleep, so no request reuses
 
 from __future__ import annotations
 
+import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -142,7 +143,22 @@ def _rebuilt(runner: SleepingRunner) -> dict[str, torch.Tensor]:
 
 
 def _release(device: torch.device) -> None:
-    """Give the freed memory back: CUDA's caching allocator keeps it otherwise."""
+    """Give the freed memory back: CUDA's caching allocator keeps it otherwise, and on the
+    CPU glibc's heaps keep what was freed below their tops (a model's build leaves GBs there:
+    a qwen3-0.6b engine closed left 2.7 GB resident, 0.3 GB once trimmed)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+    elif _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, where the C library is glibc."""
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
