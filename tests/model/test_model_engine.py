@@ -152,6 +152,31 @@ def test_a_step_on_one_lane_shares_its_matmuls_and_decodes_with_the_helper() -> 
     assert helper.items_done > 0
 
 
+def test_lanes_start_later_where_the_helper_takes_half_of_the_matmuls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One lane with the helper beats two up to a bigger step where the helper can split
+    the matmuls (MKL's packed GEMM); with another backend it shares only the attention, and
+    a step is shared out over lanes from the old size. The bits stay the same either way."""
+    from tokentape.engine.model import cpu_matmul
+    from tokentape.engine.runners.input_batch import MIN_LANE_WORK, MIN_LANE_WORK_SPLIT_MATMULS
+
+    if cpu_native.load() is None:
+        pytest.skip(f"no compiled CPU kernels here: {cpu_native.load_error()}")
+    expected = {"mkl": MIN_LANE_WORK_SPLIT_MATMULS, "onednn": MIN_LANE_WORK}
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    for name, least in expected.items():
+        if name not in cpu_matmul.available():
+            continue
+        monkeypatch.setattr(cpu_matmul, "BACKEND", cpu_matmul.available()[name])
+        llm = tiny_llm(cpu_threads=2)
+        assert llm.llm_engine.engine_core.runner.min_lane_work == least, name
+        one = tiny_llm(cpu_threads=1).generate(prompts, params)
+        two = llm.generate(prompts, params)
+        assert [o.outputs[0].logprobs for o in two] == [o.outputs[0].logprobs for o in one]
+
+
 def test_a_big_model_shares_its_matmuls_instead_of_the_batch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Above input_batch.LANES_MAX_WEIGHT_BYTES the step runs as one lane on all the threads
     (intra-op): the same bits as one thread, logprobs included."""

@@ -31,14 +31,21 @@ FLOPS_PER_BYTE = 8
 LANES_MAX_WEIGHT_BYTES = 64 << 20
 
 # A lane's forward pass costs a fixed part whatever its share: its Python and the dispatch of
-# its ops, which every lane runs under the one GIL. A step that runs on one lane gets the
-# other cores' help where their work parallelises without Python (its matmuls and decode
-# attention; the runner's cpu_native.Helper), so a step is shared out over lanes only once
-# each lane gets this much work (in split_over_lanes' units: about 96 decodes of tiny at a
-# context of 320, so two lanes from about 192). Measured on 2 cores, tiny, 256-token prompts
-# -> 128 tokens, tok/s of two lanes against one with the helper: 16 sequences 3,275 vs
-# 6,064; 64: 5,884 vs 6,890; 128: 6,965 vs 7,159; 192: 7,544 vs 7,605; 256: 8,021 vs 7,475.
-MIN_LANE_WORK = 3 << 29
+# its ops, which every lane runs under the one GIL (about 3 ms a pass with the tiny model on
+# an AVX2 core with oneDNN's matmuls, most of a small step's time). So a step is shared out
+# only as far as each lane gets this much work (in split_over_lanes' units: about 18 decodes
+# of tiny at a context of 250, so two lanes from about 36); with less, a second lane made the
+# step slower (tiny, 1 lane against 2 at 4, 16 and 32 sequences: 6.1 vs 9.7, 8.5 vs 11.5,
+# 11.8 vs 12.3 ms per step; docs/benchmarks-history.md).
+MIN_LANE_WORK = 1 << 28
+
+# Where the matmuls are MKL's packed GEMM, a step on one lane runs its layers in one C call
+# and the runner's helper thread (cpu_native.Helper) takes half of each matmul and some of the
+# decode attention: one lane then beats two until each lane would get about 96 decodes of
+# tiny at a context of 320 (two lanes from about 192). Measured on 2 cores, tiny, 256-token
+# prompts -> 128 tokens, tok/s of two lanes against one with the helper: 16 sequences 3,275
+# vs 6,064; 64: 5,884 vs 6,890; 128: 6,965 vs 7,159; 192: 7,544 vs 7,605; 256: 8,021 vs 7,475.
+MIN_LANE_WORK_SPLIT_MATMULS = 3 << 29
 
 
 def choose_lanes(weight_bytes: int, num_threads: int) -> tuple[int, int]:

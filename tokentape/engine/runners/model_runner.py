@@ -35,6 +35,7 @@ from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, prompt_see
 from tokentape.engine.runners.cuda_graphs import CUDAGraphRunner
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
+    MIN_LANE_WORK_SPLIT_MATMULS,
     EntryInputs,
     SeqState,
     build_forward_batch,
@@ -119,7 +120,10 @@ class TorchModelRunner(StagedWeights):
         # A step too small to share out runs on the first lane alone; a helper thread then
         # lends it a second core for its matmuls and decode attention (kernels/cpu/helper.c).
         self._helper = cpu_native.Helper() if self._lanes and cpu_native.load() else None
-        self.min_lane_work = MIN_LANE_WORK  # the least work a step shares out to another lane
+        # The least work a step shares out to another lane: more where the helper takes half
+        # of one lane's matmuls (their weights packed in parts, below).
+        helped = self._helper is not None and cpu_matmul.BACKEND.pack_split is not None
+        self.min_lane_work = MIN_LANE_WORK_SPLIT_MATMULS if helped else MIN_LANE_WORK
         self.pad_rows_to = 0
         loud = sum(p.numel() * p.element_size() for p in self.model.parameters()) >= LOUD_BYTES
         if loud and self.device.type == "cpu":
