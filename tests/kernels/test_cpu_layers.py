@@ -116,6 +116,12 @@ def test_the_fused_pass_runs_only_where_the_compiled_kernels_are_chosen(
     assert len(calls) == (len(model.model.layers) if backend == "auto" else 0)
 
 
+# The layer stack in one call runs MKL's packed matmuls.
+NEEDS_MKL = pytest.mark.skipif(
+    cpu_matmul.mkl_compute_address() is None, reason="this torch has no MKL"
+)
+
+
 def _packed_model(**changes: object) -> CausalLM:
     """tiny with `changes` to its config, weights drawn at random (norms and biases too, so
     that every operand matters), packed for MKL and split for a helper."""
@@ -150,7 +156,15 @@ def _run_both(
     return results[0], results[1]
 
 
-@pytest.mark.skipif(cpu_matmul.mkl_compute_address() is None, reason="this torch has no MKL")
+def _assert_same(
+    hidden: torch.Tensor, kv: list[torch.Tensor], want: torch.Tensor, want_kv: list[torch.Tensor]
+) -> None:
+    """The same hidden states and every K/V cache the same, to the bit."""
+    assert torch.equal(hidden, want)
+    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv, strict=True))
+
+
+@NEEDS_MKL
 @pytest.mark.parametrize(
     "changes",
     [{}, {"qk_norm": False, "attention_bias": True, "model_type": "qwen2"}],
@@ -175,22 +189,20 @@ def test_the_layer_stack_in_one_call_gives_the_fused_pass_bits(
         if helper is not None:
             helper.close()
     assert len(calls) == len(model.model.layers)  # the layer-by-layer pass only
-    assert torch.equal(hidden, want)
-    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv))
+    _assert_same(hidden, kv, want, want_kv)
 
 
-@pytest.mark.skipif(cpu_matmul.mkl_compute_address() is None, reason="this torch has no MKL")
+@NEEDS_MKL
 def test_the_layer_stack_in_one_call_runs_the_mlp_in_the_same_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(decoder_module, "MLP_ROW_CHUNK", 3)
     monkeypatch.setattr(layers_module, "MLP_ROW_CHUNK", 3)
     (hidden, kv), (want, want_kv) = _run_both(_packed_model(), *_small_batch())
-    assert torch.equal(hidden, want)
-    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv))
+    _assert_same(hidden, kv, want, want_kv)
 
 
-@pytest.mark.skipif(cpu_matmul.mkl_compute_address() is None, reason="this torch has no MKL")
+@NEEDS_MKL
 def test_the_layer_stack_leaves_what_its_kernels_do_not_take_to_the_python_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
