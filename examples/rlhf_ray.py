@@ -58,6 +58,7 @@ from tokentape import LLM, SamplingParams
 from tokentape.events.discard import DISCARD_POLICIES
 from tokentape.events.sqlite_reader import tape_file_status
 
+KILLED_ROLLOUT_SCALE = 16  # the doomed engine's rollouts: 1,024-8,192 tokens
 WRITER_WAIT_S = 30.0  # how long a killed engine's tape may take to be finished (its writer)
 
 
@@ -296,8 +297,12 @@ def run(args: argparse.Namespace) -> int:
                 ]
             )
         for it in range(args.iterations):
-            specs = {i: request_specs(i, it) for i in engines}
             doomed = args.kill_engine if it == 0 else None
+            # The doomed engine's rollouts are long enough that the kill, which does not wait
+            # for the death, lands while they run (512 tokens of tiny take under a second).
+            specs = {
+                i: request_specs(i, it, KILLED_ROLLOUT_SCALE if i == doomed else 1) for i in engines
+            }
             # Each engine pauses itself once every rollout of its has its first tokens, watched
             # from the call that starts them: no round trip (no trainer's step, no second call)
             # in between, so they are mid-generation at the pause on a busy machine too.

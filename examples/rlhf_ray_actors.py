@@ -38,14 +38,14 @@ WAIT_S = 300.0  # the longest a rollout may take to reach TOKENS_BEFORE_UPDATE t
 RequestSpec = tuple[str, list[int], dict[str, Any]]  # request id, prompt token ids, params
 
 
-def request_specs(engine: int, iteration: int) -> list[RequestSpec]:
+def request_specs(engine: int, iteration: int, scale: int = 1) -> list[RequestSpec]:
     """An engine's rollout requests for an iteration: seeded sampling and greedy mixed (a
     seeded draw is keyed by (seed, position), so a fresh engine continuing from the same
-    prefix draws the same tokens)."""
+    prefix draws the same tokens). `scale`: rollouts that many times longer."""
     encode = frontend_tokenizer("tiny").encode
     specs = []
     for j, text in enumerate(PROMPTS):
-        kw: dict[str, Any] = {"max_tokens": ROLLOUT_TOKENS[j], "ignore_eos": True}
+        kw: dict[str, Any] = {"max_tokens": ROLLOUT_TOKENS[j] * scale, "ignore_eos": True}
         kw.update(
             {"temperature": 1.0, "top_p": 0.95, "seed": 1000 * iteration + 100 * engine + j}
             if j % 2 == 0
