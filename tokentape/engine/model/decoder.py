@@ -204,6 +204,11 @@ class CausalLM(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
         )
+        c = config  # the layers' sizes as the one-call stack reads them
+        self._stack_shape = StackShape(
+            c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.rms_norm_eps, self.model.layers[0].self_attn.scale, MLP_ROW_CHUNK,
+        )  # fmt: skip
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's model interface, for the code collective_rpc runs: load (name, tensor)
@@ -308,11 +313,11 @@ class CausalLM(nn.Module):
         residual = h  # a fresh tensor from the embedding lookup (or the padding)
         first = layers[0].input_layernorm
         one_call = ops is cpu_layers and lora is None and packed
-        specs = self._cpu_layer_specs(kv_caches) if one_call else None
-        compute = cpu_matmul.mkl_compute_address()
-        if specs is not None and compute is not None:
+        stack = self._cpu_layer_specs(kv_caches) if one_call else None
+        if stack is not None:
+            specs, compute = stack
             x = cpu_layers.decoder_layers(
-                batch, specs, self._stack_shape(), first.weight, residual, positions,
+                batch, specs, self._stack_shape, first.weight, residual, positions,
                 *rope_tables, t, kv_caches[0][0].shape[:2], compute, cpu_matmul.SPLIT_MIN_ROWS,
             )  # fmt: skip
             if x is not None:
@@ -332,12 +337,14 @@ class CausalLM(nn.Module):
 
     def _cpu_layer_specs(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> ctypes.Array[LayerSpec] | None:
-        """The layers as cpu_layers.decoder_layers reads them, or None where it cannot run
-        them: off, a weight without MKL's packed copy, or caches it does not take as they are
-        (the pass layer by layer checks them, and says what is wrong). Made again only when a
-        packed copy, a norm, a bias or a cache is not the one it was made from."""
-        if not self.layers_in_one_call or cpu_matmul.mkl_compute_address() is None:
+    ) -> tuple[ctypes.Array[LayerSpec], int] | None:
+        """The layers as cpu_layers.decoder_layers reads them, with the address of MKL's
+        compute function it calls, or None where it cannot run them: off, no MKL, a weight
+        without MKL's packed copy, or caches it does not take as they are (the pass layer by
+        layer checks them, and says what is wrong). Made again only when a packed copy, a
+        norm, a bias or a cache is not the one it was made from."""
+        compute = cpu_matmul.mkl_compute_address()
+        if not self.layers_in_one_call or compute is None:
             return None
         c = self.config
         shape = (*kv_caches[0][0].shape[:2], c.num_key_value_heads, c.head_dim)
@@ -375,7 +382,7 @@ class CausalLM(nn.Module):
             *(t.data_ptr() for t in caches),
         )
         if self._layer_specs is not None and self._layer_specs[0] == key:
-            return self._layer_specs[1]
+            return self._layer_specs[1], compute
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         specs = (LayerSpec * len(layers))()
         for i, (layer, (k_cache, v_cache), next_norm) in enumerate(zip(layers, kv_caches, norms)):
@@ -389,14 +396,7 @@ class CausalLM(nn.Module):
             spec.k_norm = attn.k_norm.weight.data_ptr() if attn.qk_norm else None
             spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self._layer_specs = (key, specs)
-        return specs
-
-    def _stack_shape(self) -> StackShape:
-        c = self.config
-        return StackShape(
-            c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-            c.head_dim, c.rms_norm_eps, self.model.layers[0].self_attn.scale, MLP_ROW_CHUNK,
-        )  # fmt: skip
+        return specs, compute
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.config.tie_word_embeddings:
