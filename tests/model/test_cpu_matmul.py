@@ -34,6 +34,32 @@ def test_every_backend_computes_the_linear_layer(name: str) -> None:
                 assert torch.equal(backend.linear(x, w, b), got)
 
 
+def test_a_matmul_into_a_buffer_gives_the_fresh_result_s_bits() -> None:
+    backend = cpu_matmul.BACKEND
+    w = _randn(300, 64, seed=1)
+    weight = backend.pack(w) if backend.pack is not None else w
+    buffer = torch.full((8, 300), float("nan"))
+    for rows in (1, 5, 8):
+        x = _randn(rows, 64, seed=rows)
+        got = cpu_matmul.linear_fn(x, buffer)(x, weight, None)
+        assert torch.equal(got, backend.linear(x, weight, None))
+        # MKL's writes into the buffer's first rows; the others return their own tensor.
+        assert (got.data_ptr() == buffer.data_ptr()) == (backend.name == "mkl")
+
+
+@pytest.mark.skipif(cpu_matmul.BACKEND.name != "mkl", reason="MKL is not the backend")
+def test_a_buffer_too_small_or_of_another_width_is_refused() -> None:
+    w = cpu_matmul.BACKEND.pack(_randn(300, 64, seed=1))  # type: ignore[misc]
+    x = _randn(5, 64, seed=2)
+    for buffer in (
+        torch.empty(4, 300),
+        torch.empty(8, 299),
+        torch.empty(8, 300, dtype=torch.float64),
+    ):
+        with pytest.raises(ValueError, match="cannot take"):
+            cpu_matmul.linear_fn(x, buffer)(x, w, None)
+
+
 @pytest.mark.skipif(
     cpu_matmul.BACKEND.name != "mkl", reason="MKL is not this machine's backend (an Intel CPU's)"
 )

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokentape.engine.model.sampler import SamplingRows, position_key, sample
+from tokentape.engine.model.sampler import SamplingRows, greedy_tokens, position_key, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
 
@@ -77,3 +77,26 @@ def test_greedy_and_degenerate_filters_take_the_argmax(values: list[float], seed
     assert int(draw(logits, 1, temperature=0.0, seed=seed)[0]) == best
     assert int(draw(logits, 1, top_k=1, seed=seed)[0]) == best
     assert int(draw(logits, 1, top_p=1e-6, seed=seed)[0]) == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.sampled_from([0.0, -0.0, 1.0, 2.0, float("inf"), float("-inf"), float("nan")])
+            | st.floats(-3, 3),
+            min_size=3,
+            max_size=3,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_greedy_tokens_are_argmax_with_its_ties_and_nans(rows: list[list[float]]) -> None:
+    # A few distinct values, so ties are common; every row as wide as a real vocabulary too
+    # (the reduction takes another path at that width).
+    narrow = torch.tensor(rows)
+    wide = narrow.repeat_interleave(50_000, dim=1)
+    wide[:, 1::3] -= 1.0
+    for x in (narrow, wide):
+        assert torch.equal(greedy_tokens(x), x.argmax(dim=-1)), x

@@ -137,7 +137,10 @@ def _mkl_pack(weight: torch.Tensor, split: bool = False) -> MklWeight:
 
 
 def _mkl_linear(
-    x: torch.Tensor, weight: MklWeight | torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: MklWeight | torch.Tensor,
+    bias: torch.Tensor | None,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     assert _MKL is not None
     if isinstance(weight, torch.Tensor):  # a weight no one packed: packed for this call
@@ -146,7 +149,12 @@ def _mkl_linear(
     rows, n, k = x.shape[0], weight.out_features, weight.in_features
     if x.shape[1] != k:
         raise ValueError(f"linear: input has {x.shape[1]} features, the weight takes {k}")
-    out = x.new_empty(rows, n)
+    if into is None:
+        out = x.new_empty(rows, n)
+    else:
+        out = into[:rows]
+        if into.dtype != torch.float32 or out.shape != (rows, n) or not out.is_contiguous():
+            raise ValueError(f"linear: {tuple(into.shape)} {into.dtype} cannot take [{rows}, {n}]")
     helper = None
     if weight.parts and rows >= SPLIT_MIN_ROWS:
         helper = cpu_native.helper_of_this_thread()
@@ -224,9 +232,14 @@ def choose(env: str | None, vendor: str, backends: dict[str, Backend]) -> Backen
 BACKEND = choose(os.environ.get("TOKENTAPE_CPU_MATMUL"), _cpu_vendor(), available())
 
 
-def linear_fn(x: torch.Tensor) -> LinearFn:
-    """The matmul for inputs like `x`: BACKEND's for 2-D float32 CPU tensors, else torch's."""
+def linear_fn(x: torch.Tensor, into: torch.Tensor | None = None) -> LinearFn:
+    """The matmul for inputs like `x`: BACKEND's for 2-D float32 CPU tensors, else torch's.
+    `into`: a contiguous float32 buffer of at least [rows, out] that MKL's matmul writes its
+    result into (its first rows), where the others return a tensor of their own. A big
+    result, a large vocabulary's logits, costs its page faults each time it is made fresh."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        if into is not None and BACKEND.linear is _mkl_linear:
+            return functools.partial(_mkl_linear, into=into)
         return BACKEND.linear
     return F.linear
 

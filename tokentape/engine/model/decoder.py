@@ -398,10 +398,16 @@ class CausalLM(nn.Module):
         self._layer_specs = (key, specs)
         return specs, compute
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits [rows, vocab]; `into`: a buffer they may be written into (see
+        layers.linear: row padding included)."""
+        _, packed = matmul_for(hidden)
         if not self.config.tie_word_embeddings:
-            return self.lm_head(hidden)
+            head = self.lm_head
+            return linear(hidden, head.weight_for(packed), head.bias, head.pad_rows_to, into)
         weight = self.model.embed_tokens.weight
-        if matmul_for(hidden)[1]:
+        if packed:
             weight = self.tied_head.current(weight)
-        return linear(hidden, weight, None, self.pad_rows_to)
+        return linear(hidden, weight, None, self.pad_rows_to, into)

@@ -35,11 +35,16 @@ ROW_MULTIPLES = (1, 4, 8, 16, 32, 64)
 
 
 def linear(
-    x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, pad_rows_to: int = 0
+    x: torch.Tensor,
+    weight: Any,
+    bias: torch.Tensor | None = None,
+    pad_rows_to: int = 0,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias, with the rows padded to a multiple of `pad_rows_to` (if > 0).
-    `weight`: a tensor, or its packed copy for the matmul (cpu_matmul.PackedWeight)."""
-    matmul = cpu_matmul.linear_fn(x)
+    `weight`: a tensor, or its packed copy for the matmul (cpu_matmul.PackedWeight); `into`:
+    a buffer the result may be written into (cpu_matmul.linear_fn), padding rows included."""
+    matmul = cpu_matmul.linear_fn(x, into)
     if pad_rows_to:
         rows = x.shape[0]
         pad = -rows % pad_rows_to

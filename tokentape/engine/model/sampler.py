@@ -57,10 +57,17 @@ class SamplingRows:
     min_ps: list[float] | None = None  # None: no row asks for min_p
 
 
+def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [S] (int64): the first of ties, NaN counted highest, as argmax.
+    Through max along the rows, which returns the same indices: torch's CPU argmax reduces a
+    row 2-4x slower (64 x 151,936 float32: 11.4 ms against 3.0 ms)."""
+    return x.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Token ids [S] (int64, on logits' device). Greedy rows take the argmax (first on ties)."""
     logits = logits.float()
-    out = logits.argmax(dim=-1)
+    out = greedy_tokens(logits)
     random_rows = [i for i, t in enumerate(rows.temperatures) if t > 0]
     if not random_rows:
         return out
@@ -74,7 +81,7 @@ def sample_processed(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Te
     computed once: a random row's logits over its temperature, -inf outside min-p, top-k and
     top-p; a greedy row's as given."""
     drawn = logits.float()
-    tokens = drawn.argmax(dim=-1)
+    tokens = greedy_tokens(drawn)
     random_rows = [i for i, t in enumerate(rows.temperatures) if t > 0]
     if not random_rows:
         return tokens, drawn
@@ -89,7 +96,7 @@ def _gumbel_argmax(x: torch.Tensor, rows: SamplingRows, random_rows: list[int]) 
     """The random rows' draws from `x` (theirs, from _drawn_from): the Gumbel-max trick,
     with each row's noise keyed by its position."""
     keys = torch.tensor([rows.keys[i] for i in random_rows], dtype=torch.int64, device=x.device)
-    return (x + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
+    return greedy_tokens(x + gumbel_noise(keys, x.shape[1]))
 
 
 def _drawn_from(

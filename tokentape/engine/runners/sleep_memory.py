@@ -39,6 +39,7 @@ class SleepingRunner(Protocol):
     device: torch.device
     dtype: torch.dtype
     kv_caches: KVCaches
+    logits_buffers: dict[int, torch.Tensor]
     _weights_id: str | None
 
     @property
@@ -110,6 +111,7 @@ def release(runner: SleepingRunner) -> None:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     runner.model.drop_packed()  # the CPU's second copy of the weights
     runner.drop_stage_memory()  # and the one kept for the next weight transfer
+    runner.logits_buffers.clear()
     runner.kv_caches = []
     _release(runner.device)
 
