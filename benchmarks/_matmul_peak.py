@@ -50,7 +50,7 @@ class PeakFigure:
             f"{self.gemm_gflop / wall_s:.0f} GFLOP/s, against the "
             f"{self.peak_gflop_s:.0f} GFLOP/s of the fastest of torch.mm, MKL's packed GEMM "
             f"and oneDNN's linear at the model's shapes: "
-            f"{100 * self.fraction(wall_s):.0f}% of the peak"
+            f"{100 * self.fraction(wall_s):.1f}% of the peak"
         )
 
 
@@ -144,7 +144,7 @@ class CeilingFigure:
             f"{self.kv_gb / self.read_gb_s:.1f} s at this machine's {self.read_gb_s:.1f} GB/s; "
             f"a run whose passes attend between their GEMMs (this engine's, vLLM's) takes at "
             f"least {self.seconds:.1f} s, so its share is at most "
-            f"{100 * self.share(peak):.0f}% here"
+            f"{100 * self.share(peak):.1f}% here"
         )
 
 

@@ -203,6 +203,37 @@ def test_the_layer_stack_in_one_call_runs_the_mlp_in_the_same_chunks(
 
 
 @NEEDS_MKL
+def test_the_layer_stack_shares_the_per_row_kernels_of_a_big_step_out_without_a_bit_changed() -> (
+    None
+):
+    """Two prompts of 150 tokens and a decode: enough rows that the norms, RoPE and SwiGLU's
+    middle run on the pass's threads (cpu/decoder.c), each row cut where one call would
+    compute it; the same bits as the pass layer by layer, single-threaded."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("this process computes on one thread: nothing to share out")
+    block_size, lengths = 4, (150, 150, 1)
+    starts = [0, 40, 80]  # each sequence's first block
+    tables = torch.tensor([[b + s for b in range(40)] for s in starts], dtype=torch.int32)
+    positions = torch.cat([torch.arange(150), torch.arange(150), torch.tensor([97])])
+    slots = torch.cat(
+        [
+            starts[0] * block_size + torch.arange(150),
+            starts[1] * block_size + torch.arange(150),
+            torch.tensor([starts[2] * block_size + 97]),
+        ]
+    )
+    meta = AttentionMetadata(
+        slots,
+        torch.tensor([0, 150, 300, 301], dtype=torch.int32),
+        torch.tensor([150, 150, 98], dtype=torch.int32),
+        tables,
+    )
+    ids = torch.randint(3, 259, (sum(lengths),), generator=GEN)
+    (hidden, kv), (want, want_kv) = _run_both(_packed_model(), ids, positions, meta, num_blocks=128)
+    _assert_same(hidden, kv, want, want_kv)
+
+
+@NEEDS_MKL
 def test_the_layer_stack_leaves_what_its_kernels_do_not_take_to_the_python_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
