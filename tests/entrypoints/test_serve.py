@@ -352,6 +352,12 @@ def test_rl_loop_over_http_with_a_checkpoint(tmp_path: Any, checkpoints: tuple[s
             extra_body={"return_token_ids": True},
         )
         chat_ids = chat.choices[0].token_ids  # type: ignore[attr-defined]
+        # The front end (HTTP, the tokenizer) runs without torch: only the engine core loads it
+        with (
+            open(f"/proc/{server.proc.pid}/maps") as front,
+            open(f"/proc/{server.core_pid}/maps") as core,
+        ):
+            assert "libtorch" not in front.read() and "libtorch" in core.read()
 
         async def rl_round() -> tuple[list[list[int]], list[int]]:
             tokens: list[list[int]] = [[] for _ in prompts]
@@ -388,6 +394,18 @@ def test_rl_loop_over_http_with_a_checkpoint(tmp_path: Any, checkpoints: tuple[s
 
         streams, before = asyncio.run(rl_round())
     assert verify(tape).ok
+    # The core settled the server's defaults for the device it runs the model on.
+    import torch
+
+    from tokentape.engine.arg_utils import SERVER_CPU_DEFAULTS
+    from tokentape.engine.config import EngineConfig
+
+    config = load_tape(tape).config
+    limits = {name: getattr(config, name) for name in SERVER_CPU_DEFAULTS}
+    on_cpu = not torch.cuda.is_available()
+    assert limits == (
+        SERVER_CPU_DEFAULTS if on_cpu else {n: getattr(EngineConfig(), n) for n in limits}
+    )
     assert all(0 < b < max_tokens for b in before), before
     # A plain run: the old weights up to the pause, the new ones from that prefix on.
     with LLM(old, tape=None) as llm_old, LLM(new, tape=None) as llm_new:

@@ -176,22 +176,37 @@ def test_a_server_on_the_cpu_takes_vllm_s_server_defaults(
 
     import torch
 
-    from tokentape.engine.arg_utils import SERVER_CPU_DEFAULTS, server_engine_args
+    from tokentape.engine.arg_utils import (
+        SERVER_CPU_DEFAULTS,
+        UsageContext,
+        create_engine_config,
+        engine_args_from_cli,
+    )
+    from tokentape.engine.config import EngineConfig
     from tokentape.entrypoints.cli.serve import add_parser
 
     srv = add_parser(argparse.ArgumentParser(prog="tokentape").add_subparsers())
+
+    def served(*argv: str) -> tuple[int, int]:
+        args = srv.parse_args(list(argv))
+        config = create_engine_config(
+            args.model, engine_args_from_cli(args), UsageContext.OPENAI_API_SERVER
+        )
+        return config.max_num_batched_tokens, config.max_num_seqs
+
+    engine = (EngineConfig().max_num_batched_tokens, EngineConfig().max_num_seqs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert server_engine_args(srv.parse_args(["--model", "tiny"])) == {
-        "seed": 0,
-        "max_num_batched_tokens": 2048,
-        "max_num_seqs": 128,
-    }
-    # A flag given wins; the other keeps the server's default.
-    given = server_engine_args(srv.parse_args(["--max-num-batched-tokens", "512"]))
-    assert (given["max_num_batched_tokens"], given["max_num_seqs"]) == (512, 128)
-    # The oracle runs no model, and a model on CUDA serves with the engine's defaults.
-    assert server_engine_args(srv.parse_args(["--model", "oracle"])) == {"seed": 0}
+    assert served("--model", "tiny") == (2048, 128) != engine
+    assert served("--max-num-batched-tokens", "512") == (512, 128)  # a flag given wins
+    # The oracle runs no model; the engine's defaults elsewhere than a server.
+    assert served("--model", "oracle") == engine
+    args = srv.parse_args(["--model", "tiny"])
+    config = create_engine_config("tiny", engine_args_from_cli(args), UsageContext.ENGINE_CONTEXT)
+    assert (config.max_num_batched_tokens, config.max_num_seqs) == engine
+    # A model on CUDA serves with the engine's defaults, the device asked where it would run.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert server_engine_args(srv.parse_args(["--model", "tiny"])) == {"seed": 0}
+    assert served("--model", "tiny") == engine
+    on_cpu = create_engine_config("tiny", {"device": "cpu"}, UsageContext.OPENAI_API_SERVER)
+    assert (on_cpu.max_num_batched_tokens, on_cpu.max_num_seqs) == (2048, 128)
     assert set(SERVER_CPU_DEFAULTS) <= set(vars(srv.parse_args([])))
     assert "(default: 2048 for a model on the CPU" in " ".join(srv.format_help().split())

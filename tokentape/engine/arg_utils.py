@@ -7,6 +7,7 @@ default applies (whatif: the tape's)."""
 from __future__ import annotations
 
 import argparse
+import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,14 @@ _NONE_DEFAULTS = {
     "max_cpu_loras": "max_loras",
 }
 
+
+class UsageContext(enum.Enum):
+    """What an engine is built for, as vLLM's: some engine arguments' defaults depend on it."""
+
+    ENGINE_CONTEXT = "ENGINE_CONTEXT"  # AsyncLLM, LLMEngine: the engine's own defaults
+    OPENAI_API_SERVER = "OPENAI_API_SERVER"  # `serve`: vLLM's server defaults on the CPU
+
+
 # vLLM's defaults for its OpenAI-compatible server on the CPU (its EngineArgs' defaults for the
 # usage context OPENAI_API_SERVER); an offline LLM, and a server on CUDA, keep the engine's.
 # The smaller step budget serves a wave of prompts that arrive together in turns: the first of
@@ -143,7 +152,7 @@ def add_engine_cli_args(
     """Add --model, --seed, --sync and the engine flags named by `fields`. `default_of`:
     whose default applies when a flag is not given (e.g. "the tape's"); the engine's by
     default, shown in each flag's help. `server`: the flags of a server, whose defaults on
-    the CPU are vLLM's server's (server_engine_args)."""
+    the CPU are vLLM's server's (create_engine_config)."""
     if model:
         parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve: {MODEL_HELP}")
     if seed:
@@ -223,18 +232,18 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def server_engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    """engine_args_from_cli for a server: on the CPU, the flags not given take vLLM's server
-    defaults (SERVER_CPU_DEFAULTS). A model runs on the CPU where torch sees no CUDA device
-    (the engine's device "auto"); the oracle runs no model and keeps the engine's."""
-    given = engine_args_from_cli(args)
-    if is_oracle(args.model):
-        return given
-    # Here, not at the top: the command lines parse without torch. The server's front end
-    # then loads torch for this one question (about 1 s and 180 MB); the engine core, which
-    # loads it anyway, is where the answer belongs.
-    from tokentape.engine.runners.devices import resolve_device
+def create_engine_config(
+    model: str, engine_args: dict[str, Any], usage_context: UsageContext
+) -> EngineConfig:
+    """The config of `engine_args` (EngineConfig's fields) for `model`, made where the engine
+    runs (vLLM's EngineArgs.create_engine_config): for a server of a model on the CPU, the
+    arguments not given take vLLM's server defaults (SERVER_CPU_DEFAULTS); elsewhere, and for
+    the oracle, which runs no model, the engine's. The device is the one the model would run
+    on (its "auto": CUDA where torch sees a device), so the engine core, which loads torch
+    anyway, asks, not a server's front end."""
+    if usage_context is UsageContext.OPENAI_API_SERVER and not is_oracle(model):
+        from tokentape.engine.runners.devices import resolve_device
 
-    if resolve_device("auto") != "cpu":
-        return given
-    return {**SERVER_CPU_DEFAULTS, **given}
+        if resolve_device(engine_args.get("device", "auto")) == "cpu":
+            engine_args = {**SERVER_CPU_DEFAULTS, **engine_args}
+    return EngineConfig(model=model, **engine_args)

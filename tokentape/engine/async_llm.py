@@ -26,6 +26,7 @@ from typing import Any, Self
 
 import msgspec
 
+from tokentape.engine.arg_utils import UsageContext
 from tokentape.engine.config import EngineConfig
 from tokentape.engine.core.call_args import (
     check_pause_mode,
@@ -67,7 +68,9 @@ __all__ = ["AsyncLLM", "PromptType", "frontend_tokenizer"]
 
 
 class AsyncLLM:
-    """vLLM's AsyncLLM over tokentape's engine. Takes LLM's engine arguments."""
+    """vLLM's AsyncLLM over tokentape's engine. Takes LLM's engine arguments; `usage_context`
+    (vLLM's) says whose defaults the arguments not given take (arg_utils.create_engine_config):
+    the engine's, or for `serve`, vLLM's server's on the CPU."""
 
     def __init__(
         self,
@@ -77,6 +80,7 @@ class AsyncLLM:
         tape_dir: str | os.PathLike[str] | None = None,
         multiprocess_mode: bool = True,
         stream_interval: int = 1,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
         **engine_args: Any,
     ) -> None:
         EngineConfig(model=model, **engine_args)  # a bad argument fails here, before any process
@@ -93,7 +97,9 @@ class AsyncLLM:
         self.model = model
         self.tokenizer = frontend_tokenizer(model)
         client_cls = MPClient if multiprocess_mode else InprocClient
-        self.engine_core: CoreClient = client_cls(model, tape, dict(engine_args))
+        # The config is made where the engine runs (arg_utils.create_engine_config): some
+        # defaults depend on the device, which only the core, loading torch anyway, asks.
+        self.engine_core: CoreClient = client_cls(model, tape, dict(engine_args), usage_context)
         info = self.engine_core.info
         self.model_id, self.vocab_size, self.max_model_len = (
             info.model_id,

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from tokentape.engine.arg_utils import server_engine_args
+from tokentape.engine.arg_utils import UsageContext, engine_args_from_cli
 from tokentape.engine.async_llm import AsyncLLM
 from tokentape.engine.config import EngineConfig
 from tokentape.entrypoints import protocol as p
@@ -325,7 +325,7 @@ def run_server(args: argparse.Namespace) -> int:
             raise StartupError(str(exc)) from None
     else:
         tape = None if args.no_tape else (args.tape or timestamped_tape_path("tokentape-serve"))
-    kwargs = server_engine_args(args)
+    kwargs = engine_args_from_cli(args)
     if args.tape is not None and check_output_path(args.tape, args.force, "--tape"):
         EngineConfig(model=args.model, **kwargs)  # bad arguments fail before the removal
         remove_for_overwrite(args.tape)
@@ -337,6 +337,7 @@ def run_server(args: argparse.Namespace) -> int:
                 tape=tape,
                 multiprocess_mode=not args.in_process,
                 stream_interval=args.stream_interval,
+                usage_context=UsageContext.OPENAI_API_SERVER,
                 **kwargs,
             )
     except StoppedBeforeServing:

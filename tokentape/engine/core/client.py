@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from tokentape.engine.arg_utils import UsageContext
 from tokentape.engine.core.messages import (
     FAREWELL,
     AbortRequests,
@@ -101,11 +102,13 @@ class CoreClient:
 
 
 class InprocClient(CoreClient):
-    def __init__(self, model: str, tape: Any, engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self, model: str, tape: Any, engine_args: dict[str, Any], usage_context: UsageContext
+    ) -> None:
         super().__init__()
         from tokentape.engine.core.engine_core_proc import EngineCoreProc
 
-        self.core = EngineCoreProc(model, tape, engine_args)
+        self.core = EngineCoreProc(model, tape, engine_args, usage_context)
         self.info = self.core.info()
         self._inbox: list[CoreRequest] = []
         self._wake: asyncio.Event | None = None
@@ -160,7 +163,12 @@ class MPClient(CoreClient):
     is built."""
 
     def __init__(
-        self, model: str, tape: Any, engine_args: dict[str, Any], startup_timeout_s: float = 900.0
+        self,
+        model: str,
+        tape: Any,
+        engine_args: dict[str, Any],
+        usage_context: UsageContext,
+        startup_timeout_s: float = 900.0,
     ) -> None:
         super().__init__()
         import zmq
@@ -178,7 +186,9 @@ class MPClient(CoreClient):
         self._apull: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
-        setup = msgspec.msgpack.encode(CoreSetup(in_addr, out_addr, model, tape, engine_args))
+        setup = msgspec.msgpack.encode(
+            CoreSetup(in_addr, out_addr, model, tape, engine_args, usage_context.value)
+        )
         # The child imports this very package, wherever it was imported from here.
         root = os.path.dirname(
             os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tokentape.engine.config import EngineConfig
+from tokentape.engine.arg_utils import UsageContext, create_engine_config
 from tokentape.engine.core.engine_core import EngineCore
 from tokentape.engine.core.messages import (
     FAREWELL,
@@ -79,9 +79,15 @@ class EngineCoreProc:
     """An EngineCore (built here, through the engine factory) and the handling of its
     client's messages: `run_once` takes what arrived, steps, and returns what to send."""
 
-    def __init__(self, model: str, tape: TapeSpec, engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model: str,
+        tape: TapeSpec,
+        engine_args: dict[str, Any],
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+    ) -> None:
         self.engine_core: EngineCore = build_engine_core(
-            EngineConfig(model=model, **engine_args), tape
+            create_engine_config(model, engine_args, usage_context), tape
         )
         self._closed = False
         self._calls: dict[str, Callable[..., Any]] = {
@@ -364,7 +370,9 @@ def main() -> int:
     pull.setsockopt(zmq.RCVHWM, 0)
     pull.connect(setup.input_address)
     try:
-        core = EngineCoreProc(setup.model, setup.tape, setup.engine_args)
+        core = EngineCoreProc(
+            setup.model, setup.tape, setup.engine_args, UsageContext(setup.usage_context)
+        )
     except Exception as exc:  # noqa: BLE001 - whatever it is, the frontend reports it
         push.send(_encode(CoreFailed(*error_of(exc))))
         pull.close(0)

@@ -106,6 +106,7 @@ class CoreSetup(msgspec.Struct, array_like=True):
     model: str
     tape: str | bool | None | SegmentedTapeSpec
     engine_args: dict[str, Any]
+    usage_context: str  # arg_utils.UsageContext's value: the defaults the config takes
 
 
 # Written on the core's stdin by a frontend that lets its core go without a shutdown call (the
