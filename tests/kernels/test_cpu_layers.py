@@ -206,30 +206,32 @@ def test_the_layer_stack_in_one_call_runs_the_mlp_in_the_same_chunks(
 def test_the_layer_stack_shares_the_per_row_kernels_of_a_big_step_out_without_a_bit_changed() -> (
     None
 ):
-    """Two prompts of 150 tokens and a decode: enough rows that the norms, RoPE and SwiGLU's
+    """Two prompts of 1,100 tokens and a decode: enough rows that the norms, RoPE and SwiGLU's
     middle run on the pass's threads (cpu/decoder.c), each row cut where one call would
     compute it; the same bits as the pass layer by layer, single-threaded."""
     if torch.get_num_threads() < 2:
         pytest.skip("this process computes on one thread: nothing to share out")
-    block_size, lengths = 4, (150, 150, 1)
-    starts = [0, 40, 80]  # each sequence's first block
-    tables = torch.tensor([[b + s for b in range(40)] for s in starts], dtype=torch.int32)
-    positions = torch.cat([torch.arange(150), torch.arange(150), torch.tensor([97])])
+    block_size, prompt, per_seq = 4, 1100, 280  # blocks: 1,100 tokens and the decode's 98
+    starts = [0, per_seq, 2 * per_seq]  # each sequence's first block
+    tables = torch.tensor([[b + s for b in range(per_seq)] for s in starts], dtype=torch.int32)
+    positions = torch.cat([torch.arange(prompt), torch.arange(prompt), torch.tensor([97])])
     slots = torch.cat(
         [
-            starts[0] * block_size + torch.arange(150),
-            starts[1] * block_size + torch.arange(150),
+            starts[0] * block_size + torch.arange(prompt),
+            starts[1] * block_size + torch.arange(prompt),
             torch.tensor([starts[2] * block_size + 97]),
         ]
     )
     meta = AttentionMetadata(
         slots,
-        torch.tensor([0, 150, 300, 301], dtype=torch.int32),
-        torch.tensor([150, 150, 98], dtype=torch.int32),
+        torch.tensor([0, prompt, 2 * prompt, 2 * prompt + 1], dtype=torch.int32),
+        torch.tensor([prompt, prompt, 98], dtype=torch.int32),
         tables,
     )
-    ids = torch.randint(3, 259, (sum(lengths),), generator=GEN)
-    (hidden, kv), (want, want_kv) = _run_both(_packed_model(), ids, positions, meta, num_blocks=128)
+    ids = torch.randint(3, 259, (2 * prompt + 1,), generator=GEN)
+    (hidden, kv), (want, want_kv) = _run_both(
+        _packed_model(), ids, positions, meta, num_blocks=3 * per_seq
+    )
     _assert_same(hidden, kv, want, want_kv)
 
 

@@ -69,9 +69,12 @@ static void linear(const tt_pass *p, const tt_linear *w, const float *x, int64_t
 
 /* The per-row kernels between the matmuls run on the pass's threads where a step holds
  * enough of their work (a prompt's: a single thread spent 2 s of Qwen3-0.6B's 24 s prefill of
- * 64 x 128 tokens on them while the other waited). Each row, and each vector of SwiGLU's
- * middle, is computed as in one call, so the split changes no bit. */
-enum { MIN_FLOATS_PER_THREAD = 1 << 14 };
+ * 64 x 128 tokens on them while the other waited). Not a decode step's: sharing its few rows
+ * costs about what it saves, each share waking the other thread from its sleep (Qwen3's
+ * decode with 16K floats a thread: 960-970 context switches a second, against 668 without).
+ * Each row, and each vector of SwiGLU's middle, is computed as in one call, so the split
+ * changes no bit. */
+enum { MIN_FLOATS_PER_THREAD = 1 << 18 };
 
 static int threads_for(const tt_pass *p, int64_t floats) {
     const int64_t most = floats / MIN_FLOATS_PER_THREAD;
