@@ -403,11 +403,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """The logits [rows, vocab]; `into`: a buffer they may be written into (see
         layers.linear: row padding included)."""
-        _, packed = matmul_for(hidden)
         if not self.config.tie_word_embeddings:
-            head = self.lm_head
-            return linear(hidden, head.weight_for(packed), head.bias, head.pad_rows_to, into)
+            return self.lm_head(hidden, into)
         weight = self.model.embed_tokens.weight
-        if packed:
+        if matmul_for(hidden)[1]:
             weight = self.tied_head.current(weight)
         return linear(hidden, weight, None, self.pad_rows_to, into)

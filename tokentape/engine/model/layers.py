@@ -128,9 +128,10 @@ class Linear(nn.Linear):
         there is one, packed again if the weight changed since; else the weight."""
         return self.packed_weight.current(self.weight) if packed else self.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """`into`: a buffer the result may be written into (linear)."""
         _, packed = matmul_for(x)
-        return linear(x, self.weight_for(packed), self.bias, self.pad_rows_to)
+        return linear(x, self.weight_for(packed), self.bias, self.pad_rows_to, into)
 
 
 class RMSNorm(nn.Module):
