@@ -172,12 +172,13 @@ def test_close_gives_the_kv_cache_and_the_weights_back_at_once() -> None:
     llm = tiny(num_kv_blocks=4096, pipeline_depth=1)
     pool = written_kv_pool(llm)
     runner = llm.llm_engine.engine_core.runner
-    assert runner.logits_buffers  # type: ignore[attr-defined]
+    model = runner.model  # type: ignore[attr-defined]
+    assert len(runner.scratch) and len(model._stack_scratch)  # type: ignore[attr-defined]
     llm.close()  # the object stays referenced here, and the collector does not run
     left = resident_bytes(pool)
     assert left < 2 * 2**20, f"{left / 2**20:.1f} MiB of the KV cache still resident"
     assert weight_bytes(llm.llm_engine) == 0 and runner.kv_caches == []  # type: ignore[attr-defined]
-    assert runner.logits_buffers == {}  # type: ignore[attr-defined]
+    assert not len(runner.scratch) and not len(model._stack_scratch)  # type: ignore[attr-defined]
 
 
 def test_level_2_drops_the_weights_and_rebuilds_them_from_the_seed() -> None:

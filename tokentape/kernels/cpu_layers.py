@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokentape.kernels import cpu_native
+from tokentape.kernels.scratch import ThreadScratch
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -246,6 +247,7 @@ def decoder_layers(
     kv_blocks: tuple[int, int],
     compute: int,
     split_min_rows: int,
+    scratch: ThreadScratch | None = None,
 ) -> torch.Tensor | None:
     """The residual stream [rows, hidden] (contiguous; rows past `num_tokens` are row
     padding) through every layer of `layers` in one call, updated in place; returns the final
@@ -253,7 +255,8 @@ def decoder_layers(
     `kv_blocks`: the caches' (num_blocks, block_size).
     The same kernels in the same order as the decoder's fused pass, so the same bits.
     `compute`: MKL's cblas_sgemm_compute; a split weight's parts are shared with the helper
-    lent to this thread from `split_min_rows` rows (cpu_matmul)."""
+    lent to this thread from `split_min_rows` rows (cpu_matmul). `scratch`: where the pass's
+    intermediate rows go, kept between passes (None: made for this call)."""
     assert residual.is_contiguous() and batch.slots is not None
     rows = residual.shape[0]
     spec = _PassSpec(
@@ -266,13 +269,17 @@ def decoder_layers(
         split_min_rows,
     )  # fmt: skip
     out = torch.empty_like(residual)
-    code = _lib().tt_decoder_layers_f32(
+    lib = _lib()
+    floats = lib.tt_decoder_work_floats(ctypes.byref(spec))
+    work = torch.empty(floats) if scratch is None else scratch.floats("decoder_layers", floats)
+    code = lib.tt_decoder_layers_f32(
         ctypes.byref(spec),
         layers,
         len(layers),
         first_norm.data_ptr(),
         residual.data_ptr(),
         out.data_ptr(),
+        work.data_ptr(),
         ctypes.byref(batch.bad),
     )
     if code == _LAYERS_UNSUPPORTED:

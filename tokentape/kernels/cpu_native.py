@@ -156,7 +156,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tt_helper_items.argtypes, lib.tt_helper_items.restype = [ptr], i64
     lib.tt_helper_sgemm_f32.argtypes = [ptr] * 3 + [i64] * 2 + [ptr] * 2 + [i64, ptr]
     lib.tt_helper_sgemm_f32.restype = None
-    lib.tt_decoder_layers_f32.argtypes = [ptr, ptr, i64] + [ptr] * 3 + [ctypes.POINTER(i64)]
+    lib.tt_decoder_work_floats.argtypes, lib.tt_decoder_work_floats.restype = [ptr], i64
+    lib.tt_decoder_layers_f32.argtypes = [ptr, ptr, i64] + [ptr] * 4 + [ctypes.POINTER(i64)]
     lib.tt_decoder_layers_f32.restype = ctypes.c_int
     return lib
 

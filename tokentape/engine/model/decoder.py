@@ -33,6 +33,7 @@ from tokentape.engine.model.model_config import ModelConfig
 from tokentape.engine.model.weight_checks import apply_update, checked_update
 from tokentape.kernels import FusedOps, cpu_layers
 from tokentape.kernels.cpu_layers import LINEAR_NAMES, LayerSpec, LinearSpec, StackShape
+from tokentape.kernels.scratch import ThreadScratch
 from tokentape.lora.layers import LoRABatch
 
 
@@ -194,6 +195,7 @@ class CausalLM(nn.Module):
         # layer by layer from Python, the same ops in the same order (its oracle).
         self.layers_in_one_call = True
         self._layer_specs: tuple[tuple[object, ...], ctypes.Array[LayerSpec]] | None = None
+        self._stack_scratch = ThreadScratch()  # the one call's intermediate rows, per lane
         self.model = DecoderModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -249,13 +251,15 @@ class CausalLM(nn.Module):
             weights.append(self.tied_head.packed_as_is(self.model.embed_tokens.weight))
         return [w.detach() if isinstance(w, torch.Tensor) else w for w in weights]
 
-    def drop_packed(self) -> None:
-        """Free the packed copies (a sleeping or closed runner's memory)."""
+    def release_cpu_memory(self) -> None:
+        """Free what the model keeps beside its weights for the CPU's kernels: the packed
+        copies and the layer stack's scratch (a sleeping or closed runner's memory)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed_weight.drop()
         self.tied_head.drop()
         self._layer_specs = None  # it holds the copies it points into
+        self._stack_scratch.clear()
 
     def forward(
         self,
@@ -319,6 +323,7 @@ class CausalLM(nn.Module):
             x = cpu_layers.decoder_layers(
                 batch, specs, self._stack_shape, first.weight, residual, positions,
                 *rope_tables, t, kv_caches[0][0].shape[:2], compute, cpu_matmul.SPLIT_MIN_ROWS,
+                self._stack_scratch,
             )  # fmt: skip
             if x is not None:
                 return x[:t] if pad else x

@@ -14,7 +14,6 @@ import functools
 import math
 import mmap
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -56,6 +55,7 @@ from tokentape.engine.tokenizer import ByteTokenizer, Tokenizer
 from tokentape.errors import LoRAError
 from tokentape.events.schema import NO_DRAFTS, FrameEntry, LoRAAdded, SamplingParams
 from tokentape.kernels import cpu_native
+from tokentape.kernels.scratch import ThreadScratch
 from tokentape.lora.layers import LoRABatch
 from tokentape.lora.model_manager import LoRAModelManager
 from tokentape.lora.peft_adapter import PeftAdapter, check_recorded_adapter, load_peft_adapter
@@ -175,7 +175,7 @@ class TorchModelRunner(StagedWeights):
         self._stage_memory: dict[str, torch.Tensor] = {}  # the next transfer's (staged_weights)
         self._seqs: dict[str, SeqState] = {}
         self._prompt_lps = PromptLogprobsTracker()  # prompt logprobs of chunked prefills
-        self.logits_buffers: dict[int, torch.Tensor] = {}  # by thread (_logits_buffer)
+        self.scratch = ThreadScratch()  # the logits' buffers, by thread (_logits_buffer)
         cfg = self.config
         # Per token of context, in bytes: K and V of every layer (for balancing the lanes).
         self._kv_bytes_per_token = (
@@ -433,16 +433,11 @@ class TorchModelRunner(StagedWeights):
         in float32: a large vocabulary's logits made fresh at every step cost their page
         faults each time (qwen3-0.6b's 64 decodes: 39 MB, 9 ms). Every use of a step's logits
         ends in its sampling, on the thread that computed them, before that thread computes
-        the next step's: one buffer per thread serves every step. It grows by powers of two."""
+        the next step's: one buffer per thread serves every step."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return None
         need = rows + (-rows % self.pad_rows_to if self.pad_rows_to else 0)
-        thread = threading.get_ident()
-        buffer = self.logits_buffers.get(thread)
-        if buffer is None or buffer.shape[0] < need:
-            buffer = torch.empty(1 << max(need - 1, 0).bit_length(), self.vocab_size)
-            self.logits_buffers[thread] = buffer
-        return buffer
+        return self.scratch.rows("logits", need, self.vocab_size)
 
     @torch.inference_mode()
     def _run(self, batch: ScheduledBatch) -> list[FrameEntry]:

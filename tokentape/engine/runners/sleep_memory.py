@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from tokentape.engine.model.decoder import CausalLM
+from tokentape.kernels.scratch import ThreadScratch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -39,7 +40,7 @@ class SleepingRunner(Protocol):
     device: torch.device
     dtype: torch.dtype
     kv_caches: KVCaches
-    logits_buffers: dict[int, torch.Tensor]
+    scratch: ThreadScratch
     _weights_id: str | None
 
     @property
@@ -109,9 +110,9 @@ def release(runner: SleepingRunner) -> None:
     runner, whose memory must not wait for the collector to find the engine's cycles."""
     for p in runner.model.parameters():
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    runner.model.drop_packed()  # the CPU's second copy of the weights
+    runner.model.release_cpu_memory()  # the CPU's second copy of the weights, its scratch
     runner.drop_stage_memory()  # and the one kept for the next weight transfer
-    runner.logits_buffers.clear()
+    runner.scratch.clear()
     runner.kv_caches = []
     _release(runner.device)
 

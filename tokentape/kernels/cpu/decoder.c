@@ -10,7 +10,6 @@
  * engine/model/cpu_matmul.py decides it for one matmul.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -122,12 +121,25 @@ static void silu_mul(const tt_pass *p, const float *gate, const float *up, float
     }
 }
 
+/* The floats of scratch tt_decoder_layers_f32 needs for the pass `p`: q, k, v, the
+ * attention's output and a sublayer's for every row, and the MLP's gate, up and middle for a
+ * chunk of rows. */
+int64_t tt_decoder_work_floats(const tt_pass *p) {
+    const int64_t R = p->rows, qw = p->num_heads * p->head_dim;
+    const int64_t kvw = p->num_kv_heads * p->head_dim;
+    const int64_t chunk = R < p->mlp_row_chunk ? R : p->mlp_row_chunk;
+    return R * (2 * qw + 2 * kvw + p->hidden) + 3 * chunk * p->intermediate;
+}
+
 /* The residual stream `residual` [rows, hidden] through every layer, in place; `out` gets
- * the final norm of it. `first_norm`: layer 0's input_layernorm. Returns 0, or an error code
- * with *bad set (the sequence or token at fault); TT_LAYERS_UNSUPPORTED before anything is
- * written, for shapes the kernels leave to the caller's fallbacks. */
+ * the final norm of it. `first_norm`: layer 0's input_layernorm. `work`: the caller's
+ * scratch of tt_decoder_work_floats(p) floats (kept from pass to pass by the caller: fresh
+ * memory costs a page fault a page at every pass). Returns 0, or an error code with *bad set
+ * (the sequence or token at fault); TT_LAYERS_UNSUPPORTED before anything is written, for
+ * shapes the kernels leave to the caller's fallbacks. */
 int tt_decoder_layers_f32(const tt_pass *p, const tt_layer *layers, int64_t num_layers,
-                          const float *first_norm, float *residual, float *out, int64_t *bad) {
+                          const float *first_norm, float *residual, float *out, float *work,
+                          int64_t *bad) {
     const int64_t R = p->rows, T = p->tokens, D = p->head_dim;
     const int64_t qw = p->num_heads * D, kvw = p->num_kv_heads * D;
     *bad = -1;
@@ -135,10 +147,6 @@ int tt_decoder_layers_f32(const tt_pass *p, const tt_layer *layers, int64_t num_
     if (T > p->num_seqs && (D % TT_VW || p->num_heads % p->num_kv_heads))
         return TT_LAYERS_UNSUPPORTED; /* prompts the flash kernel does not take */
     const int64_t chunk = R < p->mlp_row_chunk ? R : p->mlp_row_chunk;
-    const size_t floats = (size_t)(R * (2 * qw + 2 * kvw + p->hidden) +
-                                   3 * chunk * p->intermediate);
-    float *work = malloc(floats * sizeof(float));
-    if (!work) return 4; /* the attention kernels' TT_NO_MEMORY */
     float *q = work, *k = q + R * qw, *v = k + R * kvw, *attn = v + R * kvw;
     float *sub = attn + R * qw; /* a sublayer's output, before its add to the residual */
     float *gate = sub + R * p->hidden, *up = gate + chunk * p->intermediate;
@@ -178,6 +186,5 @@ int tt_decoder_layers_f32(const tt_pass *p, const tt_layer *layers, int64_t num_
         }
         add_rms_norm(p, sub, residual, l->next_norm, out, R);
     }
-    free(work);
     return code;
 }
