@@ -270,6 +270,9 @@ class CausalLM(nn.Module):
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; `lora`: the rows' LoRA adapters."""
+        # The caches as the pass found them, held until it ends: the kernels write through
+        # their addresses, and a cache dropped from the list meanwhile would be unmapped.
+        kv_caches = list(kv_caches)
         h = self.model.embed_tokens(input_ids)
         # The fused pass calls the kernels the dispatch (TOKENTAPE_KERNELS, else auto) chooses
         # for these tensors: the compiled CPU ones (float32, a built library) or Triton's.

@@ -16,6 +16,7 @@ from tokentape.engine.model.model_config import ModelConfig
 from tokentape.engine.model_registry import unknown_model
 from tokentape.engine.runners.devices import cpus_available, resolve_device
 from tokentape.engine.runners.model_runner import TorchModelRunner
+from tokentape.engine.runners.worker import on_a_thread_of_its_own
 from tokentape.progress import LOUD_BYTES, gigabytes, say
 
 
@@ -31,7 +32,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def build_model_runner(config: EngineConfig) -> TorchModelRunner:
-    """The runner for `config.model`: a built-in name or a Hugging Face checkpoint folder."""
+    """The runner for `config.model`: a built-in name or a Hugging Face checkpoint folder.
+    Built on a thread of its own, so that the OpenMP team of the build's torch ops does not
+    outlive it beside the runner's worker (worker.py)."""
+    runner: TorchModelRunner = on_a_thread_of_its_own(lambda: _build(config))
+    return runner
+
+
+def _build(config: EngineConfig) -> TorchModelRunner:
     from tokentape.engine.model.loader import builtin_model, load_checkpoint, load_tokenizer
     from tokentape.engine.model.model_config import BUILTIN_CONFIGS
 

@@ -31,7 +31,7 @@ from tokentape.engine.model.loader import (
 )
 from tokentape.engine.model.weight_checks import apply_update
 from tokentape.engine.ngram import propose_ngram_drafts
-from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, prompt_seed
+from tokentape.engine.runners.base import LoadedLoRA, ScheduledBatch, WeightChunk, prompt_seed
 from tokentape.engine.runners.cuda_graphs import CUDAGraphRunner
 from tokentape.engine.runners.input_batch import (
     MIN_LANE_WORK,
@@ -249,20 +249,35 @@ class TorchModelRunner(StagedWeights):
     def check_sleep(self, level: int) -> None:
         self.memory.check_sleep(self, level)
 
+    # Sleeping, waking and the weight updates run on the worker, after the steps submitted
+    # before them: their torch ops are parallel, and another thread's OpenMP team would slow
+    # the worker's (worker.py).
+
     def sleep(self, level: int) -> None:
-        if self._graphs is not None:  # they point into the memory sleep frees, and hold some
-            self._graphs.clear()
-        self.memory.sleep(self, level)
+        def job() -> None:
+            if self._graphs is not None:  # they point into the memory sleep frees, and hold some
+                self._graphs.clear()
+            self.memory.sleep(self, level)
+
+        self._worker.call(job)
 
     def wake_up(self, tags: Sequence[str]) -> str | None:
-        return self.memory.wake_up(self, tags)
+        return cast("str | None", self._worker.call(lambda: self.memory.wake_up(self, tags)))
 
     # -- weight updates ------------------------------------------------------------------------
 
     def update_weights(self, weights: WeightsSource) -> str:
         """Validate everything first, then load; returns the new weights' content hash.
         The caller guarantees that no step is in flight."""
-        return self._load(self._checked(weights), None)
+        return cast(str, self._worker.call(lambda: self._load(self._checked(weights), None)))
+
+    def stage_weights(self, weights: object) -> WeightChunk:
+        return cast(
+            WeightChunk, self._worker.call(lambda: StagedWeights.stage_weights(self, weights))
+        )
+
+    def load_staged_weights(self) -> str:
+        return cast(str, self._worker.call(lambda: StagedWeights.load_staged_weights(self)))
 
     def _checked(self, weights: object) -> dict[str, torch.Tensor]:
         return prepare_update(self.model, cast(WeightsSource, weights))
