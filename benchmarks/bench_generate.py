@@ -79,6 +79,7 @@ from tokentape import LLM, SamplingParams
 from tokentape.engine.model.decoder import CausalLM
 from tokentape.engine.model.loader import builtin_model, save_checkpoint
 from tokentape.engine.model.model_config import BUILTIN_CONFIGS
+from tokentape.engine.runners.worker import on_a_thread_of_its_own
 
 HBM_BYTES_PER_S = 4.8e12
 TARGETS = {"tiny": 2.0, "qwen3-0.6b": 2.0}  # tokentape / vLLM CPU, output tok/s
@@ -379,8 +380,12 @@ def main() -> int:
     failures: list[str] = []
     try:
         if found_vllm or found_hf:
-            model_dir = save_checkpoint(
-                builtin_model(args.config, args.seed)[1], tmp.new(args.config, "")
+            # On a thread of its own: the build's OpenMP team would stay on this thread beside
+            # the engine's, and slow it (runners/worker.py), as a user's script does not.
+            model_dir = on_a_thread_of_its_own(
+                lambda: save_checkpoint(
+                    builtin_model(args.config, args.seed)[1], tmp.new(args.config, "")
+                )
             )
         max_len = max(len(p) + o for p, o in zip(prompts, outputs))
         if found_vllm:

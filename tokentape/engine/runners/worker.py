@@ -98,10 +98,7 @@ class ModelWorker:
         done: Future[Any] = Future()
 
         def side_job() -> _SideJob:
-            try:
-                done.set_result(job())
-            except BaseException as exc:  # noqa: BLE001 (raised to the caller below)
-                done.set_exception(exc)
+            _settle(done, job)
             return _SIDE_JOB
 
         self._inbox.put(side_job)
@@ -135,18 +132,19 @@ def on_a_thread_of_its_own(job: Callable[[], Any]) -> Any:
     is the caller's. The OpenMP team the job's torch ops start ends with the thread (see the
     module's docstring)."""
     done: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            done.set_result(job())
-        except BaseException as exc:  # noqa: BLE001 (raised to the caller below)
-            done.set_exception(exc)
-
     # A daemon: an interrupted caller's interpreter does not wait for the job to end.
-    thread = threading.Thread(target=run, name="tokentape-build", daemon=True)
+    thread = threading.Thread(target=_settle, args=(done, job), name="tokentape-build", daemon=True)
     thread.start()
     thread.join()
     return done.result()
+
+
+def _settle(done: Future[Any], job: Callable[[], Any]) -> None:
+    """Run `job`; its outcome, or its exception, goes to `done` (whose waiter raises it)."""
+    try:
+        done.set_result(job())
+    except BaseException as exc:  # noqa: BLE001 (raised to the waiter)
+        done.set_exception(exc)
 
 
 def _set_count_for_new_threads(count: int) -> None:
