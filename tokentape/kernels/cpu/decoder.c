@@ -121,14 +121,18 @@ static void silu_mul(const tt_pass *p, const float *gate, const float *up, float
     }
 }
 
+/* The rows the MLP takes at a time (as layers.py chunks them). */
+static int64_t mlp_chunk(const tt_pass *p) {
+    return p->rows < p->mlp_row_chunk ? p->rows : p->mlp_row_chunk;
+}
+
 /* The floats of scratch tt_decoder_layers_f32 needs for the pass `p`: q, k, v, the
  * attention's output and a sublayer's for every row, and the MLP's gate, up and middle for a
  * chunk of rows. */
 int64_t tt_decoder_work_floats(const tt_pass *p) {
     const int64_t R = p->rows, qw = p->num_heads * p->head_dim;
     const int64_t kvw = p->num_kv_heads * p->head_dim;
-    const int64_t chunk = R < p->mlp_row_chunk ? R : p->mlp_row_chunk;
-    return R * (2 * qw + 2 * kvw + p->hidden) + 3 * chunk * p->intermediate;
+    return R * (2 * qw + 2 * kvw + p->hidden) + 3 * mlp_chunk(p) * p->intermediate;
 }
 
 /* The residual stream `residual` [rows, hidden] through every layer, in place; `out` gets
@@ -146,7 +150,7 @@ int tt_decoder_layers_f32(const tt_pass *p, const tt_layer *layers, int64_t num_
     if (p->head_dim > 512 || p->head_dim % 2) return TT_LAYERS_UNSUPPORTED; /* RoPE's limits */
     if (T > p->num_seqs && (D % TT_VW || p->num_heads % p->num_kv_heads))
         return TT_LAYERS_UNSUPPORTED; /* prompts the flash kernel does not take */
-    const int64_t chunk = R < p->mlp_row_chunk ? R : p->mlp_row_chunk;
+    const int64_t chunk = mlp_chunk(p);
     float *q = work, *k = q + R * qw, *v = k + R * kvw, *attn = v + R * kvw;
     float *sub = attn + R * qw; /* a sublayer's output, before its add to the residual */
     float *gate = sub + R * p->hidden, *up = gate + chunk * p->intermediate;
